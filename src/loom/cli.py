@@ -1,0 +1,75 @@
+"""The `loom` command: `loom train ...` and `loom launch ...`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+import warnings
+from collections.abc import Sequence
+
+from loom.config import ConfigError
+from loom.launch import CONFIG_ERROR_EXIT
+from loom.runtime import rank_info
+
+USAGE = """usage: loom {train,launch} [FLAGS]
+
+  loom train [FLAGS]          train in this process group (see `loom train --help`)
+  loom launch [-n N] CMD...   start CMD on every rank (elastic agent, srun or mpiexec)
+"""
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs progress to stdout; other ranks only report errors."""
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("loom")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+    logger.propagate = False
+    quiet_known_upstream_noise()
+
+
+def quiet_known_upstream_noise() -> None:
+    """Silence torch messages that fire every step yet need no action from the user."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", message=r"Slicing a flattened dim from root mesh")
+
+
+def run_train(argv: Sequence[str]) -> int:
+    """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2.
+    Anything else is rank-specific and printed by the rank that hit it."""
+    from loom import train
+
+    rank = rank_info().rank
+    setup_logging(rank)
+    try:
+        train.main(argv)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR_EXIT
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        traceback.print_exc()
+        print(f"error (rank {rank}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        sys.exit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        sys.exit(run_train(rest))
+    if command == "launch":
+        from loom import launch
+
+        sys.exit(launch.main(rest))
+    print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    sys.exit(2)

@@ -1,0 +1,305 @@
+"""The job configuration: declared once as dataclasses, parsed once, validated once.
+
+Every training flag is a dataclass field whose metadata holds its help text and aliases;
+the argparse parser is generated from these declarations, so a flag cannot exist in the
+parser without a documented field behind it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from loom.presets import is_hf_model, resolve_preset
+
+
+class ConfigError(ValueError):
+    """A setting the user can change is invalid; reported as one line on every rank."""
+
+
+def flag(default: Any, help: str, *, aliases: Sequence[str] = (), type: Callable | None = None,
+         choices: Sequence[str] | None = None, hidden: bool = False,
+         const: Any = None) -> Any:
+    """Declare a dataclass field that is also a command-line flag."""
+    meta = dict(help=help, aliases=tuple(aliases), type=type, choices=choices,
+                hidden=hidden, const=const)
+    return field(default=default, metadata=meta)
+
+
+def _default_seq_len() -> int:
+    return int(os.environ.get("SEQ_LEN", "1024"))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = flag(None, "preset, alias, Hugging Face repo id or local HF folder",
+                             type=str)
+    dim: int = flag(256, "model width")
+    n_layers: int = flag(32, "number of transformer blocks")
+    n_heads: int = flag(32, "attention heads")
+    n_kv_heads: int = flag(4, "key/value heads (grouped-query attention); divides n-heads")
+    multiple_of: int = flag(360, "round the SwiGLU hidden dim up to a multiple of this")
+    ffn_dim_multiplier: float | None = flag(None, "scale the SwiGLU hidden dim", type=float)
+    hidden_dim: int | None = flag(None, "SwiGLU hidden dim; bypasses the derivation", type=int)
+    rope_theta: float = flag(10000.0, "RoPE base frequency")
+    norm_eps: float = flag(1e-5, "RMSNorm epsilon")
+    vocab_size: int = flag(32000, "vocabulary size (replaced by the tokenizer's size)")
+    max_seq_len: int = flag(32768, "RoPE table size; seq-len must not exceed it")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = flag(1, "tensor (+ sequence) parallel degree")
+    dp_replicate: int = flag(1, "replicated data-parallel degree (HSDP's outer dim)")
+    dp_shard: int = flag(-1, "sharded data-parallel degree; -1 = all remaining ranks")
+    reshard_after_forward: str = flag(
+        "always", "free gathered parameters after forward (always = ZeRO-3, never = ZeRO-2)",
+        choices=("always", "never"), const="always")
+    sharding_strategy: str | None = flag(None, "deprecated; use --reshard-after-forward",
+                                         type=str, hidden=True)
+    activation_checkpoint: str = flag(
+        "none", "recompute activations in backward", aliases=("--ac",),
+        choices=("none", "block", "full", "selective"))
+    compile: bool = flag(False, "torch.compile each transformer block")
+    compile_mode: str = flag("default", "torch.compile mode",
+                             choices=("default", "reduce-overhead", "max-autotune"))
+    act_mem_budget: float = flag(1.0, "activation memory budget of the partitioner (--compile)")
+    fp32: bool = flag(False, "turn mixed precision off (fp32 parameters and reductions)")
+    reduce_dtype: str = flag("fp32", "gradient reduction dtype under mixed precision "
+                             "($LOOM_REDUCE_DTYPE)", choices=("fp32", "bf16"))
+    grad_divide_factor: bool = flag(
+        True, "sum gradients in the collective and divide once by the dp size "
+        "($LOOM_FSDP_DIVIDE_FACTOR=0 turns it off)", hidden=True)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = flag(3e-3, "AdamW learning rate")
+    max_grad_norm: float = flag(1.0, "clip the global gradient norm; <= 0 disables")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = flag(5, "passes over the dataset")
+    batch_size: int = flag(1, "samples per data-parallel rank per step")
+    seed: int | None = flag(None, "seed for weights and data order (default: drawn once)",
+                            type=int)
+    max_steps: int | None = flag(None, "stop after this many optimizer steps", type=int)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    loss_impl: str = flag("eager", "cross-entropy implementation", choices=(
+        "eager", "chunked", "chunked-backward", "compiled", "fused-linear", "loss-parallel"))
+    loss_chunk_size: int = flag(1024, "row chunk of the chunked and fused-linear losses")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str | None = flag(None, "hub id, local file/folder, or 'random' "
+                               "(default: the embedded corpus)", type=str)
+    tokenizer_name: str | None = flag(None, "hub id or local folder of a tokenizer", type=str)
+    hf_split: str = flag("train", "dataset split")
+    hf_text_column: str = flag("text", "column holding the text")
+    hf_limit: int = flag(0, "keep this many rows, chosen deterministically (0 = all)")
+    seq_len: int = field(default_factory=_default_seq_len,
+                         metadata=dict(help="tokens per sample ($SEQ_LEN or 1024)",
+                                       aliases=(), type=int, choices=None, hidden=False,
+                                       const=None))
+    num_workers: int = flag(0, "data loader worker processes")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    outdir: str | None = flag(None, "run folder (default: outputs/<timestamp>)", type=str)
+    profile: bool = flag(False, "torch profiler trace in the run folder")
+    pyinstrument_profiler: bool = flag(False, "pyinstrument profile of the run")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    warnings: tuple[str, ...] = ()
+    """Messages produced while resolving the config, logged once by rank 0."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.default_factory for f in fields(JobConfig) if f.name != "warnings"}
+
+
+def _flag_names(name: str, aliases: Sequence[str]) -> list[str]:
+    names = [f"--{name.replace('_', '-')}"]
+    if "_" in name:
+        names.append(f"--{name}")
+    return names + list(aliases)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage, so every rank fails with one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_parser(prog: str = "loom train") -> argparse.ArgumentParser:
+    """One argparse parser generated from the dataclass declarations (defaults suppressed,
+    so the parsed namespace holds exactly the flags the user gave)."""
+    parser = _Parser(prog=prog, argument_default=argparse.SUPPRESS)
+    for section, factory in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in fields(factory):
+            meta = f.metadata
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kwargs: dict[str, Any] = dict(dest=f.name, help=meta["help"])
+            if meta["hidden"]:
+                kwargs["help"] = argparse.SUPPRESS
+            if isinstance(default, bool):
+                kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+            else:
+                kwargs["type"] = meta["type"] or type(default)
+                if meta["choices"]:
+                    kwargs["choices"] = meta["choices"]
+                if meta["const"] is not None:
+                    kwargs.update(nargs="?", const=meta["const"])
+            group.add_argument(*_flag_names(f.name, meta["aliases"]), **kwargs)
+    parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
+                        action="store_const", const="never",
+                        help="same as --reshard-after-forward never")
+    return parser
+
+
+def _section_of(name: str) -> str:
+    for section, factory in SECTIONS.items():
+        if any(f.name == name for f in fields(factory)):
+            return section
+    raise KeyError(name)
+
+
+def _resolve_sharding_strategy(explicit: dict[str, Any], warnings: list[str]) -> None:
+    """Map the deprecated --sharding-strategy onto --reshard-after-forward."""
+    strategy = explicit.pop("sharding_strategy", None)
+    if strategy is None:
+        return
+    key = strategy.lower()
+    if key == "full_shard":
+        explicit.setdefault("reshard_after_forward", "always")
+    elif key in ("shard_grad_op", "no_shard"):
+        explicit.setdefault("reshard_after_forward", "never")
+        warnings.append(f"--sharding-strategy {strategy} is deprecated; "
+                        "use --reshard-after-forward never")
+        if key == "no_shard":
+            warnings.append("--sharding-strategy no_shard: parameters stay sharded "
+                            "(FSDP2 has no unsharded mode); only resharding is turned off")
+    elif key in ("hybrid_shard", "hybrid_shard_zero2"):
+        raise ConfigError(f"--sharding-strategy {strategy} is not supported; "
+                          "use --dp-replicate R --dp-shard S for HSDP")
+    else:
+        raise ConfigError(f"unknown --sharding-strategy {strategy!r}; "
+                          "use --reshard-after-forward {always,never}")
+
+
+def _environment_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Documented environment knobs, validated like flags (a bad value is an error)."""
+    out: dict[str, Any] = {}
+    if "LOOM_REDUCE_DTYPE" in environ:
+        value = environ["LOOM_REDUCE_DTYPE"].strip().lower()
+        dtypes = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+        if value not in dtypes:
+            raise ConfigError(f"LOOM_REDUCE_DTYPE must be fp32, bf16 or bfloat16, "
+                              f"got {environ['LOOM_REDUCE_DTYPE']!r}")
+        out["reduce_dtype"] = dtypes[value]
+    if "LOOM_FSDP_DIVIDE_FACTOR" in environ:
+        value = environ["LOOM_FSDP_DIVIDE_FACTOR"].strip().lower()
+        if value not in ("0", "1", "true", "false"):
+            raise ConfigError(f"LOOM_FSDP_DIVIDE_FACTOR must be 0 or 1, got {value!r}")
+        out["grad_divide_factor"] = value in ("1", "true")
+    return out
+
+
+def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None,
+                      ) -> JobConfig:
+    """Build the job config: defaults < preset < $SEQ_LEN < explicit flags; then validate."""
+    environ = os.environ if environ is None else environ
+    explicit = dict(explicit)
+    warnings: list[str] = []
+    _resolve_sharding_strategy(explicit, warnings)
+    values: dict[str, Any] = {}
+    model_name = explicit.get("model")
+    if model_name is not None and not is_hf_model(model_name):
+        try:
+            canonical, preset = resolve_preset(model_name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        values.update(preset)
+        explicit["model"] = canonical
+    values.update(_environment_overrides(environ))
+    if "SEQ_LEN" in environ:
+        try:
+            values["seq_len"] = int(environ["SEQ_LEN"])
+        except ValueError:
+            raise ConfigError(f"SEQ_LEN must be an integer, got {environ['SEQ_LEN']!r}") from None
+    values.update(explicit)
+    if values.get("activation_checkpoint") == "full":
+        values["activation_checkpoint"] = "block"
+    by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for name, value in values.items():
+        by_section[_section_of(name)][name] = value
+    cfg = JobConfig(**{s: SECTIONS[s]()  # type: ignore[misc]
+                       for s in SECTIONS}, warnings=tuple(warnings))
+    cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in by_section.items()})
+    validate(cfg)
+    return cfg
+
+
+def parse_args(argv: Sequence[str]) -> JobConfig:
+    """Parse `loom train` flags; errors become ConfigError (one line, exit 2)."""
+    namespace = build_parser().parse_args(list(argv))
+    return config_from_flags(vars(namespace))
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
+    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
+    hf = m.model is not None and is_hf_model(m.model)
+    positive = {"--dim": m.dim, "--n-layers": m.n_layers, "--n-heads": m.n_heads,
+                "--n-kv-heads": m.n_kv_heads, "--tp": p.tp, "--dp-replicate": p.dp_replicate,
+                "--batch-size": t.batch_size, "--seq-len": d.seq_len,
+                "--loss-chunk-size": cfg.loss.loss_chunk_size}
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise ConfigError(f"--dp-shard must be >= 1 or -1 (auto), got {p.dp_shard}")
+    if t.max_steps is not None and t.max_steps < 1:
+        raise ConfigError(f"--max-steps must be >= 1, got {t.max_steps}")
+    if d.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0, got {d.num_workers}")
+    if not 0.0 < p.act_mem_budget <= 1.0:
+        raise ConfigError(f"--act-mem-budget must be in (0, 1], got {p.act_mem_budget}")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
+    if hf:
+        return
+    if m.dim % m.n_heads:
+        raise ConfigError(f"--dim {m.dim} is not divisible by --n-heads {m.n_heads}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"--n-kv-heads {m.n_kv_heads} does not divide --n-heads {m.n_heads}")
+    if m.n_heads % p.tp:
+        raise ConfigError(f"--n-heads {m.n_heads} is not divisible by --tp {p.tp}")
+    if m.n_kv_heads % p.tp:
+        raise ConfigError(f"--n-kv-heads {m.n_kv_heads} is not divisible by --tp {p.tp}")
+    if d.seq_len % p.tp:
+        raise ConfigError(f"--seq-len {d.seq_len} is not divisible by --tp {p.tp} "
+                          "(sequence parallel splits the sequence across tp ranks)")

@@ -1,0 +1,316 @@
+"""`loom launch`: start a command on every rank with the launcher that fits the environment.
+
+Inside a Slurm allocation that is `srun`, inside a PBS job `mpiexec` (MPICH/PALS flags, as on
+Polaris and Aurora), otherwise torch's elastic agent, run in this process so that a failed rank
+becomes one line instead of a wall of agent tracebacks. Each `*_command` builder is a pure
+function of the options, the environment and the `Host`, so `--dry-run` shows what would run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+DEFAULT_PORT = "29500"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+class LaunchError(Exception):
+    """A launch that cannot be built from the options and environment given."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """What this machine offers; passed in so the builders stay testable."""
+
+    cpus: int
+    accelerators: int
+
+
+@dataclass(frozen=True)
+class Command:
+    """A launcher's argv plus the variables it adds to the inherited environment."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        assignments = [f"{name}={shlex.quote(value)}" for name, value in self.env.items()]
+        return " ".join([*assignments, shlex.join(self.argv)])
+
+
+USAGE = (
+    "loom launch [-n NPROC] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]\n"
+    "                   [--rdzv-id ID] [--rdzv-backend c10d] [--max-restarts 0] [--dry-run]\n"
+    "                   [--] CMD..."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loom launch",
+        usage=USAGE,
+        description="Start CMD on every rank: srun inside Slurm, mpiexec inside PBS, "
+        "torch's elastic agent otherwise. A rank that fails ends the job.",
+    )
+    add = parser.add_argument
+    add("-n", "--nproc", type=int, help="ranks per node [the job's, else accelerators, else 1]")
+    add("--nnodes", type=int, metavar="N", help="nodes [the allocation's, else 1]")
+    add("--node-rank", type=int, default=0, metavar="R", help="this node's rank [0]")
+    add("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous address [in a job: first host]")
+    add("--rdzv-id", default="loom", metavar="ID", help="job id shared by all nodes [loom]")
+    add("--rdzv-backend", default="c10d", metavar="BACKEND", help="rendezvous backend [c10d]")
+    add("--max-restarts", type=int, default=0, metavar="N", help="local job restarts [0]")
+    add("--dry-run", action="store_true", help="print the command instead of running it")
+    add("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="what every rank runs")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    opts = build_parser().parse_args(argv)
+    if opts.cmd[:1] == ["--"]:
+        opts.cmd = opts.cmd[1:]
+    return opts
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compressed host list ("nid[001-003,007],login1") where scontrol is absent."""
+    hosts = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        parts = re.split(r"\[([^\]]*)\]", item)  # text, ranges, text, ..., text
+        choices = [_expand_ranges(p) if i % 2 else [p] for i, p in enumerate(parts)]
+        hosts += ["".join(combo) for combo in itertools.product(*choices)]
+    return hosts
+
+
+def _expand_ranges(spec: str) -> list[str]:
+    numbers = []
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        numbers += [str(i).zfill(len(low)) for i in range(int(low), int(high or low) + 1)]
+    return numbers
+
+
+def slurm_hosts(nodelist: str) -> list[str]:
+    """scontrol knows every nodelist form; our parser covers the common ones off-cluster."""
+    if shutil.which("scontrol"):
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
+        )
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()
+    return expand_nodelist(nodelist)
+
+
+def omp_threads(
+    environ: Mapping[str, str], host: Host, nproc: int, cpus: int | None = None
+) -> dict[str, str]:
+    """Share a CPU node's cores among its ranks; torchrun alone would give each rank one."""
+    if "OMP_NUM_THREADS" in environ or host.accelerators:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (cpus or host.cpus) // nproc))}
+
+
+def _env_int(environ: Mapping[str, str], *names: str) -> int | None:
+    """The first of `names` that is set, as a number; Slurm counts can read "4(x2)"."""
+    for name in names:
+        match = re.match(r"\d+", environ.get(name, ""))
+        if match:
+            return int(match.group())
+    return None
+
+
+def _flags(**values: object) -> list[str]:
+    return [f"--{name.replace('_', '-')}={value}" for name, value in values.items()]
+
+
+def _master(
+    opts: argparse.Namespace, environ: Mapping[str, str], first_host: str
+) -> dict[str, str]:
+    if opts.rdzv_endpoint:
+        addr, _, port = opts.rdzv_endpoint.partition(":")
+        return {"MASTER_ADDR": addr, "MASTER_PORT": port or DEFAULT_PORT}
+    return {"MASTER_ADDR": first_host, "MASTER_PORT": environ.get("MASTER_PORT", DEFAULT_PORT)}
+
+
+def slurm_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host) -> Command:
+    """srun ends the whole step when one task fails (--kill-on-bad-exit)."""
+    nodes = opts.nnodes or _env_int(environ, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+    nproc = opts.nproc or _env_int(environ, "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE") or 1
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist and not opts.rdzv_endpoint:
+        raise LaunchError("SLURM_JOB_NODELIST is not set; pass --rdzv-endpoint HOST:PORT")
+    cpus_on_node = _env_int(environ, "SLURM_CPUS_ON_NODE")
+    exports = {
+        **_master(opts, environ, slurm_hosts(nodelist)[0] if nodelist else ""),
+        **omp_threads(environ, host, nproc, cpus_on_node),
+    }
+    argv = ["srun", *_flags(nodes=nodes, ntasks=nodes * nproc, ntasks_per_node=nproc)]
+    argv.append("--kill-on-bad-exit=1")
+    if cpus_on_node and cpus_on_node >= nproc:
+        argv.append(f"--cpus-per-task={cpus_on_node // nproc}")
+    argv.append(",".join(["--export=ALL", *(f"{k}={v}" for k, v in exports.items())]))
+    return Command([*argv, *opts.cmd])
+
+
+def pbs_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host) -> Command:
+    """MPICH/PALS mpiexec; `--cpu-bind depth -d` gives each rank an even share of cores."""
+    nodefile = environ.get("PBS_NODEFILE")
+    if not nodefile:
+        raise LaunchError("PBS_NODEFILE is not set")
+    hosts = list(dict.fromkeys(Path(nodefile).read_text().split()))
+    if not hosts:
+        raise LaunchError(f"PBS_NODEFILE {nodefile} lists no hosts")
+    nodes = opts.nnodes or len(hosts)
+    nproc = opts.nproc or host.accelerators or 1
+    env = {**_master(opts, environ, hosts[0]), **omp_threads(environ, host, nproc)}
+    argv = ["mpiexec", "-n", str(nodes * nproc), "--ppn", str(nproc), "--hostfile", nodefile]
+    argv += ["--cpu-bind", "depth", "-d", str(max(1, host.cpus // nproc))]
+    for name, value in env.items():
+        argv += ["--env", f"{name}={value}"]
+    return Command([*argv, *opts.cmd])
+
+
+def local_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host) -> Command:
+    """torchrun with --no-python, so CMD (`loom train ...`) runs as it is.
+
+    Ranks other than local rank 0 have only their stdout redirected (to a log dir), so the
+    console shows rank 0's output and every rank's stderr.
+    """
+    nproc = opts.nproc or host.accelerators or 1
+    nnodes = opts.nnodes or 1
+    argv = [*TORCHRUN, *_flags(nproc_per_node=nproc, max_restarts=opts.max_restarts)]
+    if nproc > 1:
+        argv.append("--redirects=" + ",".join(f"{r}:{min(r, 1)}" for r in range(nproc)))
+    if nnodes == 1 and not opts.rdzv_endpoint:
+        argv.append("--standalone")
+    elif not opts.rdzv_endpoint:
+        raise LaunchError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT")
+    else:
+        argv += _flags(nnodes=nnodes, node_rank=opts.node_rank, rdzv_backend=opts.rdzv_backend)
+        argv += _flags(rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id)
+    return Command([*argv, "--no-python", *opts.cmd], omp_threads(environ, host, nproc))
+
+
+def choose_launcher(environ: Mapping[str, str]) -> str:
+    if "SLURM_JOB_ID" in environ:
+        return "slurm"
+    return "pbs" if "PBS_JOBID" in environ else "local"
+
+
+BUILDERS = {"slurm": slurm_command, "pbs": pbs_command, "local": local_command}
+
+
+def detect_host() -> Host:
+    import torch
+
+    accelerators = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    return Host(cpus=os.cpu_count() or 1, accelerators=accelerators)
+
+
+def _quiet_elastic_logs() -> None:
+    """The agent logs every start and stop; what matters comes back as an exception."""
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):
+        logger = logging.getLogger(name)
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = False
+
+
+CONFIG_ERROR_EXIT = 2
+"""`loom train`'s exit code for a configuration error that rank 0 has already printed."""
+
+
+def _report_failure(err: ChildFailedError) -> int:
+    rank, failure = err.get_first_failure()
+    code = failure.exitcode
+    if code == CONFIG_ERROR_EXIT:
+        return code
+    how = f"failed with exit code {code}" if code > 0 else f"was killed by {failure.signal_name()}"
+    others = sum(1 for r, f in err.failures.items() if r != rank and f.exitcode > 0)
+    more = f"; {others} other rank(s) failed too" if others else ""
+    print(f"loom launch: rank {rank} (local {failure.local_rank}) {how}{more}", file=sys.stderr)
+    return code if code > 0 else 128 - code
+
+
+def run_local(command: Command) -> int:
+    """Run torchrun's agent in this process: its failures become one line, not tracebacks.
+
+    Unlike the printed command, the agent gets a temporary --log-dir, removed afterwards, for
+    the redirected stdout of the other ranks.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.run import get_args_parser, run
+
+    _quiet_elastic_logs()
+    os.environ.update(command.env)
+    with tempfile.TemporaryDirectory(prefix="loom-launch-") as log_dir:
+        args = get_args_parser().parse_args(command.argv[len(TORCHRUN) :])
+        args.log_dir = log_dir
+        try:
+            run(args)
+        except ChildFailedError as err:
+            return _report_failure(err)
+        except RendezvousError as err:
+            print(f"loom launch: rendezvous failed: {err}", file=sys.stderr)
+            return 1
+        except SignalException as err:
+            print(f"loom launch: stopped by {err.sigval.name}", file=sys.stderr)
+            return 128 + err.sigval
+    return 0
+
+
+def run_scheduler(command: Command) -> int:
+    try:
+        code = subprocess.run(command.argv, env={**os.environ, **command.env}).returncode
+    except FileNotFoundError:
+        print(f"loom launch: {command.argv[0]} not found on PATH", file=sys.stderr)
+        return 127
+    except KeyboardInterrupt:
+        return 130
+    return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str]) -> int:
+    try:
+        opts = parse_args(argv)
+    except SystemExit as exit_:  # --help or a usage error, already printed
+        return int(exit_.code or 0)
+    if not opts.cmd:
+        print("loom launch: no command given", file=sys.stderr)
+        return 2
+    launcher = choose_launcher(os.environ)
+    try:
+        command = BUILDERS[launcher](opts, os.environ, detect_host())
+    except (LaunchError, OSError) as err:
+        print(f"loom launch: {err}", file=sys.stderr)
+        return 2
+    if opts.dry_run:
+        print(command)
+        return 0
+    if launcher != "local":
+        return run_scheduler(command)
+    if not shutil.which(opts.cmd[0]):
+        print(f"loom launch: command not found: {opts.cmd[0]}", file=sys.stderr)
+        return 127
+    return run_local(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""ParallelDims: the one object that answers questions about the device mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from loom.config import ConfigError
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+"""Mesh dimensions, outermost first. Later `pp` goes in front and `ep` borrows from dp_shard."""
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each parallelism; `dp_shard=-1` takes all remaining ranks.
+
+    Validation happens on construction, before any collective runs, so a bad layout fails
+    the same way on every rank.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, "
+                                  f"got {getattr(self, name)}")
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.tp
+            if self.world_size % rest:
+                raise ConfigError(
+                    f"--dp-shard -1 (auto) needs world size {self.world_size} divisible by "
+                    f"dp_replicate {self.dp_replicate} x tp {self.tp} = {rest}")
+            self.dp_shard = self.world_size // rest
+        elif self.dp_shard < 1:
+            raise ConfigError(f"--dp-shard must be >= 1 or -1 (auto), got {self.dp_shard}")
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ConfigError(
+                f"mesh dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp "
+                f"{self.tp} = {product} does not equal world size {self.world_size}")
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_DIMS}
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    def global_batch_size(self, batch_size: int) -> int:
+        """Samples per optimizer step: tp ranks share their batch, so tp never multiplies."""
+        return batch_size * self.dp_size
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The named mesh plus the flattened `dp` dim (used by samplers and reductions)."""
+        mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
+        self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp")}
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._mesh
+
+    def get_mesh(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        """A sub-mesh by name: 'tp', 'dp', 'dp_shard', ('dp_replicate', 'dp_shard'), ..."""
+        if isinstance(name, str) and name in self._flat:
+            return self._flat[name]
+        return self.mesh[name]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """1-D dp_shard mesh, or the 2-D (replicate, shard) mesh that FSDP2 treats as HSDP."""
+        if self.dp_replicate_enabled:
+            return self.get_mesh(("dp_replicate", "dp_shard"))
+        return self.get_mesh("dp_shard")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.get_mesh("dp").get_local_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.get_mesh("tp").get_local_rank()

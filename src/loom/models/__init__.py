@@ -1,0 +1,1 @@
+"""Model definitions: plain PyTorch, no knowledge of parallelism."""

@@ -1,0 +1,166 @@
+"""A Llama-style decoder: GQA attention with RoPE, SwiGLU feed-forward, RMSNorm.
+
+Pure PyTorch. Tensor parallelism works from outside because attention infers its local
+head count from the projected width (`view(..., -1, head_dim)`), never from ModelArgs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 256
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 4
+    vocab_size: int = 32000
+    multiple_of: int = 360
+    ffn_dim_multiplier: float | None = None
+    hidden_dim: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 32768
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """4*dim, then 2/3 (SwiGLU has three matrices), then the multiplier, then rounded up."""
+        if self.hidden_dim is not None:
+            return self.hidden_dim
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """(max_seq_len, head_dim // 2, 2) table of cos and sin, kept real so compile and
+    DTensor never see complex numbers."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (B, T, H, D) by the positions' angles."""
+    seqlen = x.shape[1]
+    cos, sin = table[:seqlen, None, :, 0], table[:seqlen, None, :, 1]  # (T, 1, D/2)
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.n_kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hkv, D)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        k = k.repeat_interleave(self.n_rep, dim=2)
+        v = v.repeat_interleave(self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V), or final hidden states (B, T, dim).
+
+    Build it on the meta device, parallelize it, then call `init_weights(seed)`.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h)
+        return h if return_hidden else self.output(h)
+
+    def init_std(self, name: str) -> float | None:
+        """Initial std of a parameter; None for norm weights (ones). Residual-branch outputs
+        are scaled down by depth so the residual stream's variance stays bounded."""
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return 0.02 / math.sqrt(2 * self.args.n_layers)
+        return 0.02
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Recompute non-persistent buffers after `to_empty` left them uninitialised."""
+        args = self.args
+        self.rope = rope_table(args.head_dim, args.max_seq_len, args.rope_theta).to(device)
+
+
+def param_count(args: ModelArgs) -> int:
+    with torch.device("meta"):
+        model = Transformer(args)
+    return sum(p.numel() for p in model.parameters())

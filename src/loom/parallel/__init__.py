@@ -1,0 +1,1 @@
+"""Parallelism applied to a model from outside: TP/SP, activation checkpointing, compile, FSDP2."""

@@ -1,0 +1,46 @@
+"""Deterministic, mesh-independent weight initialisation of an already-parallelized model.
+
+Each parameter's full value is drawn from its own generator, seeded by (seed, name), and
+each rank keeps only its shard. The weights are therefore identical on any mesh and equal
+to a single-process run, at the cost of one parameter-sized temporary at a time.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """Parameter name without wrapper prefixes, as in the plain model."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _full_value(shape: torch.Size, std: float | None, seed: int, name: str) -> torch.Tensor:
+    if std is None:
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Materialise a meta-built model on `device` and fill every parameter from the seed."""
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        name = clean_name(name)
+        full = _full_value(param.shape, model.init_std(name), seed, name)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+    model.init_buffers(device)

@@ -1,0 +1,38 @@
+"""The one ordered recipe: TP -> activation checkpointing -> compile -> FSDP2."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from loom.config import ParallelConfig
+from loom.mesh import ParallelDims
+from loom.parallel.checkpointing import apply_ac
+from loom.parallel.compile import apply_compile
+from loom.parallel.fsdp import apply_fsdp, mixed_precision, set_gradient_division
+from loom.parallel.tensor import apply_tp
+
+logger = logging.getLogger("loom")
+
+
+def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
+                      loss_parallel: bool, backend: str) -> nn.Module:
+    """Apply every enabled parallelism to a meta-device Transformer, in place."""
+    if dims.tp_enabled:
+        apply_tp(model, dims.get_mesh("tp"), loss_parallel=loss_parallel)
+        logger.info("tensor parallel: tp=%d, sequence parallel, %s logits", dims.tp,
+                    "vocab-sharded" if loss_parallel else "replicated")
+    apply_ac(model, cfg.activation_checkpoint)
+    if cfg.compile:
+        apply_compile(model, cfg.compile_mode, cfg.act_mem_budget)
+    units = apply_fsdp(model, dims.fsdp_mesh,
+                       reshard_after_forward=cfg.reshard_after_forward == "always",
+                       mp_policy=mixed_precision(cfg.fp32, cfg.reduce_dtype))
+    if cfg.grad_divide_factor:
+        set_gradient_division(units, dims.dp_size, backend)
+    logger.info("FSDP2: %d units over %s mesh %s, reshard after forward: %s, %s",
+                len(units), "HSDP" if dims.dp_replicate_enabled else "dp_shard",
+                tuple(dims.fsdp_mesh.shape), cfg.reshard_after_forward,
+                "fp32" if cfg.fp32 else f"bf16 params, {cfg.reduce_dtype} reduce")
+    return model

@@ -1,0 +1,47 @@
+"""Tensor + sequence parallel plan for loom's Transformer (module names are the contract)."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Shard matmuls across tp and keep activations between them sequence-sharded.
+
+    The logits come out replicated, or vocab-sharded (a DTensor) for the loss-parallel mode.
+    """
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                use_local_output=True),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_output=True),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })

@@ -1,0 +1,49 @@
+"""Model presets: one table, every field a preset may set, and the aliases users type."""
+
+from __future__ import annotations
+
+PRESETS: dict[str, dict[str, int | float]] = {
+    "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=128,
+                  seq_len=256, batch_size=1),
+    "s": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, multiple_of=256,
+              seq_len=2048, batch_size=4),
+    "m": dict(dim=1024, n_layers=16, n_heads=16, n_kv_heads=4, multiple_of=256,
+              seq_len=2048, batch_size=4),
+    "l": dict(dim=1536, n_layers=16, n_heads=16, n_kv_heads=4, multiple_of=256,
+              seq_len=2048, batch_size=2),
+    "xl": dict(dim=2048, n_layers=24, n_heads=32, n_kv_heads=8, multiple_of=256,
+               seq_len=2048, batch_size=1),
+    "xxl": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=256,
+                seq_len=4096, batch_size=1),
+    "xxxl": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, multiple_of=256,
+                 seq_len=4096, batch_size=1),
+    "agpt-2b": dict(dim=2048, n_layers=12, n_heads=16, n_kv_heads=4, multiple_of=256,
+                    vocab_size=256128, hidden_dim=11008, rope_theta=50000.0,
+                    seq_len=8192, batch_size=1),
+    "agpt-20b": dict(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, multiple_of=1024,
+                     vocab_size=256128, hidden_dim=14336, rope_theta=500000.0,
+                     seq_len=2048, batch_size=1),
+}
+
+ALIASES: dict[str, str] = {
+    "small": "s", "medium": "m", "large": "l",
+    "xlarge": "xl", "extra-large": "xl",
+    "xxlarge": "xxl", "extra-extra-large": "xxl",
+    "xxxlarge": "xxxl", "extra-extra-extra-large": "xxxl",
+    "agpt2b": "agpt-2b", "agpt_2b": "agpt-2b", "AGPT-2B": "agpt-2b",
+    "agpt20b": "agpt-20b", "agpt_20b": "agpt-20b", "AGPT-20B": "agpt-20b",
+}
+
+
+def is_hf_model(name: str) -> bool:
+    """A name with a slash (or a local folder) selects the Hugging Face path, not a preset."""
+    return "/" in name
+
+
+def resolve_preset(name: str) -> tuple[str, dict[str, int | float]]:
+    """Return the canonical preset name and its fields; raise ValueError listing the choices."""
+    canonical = ALIASES.get(name, name)
+    if canonical not in PRESETS:
+        choices = ", ".join([*PRESETS, *ALIASES])
+        raise ValueError(f"unknown model preset {name!r}; choose one of: {choices}")
+    return canonical, PRESETS[canonical]

@@ -1,0 +1,114 @@
+"""Process-level setup: who am I, which device and backend, seeding, orderly teardown.
+
+The environment is read here, once. torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; mpiexec and
+srun set their own variables, which are mapped onto the same fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("loom")
+
+_RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+_WORLD_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID",
+                    "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _first(environ: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        if environ.get(name, "") != "":
+            return int(environ[name])
+    return default
+
+
+def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
+    """Rank, world and local rank from torchrun, MPI/PMI or Slurm variables (1 process if none)."""
+    env = os.environ if environ is None else environ
+    return RankInfo(
+        rank=_first(env, _RANK_VARS, 0),
+        world_size=_first(env, _WORLD_VARS, 1),
+        local_rank=_first(env, _LOCAL_RANK_VARS, 0),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", "29500")),
+    )
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """The accelerator for this rank if there is one (cuda, xpu, mps), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", local_rank % torch.xpu.device_count())
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
+
+
+def init_distributed(info: RankInfo) -> torch.device:
+    """Choose and set the device, then start the process group (a store-only one for a
+    single plain process, so the mesh and FSDP code paths are the same at world size 1)."""
+    device = pick_device(info.local_rank)
+    if device.type in ("cuda", "xpu"):
+        getattr(torch, device.type).set_device(device)
+    backend = backend_for(device)
+    if info.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(
+            backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=info.rank, world_size=info.world_size,
+            device_id=device if device.type in ("cuda", "xpu") else None)
+    return device
+
+
+def agree_on_seed(seed: int | None, device: torch.device) -> int:
+    """The given seed, or one drawn on rank 0 and shared so every rank builds the same model."""
+    if seed is not None:
+        return seed
+    drawn = torch.tensor([random.SystemRandom().randrange(2**31)], device=device)
+    dist.broadcast(drawn, src=0)
+    return int(drawn.item())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
+
+
+def teardown() -> None:
+    """Barrier then destroy, so no rank tears down gloo while another still talks to it."""
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()

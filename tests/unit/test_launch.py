@@ -1,0 +1,148 @@
+"""`loom launch` command construction, with faked scheduler environments (nothing is run)."""
+
+import os
+import shlex
+import sys
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from loom import launch
+from loom.launch import Host, expand_nodelist, omp_threads, parse_args
+
+CPU_HOST = Host(cpus=64, accelerators=0)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """Tests may run inside a real Slurm/PBS job; start each from a neutral environment."""
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "PBS_")) or name in ("OMP_NUM_THREADS", "MASTER_PORT"):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(launch, "detect_host", lambda: CPU_HOST)
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)  # no scontrol, no CMD
+
+
+def dry_run(capsys, *argv):
+    assert launch.main(["--dry-run", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    return out.strip()
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("nid001", ["nid001"]),
+        ("a1,b2", ["a1", "b2"]),
+        ("nid[001-003,007]", ["nid001", "nid002", "nid003", "nid007"]),
+        ("gpu[8-10],login1", ["gpu8", "gpu9", "gpu10", "login1"]),
+        ("x[1-2]-y[01-02]", ["x1-y01", "x1-y02", "x2-y01", "x2-y02"]),
+        ("a[1,3],b[05]", ["a1", "a3", "b05"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_slurm_dry_run(monkeypatch, capsys):
+    for name, value in {"SLURM_JOB_ID": "1", "SLURM_NNODES": "2", "SLURM_CPUS_ON_NODE": "64",
+                        "SLURM_JOB_NODELIST": "nid[007-008]"}.items():
+        monkeypatch.setenv(name, value)
+    assert dry_run(capsys, "-n", "8", "loom", "train") == (
+        "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --kill-on-bad-exit=1 --cpus-per-task=8 "
+        "--export=ALL,MASTER_ADDR=nid007,MASTER_PORT=29500,OMP_NUM_THREADS=8 loom train"
+    )
+
+
+def test_slurm_counts_from_the_allocation(monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    monkeypatch.setenv("SLURM_NODELIST", "g[1-3]")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    line = dry_run(capsys, "--rdzv-endpoint", "head:1234", "loom", "train")
+    assert line.startswith("srun --nodes=3 --ntasks=12 --ntasks-per-node=4 --kill-on-bad-exit=1 ")
+    assert "--cpus-per-task" not in line and "OMP_NUM_THREADS" not in line
+    assert "--export=ALL,MASTER_ADDR=head,MASTER_PORT=1234 loom train" in line
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    assert "--ntasks=6 --ntasks-per-node=2" in dry_run(capsys, "loom", "train")
+
+
+def test_pbs_dry_run(monkeypatch, capsys, tmp_path):
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x3001\nx3001\nx3002\nx3002\n")
+    monkeypatch.setenv("PBS_JOBID", "42.pbs")
+    monkeypatch.setenv("PBS_NODEFILE", str(nodefile))
+    assert dry_run(capsys, "-n", "4", "loom", "train", "--tp", "2") == (
+        f"mpiexec -n 8 --ppn 4 --hostfile {nodefile} --cpu-bind depth -d 16 "
+        "--env MASTER_ADDR=x3001 --env MASTER_PORT=29500 --env OMP_NUM_THREADS=16 "
+        "loom train --tp 2"
+    )
+
+
+def test_pbs_without_nodefile_is_an_error(monkeypatch, capsys):
+    monkeypatch.setenv("PBS_JOBID", "42.pbs")
+    assert launch.main(["loom", "train"]) == 2
+    assert capsys.readouterr().err == "loom launch: PBS_NODEFILE is not set\n"
+
+
+def test_local_dry_run(capsys):
+    line = dry_run(capsys, "-n", "4", "loom", "train", "--model", "debug", "--tp", "2")
+    python = shlex.quote(sys.executable)
+    assert line.startswith(f"OMP_NUM_THREADS=16 {python} -m torch.distributed.run ")
+    for flag in ("--nproc-per-node=4", "--max-restarts=0", "--standalone",
+                 "--redirects=0:0,1:1,2:1,3:1"):
+        assert flag in line.split()
+    assert line.endswith(" --no-python loom train --model debug --tp 2")
+
+
+def test_local_multi_node(capsys):
+    line = dry_run(capsys, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h0:29400",
+                   "-n", "1", "loom", "train")
+    for flag in ("--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=h0:29400", "--rdzv-id=loom"):
+        assert flag in line.split()
+    assert "--standalone" not in line and "--redirects" not in line
+    assert launch.main(["--nnodes", "2", "loom", "train"]) == 2
+    assert "needs --rdzv-endpoint" in capsys.readouterr().err
+
+
+def test_omp_threads():
+    assert omp_threads({}, CPU_HOST, 4) == {"OMP_NUM_THREADS": "16"}
+    assert omp_threads({}, CPU_HOST, 128) == {"OMP_NUM_THREADS": "1"}
+    assert omp_threads({}, CPU_HOST, 4, cpus=8) == {"OMP_NUM_THREADS": "2"}
+    assert omp_threads({"OMP_NUM_THREADS": "3"}, CPU_HOST, 4) == {}
+    assert omp_threads({}, Host(cpus=64, accelerators=4), 4) == {}
+
+
+def test_everything_after_the_options_is_the_command():
+    assert parse_args(["-n", "4", "loom", "train", "-n", "3"]).cmd == ["loom", "train", "-n", "3"]
+    assert parse_args(["--", "loom", "--", "x"]).cmd == ["loom", "--", "x"]
+
+
+@pytest.mark.parametrize("argv", [[], ["-n", "2"], ["--dry-run", "--"]])
+def test_no_command(capsys, argv):
+    assert launch.main(argv) == 2
+    assert capsys.readouterr().err == "loom launch: no command given\n"
+
+
+def test_unknown_program_fails_before_starting_ranks(capsys):
+    assert launch.main(["-n", "2", "no-such-program"]) == 127
+    assert capsys.readouterr().err == "loom launch: command not found: no-such-program\n"
+
+
+def test_env_assignments_are_shell_quoted():
+    command = launch.Command(["echo", "a b"], {"X": "1 2"})
+    assert str(command) == "X='1 2' echo 'a b'"
+
+
+def test_failure_is_one_line(capsys, tmp_path):
+    missing = str(tmp_path / "error.json")
+    failures = {
+        1: ProcessFailure(local_rank=1, pid=11, exitcode=3, error_file=missing),
+        0: ProcessFailure(local_rank=0, pid=10, exitcode=-15, error_file=missing),
+    }
+    failures[0].timestamp = failures[1].timestamp + 1  # rank 1 failed first
+    assert launch._report_failure(ChildFailedError("loom", failures)) == 3
+    assert capsys.readouterr().err == "loom launch: rank 1 (local 1) failed with exit code 3\n"
