@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import traceback
 import warnings
@@ -12,10 +13,11 @@ from loom.config import ConfigError
 from loom.launch import CONFIG_ERROR_EXIT
 from loom.runtime import rank_info
 
-USAGE = """usage: loom {train,launch} [FLAGS]
+USAGE = """usage: loom {train,launch,export} [FLAGS]
 
   loom train [FLAGS]          train in this process group (see `loom train --help`)
   loom launch [-n N] CMD...   start CMD on every rank (elastic agent, srun or mpiexec)
+  loom export CKPT OUTDIR     write a checkpoint as a Hugging Face Llama model
 """
 
 
@@ -50,6 +52,10 @@ def run_train(argv: Sequence[str]) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT
+    except train.Preempted as e:
+        if rank == 0:
+            print(f"loom: {e}", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
     except Exception as e:
@@ -71,5 +77,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         from loom import launch
 
         sys.exit(launch.main(rest))
+    if command == "export":
+        from loom import export
+
+        sys.exit(export.main(rest))
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     sys.exit(2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -49,6 +50,21 @@ class ModelConfig:
     norm_eps: float = flag(1e-5, "RMSNorm epsilon")
     vocab_size: int = flag(32000, "vocabulary size (replaced by the tokenizer's size)")
     max_seq_len: int = flag(32768, "RoPE table size; seq-len must not exceed it")
+    n_experts: int = flag(0, "routed experts per MoE layer (0 = dense model)")
+    top_k: int = flag(2, "MoE: experts each token is routed to")
+    n_shared_experts: int = flag(1, "MoE: always-on shared experts per layer")
+    moe_hidden_dim: int | None = flag(None, "MoE: hidden dim of each expert "
+                                      "(default: the SwiGLU hidden dim)", type=int)
+    n_dense_layers: int = flag(1, "MoE: leading blocks that keep a dense feed-forward")
+    score_func: str = flag("sigmoid", "MoE: router score function (computed in fp32)",
+                           choices=("sigmoid", "softmax"))
+    route_norm: bool = flag(True, "MoE: normalise the chosen experts' scores to sum to 1")
+    route_scale: float = flag(1.0, "MoE: multiply the routed experts' weights by this")
+    load_balance_coeff: float = flag(1e-3, "MoE: expert-bias step per optimizer step "
+                                     "(aux-loss-free balancing; 0 disables)")
+    aux_loss_coeff: float = flag(0.0, "MoE: weight of the sequence-wise balance loss (0 = off)")
+    trust_remote_code: bool = flag(False, "Hugging Face --model: run the modelling code the "
+                                   "repo ships (only for repos you trust)")
 
 
 @dataclass(frozen=True)
@@ -68,18 +84,29 @@ class ParallelConfig:
     compile_mode: str = flag("default", "torch.compile mode",
                              choices=("default", "reduce-overhead", "max-autotune"))
     act_mem_budget: float = flag(1.0, "activation memory budget of the partitioner (--compile)")
+    compile_backend: str = flag(
+        "inductor", "torch.compile backend; aot_eager skips code generation (cheap, for tests) "
+        "($LOOM_COMPILE_BACKEND)", choices=("inductor", "aot_eager"))
     fp32: bool = flag(False, "turn mixed precision off (fp32 parameters and reductions)")
     reduce_dtype: str = flag("fp32", "gradient reduction dtype under mixed precision "
                              "($LOOM_REDUCE_DTYPE)", choices=("fp32", "bf16"))
     grad_divide_factor: bool = flag(
         True, "sum gradients in the collective and divide once by the dp size "
         "($LOOM_FSDP_DIVIDE_FACTOR=0 turns it off)", hidden=True)
+    ep: int = flag(1, "expert-parallel degree, borrowed from dp_shard (must divide it)")
+    etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
+                    "(experts split across tp too)")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = flag(3e-3, "AdamW learning rate")
     max_grad_norm: float = flag(1.0, "clip the global gradient norm; <= 0 disables")
+    lr_schedule: str = flag("constant", "learning-rate schedule after warmup",
+                            choices=("constant", "cosine", "linear", "wsd"))
+    warmup_steps: int = flag(0, "linear warmup from 0 to --lr over this many steps")
+    min_lr_ratio: float = flag(0.0, "floor of the decaying schedules, as a fraction of --lr")
+    decay_fraction: float = flag(0.2, "wsd: fraction of the steps spent decaying at the end")
 
 
 @dataclass(frozen=True)
@@ -89,6 +116,9 @@ class TrainConfig:
     seed: int | None = flag(None, "seed for weights and data order (default: drawn once)",
                             type=int)
     max_steps: int | None = flag(None, "stop after this many optimizer steps", type=int)
+    grad_accum_steps: int = flag(1, "micro-batches accumulated per optimizer step")
+    skip_nonfinite: bool = flag(False, "skip a step whose loss or gradient is not finite "
+                                "(default: stop the run)")
 
 
 @dataclass(frozen=True)
@@ -96,6 +126,8 @@ class LossConfig:
     loss_impl: str = flag("eager", "cross-entropy implementation", choices=(
         "eager", "chunked", "chunked-backward", "compiled", "fused-linear", "loss-parallel"))
     loss_chunk_size: int = flag(1024, "row chunk of the chunked and fused-linear losses")
+    debug_logits: bool = flag(False, "log the first step's finite-logit count and max |logit| "
+                              "(materialises the full logits; $LOOM_DEBUG_LOGITS=1)", hidden=True)
 
 
 @dataclass(frozen=True)
@@ -111,13 +143,42 @@ class DataConfig:
                                        aliases=(), type=int, choices=None, hidden=False,
                                        const=None))
     num_workers: int = flag(0, "data loader worker processes")
+    hf_limit_seed: int = flag(0, "seed of the --hf-limit subsample ($LOOM_HF_LIMIT_SEED)",
+                              hidden=True)
+    cache_dir: str | None = flag(None, "tokenization cache folder ($LOOM_CACHE_DIR; "
+                                 "default ~/.cache/loom)", type=str, hidden=True)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    checkpoint_interval: int = flag(0, "save a checkpoint every N steps and at the end "
+                                    "(0 = no checkpoints)")
+    keep_checkpoints: int = flag(2, "keep the newest K complete checkpoints")
+    async_checkpoint: bool = flag(False, "write checkpoints in a background thread")
+    resume: str | None = flag(None, "continue from the latest checkpoint in --outdir (bare "
+                              "flag or 'auto') or from a checkpoint folder", type=str,
+                              const="auto")
+    sigterm_grace_s: float = flag(25.0, "on SIGTERM, save a final checkpoint only if the last "
+                                  "save took at most this long (schedulers kill ~30 s later)")
 
 
 @dataclass(frozen=True)
 class OutputConfig:
     outdir: str | None = flag(None, "run folder (default: outputs/<timestamp>)", type=str)
     profile: bool = flag(False, "torch profiler trace in the run folder")
-    pyinstrument_profiler: bool = flag(False, "pyinstrument profile of the run")
+    pyinstrument_profiler: bool = flag(False, "pyinstrument profile of the run "
+                                       "(pip install 'loom[profile]')")
+    wandb: bool = flag(False, "log to Weights & Biases (pip install 'loom[wandb]'; "
+                       "WANDB_MODE=offline works without an account)")
+    log_every: int = flag(0, "progress line every N steps (0 = auto, ~20 lines) ($LOOM_LOG_EVERY)")
+    metrics: bool = flag(True, "per-step metrics ($LOOM_METRICS=0 turns them off: the "
+                         "overhead baseline)", hidden=True)
+    health_every: int = flag(1, "gradient/parameter health statistics every K steps, 0 = off "
+                             "($LOOM_HEALTH_EVERY)", hidden=True)
+    hist_every: int = flag(0, "histograms every N steps, 0 = off ($LOOM_HIST_EVERY)",
+                           hidden=True)
+    hist: str = flag("logits,grads,acts", "which histograms, comma-separated ($LOOM_HIST)",
+                     hidden=True)
 
 
 @dataclass(frozen=True)
@@ -129,6 +190,7 @@ class JobConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warnings: tuple[str, ...] = ()
     """Messages produced while resolving the config, logged once by rank 0."""
 
@@ -225,7 +287,113 @@ def _environment_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         if value not in ("0", "1", "true", "false"):
             raise ConfigError(f"LOOM_FSDP_DIVIDE_FACTOR must be 0 or 1, got {value!r}")
         out["grad_divide_factor"] = value in ("1", "true")
+    if "LOOM_COMPILE_BACKEND" in environ:
+        value = environ["LOOM_COMPILE_BACKEND"].strip().lower()
+        if value not in ("inductor", "aot_eager"):
+            raise ConfigError(f"LOOM_COMPILE_BACKEND must be inductor or aot_eager, got {value!r}")
+        out["compile_backend"] = value
+    if "LOOM_DEBUG_LOGITS" in environ:
+        value = environ["LOOM_DEBUG_LOGITS"].strip().lower()
+        if value not in ("0", "1", "true", "false"):
+            raise ConfigError(f"LOOM_DEBUG_LOGITS must be 0 or 1, got {value!r}")
+        out["debug_logits"] = value in ("1", "true")
+    out.update(_data_environment(environ))
+    out.update(_metrics_environment(environ))
     return out
+
+
+_COUNT_KNOBS = {"LOOM_LOG_EVERY": "log_every", "LOOM_HEALTH_EVERY": "health_every",
+                "LOOM_HIST_EVERY": "hist_every"}
+
+
+def _metrics_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """$LOOM_LOG_EVERY, $LOOM_HEALTH_EVERY, $LOOM_HIST_EVERY (integers >= 0), $LOOM_HIST
+    and $LOOM_METRICS (0 or 1); checked with the flags in `_validate_output`."""
+    out: dict[str, Any] = {}
+    for name, key in _COUNT_KNOBS.items():
+        if name in environ:
+            try:
+                out[key] = int(environ[name])
+            except ValueError:
+                raise ConfigError(f"{name} must be an integer >= 0, "
+                                  f"got {environ[name]!r}") from None
+    if "LOOM_HIST" in environ:
+        out["hist"] = environ["LOOM_HIST"].replace(" ", "")
+    if "LOOM_METRICS" in environ:
+        value = environ["LOOM_METRICS"].strip().lower()
+        if value not in ("0", "1", "true", "false"):
+            raise ConfigError(f"LOOM_METRICS must be 0 or 1, got {value!r}")
+        out["metrics"] = value in ("1", "true")
+    return out
+
+
+def _validate_output(o: OutputConfig) -> None:
+    for name in ("log_every", "health_every", "hist_every"):
+        if getattr(o, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(o, name)}")
+    unknown = set(o.hist.split(",")) - {"logits", "grads", "acts"}
+    if unknown:
+        raise ConfigError(f"unknown histogram kind(s) {', '.join(sorted(unknown))} in --hist "
+                          "($LOOM_HIST); choose from logits, grads, acts")
+    if o.pyinstrument_profiler:
+        require_module("pyinstrument", "--pyinstrument-profiler", "profile")
+    if o.wandb:
+        require_module("wandb", "--wandb", "wandb")
+
+
+def require_module(module: str, flag_name: str, extra: str) -> None:
+    """A flag that needs an optional package fails early, in one line, when it is missing."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules[module] is None: deliberately unavailable
+        found = False
+    if not found:
+        raise ConfigError(f"{flag_name} needs the {module} package: pip install 'loom[{extra}]'")
+
+
+def _data_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """$LOOM_HF_LIMIT_SEED (which rows --hf-limit keeps) and $LOOM_CACHE_DIR."""
+    out: dict[str, Any] = {}
+    if "LOOM_HF_LIMIT_SEED" in environ:
+        try:
+            out["hf_limit_seed"] = int(environ["LOOM_HF_LIMIT_SEED"])
+        except ValueError:
+            raise ConfigError("LOOM_HF_LIMIT_SEED must be an integer, "
+                              f"got {environ['LOOM_HF_LIMIT_SEED']!r}") from None
+    if environ.get("LOOM_CACHE_DIR"):
+        out["cache_dir"] = environ["LOOM_CACHE_DIR"]
+    return out
+
+
+def _knob_warnings(p: ParallelConfig, budget_given: bool) -> list[str]:
+    """Accepted settings that will not do what the user probably expects."""
+    warnings = []
+    if budget_given and not p.compile:
+        warnings.append("--act-mem-budget has no effect without --compile "
+                        "(it sets the compiler's partitioner budget)")
+    if p.compile and p.activation_checkpoint != "none" and p.tp > 1:
+        warnings.append(
+            f"--compile with --ac {p.activation_checkpoint} at --tp {p.tp} is known to fail "
+            "upstream in AOTAutograd ('expected all tensors_saved_with_vc_check to be "
+            "Tensors'); drop --ac (use --act-mem-budget) or --compile")
+    return warnings
+
+
+def _fit_hf_model(values: dict[str, Any], warnings: list[str]) -> None:
+    """loom's TP plan and selective AC name loom's own modules: a Hugging Face model runs at
+    tp 1 (an explicit --dp-shard takes the tp ranks) and recomputes whole blocks."""
+    tp = values.get("tp", 1)
+    if tp != 1:
+        values["tp"] = 1
+        if values.get("dp_shard", -1) > 0:
+            values["dp_shard"] *= tp
+        warnings.append(f"--tp {tp} ignored for the Hugging Face model {values['model']} "
+                        "(loom's tensor-parallel plan names its own modules); its ranks shard "
+                        "data instead")
+    if values.get("activation_checkpoint") == "selective":
+        values["activation_checkpoint"] = "block"
+        warnings.append("--ac selective on a Hugging Face model: its own gradient "
+                        "checkpointing recomputes whole blocks (--ac block)")
 
 
 def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None,
@@ -253,12 +421,16 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     values.update(explicit)
     if values.get("activation_checkpoint") == "full":
         values["activation_checkpoint"] = "block"
+    if model_name is not None and is_hf_model(model_name):
+        _fit_hf_model(values, warnings)
     by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for name, value in values.items():
         by_section[_section_of(name)][name] = value
     cfg = JobConfig(**{s: SECTIONS[s]()  # type: ignore[misc]
                        for s in SECTIONS}, warnings=tuple(warnings))
     cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in by_section.items()})
+    warnings += _knob_warnings(cfg.parallel, budget_given="act_mem_budget" in explicit)
+    cfg = replace(cfg, warnings=tuple(warnings))
     validate(cfg)
     return cfg
 
@@ -269,6 +441,32 @@ def parse_args(argv: Sequence[str]) -> JobConfig:
     return config_from_flags(vars(namespace))
 
 
+def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    """Mixture-of-experts shapes and the expert-parallel degrees they allow."""
+    if m.n_experts == 0:
+        if p.ep != 1 or p.etp != 1:
+            raise ConfigError(f"--ep {p.ep} / --etp {p.etp} need a mixture-of-experts model "
+                              "(--n-experts > 0, e.g. --model moe-debug)")
+        return
+    if m.n_experts < 0 or not 1 <= m.top_k <= m.n_experts:
+        raise ConfigError(f"--top-k {m.top_k} must be in [1, --n-experts {m.n_experts}]")
+    if p.ep < 1 or m.n_experts % p.ep:
+        raise ConfigError(f"--n-experts {m.n_experts} is not divisible by --ep {p.ep}")
+    if p.dp_shard > 0 and p.dp_shard % p.ep:
+        raise ConfigError(f"--ep {p.ep} must divide --dp-shard {p.dp_shard} "
+                          "(expert parallel borrows data-parallel shard ranks)")
+    if p.etp not in (1, p.tp):
+        raise ConfigError(f"--etp {p.etp} must be 1 or --tp {p.tp}")
+    hidden = m.moe_hidden_dim or 0
+    if hidden < 0 or hidden % p.tp or not 0 <= m.n_dense_layers <= m.n_layers:
+        raise ConfigError(f"--moe-hidden-dim {m.moe_hidden_dim} must be >= 0 and divisible "
+                          f"by --tp {p.tp}; --n-dense-layers {m.n_dense_layers} must be in "
+                          f"[0, --n-layers {m.n_layers}]")
+    if min(m.n_shared_experts, m.load_balance_coeff, m.aux_loss_coeff) < 0:
+        raise ConfigError("--n-shared-experts, --load-balance-coeff and --aux-loss-coeff "
+                          "must be >= 0")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
@@ -276,7 +474,9 @@ def validate(cfg: JobConfig) -> None:
     positive = {"--dim": m.dim, "--n-layers": m.n_layers, "--n-heads": m.n_heads,
                 "--n-kv-heads": m.n_kv_heads, "--tp": p.tp, "--dp-replicate": p.dp_replicate,
                 "--batch-size": t.batch_size, "--seq-len": d.seq_len,
-                "--loss-chunk-size": cfg.loss.loss_chunk_size}
+                "--loss-chunk-size": cfg.loss.loss_chunk_size,
+                "--grad-accum-steps": t.grad_accum_steps,
+                "--keep-checkpoints": cfg.checkpoint.keep_checkpoints}
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -288,8 +488,16 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"--num-workers must be >= 0, got {d.num_workers}")
     if not 0.0 < p.act_mem_budget <= 1.0:
         raise ConfigError(f"--act-mem-budget must be in (0, 1], got {p.act_mem_budget}")
+    o = cfg.optim
+    if o.warmup_steps < 0 or cfg.checkpoint.checkpoint_interval < 0:
+        raise ConfigError("--warmup-steps and --checkpoint-interval must be >= 0")
+    if not 0.0 <= o.min_lr_ratio <= 1.0 or not 0.0 < o.decay_fraction <= 1.0:
+        raise ConfigError(f"--min-lr-ratio must be in [0, 1] and --decay-fraction in (0, 1], "
+                          f"got {o.min_lr_ratio} and {o.decay_fraction}")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
+    _validate_output(cfg.output)
+    _validate_moe(m, p)
     if hf:
         return
     if m.dim % m.n_heads:

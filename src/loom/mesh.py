@@ -9,7 +9,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from loom.config import ConfigError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-"""Mesh dimensions, outermost first. Later `pp` goes in front and `ep` borrows from dp_shard."""
+"""Mesh dimensions, outermost first. Later `pp` goes in front."""
+EP_DIMS = ("dp_shard_mod_ep", "dp_shard_in_ep")
+"""With expert parallel, dp_shard is unflattened into these two; `ep` names the inner one."""
 
 
 @dataclass
@@ -17,14 +19,18 @@ class ParallelDims:
     """Degrees of each parallelism; `dp_shard=-1` takes all remaining ranks.
 
     Validation happens on construction, before any collective runs, so a bad layout fails
-    the same way on every rank.
+    the same way on every rank. Expert parallel borrows `ep` of the dp_shard ranks
+    (dp_shard = dp_shard_mod_ep x ep); `etp` is 1 or tp (experts also split across tp).
     """
 
     dp_replicate: int
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1
+    etp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +52,11 @@ class ParallelDims:
             raise ConfigError(
                 f"mesh dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp "
                 f"{self.tp} = {product} does not equal world size {self.world_size}")
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ConfigError(f"--ep {self.ep} must divide dp_shard {self.dp_shard} "
+                              "(expert parallel borrows data-parallel shard ranks)")
+        if self.etp not in (1, self.tp):
+            raise ConfigError(f"--etp {self.etp} must be 1 or --tp {self.tp}")
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -71,6 +82,18 @@ class ParallelDims:
     def dp_enabled(self) -> bool:
         return self.dp_size > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def etp_enabled(self) -> bool:
+        return self.tp_enabled and self.etp == self.tp
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.ep
+
     def global_batch_size(self, batch_size: int) -> int:
         """Samples per optimizer step: tp ranks share their batch, so tp never multiplies."""
         return batch_size * self.dp_size
@@ -80,6 +103,8 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
         self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp")}
         self._mesh = mesh
+        if self.ep_enabled:
+            self._ep_mesh = mesh._unflatten("dp_shard", (self.dp_shard_mod_ep, self.ep), EP_DIMS)
         return mesh
 
     @property
@@ -89,10 +114,17 @@ class ParallelDims:
         return self._mesh
 
     def get_mesh(self, name: str | tuple[str, ...]) -> DeviceMesh:
-        """A sub-mesh by name: 'tp', 'dp', 'dp_shard', ('dp_replicate', 'dp_shard'), ..."""
+        """A sub-mesh by name: 'tp', 'dp', 'dp_shard', ('dp_replicate', 'dp_shard'), ...;
+        with expert parallel also 'ep' (= 'dp_shard_in_ep'), 'dp_shard_mod_ep', ('ep', 'tp')."""
         if isinstance(name, str) and name in self._flat:
             return self._flat[name]
-        return self.mesh[name]
+        names = (name,) if isinstance(name, str) else tuple(name)
+        names = tuple("dp_shard_in_ep" if n == "ep" else n for n in names)
+        if not any(n in EP_DIMS for n in names):
+            return self.mesh[names[0] if len(names) == 1 else names]
+        if self._ep_mesh is None:
+            raise RuntimeError(f"mesh {name!r} needs expert parallel (ep > 1) and build_mesh()")
+        return self._ep_mesh[names[0] if len(names) == 1 else names]
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -100,6 +132,14 @@ class ParallelDims:
         if self.dp_replicate_enabled:
             return self.get_mesh(("dp_replicate", "dp_shard"))
         return self.get_mesh("dp_shard")
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """Where routed experts are FSDP-sharded under expert parallel: dp_shard_mod_ep
+        (kept at size 1 so mixed precision still applies), with dp_replicate for HSDP."""
+        if self.dp_replicate_enabled:
+            return self.get_mesh(("dp_replicate", "dp_shard_mod_ep"))
+        return self.get_mesh("dp_shard_mod_ep")
 
     @property
     def dp_rank(self) -> int:

@@ -1,13 +1,15 @@
-"""AdamW construction and DTensor-aware gradient clipping."""
+"""AdamW construction, learning-rate schedules and DTensor-aware gradient clipping."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
 
 from loom.config import OptimConfig
 
@@ -35,14 +37,39 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     Gradients on different meshes (e.g. experts later) are normed per mesh and combined,
     since DTensor cannot stack norms across meshes.
     """
-    params = [p for p in params if p.grad is not None]
+    groups = _grouped_by_mesh(p for p in params if p.grad is not None).values()
     squares = []
-    for grads in _grouped_by_mesh(p.grad for p in params).values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
     total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in groups:  # one foreach per mesh: DTensor cannot mix meshes in one op
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
+
+
+def lr_multiplier(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Fraction of --lr at 0-based `step`: linear warmup, then the schedule's decay to
+    min_lr_ratio at the last step (wsd holds the peak until its final decay_fraction)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    floor = cfg.min_lr_ratio
+    if cfg.lr_schedule == "wsd":
+        decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+        start = max(cfg.warmup_steps, total_steps - decay_steps)
+    else:
+        start = cfg.warmup_steps
+    progress = min(1.0, max(0.0, (step - start) / max(1, total_steps - 1 - start)))
+    if cfg.lr_schedule == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * (1 - progress)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
+                       total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))

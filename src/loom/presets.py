@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-PRESETS: dict[str, dict[str, int | float]] = {
+PRESETS: dict[str, dict[str, int | float | str]] = {
     "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=128,
                   seq_len=256, batch_size=1),
     "s": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, multiple_of=256,
@@ -23,6 +23,19 @@ PRESETS: dict[str, dict[str, int | float]] = {
     "agpt-20b": dict(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, multiple_of=1024,
                      vocab_size=256128, hidden_dim=14336, rope_theta=500000.0,
                      seq_len=2048, batch_size=1),
+    # Mixture of experts (DeepSeek-V3 style; n_experts > 0 selects models/moe.py).
+    "moe-debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=128,
+                      n_experts=8, top_k=2, n_shared_experts=1, moe_hidden_dim=128,
+                      n_dense_layers=1, seq_len=256, batch_size=1,
+                      load_balance_coeff=1e-2),  # its lr (3e-3) moves the router fast
+    "moe-16b": dict(dim=2048, n_layers=27, n_heads=16, n_kv_heads=4, vocab_size=102400,
+                    hidden_dim=10944, n_experts=64, top_k=6, n_shared_experts=2,
+                    moe_hidden_dim=1408, n_dense_layers=1, score_func="softmax",
+                    route_norm=False, seq_len=4096, batch_size=1),  # 15.6B total, 2.6B active
+    "moe-671b": dict(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
+                     hidden_dim=18432, n_experts=256, top_k=8, n_shared_experts=1,
+                     moe_hidden_dim=2048, n_dense_layers=3, route_scale=2.5,
+                     seq_len=4096, batch_size=1),  # DeepSeek-V3 shape: 672B total, 38.7B active
 }
 
 ALIASES: dict[str, str] = {
@@ -40,7 +53,7 @@ def is_hf_model(name: str) -> bool:
     return "/" in name
 
 
-def resolve_preset(name: str) -> tuple[str, dict[str, int | float]]:
+def resolve_preset(name: str) -> tuple[str, dict[str, int | float | str]]:
     """Return the canonical preset name and its fields; raise ValueError listing the choices."""
     canonical = ALIASES.get(name, name)
     if canonical not in PRESETS:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -14,15 +16,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.config import JobConfig, parse_args
-from loom.data.loaders import RandomTokens, build_dataloader
-from loom.losses import eager_cross_entropy
+from loom.checkpoint import Checkpointer, LoopState, resolve_resume
+from loom.config import ConfigError, JobConfig, parse_args
+from loom.data.loaders import build_dataloader, build_dataset
+from loom.losses import IGNORE_INDEX, build_loss, resolve_loss_impl
 from loom.mesh import ParallelDims
-from loom.metrics import RunWriter, environment_facts
+from loom.metrics import build_metrics, environment_facts
+from loom.models.hf import hf_model_from_config, is_hf, load_hf_model
 from loom.models.llama import ModelArgs, Transformer
-from loom.optim import build_optimizer, clip_grad_norm
+from loom.models.moe import MOE_FIELDS, MoEArgs, MoETransformer
+from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from loom.parallel.expert import update_expert_bias
+from loom.parallel.hf import parallelize_hf, resolve_hf_model
 from loom.parallel.init import init_weights
 from loom.parallel.parallelize import parallelize_llama
+from loom.profiling import maybe_profile
 from loom.runtime import (
     RankInfo,
     agree_on_seed,
@@ -35,6 +43,16 @@ from loom.runtime import (
 
 logger = logging.getLogger("loom")
 
+Batch = dict[str, torch.Tensor]
+
+
+class NonFiniteLossError(ConfigError):
+    """Identical on every rank (the loss is all-reduced), so reported once like bad input."""
+
+
+class Preempted(Exception):
+    """SIGTERM arrived: the run stopped after a final checkpoint (when one could be made)."""
+
 
 def model_args(cfg: JobConfig) -> ModelArgs:
     m = cfg.model
@@ -42,6 +60,18 @@ def model_args(cfg: JobConfig) -> ModelArgs:
                      vocab_size=m.vocab_size, multiple_of=m.multiple_of,
                      ffn_dim_multiplier=m.ffn_dim_multiplier, hidden_dim=m.hidden_dim,
                      rope_theta=m.rope_theta, norm_eps=m.norm_eps, max_seq_len=m.max_seq_len)
+
+
+def plain_model(cfg: JobConfig) -> nn.Module:
+    """The unparallelized model on the current device: dense, or MoE when --n-experts > 0
+    (a Hugging Face --model: its architecture with fresh weights)."""
+    if is_hf(cfg.model):
+        return hf_model_from_config(cfg.model)
+    args = model_args(cfg)
+    if cfg.model.n_experts == 0:
+        return Transformer(args)
+    moe = {name: getattr(cfg.model, name) for name in MOE_FIELDS}
+    return MoETransformer(MoEArgs(**vars(args), **moe))
 
 
 def agree_on_outdir(outdir: str | None) -> Path:
@@ -61,23 +91,72 @@ class Trainer:
         dims.build_mesh(device.type)
         self.seed = agree_on_seed(cfg.train.seed, device)
         seed_everything(self.seed)
-        self.cfg = cfg = replace(cfg, train=replace(cfg.train, seed=self.seed))
+        cfg = replace(cfg, train=replace(cfg.train, seed=self.seed))
+        cfg = resolve_hf_model(cfg, info.local_rank)  # a HF --model: its shape and vocab
+        dataset, cfg = build_dataset(cfg, info.local_rank)  # sizes the vocab from the tokenizer
+        self.cfg = cfg = resolve_loss_impl(cfg)  # effective --loss-impl, before the tp plan
         self.loader = build_dataloader(
-            RandomTokens(cfg.model.vocab_size, cfg.data.seq_len, self.seed),
-            batch_size=cfg.train.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
+            dataset, batch_size=cfg.train.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
             seed=self.seed, num_workers=cfg.data.num_workers)
+        self.accum = cfg.train.grad_accum_steps
+        self.steps_per_epoch = self.optimizer_steps_per_epoch()
         self.model = self.build_model()
+        self.loss_fn = build_loss(cfg.loss, self.model, dims.tp)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.writer = RunWriter(agree_on_outdir(cfg.output.outdir), info.rank)
-        self.writer.write_config(self.effective_config())
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
+        outdir = agree_on_outdir(cfg.output.outdir)
+        self.checkpointer = Checkpointer(outdir, cfg.checkpoint.checkpoint_interval,
+                                         cfg.checkpoint.keep_checkpoints,
+                                         cfg.checkpoint.async_checkpoint, info.rank)
+        self.loop = self.maybe_resume(resolve_resume(cfg.checkpoint.resume, outdir))
+        self.metrics = build_metrics(cfg, info, dims, device, outdir, self.model, self.optimizer,
+                                     build_model=lambda: plain_model(cfg))
+        self.metrics.write_config(self.effective_config())
         self.dp_group = dims.get_mesh("dp").get_group()
+        self.moe_metrics: dict[str, float] = {}
+        self.stop_requested = False
+
+    def optimizer_steps_per_epoch(self) -> int:
+        """Each optimizer step takes `accum` loader batches; a ragged remainder is dropped."""
+        steps = len(self.loader) // self.accum
+        if steps == 0:
+            raise ConfigError(
+                f"zero full optimizer steps per epoch: {len(self.loader)} batches per rank "
+                f"cannot fill --grad-accum-steps {self.accum}; lower --grad-accum-steps or "
+                "--batch-size, or add data")
+        return steps
+
+    @property
+    def global_batch(self) -> int:
+        return self.dims.global_batch_size(self.cfg.train.batch_size) * self.accum
+
+    def maybe_resume(self, path: Path | None) -> LoopState:
+        """Load a checkpoint into model, optimizer and scheduler; the data position is kept
+        in global samples, so it is exact whenever the global batch is unchanged."""
+        if path is None:
+            return LoopState()
+        saved = Checkpointer.load(path, self.model, self.optimizer, self.info.rank)
+        self.scheduler.load_state_dict(saved["scheduler"])
+        loop = LoopState(step=saved["step"], tokens_seen=saved["tokens_seen"],
+                         samples_seen=saved["samples_seen"])
+        if loop.samples_seen % self.global_batch:
+            logger.warning("resuming with global batch %d, which does not divide the %d "
+                           "samples consumed: continuing from the last whole step",
+                           self.global_batch, loop.samples_seen)
+        logger.info("resumed from %s at step %d", path, loop.step)
+        return loop
 
     def build_model(self) -> nn.Module:
-        with torch.device("meta"):
-            model = Transformer(model_args(self.cfg))
-        parallelize_llama(model, self.dims, self.cfg.parallel, loss_parallel=False,
-                          backend=backend_for(self.device))
-        init_weights(model, self.seed, self.device)
+        if is_hf(self.cfg.model):  # pretrained weights, loaded on the CPU and sharded by FSDP2
+            model = parallelize_hf(load_hf_model(self.cfg.model), self.dims, self.cfg.parallel,
+                                   backend_for(self.device))
+        else:
+            with torch.device("meta"):
+                model = plain_model(self.cfg)
+            parallelize_llama(model, self.dims, self.cfg.parallel,
+                              loss_parallel=self.cfg.loss.loss_impl == "loss-parallel",
+                              backend=backend_for(self.device))
+            init_weights(model, self.seed, self.device)
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("model: %s, %.2fM parameters", self.cfg.model.model or "custom",
                     n_params / 1e6)
@@ -89,56 +168,132 @@ class Trainer:
                 "global_batch_size": self.dims.global_batch_size(self.cfg.train.batch_size),
                 "environment": environment_facts()}
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, backward, clip, step; returns the (dp-averaged) loss and pre-clip norm."""
-        inputs = batch["input"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
-        loss = eager_cross_entropy(self.model(inputs), labels)
-        loss.backward()
+    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulate the micro-batches, clip, step; returns the step's loss (mean over every
+        valid token of the global batch) and the pre-clip gradient norm."""
+        valid = [int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches]
+        total_valid = self.all_reduce_dp(float(sum(valid)))
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            if self.accum > 1:
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            inputs = batch["input"].to(self.device, non_blocking=True)
+            labels = batch["labels"].to(self.device, non_blocking=True)
+            loss = self.loss_fn(self.model, inputs, labels)
+            if i == len(micro_batches) - 1:
+                self.metrics.forward_done()
+            # FSDP averages over dp ranks, so weigh by this rank's share of the valid tokens.
+            (loss * (valid[i] * self.dims.dp_size / total_valid)).backward()
+            loss_sum += loss.detach().float() * valid[i]
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.max_grad_norm)
-        self.optimizer.step()
+        step_loss = self.reduce_loss_and_stop_flag(loss_sum) / total_valid
+        if self.update_is_finite(step_loss, grad_norm):
+            self.optimizer.step()
+            self.moe_metrics = update_expert_bias(self.model, self.dp_group)  # {} if dense
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        reported = loss.detach().clone()
-        dist.all_reduce(reported, group=self.dp_group)
-        return reported / self.dims.dp_size, grad_norm
+        return step_loss, grad_norm
+
+    def all_reduce_dp(self, value: float) -> float:
+        total = torch.tensor([value], device=self.device, dtype=torch.float64)
+        dist.all_reduce(total, group=self.dp_group)
+        return float(total.item())
+
+    def reduce_loss_and_stop_flag(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """One all-reduce over every rank: the loss sum (tp ranks hold copies, hence / tp)
+        and whether any rank was asked to stop."""
+        packed = torch.stack([loss_sum / self.dims.tp,
+                              torch.tensor(float(self.stop_requested), device=self.device)])
+        dist.all_reduce(packed)
+        self.stop_requested = bool(packed[1] > 0)
+        return packed[0]
+
+    def update_is_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        if bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)):
+            return True
+        step = self.loop.step + 1
+        if not self.cfg.train.skip_nonfinite:
+            raise NonFiniteLossError(
+                f"non-finite loss {float(loss)} (gradient norm {float(grad_norm)}) at step "
+                f"{step}; lower --lr, raise --warmup-steps, try --fp32, or pass "
+                "--skip-nonfinite to skip such steps")
+        logger.warning("step %d: non-finite loss or gradient, update skipped", step)
+        return False
+
+    def total_steps(self) -> int:
+        total = self.steps_per_epoch * self.cfg.train.epochs
+        return total if self.cfg.train.max_steps is None else min(total, self.cfg.train.max_steps)
+
+    def batches(self) -> Iterator[tuple[int, int, list[Batch]]]:
+        """(epoch, step in epoch, micro-batches) from the data position on, epoch by epoch.
+        Step k of an epoch holds global samples k*G ... k*G+G-1 of the epoch's order."""
+        first_epoch, first_step = divmod(self.loop.samples_seen // self.global_batch,
+                                         self.steps_per_epoch)
+        for epoch in range(first_epoch, self.cfg.train.epochs):
+            skip = first_step if epoch == first_epoch else 0
+            self.loader.sampler.set_epoch(epoch, start_step=skip * self.accum)
+            micro = iter(self.loader)
+            for bidx in range(skip, self.steps_per_epoch):
+                yield epoch, bidx, [next(micro) for _ in range(self.accum)]
 
     def fit(self) -> None:
-        cfg, dims = self.cfg, self.dims
-        global_batch = dims.global_batch_size(cfg.train.batch_size)
-        tokens_per_step = global_batch * cfg.data.seq_len
-        steps_per_epoch = len(self.loader)
-        total = steps_per_epoch * cfg.train.epochs
-        if cfg.train.max_steps is not None:
-            total = min(total, cfg.train.max_steps)
-        logger.info("global batch %d (batch %d x dp %d), %d tokens/step, %d steps",
-                    global_batch, cfg.train.batch_size, dims.dp_size, tokens_per_step, total)
-        step, tokens_seen = 0, 0
-        for epoch in range(cfg.train.epochs):
-            self.loader.sampler.set_epoch(epoch)
-            for bidx, batch in enumerate(self.loader):
-                if step >= total:
-                    return
-                t0 = time.perf_counter()
-                loss, grad_norm = self.train_step(batch)
-                loss_value = loss.item()
-                dt = time.perf_counter() - t0
-                step += 1
-                tokens_seen += tokens_per_step
-                self.writer.log_step({
-                    "train/iter": step, "train/epoch": epoch, "train/bidx": bidx,
-                    "train/loss": loss_value, "train/dt": dt,
-                    "train/tokens": tokens_per_step, "train/tokens_seen": tokens_seen,
-                    "train/tps": tokens_per_step / dt,
-                    "train/tps_per_gpu": tokens_per_step / dt / self.info.world_size,
-                    "grad/norm_preclip": grad_norm.item()})
+        total, out = self.total_steps(), self.cfg.output
+        self.metrics.begin(total, start_step=self.loop.step)
+        previous = signal.signal(signal.SIGTERM, self.request_stop)
+        try:
+            with maybe_profile(out.profile, out.pyinstrument_profiler, self.metrics.outdir,
+                               self.info.rank, total) as profiler:
+                for epoch, bidx, micro in itertools.islice(self.batches(),
+                                                           max(0, total - self.loop.step)):
+                    loss, grad_norm = self.train_step(micro)
+                    self.advance()
+                    self.metrics.log_step(self.loop.step, epoch, bidx, loss, grad_norm,
+                                          self.moe_metrics)
+                    profiler.step()
+                    self.maybe_checkpoint(final=self.loop.step == total)
+            self.metrics.finish()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.checkpointer.finish()
+
+    def advance(self) -> None:
+        tokens = self.global_batch * self.cfg.data.seq_len
+        self.loop = LoopState(step=self.loop.step + 1,
+                              tokens_seen=self.loop.tokens_seen + tokens,
+                              samples_seen=self.loop.samples_seen + self.global_batch)
+
+    def request_stop(self, signum: int, _frame: object) -> None:
+        """Schedulers send SIGTERM before the kill: finish the step, then stop."""
+        self.stop_requested = True
+
+    def maybe_checkpoint(self, final: bool) -> None:
+        ckpt, step = self.checkpointer, self.loop.step
+        if self.stop_requested:
+            grace = self.cfg.checkpoint.sigterm_grace_s
+            if ckpt.enabled and ckpt.last_save_seconds <= grace:
+                self.save_checkpoint()
+            elif ckpt.enabled:
+                logger.warning("SIGTERM: last save took %.1f s > %.1f s grace; not saving",
+                               ckpt.last_save_seconds, grace)
+            raise Preempted(f"stopped by SIGTERM after step {step}")
+        if ckpt.due(step) or (final and ckpt.enabled):
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        start = time.perf_counter()
+        self.checkpointer.save(self.loop.step, self.model, self.optimizer, {
+            **vars(self.loop), "scheduler": self.scheduler.state_dict(),
+            "global_batch": self.global_batch, "mesh": self.dims.degrees,
+            "model_args": vars(model_args(self.cfg))})
+        self.checkpointer.last_save_seconds = time.perf_counter() - start
 
     def close(self) -> None:
-        self.writer.close()
+        self.metrics.close()
 
 
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     p = cfg.parallel
-    return ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size)
+    return ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp)
 
 
 def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
@@ -160,7 +315,5 @@ def main(argv: Sequence[str]) -> None:
     for warning in cfg.warnings:
         logger.warning(warning)
     device = init_distributed(info)
-    try:
-        run(cfg, info, device)
-    finally:
-        teardown()
+    run(cfg, info, device)
+    teardown()  # only after success: a failed rank must exit at once, not wait in a barrier

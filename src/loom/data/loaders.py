@@ -3,16 +3,27 @@
 Step k of an epoch consumes global samples k*G ... k*G+G-1 (G = global batch) of one seeded
 permutation; dp rank r takes its contiguous slice of B = G / dp. Ranks that differ only in
 tp get the same slice, and a run on another dp degree with the same G sees the same data.
+`build_dataset` makes the dataset itself: synthetic, or text tokenized once per node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from loom.config import ConfigError
+from loom.config import ConfigError, JobConfig
+from loom.data.cache import TokenCache, cache_key, default_cache_dir
+from loom.data.text import PackedTokens, cache_parts, prepare_tokens, resolve_source
+from loom.data.tokenizers import tokenizer_name
+from loom.presets import is_hf_model
+
+logger = logging.getLogger("loom")
 
 RANDOM_DATASET_SAMPLES = 8192
 """Length of the synthetic dataset: an epoch of `random` is this many samples."""
@@ -46,7 +57,7 @@ class GlobalOrderSampler(Sampler[int]):
                  seed: int, shuffle: bool = True):
         self.dataset_size, self.batch_size = dataset_size, batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.seed, self.shuffle, self.epoch = seed, shuffle, 0
+        self.seed, self.shuffle, self.epoch, self.start_step = seed, shuffle, 0, 0
 
     @property
     def global_batch(self) -> int:
@@ -56,11 +67,13 @@ class GlobalOrderSampler(Sampler[int]):
     def steps_per_epoch(self) -> int:
         return self.dataset_size // self.global_batch
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Iterate `epoch`'s order from step `start_step` on (a resumed run passes the
+        number of steps of this epoch it has already taken)."""
+        self.epoch, self.start_step = epoch, start_step
 
     def __len__(self) -> int:
-        return self.steps_per_epoch * self.batch_size
+        return max(0, self.steps_per_epoch - self.start_step) * self.batch_size
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
@@ -69,7 +82,7 @@ class GlobalOrderSampler(Sampler[int]):
         else:
             order = torch.arange(self.dataset_size)
         start = self.dp_rank * self.batch_size
-        for step in range(self.steps_per_epoch):
+        for step in range(self.start_step, self.steps_per_epoch):
             base = step * self.global_batch + start
             yield from order[base:base + self.batch_size].tolist()
 
@@ -87,3 +100,63 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size
             "(--dp-shard/--dp-replicate or more --tp), shorten --seq-len or add data")
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                       num_workers=num_workers, persistent_workers=num_workers > 0)
+
+
+def build_dataset(cfg: JobConfig, local_rank: int) -> tuple[Dataset, JobConfig]:
+    """The training dataset, and `cfg` with the vocabulary sized from its tokenizer.
+
+    Text is tokenized by local rank 0 of each node while the other ranks wait; they then
+    read the cache, so N ranks never tokenize the same data concurrently.
+    """
+    data = cfg.data
+    if data.dataset == "random":
+        return RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed), cfg
+    source = resolve_source(data.dataset)
+    tokenizer = tokenizer_name(data.tokenizer_name, cfg.model.model)
+    root = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
+    cache = TokenCache(root, cache_key(cache_parts(source, data, tokenizer)))
+    on_node_leaders(lambda: prepare_tokens(cache, source, data, tokenizer, root),
+                    leader=local_rank == 0)
+    dataset = PackedTokens(cache, data.seq_len)
+    logger.info("data: %s, %d tokens, %d windows of %d tokens", source.name,
+                dataset.n_tokens, len(dataset), data.seq_len + 1)
+    return dataset, sized_to_tokenizer(cfg, dataset.meta)
+
+
+def on_node_leaders(fn: Callable[[], None], leader: bool) -> None:
+    """Run `fn` where `leader` is true while the other ranks wait. A failure there is raised
+    on every rank (a ConfigError stays one line), so no rank is left waiting forever."""
+    error: Exception | None = None
+    if leader:
+        try:
+            fn()
+        except Exception as e:
+            error = e
+    outcomes: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    mine = None if error is None else (isinstance(error, ConfigError), str(error))
+    dist.all_gather_object(outcomes, mine)
+    if error is not None:
+        raise error
+    failures = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+    if failures:
+        rank, (is_config, message) = failures[0]
+        if is_config:
+            raise ConfigError(message)
+        raise RuntimeError(f"preparing the data failed on rank {rank}: {message}")
+
+
+def sized_to_tokenizer(cfg: JobConfig, meta: dict) -> JobConfig:
+    """The embedding must cover every id the tokenizer emits, added special tokens too."""
+    size = int(meta["vocab_size"])
+    if size == cfg.model.vocab_size:
+        return cfg
+    if cfg.model.model is not None and is_hf_model(cfg.model.model):  # its embedding is given
+        if size > cfg.model.vocab_size:
+            raise ConfigError(f"tokenizer {meta['tokenizer']} has {size} tokens but the model "
+                              f"{cfg.model.model} embeds only {cfg.model.vocab_size}")
+        return cfg
+    warning = (f"--vocab-size {cfg.model.vocab_size} replaced by {size}, the full length of "
+               f"tokenizer {meta['tokenizer']} (special tokens included)")
+    logger.warning(warning)
+    return replace(cfg, model=replace(cfg.model, vocab_size=size),
+                   warnings=(*cfg.warnings, warning))

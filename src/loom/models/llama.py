@@ -132,11 +132,15 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta),
                              persistent=False)
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        """Block `layer_id`; variants (the MoE model) override this."""
+        return TransformerBlock(self.args)
 
     def forward(self, tokens: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

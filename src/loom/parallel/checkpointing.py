@@ -1,4 +1,10 @@
-"""Activation checkpointing: recompute each block (or its attention) in backward."""
+"""Activation checkpointing: recompute each block (or only its attention) in backward.
+
+Uses torch's non-reentrant `checkpoint_wrapper`: a module wrapper that composes with TP
+and FSDP2 and that Dynamo traces as a checkpoint region, so per-block compile sees through
+it (the hook-based `torch.distributed._composable.checkpoint` breaks a fullgraph compile).
+The wrapper strips its `_checkpoint_wrapped_module.` prefix from state-dict keys.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +16,32 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 logger = logging.getLogger("loom")
 
 
-def apply_ac(model: nn.Module, mode: str) -> int:
-    """Wrap each block ('block') or each block's attention ('selective'); returns the count.
+def checkpointed(module: nn.Module) -> nn.Module:
+    """`module` recomputed in backward; RNG state is restored first, so random ops (dropout)
+    recompute the same values as in forward."""
+    return checkpoint_wrapper(module, preserve_rng_state=True)
 
-    Wrapping keeps RNG state (preserve_rng_state) so dropout-like ops recompute identically,
-    and uses the non-reentrant checkpoint that torch.compile can trace through.
-    """
+
+def apply_ac(model: nn.Module, mode: str) -> int:
+    """'block': wrap every block of `model.layers`; 'selective': wrap every block's `attention`
+    child. Returns how many modules were wrapped."""
     if mode == "none":
         return 0
+    if mode not in ("block", "selective"):
+        raise ValueError(f"unknown activation checkpoint mode {mode!r}")
     wrapped = 0
-    for name, block in model.layers.items():
+    for name, block in list(model.layers.named_children()):
         if mode == "block":
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)
-            wrapped += 1
-        elif mode == "selective" and hasattr(block, "attention"):
-            block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=True)
-            wrapped += 1
+            model.layers.register_module(name, checkpointed(block))
+        elif isinstance(getattr(block, "attention", None), nn.Module):
+            block.attention = checkpointed(block.attention)
+        else:
+            continue
+        wrapped += 1
+    what = "blocks" if mode == "block" else "attention modules"
     if wrapped == 0:
-        logger.warning("activation checkpoint %r found nothing to wrap", mode)
+        logger.warning("activation checkpointing (%s): found no %s to wrap; nothing is "
+                       "recomputed", mode, what)
     else:
-        logger.info("activation checkpointing (%s) wrapped %d modules", mode, wrapped)
+        logger.info("activation checkpointing (%s): wrapped %d %s", mode, wrapped, what)
     return wrapped

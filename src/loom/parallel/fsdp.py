@@ -30,11 +30,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     return units
 
 
-def set_gradient_division(units: list[FSDPModule], dp_size: int, backend: str) -> None:
+def set_gradient_division(units: list[FSDPModule], dp_size: int, backend: str, *,
+                          shard_size: int) -> None:
     """Sum gradients in the collective and divide once by the dp size, instead of FSDP's
     pre/post split; backends without a fused pre-multiplied sum (all but NCCL) are told to
-    reduce with a plain sum."""
+    reduce with a plain sum. Not on a size-1 shard mesh: there no reduce-scatter runs, and
+    torch 2.13 would divide twice (in its size-1 copy and again after it)."""
     for unit in units:
         unit.set_gradient_divide_factor(float(dp_size))
-        if backend != "nccl":
+        if backend != "nccl" and shard_size > 1:
             unit.set_force_sum_reduction_for_comms(True)

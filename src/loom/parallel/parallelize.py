@@ -1,4 +1,4 @@
-"""The one ordered recipe: TP -> activation checkpointing -> compile -> FSDP2."""
+"""The one ordered recipe: TP -> EP/ETP -> activation checkpointing -> compile -> FSDP2."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile
+from loom.parallel.expert import (
+    apply_expert_fsdp,
+    apply_moe_compile,
+    apply_moe_parallel,
+    moe_layers,
+)
 from loom.parallel.fsdp import apply_fsdp, mixed_precision, set_gradient_division
 from loom.parallel.tensor import apply_tp
 
@@ -23,14 +29,17 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
         apply_tp(model, dims.get_mesh("tp"), loss_parallel=loss_parallel)
         logger.info("tensor parallel: tp=%d, sequence parallel, %s logits", dims.tp,
                     "vocab-sharded" if loss_parallel else "replicated")
+    apply_moe_parallel(model, dims)
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile:
-        apply_compile(model, cfg.compile_mode, cfg.act_mem_budget)
-    units = apply_fsdp(model, dims.fsdp_mesh,
-                       reshard_after_forward=cfg.reshard_after_forward == "always",
+        compile_fn = apply_moe_compile if moe_layers(model) else apply_compile
+        compile_fn(model, cfg.compile_mode, cfg.act_mem_budget, cfg.compile_backend)
+    fsdp_kwargs = dict(reshard_after_forward=cfg.reshard_after_forward == "always",
                        mp_policy=mixed_precision(cfg.fp32, cfg.reduce_dtype))
+    apply_expert_fsdp(model, dims, backend=backend, **fsdp_kwargs)
+    units = apply_fsdp(model, dims.fsdp_mesh, **fsdp_kwargs)
     if cfg.grad_divide_factor:
-        set_gradient_division(units, dims.dp_size, backend)
+        set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard)
     logger.info("FSDP2: %d units over %s mesh %s, reshard after forward: %s, %s",
                 len(units), "HSDP" if dims.dp_replicate_enabled else "dp_shard",
                 tuple(dims.fsdp_mesh.shape), cfg.reshard_after_forward,

@@ -28,7 +28,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
             use_local_output=not loss_parallel),
     })
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
+        plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
                 input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
@@ -38,10 +38,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                use_local_output=True),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        }
+        if hasattr(block, "feed_forward"):  # MoE blocks get theirs from parallel/expert.py
+            plan.update({
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                    use_local_output=True),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            })
+        parallelize_module(block, tp_mesh, plan)

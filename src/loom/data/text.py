@@ -1,0 +1,235 @@
+"""Text to training windows: find the documents (embedded corpus, local files, hub dataset),
+subsample, tokenize once into the cache, then serve windows of seq_len + 1 tokens.
+
+`datasets` and `pyarrow` are imported only when something must be tokenized, so a warm
+start (cache hit) costs a memory map and no library imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from loom.config import ConfigError, DataConfig
+from loom.data.cache import TokenCache, files_fingerprint, token_dtype
+from loom.data.hub import (
+    LOCAL_FILES_HINT,
+    ensure_hub_reachable,
+    first_line,
+    hub_offline,
+    looks_like_hub_id,
+)
+from loom.data.tokenizers import ASSETS, TextTokenizer, load_tokenizer, tokenizer_identity
+from loom.losses import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    import datasets
+
+logger = logging.getLogger("loom")
+
+EMBEDDED_CORPUS = ASSETS / "corpus"
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
+            ".csv": "csv"}
+"""Local file suffix -> `datasets` builder (.gz is read through for text, json and csv)."""
+ENCODE_BATCH = 1000
+"""Documents per tokenizer call: big enough for the Rust tokenizer to use every core."""
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Where the documents come from. A .txt file is one document."""
+
+    kind: str
+    """'embedded', 'local' or 'hub'."""
+    name: str
+    files: tuple[Path, ...] = ()
+    builder: str = "text"
+
+    def identity(self) -> str:
+        if self.kind == "hub":
+            return f"hub:{self.name}"
+        return f"{self.kind}:{files_fingerprint(self.files)}"
+
+
+def builder_for(path: Path) -> str | None:
+    """The `datasets` builder that reads this file, None if it is not a data file."""
+    name = path.name.lower()
+    inner = name.removesuffix(".gz")
+    builder = BUILDERS.get(Path(inner).suffix)
+    return None if builder == "parquet" and inner != name else builder
+
+
+def resolve_source(dataset: str | None) -> TextSource:
+    if dataset is None:
+        return TextSource("embedded", "embedded corpus", tuple(sorted(EMBEDDED_CORPUS.iterdir())))
+    path = Path(dataset).expanduser()
+    if path.exists():
+        return local_source(path)
+    if looks_like_hub_id(dataset) and builder_for(path) is None:
+        return TextSource("hub", dataset)
+    raise ConfigError(f"--dataset {dataset}: no such file or folder, and not a hub id "
+                      "(owner/name)")
+
+
+def local_source(path: Path) -> TextSource:
+    """A file, or every data file under a folder (hidden ones skipped); one format only."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and builder_for(p)
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    else:
+        files = [path]
+    builders = {builder_for(p) for p in files}
+    if not files or None in builders:
+        raise ConfigError(f"--dataset {path}: expected .txt, .jsonl, .json, .parquet or .csv "
+                          "files (optionally .gz, except parquet)")
+    if len(builders) > 1:
+        raise ConfigError(f"--dataset {path} mixes formats ({', '.join(sorted(builders))}); "
+                          "point it at files of one kind")
+    return TextSource("local", str(path.resolve()), tuple(p.resolve() for p in files),
+                      builders.pop())
+
+
+def cache_parts(source: TextSource, data: DataConfig, tokenizer_name: str | None,
+                ) -> dict[str, Any]:
+    """What the tokens depend on, hence the cache key (seq_len is not: windows are cut
+    when reading, so one entry serves every sequence length)."""
+    return {"source": source.identity(), "split": data.hf_split,
+            "column": data.hf_text_column, "limit": data.hf_limit,
+            "limit_seed": data.hf_limit_seed if data.hf_limit else None,
+            "tokenizer": tokenizer_identity(tokenizer_name)}
+
+
+def load_documents(source: TextSource, split: str, cache_dir: Path) -> datasets.Dataset:
+    """One split of the source as a `datasets.Dataset`; errors name what exists."""
+    import datasets
+    from datasets.exceptions import DatasetsError
+
+    datasets.disable_progress_bars()
+    try:
+        if source.kind == "hub":
+            splits = datasets.load_dataset(source.name)
+        else:
+            kwargs = {"sample_by": "document"} if source.builder == "text" else {}
+            splits = datasets.load_dataset(source.builder, data_files=[str(f) for f in
+                                                                       source.files],
+                                           cache_dir=str(cache_dir / "datasets"), **kwargs)
+    except (OSError, ValueError, DatasetsError) as e:
+        offline = ", HF_HUB_OFFLINE is set" if source.kind == "hub" and hub_offline() else ""
+        raise ConfigError(f"--dataset {source.name}: cannot load it ({first_line(e)}"
+                          f"{offline}); {LOCAL_FILES_HINT}") from None
+    if split not in splits:
+        raise ConfigError(f"--hf-split {split} not in --dataset {source.name}; "
+                          f"splits: {', '.join(splits)}")
+    return splits[split]
+
+
+def select_rows(docs: datasets.Dataset, limit: int, seed: int) -> datasets.Dataset:
+    """`limit` rows drawn without replacement from `seed`, kept in their original order."""
+    if limit <= 0 or limit >= len(docs):
+        return docs
+    rows = np.random.default_rng(seed).choice(len(docs), size=limit, replace=False)
+    return docs.select(np.sort(rows))
+
+
+def check_text_column(docs: datasets.Dataset, column: str, source: str) -> None:
+    columns = ", ".join(docs.column_names)
+    feature = docs.features.get(column)
+    if feature is None:
+        raise ConfigError(f"--hf-text-column {column} not in --dataset {source}; "
+                          f"columns: {columns}")
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise ConfigError(f"--hf-text-column {column} of --dataset {source} holds "
+                          f"{getattr(feature, 'dtype', feature)}, not text; columns: {columns}")
+
+
+def _encode_batch(batch: dict[str, list], column: str, tokenizer: TextTokenizer,
+                  ) -> dict[str, list[list[int]]]:
+    texts = [text for text in batch[column] if text]
+    return {"ids": [[*ids, tokenizer.eot_id] for ids in tokenizer.encode(texts)]}
+
+
+def tokenize(docs: datasets.Dataset, column: str, tokenizer: TextTokenizer) -> np.ndarray:
+    """Every non-empty document's tokens followed by end-of-text, as one flat array."""
+    import pyarrow.compute as pc
+
+    encoded = docs.map(_encode_batch, fn_kwargs=dict(column=column, tokenizer=tokenizer),
+                       batched=True, batch_size=ENCODE_BATCH, remove_columns=docs.column_names,
+                       keep_in_memory=True, new_fingerprint="loom-tokenize",
+                       num_proc=None if tokenizer.parallel else os.cpu_count())
+    flat = pc.list_flatten(encoded.data.table.column("ids")).to_numpy()
+    return flat.astype(token_dtype(tokenizer.size))
+
+
+def prepare_tokens(cache: TokenCache, source: TextSource, data: DataConfig,
+                   tokenizer_name: str | None, cache_dir: Path) -> None:
+    """Tokenize the source into `cache` unless an earlier run already did."""
+    if cache.exists():
+        return
+    start = time.perf_counter()
+    if source.kind == "hub":  # fail in seconds, before slow imports and downloads
+        ensure_hub_reachable(source.name, "dataset", "--dataset", LOCAL_FILES_HINT)
+    tokenizer = load_tokenizer(tokenizer_name)
+    docs = load_documents(source, data.hf_split, cache_dir)
+    check_text_column(docs, data.hf_text_column, source.name)
+    docs = select_rows(docs, data.hf_limit, data.hf_limit_seed)
+    tokens = tokenize(docs, data.hf_text_column, tokenizer)
+    if tokens.size == 0:
+        raise ConfigError(f"--dataset {source.name}: column {data.hf_text_column} holds no text")
+    cache.write(tokens, {"source": source.name, "split": data.hf_split,
+                         "column": data.hf_text_column, "documents": len(docs),
+                         "tokenizer": tokenizer.name, "vocab_size": tokenizer.size,
+                         "eot_id": tokenizer.eot_id, "pad_id": tokenizer.pad_id,
+                         "n_tokens": int(tokens.size)})
+    logger.info("data: tokenized %d documents of %s into %d tokens in %.1f s (cache %s)",
+                len(docs), source.name, tokens.size, time.perf_counter() - start, cache.path)
+
+
+def mask_labels(labels: torch.Tensor, attention_mask: torch.Tensor,
+                pad_id: int | None) -> torch.Tensor:
+    """-100 where the attention mask is 0 or the label is the pad id, in one pass."""
+    ignore = attention_mask == 0
+    if pad_id is not None:
+        ignore |= labels == pad_id
+    return labels.masked_fill(ignore, IGNORE_INDEX)
+
+
+class PackedTokens(Dataset):
+    """Consecutive windows of seq_len + 1 tokens over the cached stream: input = w[:-1],
+    labels = w[1:], both exactly seq_len long. The tail shorter than a window is padded
+    and masked; the stream is memory-mapped per process (cheap to hand to workers)."""
+
+    def __init__(self, cache: TokenCache, seq_len: int):
+        self.path, self.seq_len, self.meta = cache.tokens_path, seq_len, cache.meta()
+        self.n_tokens = int(self.meta["n_tokens"])
+        self.pad_id: int | None = self.meta["pad_id"]
+        self._tokens: np.ndarray | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = np.load(self.path, mmap_mode="r")
+        return self._tokens
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}
+
+    def __len__(self) -> int:
+        return -(-self.n_tokens // (self.seq_len + 1))
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        width = self.seq_len + 1
+        chunk = torch.from_numpy(self.tokens[index * width:(index + 1) * width].astype(np.int64))
+        window = torch.full((width,), self.meta["eot_id"] if self.pad_id is None else
+                            self.pad_id, dtype=torch.int64)
+        window[:len(chunk)] = chunk
+        attention_mask = torch.arange(width) < len(chunk)
+        return {"input": window[:-1],
+                "labels": mask_labels(window[1:], attention_mask[1:], self.pad_id)}

@@ -1,0 +1,99 @@
+"""Tokenizers: the shipped GPT-2 one, read with the light `tokenizers` library (no
+`transformers` import on the default path), and anything `transformers.AutoTokenizer` loads
+(hub ids, local folders)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from loom.config import ConfigError
+from loom.data.cache import files_fingerprint
+from loom.data.hub import ensure_hub_reachable, first_line, looks_like_hub_id
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+SHIPPED_TOKENIZER = ASSETS / "gpt2-tokenizer"
+SHIPPED_NAME = "gpt2 (embedded)"
+
+
+@dataclass(frozen=True)
+class TextTokenizer:
+    """What packing needs from a tokenizer, whichever library loaded it."""
+
+    name: str
+    backend: Any
+    """A `tokenizers.Tokenizer`, or a `transformers` tokenizer without a Rust backend."""
+    size: int
+    """len(tokenizer): the base vocabulary plus added special tokens (embedding rows)."""
+    eot_id: int
+    pad_id: int | None
+    """A pad id distinct from end-of-text, else None (masking it would hide real EOTs)."""
+
+    @property
+    def parallel(self) -> bool:
+        """Rust tokenizers encode a batch on all cores by themselves."""
+        return isinstance(self.backend, tokenizers.Tokenizer)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if isinstance(self.backend, tokenizers.Tokenizer):
+            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+        return self.backend(texts, add_special_tokens=False)["input_ids"]
+
+
+def tokenizer_name(tokenizer: str | None, model: str | None) -> str | None:
+    """--tokenizer-name, else the repo of an HF --model, else None (the shipped one)."""
+    if tokenizer is not None:
+        return tokenizer
+    return model if model is not None and "/" in model else None
+
+
+def tokenizer_identity(name: str | None) -> str:
+    """Cache-key identity without loading anything (a warm start never parses a tokenizer)."""
+    if name is None:
+        return f"embedded:{files_fingerprint(sorted(SHIPPED_TOKENIZER.iterdir()))}"
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return f"folder:{path.resolve()}:{files_fingerprint(sorted(path.iterdir()))}"
+    return f"hub:{name}"
+
+
+def load_tokenizer(name: str | None) -> TextTokenizer:
+    return load_shipped_tokenizer() if name is None else load_auto_tokenizer(name)
+
+
+def load_shipped_tokenizer() -> TextTokenizer:
+    text = gzip.decompress((SHIPPED_TOKENIZER / "tokenizer.json.gz").read_bytes()).decode()
+    config = json.loads((SHIPPED_TOKENIZER / "tokenizer_config.json").read_text())
+    backend = tokenizers.Tokenizer.from_str(text)
+    return TextTokenizer(SHIPPED_NAME, backend, backend.get_vocab_size(with_added_tokens=True),
+                         backend.token_to_id(config["eos_token"]), pad_id=None)
+
+
+def load_auto_tokenizer(name: str) -> TextTokenizer:
+    """A hub id or local folder through AutoTokenizer; encodes with its Rust backend if any."""
+    hint, path = "pass a local tokenizer folder instead", Path(name).expanduser()
+    if looks_like_hub_id(name, bare_ok=True):
+        ensure_hub_reachable(name, "model", "--tokenizer-name", hint)
+    elif not path.is_dir():
+        raise ConfigError(f"--tokenizer-name {name}: no such folder, and not a hub id")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("--tokenizer-name needs transformers: pip install 'loom[hf]'") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokenizer-name {name}: cannot load it ({first_line(e)}); "
+                          f"{hint}") from None
+    if tok.eos_token_id is None:
+        raise ConfigError(f"--tokenizer-name {name} has no end-of-text (eos) token to "
+                          "separate documents")
+    pad = tok.pad_token_id
+    backend = getattr(tok, "backend_tokenizer", None) or tok
+    return TextTokenizer(name, backend, len(tok), tok.eos_token_id,
+                         None if pad == tok.eos_token_id else pad)

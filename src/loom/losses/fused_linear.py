@@ -1,0 +1,112 @@
+"""Fused linear cross-entropy: the output projection runs per row chunk inside the loss.
+
+Neither the (tokens x vocab) logits nor their gradient ever exist: each chunk's logits are
+projected, turned into the loss and into d loss / d logits, and immediately contracted into
+the gradients of the hidden states and of the output weight (the Liger approach), so the
+projection is paid once and backward only scales the stored gradients. Under tensor
+parallelism each rank projects onto its vocabulary shard of the weight and the softmax
+statistics are reduced across tp, bounding rows and vocabulary at once.
+
+The loss runs inside the output module's call (`apply_fused_head`), so FSDP gathers the
+weight it uses and reduce-scatters the weight's gradient as for any other forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from loom.losses.cross_entropy import IGNORE_INDEX, VocabShard, softmax_, softmax_to_grad_
+
+
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, shard: VocabShard,
+           row_weight: torch.Tensor, grad_h: torch.Tensor | None,
+           grad_w: torch.Tensor | None) -> torch.Tensor:
+    """One row chunk: its loss sum; writes its rows of grad_h and adds into grad_w. Its
+    (C, V_local) temporaries die on return, before the next chunk's are made."""
+    p = (hidden @ weight.T).float()
+    lse, target = softmax_(p, targets, shard)
+    loss_sum = ((lse - target) * (targets != IGNORE_INDEX)).sum()
+    grad = softmax_to_grad_(p, targets, shard, row_weight).to(hidden.dtype)
+    del p
+    if grad_h is not None:
+        torch.mm(grad, weight, out=grad_h)
+    if grad_w is not None:
+        grad_w.addmm_(grad.T, hidden)
+    return loss_sum
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Softmax statistics and the loss in fp32; the weight gradient accumulates over chunks
+    in the weight's dtype inside the matmul (as Liger does), since an fp32 buffer would add
+    a weight-sized copy and a pass over it per chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                chunk_size: int, shard: VocabShard, grad_enabled: bool) -> torch.Tensor:
+        """hidden (N, D), weight (V_local, D), targets (N,) -> mean loss; gradients kept
+        unless grad mode was off at the call (needs_input_grad ignores it)."""
+        want_h, want_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
+        valid = targets != IGNORE_INDEX
+        count = valid.sum()
+        row_weight = valid / count
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, len(targets), chunk_size):
+            rows = slice(start, start + chunk_size)
+            total += _chunk(hidden[rows], weight, targets[rows], shard, row_weight[rows],
+                            None if grad_h is None else grad_h[rows], grad_w)
+        ctx.save_for_backward(grad_h, grad_w)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in (grad_h, grad_w)]
+        return *scaled, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               chunk_size: int) -> torch.Tensor:
+    """Mean cross-entropy of `hidden @ weight.T` against labels, projected chunk by chunk.
+
+    With a vocabulary-sharded DTensor weight (tp), hidden must be a replicated DTensor; each
+    rank's hidden-state gradient is then a partial sum over its vocabulary shard.
+    """
+    if not isinstance(weight, DTensor):
+        return _FusedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(),
+                                              chunk_size, VocabShard(), torch.is_grad_enabled())
+    shard = VocabShard.of(weight, 0)
+    if not isinstance(hidden, DTensor) or any(not p.is_replicate() for p in hidden.placements):
+        raise ValueError("fused-linear under tp needs hidden states replicated across tp")
+    local_h = hidden.to_local(grad_placements=[Partial() if shard.group else Replicate()])
+    loss = _FusedLinearCrossEntropy.apply(local_h.flatten(0, -2), weight.to_local(),
+                                          labels.flatten(), chunk_size, shard,
+                                          torch.is_grad_enabled())
+    return DTensor.from_local(loss, weight.device_mesh, [Replicate()], run_check=False)
+
+
+def apply_fused_head(output: nn.Linear, chunk_size: int) -> None:
+    """Make `output(hidden, labels=labels)` return the fused loss instead of logits.
+
+    Calling the module (not its weight) keeps every hook around it: FSDP unshards the weight
+    and routes its gradient, and the tp plan all-gathers the sequence-sharded hidden states
+    and turns the returned replicated loss into a local tensor.
+    """
+    project = output.forward
+
+    def forward(hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return project(hidden)
+        return fused_linear_cross_entropy(hidden, output.weight, labels, chunk_size)
+
+    output.forward = forward
+
+
+def fused_linear_loss(model: nn.Module, inputs: torch.Tensor,
+                      labels: torch.Tensor) -> torch.Tensor:
+    """LossFn of fused-linear: hidden states from the model, loss from its fused head."""
+    hidden = model(inputs, return_hidden=True)
+    return model.output(hidden, labels=labels)

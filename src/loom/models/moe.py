@@ -1,0 +1,239 @@
+"""A DeepSeek-V3-style mixture-of-experts Transformer built from the Llama blocks.
+
+Pure PyTorch. Expert and tensor parallelism are applied from outside through two seams:
+forward hooks around `MoE.router` and `MoE.experts` (token dispatch and combine), and
+`GroupedExperts.local_weights` (turning sharded weights into the local tensors used here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.models.llama import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
+
+
+@dataclass(frozen=True)
+class MoEArgs(ModelArgs):
+    n_experts: int = 8
+    top_k: int = 2
+    n_shared_experts: int = 1
+    moe_hidden_dim: int | None = None
+    n_dense_layers: int = 1
+    score_func: str = "sigmoid"
+    route_norm: bool = True
+    route_scale: float = 1.0
+    load_balance_coeff: float = 1e-3
+    aux_loss_coeff: float = 0.0
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        return self.moe_hidden_dim or self.ffn_hidden_dim
+
+    @property
+    def n_moe_layers(self) -> int:
+        return max(0, self.n_layers - self.n_dense_layers)
+
+
+MOE_FIELDS = tuple(f.name for f in fields(MoEArgs) if f.name not in
+                   {g.name for g in fields(ModelArgs)})
+"""The settings a MoE model adds to the dense ones (named like the config fields)."""
+
+
+class TokenChoiceRouter(nn.Module):
+    """Each token picks its top-k experts. Scores are computed in fp32; the expert bias
+    only changes which experts are picked, never the weights their outputs get."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.top_k, self.score_func = args.top_k, args.score_func
+        self.route_norm, self.route_scale = args.route_norm, args.route_scale
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, dim) -> top-k weights (N, k) fp32, expert ids (N, k), all scores (N, E)."""
+        logits = self.gate(x).float()
+        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        _, expert_idx = (scores + expert_bias).topk(self.top_k, dim=-1)
+        top_scores = scores.gather(-1, expert_idx)
+        if self.route_norm:
+            top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_scores * self.route_scale, expert_idx, scores
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm needs 16-byte aligned rows and bf16: its CPU kernel takes fp32 too,
+    but its meta kernel (fake tensors, torch.compile tracing) does not."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])
+    return (hasattr(torch, "_grouped_mm") and aligned
+            and x.dtype == w.dtype == torch.bfloat16)
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] rows for expert e) times w[e].T: (M, in) ->
+    (M, out) with w (E, out, in); a grouped matmul where torch has one, else a loop."""
+    if _grouped_mm_ok(x, w):
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    chunks = x.split(counts.tolist())
+    return torch.cat([chunk @ w_e.T for chunk, w_e in zip(chunks, w, strict=True)])
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as stacked weights: w1, w3 (E, hidden, dim), w2 (E, dim, hidden)."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weights as plain tensors; expert parallelism replaces this to unwrap shards."""
+        return self.w1, self.w2, self.w3
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, dim), rows grouped by (local) expert; counts (E_local,) rows per expert."""
+        w1, w2, w3 = self.local_weights()
+        h = F.silu(expert_matmul(x, w1, counts)) * expert_matmul(x, w3, counts)
+        return expert_matmul(h, w2, counts)
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Identity on x whose backward also sends gradient 1 into `aux`, so a balance loss
+    trains the router without changing what the model returns."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype = aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device)
+
+
+def sequence_balance_loss(scores: torch.Tensor, expert_idx: torch.Tensor,
+                          bsz: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, sum_i f_i * P_i averaged over sequences:
+    f_i = E/(k*T) * picks of expert i, P_i = mean over the sequence of normalised scores."""
+    n_experts, top_k = scores.shape[-1], expert_idx.shape[-1]
+    probs = (scores / scores.sum(dim=-1, keepdim=True)).view(bsz, -1, n_experts)  # (B, T, E)
+    picks = F.one_hot(expert_idx.view(bsz, -1), n_experts).sum(dim=1)  # (B, E)
+    f = picks.float() * n_experts / (top_k * probs.shape[1])
+    return (f * probs.mean(dim=1)).sum(dim=-1).mean()
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k of E, weighted by router scores) plus always-on shared experts.
+
+    `tokens_per_expert` sums the picks since the last expert-bias update; the training loop
+    all-reduces it and moves `expert_bias` towards balance (aux-loss-free balancing).
+    """
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.top_k, self.aux_loss_coeff = args.top_k, args.aux_loss_coeff
+        self.load_balance_coeff = args.load_balance_coeff
+        self.router = TokenChoiceRouter(args)
+        self.experts = GroupedExperts(args.dim, args.expert_hidden_dim, args.n_experts)
+        shared = args.n_shared_experts * args.expert_hidden_dim
+        self.shared_experts = FeedForward(args.dim, shared) if shared else None
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        x = x.reshape(-1, dim)  # (N, dim)
+        top_scores, expert_idx, scores = self.router(x, self.expert_bias)
+        flat_idx = expert_idx.flatten()  # (N*k,) token-major
+        counts = flat_idx.new_zeros(self.expert_bias.numel()).scatter_add_(
+            0, flat_idx, torch.ones_like(flat_idx))  # (E,), a static shape for compile
+        self._record(counts)
+        order = flat_idx.argsort(stable=True)  # slots grouped by expert
+        token_ids = order // self.top_k
+        routed = self.experts(x[token_ids], counts)  # (N*k, dim)
+        routed = (routed.float() * top_scores.flatten()[order, None]).type_as(x)
+        out = torch.zeros_like(x).index_add(0, token_ids, routed)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if self.aux_loss_coeff > 0 and self.training:
+            aux = self.aux_loss_coeff * sequence_balance_loss(scores, expert_idx, bsz)
+            with torch.no_grad():
+                self.aux_loss.copy_(aux)
+            out = _AddAuxLoss.apply(out, aux)
+        return out.view(bsz, seqlen, dim)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero the bias and counters that `to_empty` left uninitialised."""
+        for buf in (self.expert_bias, self.tokens_per_expert, self.aux_loss):
+            buf.zero_()
+
+    @torch.no_grad()
+    def _record(self, counts: torch.Tensor) -> None:
+        """Count picks once per forward: activation-checkpoint recomputation (in backward) is
+        skipped. A compiled caller cannot ask, so it counts every call (loom compiles MoE
+        blocks piecewise and runs this eagerly)."""
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+            self.tokens_per_expert.add_(counts)
+
+
+class MoETransformerBlock(nn.Module):
+    """A Llama block whose feed-forward is a mixture of experts (module name `moe`)."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.moe = MoE(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.moe(self.ffn_norm(h))
+
+
+class MoETransformer(Transformer):
+    """The Llama Transformer with MoE blocks after the first `n_dense_layers` dense ones."""
+
+    args: MoEArgs
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        if layer_id < self.args.n_dense_layers:
+            return super().build_block(layer_id)
+        return MoETransformerBlock(self.args)
+
+    def init_std(self, name: str) -> float | None:
+        if name.endswith(("moe.experts.w2", "shared_experts.w2.weight")):
+            return 0.02 / (2 * self.args.n_layers) ** 0.5
+        return super().init_std(name)
+
+    def init_buffers(self, device: torch.device) -> None:
+        super().init_buffers(device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers()
+
+    @property
+    def active_param_count(self) -> int:
+        """Parameters one token uses: all but the (E - k) routed experts it skips per layer
+        (the figure FLOPs and MFU count)."""
+        return active_param_count(self.args)
+
+
+def expert_param_count(args: MoEArgs) -> int:
+    """Routed-expert parameters of one MoE layer."""
+    return 3 * args.n_experts * args.dim * args.expert_hidden_dim
+
+
+def active_param_count(args: MoEArgs) -> int:
+    with torch.device("meta"):
+        total = sum(p.numel() for p in MoETransformer(args).parameters())
+    skipped = (args.n_experts - args.top_k) / args.n_experts * expert_param_count(args)
+    return total - int(skipped) * args.n_moe_layers

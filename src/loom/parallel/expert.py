@@ -1,0 +1,278 @@
+"""Expert parallel (EP) and expert tensor parallel (ETP) for the MoE model.
+
+EP shards the routed experts on dim 0 over the `ep` mesh (ranks borrowed from dp_shard).
+Before the experts run, every token slot travels to the rank that owns its expert (an
+all-to-all with uneven splits) and is regrouped by local expert; afterwards it travels
+back (combine). ETP (etp = tp) also splits each expert's hidden dim across tp; at etp = 1
+the experts are replicated over tp and the tp ranks split the token slots instead. Either
+way a MoE block's routed and shared outputs are partial sums over tp, reduced back to
+sequence-sharded once, like a dense feed-forward's.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from loom.mesh import ParallelDims
+from loom.models.moe import MoE
+from loom.parallel.compile import _own_storage, set_act_mem_budget
+from loom.parallel.fsdp import set_gradient_division
+
+logger = logging.getLogger("loom")
+
+WEIGHTS = ("w1", "w2", "w3")
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def sum_grad_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity in forward; in backward the per-rank gradients, each a partial sum, are
+    summed over `mesh`."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()])
+
+
+def expert_order(per_rank: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows received as (source rank, local expert) segments, per_rank[i, e] rows each:
+    the indices that reorder them to (local expert, source rank)."""
+    lens = per_rank.flatten()
+    starts = (lens.cumsum(0) - lens).view_as(per_rank).T.flatten()
+    new_lens = per_rank.T.flatten()
+    new_starts = new_lens.cumsum(0) - new_lens
+    shift = torch.repeat_interleave(starts - new_starts, new_lens, output_size=total)
+    return torch.arange(total, device=per_rank.device) + shift
+
+
+def window_counts(counts: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows per expert inside rows [lo, hi) of rows grouped by expert (counts[e] each)."""
+    ends = counts.cumsum(0)
+    return (ends.clamp(max=hi) - (ends - counts).clamp(min=lo)).clamp(min=0)
+
+
+class TokenDispatcher:
+    """Forward hooks around one `GroupedExperts`: tp step, then EP dispatch, on the way in;
+    EP combine, then tp step, on the way out. Holds the splits between the two."""
+
+    def __init__(self, ep_group: dist.ProcessGroup | None, tp_mesh: DeviceMesh | None,
+                 split_tokens: bool):
+        self.ep_group, self.tp_mesh, self.split_tokens = ep_group, tp_mesh, split_tokens
+        self._state: tuple = ()
+
+    def before(self, module: nn.Module, args: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        x, counts = args  # (M, dim) grouped by expert, (E,)
+        pad = None
+        if self.tp_mesh is not None and self.split_tokens:
+            x, counts, pad = self._take_tp_slice(x, counts)
+        elif self.tp_mesh is not None:
+            x = sum_grad_over(x, self.tp_mesh)
+        route = None
+        if self.ep_group is not None:
+            x, counts, route = self._dispatch(x, counts)
+        self._state = (pad, route)
+        return x, counts
+
+    def after(self, module: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+        pad, route = self._state
+        if route is not None:
+            order, input_splits, output_splits = route
+            y = all_to_all_single_autograd(y[order.argsort()], input_splits, output_splits,
+                                           self.ep_group)
+        if pad is not None:
+            y = F.pad(y, (0, 0, *pad))  # zeros for the other ranks' slots: a partial sum
+        return y
+
+    def _take_tp_slice(self, x: torch.Tensor, counts: torch.Tensor) -> tuple:
+        """This tp rank's contiguous share of the slots (and the rows before and after it);
+        backward all-gathers the gradient."""
+        rank, size = self.tp_mesh.get_local_rank(), self.tp_mesh.size()
+        rows = x.shape[0] // size
+        local = DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False)
+        local = local.redistribute(self.tp_mesh, [Shard(0)]).to_local()
+        lo, hi = rank * rows, (rank + 1) * rows
+        return local, window_counts(counts, lo, hi), (lo, x.shape[0] - hi)
+
+    def _dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple:
+        """Exchange per-expert counts, derive the splits, move the rows, regroup them."""
+        ep = dist.get_world_size(self.ep_group)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.ep_group)
+        per_rank = received.view(ep, -1)  # [source rank, local expert]
+        input_splits = counts.view(ep, -1).sum(dim=1).tolist()
+        output_splits = per_rank.sum(dim=1).tolist()
+        x = all_to_all_single_autograd(x, output_splits, input_splits, self.ep_group)
+        order = expert_order(per_rank, sum(output_splits))
+        return x[order], per_rank.sum(dim=0), (order, input_splits, output_splits)
+
+
+def expert_placements(dims: ParallelDims) -> tuple[tuple[str, ...], dict[str, list[Placement]]]:
+    """Mesh dims the routed experts live on and each weight's placements on them."""
+    names: list[str] = []
+    placements: dict[str, list[Placement]] = {w: [] for w in WEIGHTS}
+    if dims.ep_enabled:
+        names.append("ep")
+        for w in WEIGHTS:
+            placements[w].append(Shard(0))
+    if dims.tp_enabled:
+        names.append("tp")
+        hidden = {"w1": Shard(1), "w2": Shard(2), "w3": Shard(1)}
+        for w in WEIGHTS:
+            placements[w].append(hidden[w] if dims.etp_enabled else Replicate())
+    return tuple(names), placements
+
+
+def _local_weights(experts: nn.Module, grad_placements: dict[str, list[Placement]],
+                   ) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(experts, w).to_local(grad_placements=grad_placements[w])
+                 for w in WEIGHTS)
+
+
+def shard_experts(experts: nn.Module, mesh: DeviceMesh,
+                  placements: dict[str, list[Placement]]) -> None:
+    """Turn the expert weights into DTensors; replicas over tp (etp = 1) see different
+    tokens, so their gradients are declared partial and summed."""
+    for w in WEIGHTS:
+        full = getattr(experts, w)
+        experts.register_parameter(w, nn.Parameter(
+            distribute_tensor(full, mesh, placements[w], src_data_rank=None)))
+    grads = {w: [Partial() if isinstance(p, Replicate) else p for p in placements[w]]
+             for w in WEIGHTS}
+    experts.local_weights = partial(_local_weights, experts, grads)
+
+
+def moe_tp_plan(moe: MoE) -> dict:
+    """MoE input all-gathered from sequence-sharded to replicated (router replicated), the
+    output's partial sums reduce-scattered back; shared experts column/row-wise."""
+    plan: dict = {"moe": PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
+    if moe.shared_experts is not None:
+        plan.update({"moe.shared_experts.w1": ColwiseParallel(),
+                     "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
+                     "moe.shared_experts.w3": ColwiseParallel()})
+    return plan
+
+
+def _sum_router_grads(tp_mesh: DeviceMesh, module: nn.Module, args: tuple,
+                      output: tuple) -> tuple:
+    """Each tp rank's gradient of the chosen weights is partial (it saw hidden shards or a
+    share of the tokens); summed, the replicated router gets the full gradient."""
+    top_scores, expert_idx, scores = output
+    return sum_grad_over(top_scores, tp_mesh), expert_idx, scores
+
+
+def apply_moe_parallel(model: nn.Module, dims: ParallelDims) -> None:
+    """EP/ETP and the MoE TP plan on every MoE block (after the dense TP plan)."""
+    names, placements = expert_placements(dims)
+    if not names:
+        return
+    tp_mesh = dims.get_mesh("tp") if dims.tp_enabled else None
+    ep_group = dims.get_mesh("ep").get_group() if dims.ep_enabled else None
+    for block in model.layers.values():
+        if not isinstance(getattr(block, "moe", None), MoE):
+            continue
+        if tp_mesh is not None:
+            parallelize_module(block, tp_mesh, moe_tp_plan(block.moe))
+            block.moe.router.register_forward_hook(partial(_sum_router_grads, tp_mesh))
+        shard_experts(block.moe.experts, dims.get_mesh(names), placements)
+        dispatcher = TokenDispatcher(ep_group, tp_mesh, split_tokens=not dims.etp_enabled)
+        block.moe.experts.register_forward_pre_hook(dispatcher.before)
+        block.moe.experts.register_forward_hook(dispatcher.after)
+    logger.info("MoE: experts on mesh %s (ep=%d, etp=%d)%s", names, dims.ep, dims.etp,
+                ", tp ranks split the tokens" if tp_mesh is not None and dims.etp == 1 else "")
+
+
+def apply_expert_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: bool,
+                      mp_policy: MixedPrecisionPolicy, backend: str) -> list[FSDPModule]:
+    """Under EP, routed experts are their own FSDP units over dp_shard_mod_ep (even at size
+    1, so mixed precision applies). Their gradients are summed over fewer ranks than the
+    dense ones but must still be divided by the full dp size, or EP changes the numbers."""
+    if not dims.ep_enabled:
+        return []
+    units = [fully_shard(moe.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp_policy,
+                         reshard_after_forward=reshard_after_forward)
+             for moe in moe_layers(model)]
+    set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard_mod_ep)
+    return units
+
+
+def apply_moe_compile(model: nn.Module, mode: str, act_mem_budget: float,
+                      backend: str) -> None:
+    """Per-block compile that leaves each MoE block's routed experts eager: their row counts
+    are data-dependent (host-side splits for the all-to-all and the fp32 loop) and under EP
+    they are an FSDP unit of their own, none of which a full graph can capture. Everything
+    else in the block is compiled (fullgraph)."""
+    set_act_mem_budget(act_mem_budget)
+    model.tok_embeddings.register_forward_hook(_own_storage)
+    kwargs = dict(backend=backend, fullgraph=True,
+                  mode=mode if backend == "inductor" and mode != "default" else None)
+    for block in model.layers.values():
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if not isinstance(getattr(inner, "moe", None), MoE):
+            block.compile(**kwargs)
+            continue
+        for name, child in inner.named_children():
+            if name != "moe":
+                child.compile(**kwargs)
+        for name, child in inner.moe.named_children():
+            if name != "experts":
+                child.compile(**kwargs)
+    logger.warning("--compile on a MoE model: routed experts (and their all-to-all) run "
+                   "eagerly, data-dependent splits cannot be captured; the rest is compiled")
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, dp_group: dist.ProcessGroup) -> dict[str, float]:
+    """After an optimizer step: all-reduce each MoE layer's token counts over dp, move the
+    expert bias by coeff * sign(mean - count), reset the counts; returns the MoE metrics."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    counts = torch.stack([m.tokens_per_expert for m in layers])  # (L, E)
+    packed = torch.cat([counts.flatten(), torch.stack([m.aux_loss for m in layers])])
+    dist.all_reduce(packed, group=dp_group)
+    counts = packed[:counts.numel()].view_as(counts)
+    aux = packed[counts.numel():] / dist.get_world_size(dp_group)
+    for moe, layer_counts in zip(layers, counts, strict=True):
+        if moe.load_balance_coeff > 0:
+            moe.expert_bias.add_(moe.load_balance_coeff
+                                 * torch.sign(layer_counts.mean() - layer_counts))
+        moe.tokens_per_expert.zero_()
+    return moe_metrics(counts, aux if layers[0].aux_loss_coeff > 0 else None)
+
+
+def moe_metrics(counts: torch.Tensor, aux: torch.Tensor | None) -> dict[str, float]:
+    """Tokens per expert (min/max/mean over every layer's experts) and load imbalance
+    (max/mean per layer, averaged and worst over layers)."""
+    imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)
+    values = [counts.min(), counts.max(), counts.mean(), imbalance.mean(), imbalance.max()]
+    keys = ["tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_mean",
+            "load_imbalance", "load_imbalance_max"]
+    if aux is not None:
+        values.append(aux.sum())
+        keys.append("aux_loss")
+    return dict(zip([f"moe/{k}" for k in keys], torch.stack(values).tolist(), strict=True))

@@ -1,0 +1,41 @@
+"""PNG plots of a run (loss vs tokens, throughput, MFU, memory), drawn with matplotlib's
+object API on the Agg canvas, so no GUI backend or global pyplot state is touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+X_LABELS = {"train/tokens_seen": "tokens seen", "train/iter": "step"}
+PLOTS = {  # file: (x key, y keys, title, y label)
+    "loss.png": ("train/tokens_seen", ("train/loss",), "training loss", "loss"),
+    "throughput.png": ("train/iter", ("train/tps",), "global throughput", "tokens / s"),
+    "mfu.png": ("train/iter", ("train/mfu",), "model FLOPs utilisation (rank 0)", "MFU %"),
+    "memory.png": ("train/iter", ("train/mem_alloc", "train/mem_alloc_peak",
+                                  "train/mem_reserved", "train/mem_reserved_peak",
+                                  "train/mem_rss", "train/mem_rss_peak"),
+                   "memory (rank 0)", "GiB"),
+}
+
+
+def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """One PNG per entry of PLOTS (matplotlib imported here: only at the end of a run)."""
+    from matplotlib.figure import Figure
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (x_key, y_keys, title, y_label) in PLOTS.items():
+        fig = Figure(figsize=(6, 3.5), dpi=100, layout="constrained")
+        ax = fig.subplots()
+        for key in y_keys:
+            points = [(r[x_key], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), label=key.split("/")[-1],
+                        marker="." if len(points) < 50 else None)
+        ax.set(title=title, xlabel=X_LABELS[x_key], ylabel=y_label)
+        ax.grid(alpha=0.3)
+        if len(y_keys) > 1:
+            ax.legend()
+        fig.savefig(folder / name)
+        written.append(folder / name)
+    return written

@@ -1,0 +1,38 @@
+"""One rank of a checkpoint job: train several configurations in one process group; rank 0
+saves the final full parameters (params.pt) and full optimizer state (optim.pt) of each."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from loom.cli import setup_logging
+from loom.config import parse_args
+from loom.runtime import init_distributed, rank_info, teardown
+from loom.train import run
+from tests.parity_worker import full_parameters
+
+
+def main(runs: list[list[str]]) -> None:
+    info = rank_info()
+    setup_logging(info.rank)
+    device = init_distributed(info)
+    try:
+        for argv in runs:
+            trainer = run(parse_args(argv), info, device)
+            params = full_parameters(trainer.model)
+            optim = get_optimizer_state_dict(
+                trainer.model, trainer.optimizer,
+                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if info.rank == 0:
+                torch.save(params, trainer.metrics.outdir / "params.pt")
+                torch.save(optim, trainer.metrics.outdir / "optim.pt")
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

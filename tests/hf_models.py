@@ -1,0 +1,56 @@
+"""Tiny Hugging Face model folders for the HF tests: a config built with `transformers`,
+random weights from a fixed seed, and a small byte-level BPE tokenizer trained on the
+embedded corpus, saved together as `save_pretrained` would for a hub repo."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from loom.data.tokenizers import ASSETS
+
+EOT = "<|endoftext|>"
+TOKENIZER_SIZE = 320
+MODEL_VOCAB = 328
+"""Larger than the tokenizer, as hub models often pad it: the model's own size must win."""
+
+SHAPE = dict(vocab_size=MODEL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=128)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+}
+
+
+def corpus_sample(chars: int = 60_000) -> str:
+    """The opening of the embedded Austen text."""
+    with gzip.open(ASSETS / "corpus" / "austen.txt.gz", "rt", encoding="utf-8") as f:
+        return f.read(chars)
+
+
+def save_tokenizer(folder: Path, text: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_SIZE, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT).save_pretrained(folder)
+
+
+def save_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
+    """A `save_pretrained` folder of a 2-block model of `arch` with its tokenizer."""
+    import transformers
+
+    config_class, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_class)(**SHAPE, **extra)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    save_tokenizer(folder, corpus_sample())
+    return folder

@@ -1,0 +1,147 @@
+"""Real `loom train` runs and the run folder they leave: the spec's per-step keys with finite
+values on every rank, MFU in (0, 100], summary, plots, a short console, profilers, W&B
+(through a recording stand-in), histograms, health cadence, and metrics switched off."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO, run_ranks
+
+SPEC_KEYS = (
+    "train/iter", "train/epoch", "train/bidx", "train/loss", "train/dt", "train/dtf",
+    "train/dtb", "train/tokens", "train/tokens_seen", "train/tps", "train/tps_per_gpu",
+    "train/tflops", "train/mfu", "grad/norm_preclip", "grad/norm", "grad/max_abs",
+    "grad/nonfinite", "param/norm", "param/max_abs", "param/nonfinite", "opt/lr",
+    "train/mem_rss", "train/mem_rss_peak")
+HEALTH_KEYS = [k for k in SPEC_KEYS if k.startswith(("grad/n", "grad/m", "param/"))
+               and k != "grad/norm_preclip"]
+PLOTS = {"loss.png", "throughput.png", "mfu.png", "memory.png"}
+FAKE_WANDB = Path(__file__).parent / "fake_wandb"
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tmp_path_factory) -> tuple[Path, list[str], Path]:
+    """The acceptance run: 2 ranks, debug model, random data, 10 steps (cwd = a fresh dir)."""
+    cwd = tmp_path_factory.mktemp("dp2")
+    job = run_ranks(2, ["-m", "loom", "train", "--model", "debug", "--dataset", "random",
+                        "--max-steps", "10", "--outdir", "run"], timeout=180, cwd=cwd,
+                    env={"LOOM_CACHE_DIR": str(cwd / "cache")})
+    assert job.ok, job.describe()
+    assert not job.ranks[1].stdout
+    return cwd / "run", job.ranks[0].stdout.splitlines(), cwd
+
+
+@pytest.mark.multirank
+def test_every_row_has_the_spec_keys_with_finite_values(dp2_run):
+    outdir, _, _ = dp2_run
+    config = json.loads((outdir / "config.json").read_text())
+    per_rank = config["derived"]["flops_per_rank"]
+    for rank in (0, 1):
+        table = rows(outdir / f"metrics-{rank}.jsonl")
+        assert [r["train/iter"] for r in table] == list(range(1, 11))
+        for r in table:
+            missing = [k for k in SPEC_KEYS if k not in r]
+            assert not missing, missing
+            assert all(math.isfinite(r[k]) for k in SPEC_KEYS), r
+            assert 0 < r["train/mfu"] <= 100
+            assert r["train/tokens"] == 2 * 256 and r["train/tokens_seen"] == 512 * r["train/iter"]
+            assert r["train/dt"] == pytest.approx(r["train/dtf"] + r["train/dtb"])
+            assert r["train/tflops"] * 1e12 * r["train/dt"] == pytest.approx(per_rank)
+            assert r["grad/nonfinite"] == 0 and r["param/nonfinite"] == 0
+    losses = [[r["train/loss"] for r in rows(outdir / f"metrics-{k}.jsonl")] for k in (0, 1)]
+    assert losses[0] == losses[1], "the reported loss is the dp average on every rank"
+
+
+@pytest.mark.multirank
+def test_run_folder_config_summary_and_plots(dp2_run):
+    from matplotlib.image import imread
+
+    outdir, _, cwd = dp2_run
+    assert sorted(p.name for p in cwd.iterdir()) == ["cache", "run"], "wrote outside --outdir"
+    config = json.loads((outdir / "config.json").read_text())
+    derived = config["derived"]
+    assert len(config["hostnames"]) == 2 and config["mesh"]["dp_shard"] == 2
+    assert derived["flops_per_step"] == pytest.approx(2 * derived["flops_per_rank"])
+    assert derived["global_batch_size"] == 2 and derived["flops_exact"]
+    summary = json.loads((outdir / "summary.json").read_text())
+    table = rows(outdir / "metrics-0.jsonl")
+    assert summary["steps"] == 10 and summary["tokens"] == 5120
+    loss = summary["metrics"]["train/loss"]
+    assert loss["last"] == table[-1]["train/loss"] and loss["max"] >= loss["steady_mean"]
+    t = summary["timings"]
+    assert min(t["setup_s"], t["train_s"]) > 0
+    assert t["total_s"] >= t["setup_s"] + t["train_s"]
+    assert {p.name for p in (outdir / "plots").iterdir()} == PLOTS
+    for name in PLOTS:
+        assert imread(outdir / "plots" / name).shape[2] in (3, 4)
+
+
+@pytest.mark.multirank
+def test_console_is_short_with_progress_and_a_loss_plot(dp2_run):
+    _, lines, _ = dp2_run
+    assert len(lines) <= 40, "\n".join(lines)
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 10 and steps[-1].startswith("step 10/10")
+    assert "loss over 10 steps" in lines
+    assert any(line.startswith("done: 10 steps") for line in lines)
+
+
+SMALL = ["-m", "loom", "train", "--model", "debug", "--dataset", "random", "--vocab-size", "512",
+         "--seq-len", "64", "--max-steps", "8"]
+
+
+@pytest.mark.multirank
+def test_profilers_histograms_wandb_and_health_cadence(tmp_path):
+    log = tmp_path / "wandb-calls.jsonl"
+    job = run_ranks(1, [*SMALL, "--outdir", "run", "--profile", "--pyinstrument-profiler",
+                        "--wandb", "--log-every", "4"], timeout=180, cwd=tmp_path,
+                    env={"PYTHONPATH": f"{FAKE_WANDB}:{REPO}", "FAKE_WANDB_LOG": str(log),
+                         "LOOM_HIST_EVERY": "2", "LOOM_HEALTH_EVERY": "3",
+                         "LOOM_CACHE_DIR": str(tmp_path / "cache")})
+    assert job.ok, job.describe()
+    run = tmp_path / "run"
+    trace = json.loads((run / "profile" / "trace-rank0.json").read_text())
+    assert trace["traceEvents"] and "aten::mm" in (run / "profile" / "ops-rank0.txt").read_text()
+    assert "fit" in (run / "pyinstrument-rank0.txt").read_text()
+    assert (run / "pyinstrument-rank0.html").stat().st_size > 0
+
+    table = rows(run / "metrics-0.jsonl")
+    assert [r["train/iter"] for r in table if "grad/norm" in r] == [3, 6]
+    assert all(all(k in r for k in HEALTH_KEYS) == (r["train/iter"] % 3 == 0) for r in table)
+    stdout = job.ranks[0].stdout.splitlines()
+    shown = [line.split()[1] for line in stdout if line.startswith("step")]
+    assert shown == ["1/8", "4/8", "8/8"]
+
+    hist = rows(run / "histograms-0.jsonl")
+    assert [h["step"] for h in hist] == [2, 4, 6, 8]
+    for h in hist:
+        assert set(h["histograms"]) == {"logits", *(f"acts/layer{i}" for i in range(4))}
+        assert sum(h["histograms"]["logits"]["counts"]) == 64 * 512  # every logit binned once
+        assert set(h["grad_norms"]) == {"tok_embeddings", "norm", "output",
+                                        *(f"layer{i}" for i in range(4))}
+
+    calls = rows(log)
+    assert calls[0][0] == "init" and "derived" in calls[0][4]
+    assert (tmp_path / calls[0][3]).resolve() == run.resolve()  # W&B files in the run folder
+    logged = [c for c in calls if c[0] == "log"]
+    assert [c[1] for c in logged if "train/loss" in c[2]] == list(range(1, 9))
+    assert [c[1] for c in logged if "hist/logits" in c[2]] == [2, 4, 6, 8]
+    assert [c[0] for c in calls[-2:]] == ["summary", "finish"]
+
+
+@pytest.mark.multirank
+def test_metrics_off_writes_only_the_config(tmp_path):
+    job = run_ranks(1, [*SMALL, "--outdir", "run"], timeout=120, cwd=tmp_path,
+                    env={"LOOM_METRICS": "0"})
+    assert job.ok, job.describe()
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["config.json"]
+    assert not any(line.startswith("step") for line in job.ranks[0].stdout.splitlines())

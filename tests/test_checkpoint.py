@@ -1,0 +1,175 @@
+"""Checkpoint/resume, gradient accumulation and failing fast (fp32, gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.checkpoint import complete_checkpoints
+from tests.harness import REPO, rank_env, run_ranks
+
+COMMON = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64",
+          "--fp32", "--seed", "11", "--lr", "1e-3", "--warmup-steps", "15"]
+"""Warmup spans the resume point, so the LR scheduler's state must come back too."""
+
+
+def losses(folder: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (folder / "metrics-0.jsonl").read_text().splitlines()]
+    return {r["train/iter"]: r["train/loss"] for r in rows}
+
+
+def job(world: int, runs: list[list[str]]) -> None:
+    result = run_ranks(world, ["tests/checkpoint_worker.py", json.dumps(runs)], timeout=300)
+    assert result.ok, result.describe()
+
+
+def straight_and_resumed(root: Path, name: str, flags: list[str]) -> list[list[str]]:
+    base = [*COMMON, *flags]
+    resumed = [*base, "--checkpoint-interval", "5", "--keep-checkpoints", "3",
+               "--outdir", str(root / f"{name}-resumed")]
+    return [[*base, "--max-steps", "20", "--outdir", str(root / f"{name}-straight")],
+            [*resumed, "--max-steps", "10"],
+            [*resumed, "--max-steps", "20", "--resume"]]
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    """Parameters and every AdamW state tensor (step, exp_avg, exp_avg_sq) bit for bit."""
+    torch.testing.assert_close(torch.load(a / "params.pt"), torch.load(b / "params.pt"),
+                               rtol=0, atol=0)
+    optim_a, optim_b = torch.load(a / "optim.pt"), torch.load(b / "optim.pt")
+    assert optim_a["state"].keys() == optim_b["state"].keys() != set()
+    torch.testing.assert_close(optim_a["state"], optim_b["state"], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("resume")
+    job(2, straight_and_resumed(root, "dp2", ["--batch-size", "2"])
+        + straight_and_resumed(root, "tp2", ["--batch-size", "4", "--tp", "2"])
+        + [[*COMMON, "--batch-size", "2", "--max-steps", "10", "--outdir", str(root / "dp2-10")]])
+    step10 = str(root / "dp2-resumed" / "checkpoints" / "step-10")
+    job(4, [[*COMMON, "--batch-size", "1", "--max-steps", "10", "--resume", step10,
+             "--outdir", str(root / "dp4-loaded")],
+            [*COMMON, "--batch-size", "1", "--max-steps", "20", "--resume", step10,
+             "--outdir", str(root / "dp4")]])
+    return root
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_resume_continues_exactly(resume_runs: Path, layout: str) -> None:
+    straight = losses(resume_runs / f"{layout}-straight")
+    resumed = losses(resume_runs / f"{layout}-resumed")
+    assert sorted(resumed) == list(range(1, 21))
+    for step in range(11, 21):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6, abs=0), step
+    assert_same_state(resume_runs / f"{layout}-straight", resume_runs / f"{layout}-resumed")
+    kept = [p.name for p in complete_checkpoints(resume_runs / f"{layout}-resumed")]
+    assert kept == ["step-10", "step-15", "step-20"]
+
+
+@pytest.mark.multirank
+def test_resume_on_a_different_dp_degree(resume_runs: Path) -> None:
+    assert_same_state(resume_runs / "dp2-10", resume_runs / "dp4-loaded")
+    straight, resharded = losses(resume_runs / "dp2-straight"), losses(resume_runs / "dp4")
+    assert sorted(resharded) == list(range(11, 21))
+    for step in range(11, 21):
+        assert resharded[step] == pytest.approx(straight[step], rel=1e-5, abs=0), step
+
+
+@pytest.mark.multirank
+def test_gradient_accumulation_equals_the_large_batch(tmp_path: Path) -> None:
+    base = [*COMMON, "--max-steps", "5"]
+    job(2, [[*base, "--batch-size", "4", "--outdir", str(tmp_path / "big")],
+            [*base, "--batch-size", "1", "--grad-accum-steps", "4",
+             "--outdir", str(tmp_path / "accum")]])
+    big, accum = losses(tmp_path / "big"), losses(tmp_path / "accum")
+    assert big.keys() == accum.keys() == set(range(1, 6))
+    for step, value in big.items():
+        assert accum[step] == pytest.approx(value, rel=1e-5, abs=0)
+    for name, value in torch.load(tmp_path / "big" / "params.pt").items():
+        torch.testing.assert_close(torch.load(tmp_path / "accum" / "params.pt")[name], value,
+                                   rtol=0, atol=1e-5)
+
+
+def train_process(outdir: Path, *flags: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "loom", "train", *COMMON, "--batch-size", "1",
+            "--outdir", str(outdir), *flags]
+    return subprocess.Popen(argv, env=rank_env(0, 1, 29400, None), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.multirank
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    proc = train_process(tmp_path, "--max-steps", "1000", "--checkpoint-interval", "1",
+                         "--keep-checkpoints", "3")
+    deadline = time.monotonic() + 120
+    try:
+        while not list((tmp_path / "checkpoints").glob(".step-[3-9]*.tmp")):
+            assert time.monotonic() < deadline and proc.poll() is None, "no save observed"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    latest = complete_checkpoints(tmp_path)[-1]
+    step = int(latest.name.split("-")[1])
+    assert step >= 2 and (latest / ".metadata").is_file()
+    resumed = train_process(tmp_path, "--max-steps", str(step + 1), "--resume")
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err
+    assert max(losses(tmp_path)) == step + 1
+
+
+@pytest.mark.multirank
+def test_sigterm_saves_a_final_checkpoint(tmp_path: Path) -> None:
+    proc = train_process(tmp_path, "--max-steps", "1000", "--checkpoint-interval", "500")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics-0.jsonl").is_file() or not (
+            tmp_path / "metrics-0.jsonl").read_text().strip():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    (latest,) = complete_checkpoints(tmp_path)
+    assert int(latest.name.split("-")[1]) == max(losses(tmp_path))
+
+
+@pytest.mark.multirank
+def test_rank_failure_ends_the_job_with_its_message(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "loom", "launch", "-n", "2", sys.executable,
+            "tests/failing_worker.py", *COMMON, "--max-steps", "50", "--outdir", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
+    start = time.monotonic()
+    proc = subprocess.run(argv, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=90)
+    assert time.monotonic() - start < 30 + 10, "startup allowance exceeded"
+    assert proc.returncode != 0
+    assert "rank 1 failed on purpose at step 3" in proc.stderr
+
+
+@pytest.mark.multirank
+def test_export_loads_in_transformers_with_the_same_logits(resume_runs: Path,
+                                                           tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from loom.export import export, load_model_state
+    from loom.models.llama import Transformer
+
+    checkpoint = resume_runs / "dp2-resumed" / "checkpoints" / "step-20"
+    export(checkpoint, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    state, args = load_model_state(checkpoint)
+    model = Transformer(args)
+    model.load_state_dict(state)
+    tokens = torch.randint(args.vocab_size, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-4, rtol=1e-4)
