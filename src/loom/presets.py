@@ -27,7 +27,7 @@ PRESETS: dict[str, dict[str, int | float | str]] = {
     "moe-debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=128,
                       n_experts=8, top_k=2, n_shared_experts=1, moe_hidden_dim=128,
                       n_dense_layers=1, seq_len=256, batch_size=1,
-                      load_balance_coeff=1e-2),  # its lr (3e-3) moves the router fast
+                      load_balance_coeff=1e-2, warmup_steps=20),  # lr 3e-3 moves routers fast
     "moe-16b": dict(dim=2048, n_layers=27, n_heads=16, n_kv_heads=4, vocab_size=102400,
                     hidden_dim=10944, n_experts=64, top_k=6, n_shared_experts=2,
                     moe_hidden_dim=1408, n_dense_layers=1, score_func="softmax",

@@ -165,7 +165,7 @@ class Trainer:
     def effective_config(self) -> dict[str, Any]:
         return {**self.cfg.to_dict(), "world_size": self.info.world_size,
                 "mesh": self.dims.degrees, "device": str(self.device),
-                "global_batch_size": self.dims.global_batch_size(self.cfg.train.batch_size),
+                "global_batch_size": self.global_batch,
                 "environment": environment_facts()}
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:

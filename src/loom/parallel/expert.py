@@ -217,6 +217,8 @@ def apply_expert_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_for
                          reshard_after_forward=reshard_after_forward)
              for moe in moe_layers(model)]
     set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard_mod_ep)
+    logger.info("FSDP2: %d expert units over mesh %s, gradients divided by dp %d", len(units),
+                tuple(dims.expert_fsdp_mesh.shape), dims.dp_size)
     return units
 
 

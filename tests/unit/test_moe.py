@@ -1,0 +1,149 @@
+"""The MoE model against plain per-token references, and its pure helpers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from loom.models.moe import (
+    MoE,
+    MoEArgs,
+    MoETransformer,
+    active_param_count,
+    expert_matmul,
+    expert_param_count,
+    sequence_balance_loss,
+)
+from loom.parallel.expert import expert_order, moe_metrics, window_counts
+
+ARGS = MoEArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32,
+               max_seq_len=32, n_experts=6, top_k=2, n_shared_experts=1, moe_hidden_dim=16,
+               n_dense_layers=1)
+
+
+def build_moe(args: MoEArgs = ARGS, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(args)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    moe.reset_buffers()
+    return moe
+
+
+def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: the router's top-k experts, each a SwiGLU, weighted, plus shared."""
+    flat = x.reshape(-1, x.shape[-1])
+    top_scores, expert_idx, _ = moe.router(flat, moe.expert_bias)
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    rows = []
+    for t, token in enumerate(flat):
+        out = moe.shared_experts(token)
+        for weight, e in zip(top_scores[t], expert_idx[t], strict=True):
+            out = out + weight * (w2[e] @ (F.silu(w1[e] @ token) * (w3[e] @ token)))
+        rows.append(out)
+    return torch.stack(rows).view_as(x)
+
+
+def test_moe_matches_per_token_reference_and_counts_picks():
+    moe = build_moe()
+    x = torch.randn(2, 5, ARGS.dim)
+    torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=1e-5, atol=1e-5)
+    _, expert_idx, _ = moe.router(x.reshape(-1, ARGS.dim), moe.expert_bias)
+    counts = torch.bincount(expert_idx.flatten(), minlength=ARGS.n_experts).float()
+    torch.testing.assert_close(moe.tokens_per_expert, counts)
+
+
+def test_activation_checkpoint_recompute_is_not_counted_twice():
+    moe = build_moe()
+    x = torch.randn(1, 8, ARGS.dim, requires_grad=True)
+    checkpoint(moe, x, use_reentrant=False).sum().backward()
+    assert moe.tokens_per_expert.sum() == 8 * ARGS.top_k
+
+
+def test_expert_bias_changes_the_choice_but_not_the_weights():
+    moe = build_moe()
+    x = torch.randn(16, ARGS.dim)
+    _, idx0, scores = moe.router(x, moe.expert_bias)
+    bias = torch.zeros(ARGS.n_experts)
+    bias[0] = 10.0  # expert 0 now always chosen
+    top, idx, _ = moe.router(x, bias)
+    assert (idx == 0).any(dim=1).all() and not (idx0 == 0).any(dim=1).all()
+    chosen = scores.gather(1, idx)
+    torch.testing.assert_close(top, chosen / chosen.sum(dim=1, keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_matmul_matches_a_loop_with_empty_groups(dtype):
+    """bf16 takes torch._grouped_mm where torch has it; fp32 the loop. Both vs plain matmuls."""
+    x = torch.randn(10, 16, dtype=dtype)
+    w = torch.randn(3, 8, 16, dtype=dtype)
+    counts = torch.tensor([4, 0, 6])
+    expected = torch.cat([x[:4] @ w[0].T, x[4:] @ w[2].T])
+    torch.testing.assert_close(expert_matmul(x, w, counts), expected)
+
+
+def test_sequence_balance_loss_matches_its_definition():
+    scores, idx = torch.rand(2 * 4, 6), torch.randint(6, (2 * 4, 2))
+    probs = scores / scores.sum(-1, keepdim=True)
+    expected = 0.0
+    for b in range(2):
+        rows = slice(4 * b, 4 * b + 4)
+        picks = torch.bincount(idx[rows].flatten(), minlength=6).float()
+        expected += (picks * 6 / (2 * 4) * probs[rows].mean(0)).sum() / 2
+    torch.testing.assert_close(sequence_balance_loss(scores, idx, bsz=2), expected)
+
+
+def test_aux_loss_trains_the_router_without_changing_the_output():
+    coeff = 0.5
+    with_aux = build_moe(MoEArgs(**{**vars(ARGS), "aux_loss_coeff": coeff}))
+    plain = build_moe()
+    x = torch.randn(2, 4, ARGS.dim)
+    out = with_aux(x)
+    torch.testing.assert_close(out, plain(x))
+    out.sum().backward()
+    plain(x).sum().backward()
+    flat = x.reshape(-1, ARGS.dim)
+    _, idx, scores = plain.router(flat, plain.expert_bias)
+    aux_grad, = torch.autograd.grad(coeff * sequence_balance_loss(scores, idx, 2),
+                                    plain.router.gate.weight)
+    torch.testing.assert_close(with_aux.router.gate.weight.grad,
+                               plain.router.gate.weight.grad + aux_grad)
+    torch.testing.assert_close(with_aux.aux_loss, coeff * sequence_balance_loss(scores, idx, 2))
+
+
+def test_expert_order_regroups_rows_by_local_expert():
+    per_rank = torch.tensor([[2, 0, 1], [1, 3, 0]])  # [source rank, local expert]
+    labels = [(i, e) for i in range(2) for e in range(3) for _ in range(int(per_rank[i, e]))]
+    order = expert_order(per_rank, len(labels))
+    regrouped = [labels[j] for j in order.tolist()]
+    assert regrouped == sorted(labels, key=lambda ie: (ie[1], ie[0]))
+
+
+def test_window_counts_clip_groups_to_the_window():
+    counts = torch.tensor([3, 0, 5, 2])
+    rows = torch.repeat_interleave(torch.arange(4), counts)
+    for lo, hi in [(0, 5), (5, 10), (2, 9)]:
+        expected = torch.bincount(rows[lo:hi], minlength=4)
+        assert window_counts(counts, lo, hi).tolist() == expected.tolist()
+
+
+def test_moe_metrics_report_spread_and_imbalance():
+    counts = torch.tensor([[4.0, 4.0, 4.0, 4.0], [8.0, 0.0, 4.0, 4.0]])
+    row = moe_metrics(counts, aux=None)
+    assert row["moe/tokens_per_expert_min"] == 0 and row["moe/tokens_per_expert_max"] == 8
+    assert row["moe/load_imbalance"] == 1.5 and row["moe/load_imbalance_max"] == 2.0
+    assert "moe/aux_loss" not in row
+
+
+def test_model_layout_and_active_parameters():
+    with torch.device("meta"):
+        model = MoETransformer(ARGS)
+    names = {n for n, _ in model.named_parameters()}
+    assert "layers.0.feed_forward.w1.weight" in names
+    assert {"layers.1.moe.router.gate.weight", "layers.2.moe.experts.w2",
+            "layers.2.moe.shared_experts.w3.weight"} <= names
+    assert "layers.1.moe.expert_bias" in model.state_dict()
+    total = sum(p.numel() for p in model.parameters())
+    skipped = 2 * (ARGS.n_experts - ARGS.top_k) * expert_param_count(ARGS) // ARGS.n_experts
+    assert model.active_param_count == active_param_count(ARGS) == total - skipped

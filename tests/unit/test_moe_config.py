@@ -1,0 +1,79 @@
+"""MoE flags, presets, the ep/etp layout rules and the expert-bias update."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from loom.config import ConfigError, parse_args
+from loom.mesh import ParallelDims
+from loom.models.moe import MoE, MoEArgs, MoETransformer, active_param_count
+from loom.parallel.expert import update_expert_bias
+from loom.train import plain_model
+
+
+def test_moe_flags_select_the_moe_model():
+    cfg = parse_args(["--model", "moe-debug", "--top-k", "3", "--score-func", "softmax",
+                      "--no-route-norm", "--ep", "2"])
+    m = cfg.model
+    assert (m.n_experts, m.top_k, m.score_func, m.route_norm) == (8, 3, "softmax", False)
+    assert cfg.parallel.ep == 2
+    with torch.device("meta"):
+        assert isinstance(plain_model(cfg), MoETransformer)
+        assert not isinstance(plain_model(parse_args(["--model", "debug"])), MoETransformer)
+
+
+@pytest.mark.parametrize(("preset", "total_b", "active_b"), [
+    ("moe-16b", 15.6, 2.57), ("moe-671b", 672.1, 38.7)])
+def test_realistic_presets_total_and_active_parameters(preset, total_b, active_b):
+    cfg = parse_args(["--model", preset])
+    with torch.device("meta"):
+        model = plain_model(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(total / 1e9 - total_b) < 0.1
+    assert abs(model.active_param_count / 1e9 - active_b) < 0.05
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "debug", "--ep", "2"], "need a mixture-of-experts model"),
+    (["--model", "moe-debug", "--n-experts", "6", "--ep", "4"],
+     "--n-experts 6 is not divisible by --ep 4"),
+    (["--model", "moe-debug", "--ep", "4", "--dp-shard", "2"], "--ep 4 must divide --dp-shard 2"),
+    (["--model", "moe-debug", "--tp", "2", "--etp", "4"], "--etp 4 must be 1 or --tp 2"),
+    (["--model", "moe-debug", "--top-k", "9"], "--top-k 9 must be in [1, --n-experts 8]"),
+])
+def test_bad_moe_settings_fail_with_one_line(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_args(argv)
+
+
+def test_ep_borrows_from_dp_shard():
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=16, ep=2, etp=2)
+    assert (dims.dp_shard, dims.dp_shard_mod_ep, dims.dp_size) == (4, 2, 8)
+    assert dims.ep_enabled and dims.etp_enabled
+    with pytest.raises(ConfigError, match="--ep 4 must divide dp_shard 2"):
+        ParallelDims(1, -1, 2, world_size=4, ep=4)
+    with pytest.raises(ConfigError, match="--etp 3 must be 1 or --tp 2"):
+        ParallelDims(1, -1, 2, world_size=4, etp=3)
+
+
+def test_expert_bias_moves_towards_balance():
+    args = MoEArgs(dim=8, n_experts=4, top_k=1, load_balance_coeff=0.1)
+    moe = MoE(args)
+    moe.reset_buffers()
+    moe.tokens_per_expert.copy_(torch.tensor([5.0, 1.0, 1.0, 1.0]))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        row = update_expert_bias(moe, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
+    assert moe.tokens_per_expert.sum() == 0
+    assert row["moe/load_imbalance"] == 2.5
+
+
+def test_active_parameters_count_top_k_of_the_routed_experts():
+    dense = MoEArgs(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=11, n_experts=4,
+                    top_k=4, n_dense_layers=0)
+    with torch.device("meta"):
+        total = sum(p.numel() for p in MoETransformer(dense).parameters())
+    assert active_param_count(dense) == total
