@@ -32,6 +32,7 @@ SCOPES = ("train", "data")
 def worker_train(argv: list[str]) -> dict[str, float]:
     from loom import train
     from loom.config import parse_args
+    from loom.mesh import ParallelDims
     from loom.runtime import init_distributed, rank_info, teardown
 
     build_dataset, data_s = train.build_dataset, []
@@ -44,7 +45,7 @@ def worker_train(argv: list[str]) -> dict[str, float]:
 
     train.build_dataset = timed_build
     info, cfg = rank_info(), parse_args(argv)
-    trainer = train.Trainer(cfg, info, train.parallel_dims(cfg, info.world_size),
+    trainer = train.Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
                             init_distributed(info))
     ready = time.time()
     trainer.close()

@@ -53,26 +53,28 @@ CONFIGS = {
 def measure(name: str, timed_steps: int) -> dict:
     """Run in the subprocess: one warm-up step, `timed_steps` timed, one profiled for memory."""
     from loom.config import parse_args
+    from loom.mesh import ParallelDims
     from loom.runtime import init_distributed, rank_info, teardown
-    from loom.train import Trainer, parallel_dims
+    from loom.train import Trainer
 
     torch.set_num_threads(1)
     info = rank_info()
     device = init_distributed(info)
     with tempfile.TemporaryDirectory() as outdir:
         cfg = parse_args([*MODEL, *CONFIGS[name], "--outdir", outdir])
-        trainer = Trainer(cfg, info, parallel_dims(cfg, info.world_size), device)
+        dims = ParallelDims.from_config(cfg.parallel, info.world_size)
+        trainer = Trainer(cfg, info, dims, device)
         batches = iter(trainer.loader)
-        trainer.train_step(next(batches))
+        trainer.train_step([next(batches)])
         rss_before = reset_rss_high_water()
         times, losses = [], []
         for _ in range(timed_steps):
             start = time.thread_time()
-            loss, _ = trainer.train_step(next(batches))
+            loss, _ = trainer.train_step([next(batches)])
             times.append(time.thread_time() - start)
             losses.append(loss.item())
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            trainer.train_step(next(batches))
+            trainer.train_step([next(batches)])
         trainer.close()
     teardown()
     n_params = sum(p.numel() for p in trainer.model.parameters())

@@ -52,8 +52,9 @@ def worker(argv: list[str]) -> None:
     from loom import metrics
     from loom.cli import setup_logging
     from loom.config import parse_args
+    from loom.mesh import ParallelDims
     from loom.runtime import init_distributed, rank_info, teardown
-    from loom.train import Trainer, parallel_dims
+    from loom.train import Trainer
 
     inside: list[float] = []
     for name in ("log_step", "_before_update", "forward_done"):  # patched before watch()
@@ -62,7 +63,7 @@ def worker(argv: list[str]) -> None:
     setup_logging(info.rank)
     cfg = parse_args(argv)
     device = init_distributed(info)
-    trainer = Trainer(cfg, info, parallel_dims(cfg, info.world_size), device)
+    trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size), device)
     starts: list[float] = []
     step = trainer.train_step
 

@@ -9,9 +9,10 @@ import traceback
 import warnings
 from collections.abc import Sequence
 
-from loom.config import ConfigError
+from loom.config import ConfigError, parse_args
 from loom.launch import CONFIG_ERROR_EXIT
-from loom.runtime import rank_info
+from loom.mesh import ParallelDims
+from loom.runtime import Preempted, rank_info
 
 USAGE = """usage: loom {train,launch,export} [FLAGS]
 
@@ -42,17 +43,20 @@ def quiet_known_upstream_noise() -> None:
 def run_train(argv: Sequence[str]) -> int:
     """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2.
     Anything else is rank-specific and printed by the rank that hit it."""
-    from loom import train
-
-    rank = rank_info().rank
+    info = rank_info()
+    rank = info.rank
     setup_logging(rank)
     try:
-        train.main(argv)
+        cfg = parse_args(argv)
+        ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
+        from loom import train
+
+        train.main(cfg, info)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT
-    except train.Preempted as e:
+    except Preempted as e:
         if rank == 0:
             print(f"loom: {e}", file=sys.stderr, flush=True)
         return 128 + signal.SIGTERM

@@ -93,6 +93,10 @@ class ParallelConfig:
     grad_divide_factor: bool = flag(
         True, "sum gradients in the collective and divide once by the dp size "
         "($LOOM_FSDP_DIVIDE_FACTOR=0 turns it off)", hidden=True)
+    data_parallel: str = flag(
+        "fsdp2", "data-parallel wrapper: FSDP2 units, or SimpleFSDP (parameters gathered by "
+        "DTensor redistribution on access; with --compile the whole model is one graph)",
+        choices=("fsdp2", "simple-fsdp"))
     ep: int = flag(1, "expert-parallel degree, borrowed from dp_shard (must divide it)")
     etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
                     "(experts split across tp too)")
@@ -371,9 +375,11 @@ def _knob_warnings(p: ParallelConfig, budget_given: bool) -> list[str]:
     if budget_given and not p.compile:
         warnings.append("--act-mem-budget has no effect without --compile "
                         "(it sets the compiler's partitioner budget)")
-    if p.compile and p.activation_checkpoint != "none" and p.tp > 1:
+    if p.compile and p.activation_checkpoint != "none" and (
+            p.tp > 1 or p.data_parallel == "simple-fsdp"):
         warnings.append(
-            f"--compile with --ac {p.activation_checkpoint} at --tp {p.tp} is known to fail "
+            f"--compile with --ac {p.activation_checkpoint} at --tp {p.tp} (--data-parallel "
+            f"{p.data_parallel}) is known to fail "
             "upstream in AOTAutograd ('expected all tensors_saved_with_vc_check to be "
             "Tensors'); drop --ac (use --act-mem-budget) or --compile")
     return warnings
@@ -498,6 +504,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
     _validate_output(cfg.output)
     _validate_moe(m, p)
+    if hf and p.data_parallel != "fsdp2":
+        raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "
+                          f"Hugging Face model {m.model} (use fsdp2)")
     if hf:
         return
     if m.dim % m.n_heads:

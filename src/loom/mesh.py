@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from loom.config import ConfigError
+from loom.config import ConfigError, ParallelConfig
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 """Mesh dimensions, outermost first. Later `pp` goes in front."""
@@ -57,6 +57,10 @@ class ParallelDims:
                               "(expert parallel borrows data-parallel shard ranks)")
         if self.etp not in (1, self.tp):
             raise ConfigError(f"--etp {self.etp} must be 1 or --tp {self.tp}")
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
+        return cls(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp)
 
     @property
     def degrees(self) -> dict[str, int]:

@@ -23,6 +23,10 @@ _LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID",
                     "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 
+class Preempted(Exception):
+    """SIGTERM arrived: the run stopped after a final checkpoint (when one could be made)."""
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int

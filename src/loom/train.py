@@ -6,7 +6,7 @@ import itertools
 import logging
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.checkpoint import Checkpointer, LoopState, resolve_resume
-from loom.config import ConfigError, JobConfig, parse_args
+from loom.config import ConfigError, JobConfig
 from loom.data.loaders import build_dataloader, build_dataset
 from loom.losses import IGNORE_INDEX, build_loss, resolve_loss_impl
 from loom.mesh import ParallelDims
@@ -32,11 +32,11 @@ from loom.parallel.init import init_weights
 from loom.parallel.parallelize import parallelize_llama
 from loom.profiling import maybe_profile
 from loom.runtime import (
+    Preempted,
     RankInfo,
     agree_on_seed,
     backend_for,
     init_distributed,
-    rank_info,
     seed_everything,
     teardown,
 )
@@ -50,8 +50,6 @@ class NonFiniteLossError(ConfigError):
     """Identical on every rank (the loss is all-reduced), so reported once like bad input."""
 
 
-class Preempted(Exception):
-    """SIGTERM arrived: the run stopped after a final checkpoint (when one could be made)."""
 
 
 def model_args(cfg: JobConfig) -> ModelArgs:
@@ -291,14 +289,9 @@ class Trainer:
         self.metrics.close()
 
 
-def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
-    p = cfg.parallel
-    return ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp)
-
-
 def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
     """Train one job in an initialised process group; returns the trainer for inspection."""
-    trainer = Trainer(cfg, info, parallel_dims(cfg, info.world_size), device)
+    trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size), device)
     try:
         trainer.fit()
     finally:
@@ -306,12 +299,9 @@ def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
     return trainer
 
 
-def main(argv: Sequence[str]) -> None:
-    """Validate everything that needs no process group first, so bad input fails on every
-    rank at once, before any collective could hang."""
-    cfg = parse_args(argv)
-    info = rank_info()
-    parallel_dims(cfg, info.world_size)
+def main(cfg: JobConfig, info: RankInfo) -> None:
+    """Train a validated config (see `loom.cli.run_train`, which checks the flags and the
+    mesh before any heavy import or collective)."""
     for warning in cfg.warnings:
         logger.warning(warning)
     device = init_distributed(info)

@@ -1,4 +1,5 @@
-"""The one ordered recipe: TP -> EP/ETP -> activation checkpointing -> compile -> FSDP2."""
+"""The one ordered recipe: TP -> EP/ETP -> activation checkpointing -> compile -> FSDP2
+(or SimpleFSDP, which compiles after wrapping)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from loom.parallel.expert import (
     moe_layers,
 )
 from loom.parallel.fsdp import apply_fsdp, mixed_precision, set_gradient_division
+from loom.parallel.simple_fsdp import apply_simple_fsdp
 from loom.parallel.tensor import apply_tp
 
 logger = logging.getLogger("loom")
@@ -31,6 +33,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
                     "vocab-sharded" if loss_parallel else "replicated")
     apply_moe_parallel(model, dims)
     apply_ac(model, cfg.activation_checkpoint)
+    if cfg.data_parallel == "simple-fsdp":
+        return apply_simple_fsdp(model, dims, cfg)
     if cfg.compile:
         compile_fn = apply_moe_compile if moe_layers(model) else apply_compile
         compile_fn(model, cfg.compile_mode, cfg.act_mem_budget, cfg.compile_backend)
