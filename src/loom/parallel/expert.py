@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 
 from loom.mesh import ParallelDims
 from loom.models.moe import MoE
-from loom.parallel.compile import _own_storage, set_act_mem_budget
+from loom.parallel.compile import compile_kwargs, prepare_compile
 from loom.parallel.fsdp import set_gradient_division
 
 logger = logging.getLogger("loom")
@@ -228,10 +228,8 @@ def apply_moe_compile(model: nn.Module, mode: str, act_mem_budget: float,
     are data-dependent (host-side splits for the all-to-all and the fp32 loop) and under EP
     they are an FSDP unit of their own, none of which a full graph can capture. Everything
     else in the block is compiled (fullgraph)."""
-    set_act_mem_budget(act_mem_budget)
-    model.tok_embeddings.register_forward_hook(_own_storage)
-    kwargs = dict(backend=backend, fullgraph=True,
-                  mode=mode if backend == "inductor" and mode != "default" else None)
+    prepare_compile(model, act_mem_budget)
+    kwargs = compile_kwargs(mode, backend)
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         if not isinstance(getattr(inner, "moe", None), MoE):
