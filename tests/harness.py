@@ -1,7 +1,9 @@
 """Spawn N local gloo ranks as plain processes, with a hard timeout, and collect results.
 
 Every multi-rank test goes through `run_ranks`, so no test can hang CI: on timeout every
-rank is killed and the test fails with what the ranks printed.
+rank is killed and the test fails with what the ranks printed. Each rank writes its stdout
+and stderr to files, read after the job ends: a chatty rank cannot fill a pipe and block
+while another rank is waited on.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,27 +58,35 @@ def rank_env(rank: int, world: int, port: int, extra: dict[str, str] | None) -> 
     return env
 
 
-def run_ranks(nproc: int, argv: list[str], timeout: float = 240.0,
+def run_ranks(nproc: int, argv: list[str], timeout: float = 300.0,
               env: dict[str, str] | None = None, cwd: Path | None = None) -> JobResult:
-    """Run `python <argv>` as ranks 0..nproc-1; kill them all if the job outlives `timeout`."""
+    """Run `python <argv>` as ranks 0..nproc-1; kill them all if the job outlives `timeout`
+    (a hang limit, not a speed check: keep it >= 5x the idle time)."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, *argv], env=rank_env(r, nproc, port, env),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=cwd)
-             for r in range(nproc)]
-    start = time.monotonic()
-    outputs: list[tuple[str, str]] = []
-    try:
-        for proc in procs:
-            remaining = max(1.0, timeout - (time.monotonic() - start))
-            outputs.append(proc.communicate(timeout=remaining))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        texts = [p.communicate() for p in procs]
+    with tempfile.TemporaryDirectory(prefix="loom-ranks-") as tmp, ExitStack() as files:
+        logs = Path(tmp)
+        procs = [subprocess.Popen([sys.executable, *argv], env=rank_env(r, nproc, port, env),
+                                  stdout=files.enter_context(open(logs / f"{r}.out", "w")),
+                                  stderr=files.enter_context(open(logs / f"{r}.err", "w")),
+                                  cwd=cwd)
+                 for r in range(nproc)]
+        start = time.monotonic()
+        timed_out = False
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        elapsed = time.monotonic() - start
+        texts = [((logs / f"{r}.out").read_text(errors="replace"),
+                  (logs / f"{r}.err").read_text(errors="replace")) for r in range(nproc)]
+    if timed_out:
         dump = "\n".join(f"--- rank {i}\n{o[-2000:]}\n{e[-2000:]}" for i, (o, e) in
                          enumerate(texts))
-        raise TimeoutError(f"{nproc}-rank job {argv} exceeded {timeout}s\n{dump}") from None
+        raise TimeoutError(f"{nproc}-rank job {argv} exceeded {timeout}s\n{dump}")
     return JobResult([RankResult(r, p.returncode, o, e)
-                      for r, (p, (o, e)) in enumerate(zip(procs, outputs, strict=True))],
-                     time.monotonic() - start)
+                      for r, (p, (o, e)) in enumerate(zip(procs, texts, strict=True))],
+                     elapsed)

@@ -26,6 +26,7 @@ from loom.losses import (
     vocab_parallel_cross_entropy,
 )
 from loom.mesh import ParallelDims
+from loom.metrics import read_rows
 from loom.models.llama import ModelArgs, Transformer
 from loom.parallel.init import clean_name, init_weights
 from loom.parallel.parallelize import parallelize_llama
@@ -155,8 +156,7 @@ def training_runs(root: Path, info, device) -> dict[str, object]:
         outdir = root / name.replace("/", "_")
         run(parse_args([*E2E_COMMON, *flags, "--outdir", str(outdir)]), info, device)
         if info.rank == 0:
-            rows = [json.loads(line) for line in (outdir / "metrics-0.jsonl").read_text()
-                    .splitlines()]
+            rows = read_rows(outdir / "metrics-0.jsonl")
             recorded = json.loads((outdir / "config.json").read_text())["loss"]["loss_impl"]
             out[name] = {"losses": [r["train/loss"] for r in rows], "loss_impl": recorded}
     return out

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.compare import assert_norms_close, assert_series_close, column, rows
 from tests.harness import run_ranks
 
 GLOBAL_BATCH = 4
@@ -21,7 +22,9 @@ COMMON = ["--model", "moe-debug", "--dataset", "random", "--vocab-size", "512",
           "--seq-len", "64", "--fp32", "--max-steps", "5", "--seed", "7", "--lr", "1e-3",
           "--warmup-steps", "0"]
 RTOL = 1e-5
-PARAM_ATOL = 2e-5
+PARAM_NORM_RTOL = 1e-3
+"""Per tensor, as in test_parity.py: AdamW can turn a reduction-order difference on a ~0
+gradient into a 2 * lr step on one element, so final parameters are compared norm-wise."""
 COMPILE = ["--compile", "--compile-backend", "aot_eager"]
 
 LAYOUTS = {  # name: (world size, dp degree, flags)
@@ -43,31 +46,19 @@ SLOW_LAYOUTS = {
 def launch(world: int, layouts: dict, root: Path) -> None:
     runs = [[*COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // dp), "--outdir",
              str(root / name)] for name, (size, dp, flags) in layouts.items() if size == world]
-    job = run_ranks(world, ["tests/parity_worker.py", json.dumps(runs)], timeout=400)
+    job = run_ranks(world, ["tests/parity_worker.py", json.dumps(runs)], timeout=1200)
     assert job.ok, job.describe()
 
 
-def rows(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics-0.jsonl").read_text().splitlines()]
-
-
-def column(table: list[dict], key: str) -> torch.Tensor:
-    return torch.tensor([row[key] for row in table], dtype=torch.float64)
-
-
 def assert_same_run(candidate: Path, reference: Path) -> None:
+    for key in ("train/loss", "grad/norm_preclip"):
+        assert_series_close(column(candidate, key), column(reference, key), rtol=RTOL, what=key)
     ref, new = rows(reference), rows(candidate)
     assert len(new) == len(ref) == 5
-    for key in ("train/loss", "grad/norm_preclip"):
-        torch.testing.assert_close(column(new, key), column(ref, key), rtol=RTOL, atol=0,
-                                   msg=key)
     for key in ("moe/tokens_per_expert_min", "moe/tokens_per_expert_max"):
-        assert column(new, key).tolist() == column(ref, key).tolist(), key
-    ref_params = torch.load(reference / "params.pt")
-    params = torch.load(candidate / "params.pt")
-    assert params.keys() == ref_params.keys()
-    for name, value in params.items():
-        torch.testing.assert_close(value, ref_params[name], rtol=0, atol=PARAM_ATOL, msg=name)
+        assert [r[key] for r in new] == [r[key] for r in ref], key
+    assert_norms_close(torch.load(candidate / "params.pt"), torch.load(reference / "params.pt"),
+                       rtol=PARAM_NORM_RTOL, what="parameters after 5 AdamW steps")
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +71,8 @@ def moe_runs(tmp_path_factory) -> Path:
 
 @pytest.mark.multirank
 def test_single_process_reference_trains(moe_runs: Path) -> None:
-    losses = column(rows(moe_runs / "single"), "train/loss")
-    assert losses[-1] < losses[0], "training should make progress"
+    losses = column(moe_runs / "single")
+    assert losses[5] < losses[1], "training should make progress"
 
 
 @pytest.mark.multirank

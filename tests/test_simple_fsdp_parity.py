@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.compare import assert_series_close, column
 from tests.harness import run_ranks
 
 COMMON = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64",
@@ -46,13 +46,8 @@ SLOW = {
 }
 
 
-def losses(folder: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (folder / "metrics-0.jsonl").read_text().splitlines()]
-    return {r["train/iter"]: r["train/loss"] for r in rows}
-
-
 def job(world: int, runs: list[list[str]]) -> None:
-    result = run_ranks(world, ["tests/parity_worker.py", json.dumps(runs)], timeout=500)
+    result = run_ranks(world, ["tests/parity_worker.py", json.dumps(runs)], timeout=1500)
     assert result.ok, result.describe()
 
 
@@ -96,30 +91,27 @@ def default_runs(tmp_path_factory) -> Path:
 
 
 def assert_close(candidate: dict[int, float], reference: dict[int, float]) -> None:
-    steps = sorted(candidate)
-    torch.testing.assert_close(torch.tensor([candidate[s] for s in steps]),
-                               torch.tensor([reference[s] for s in steps]),
-                               rtol=LOSS_RTOL, atol=0)
+    assert_series_close(candidate, {s: reference[s] for s in candidate}, rtol=LOSS_RTOL)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", list(ACCEPTANCE))
 def test_matches_one_process_and_fsdp2(default_runs: Path, case: str) -> None:
-    single = losses(default_runs / reference(case))
-    candidate = losses(default_runs / case)
+    single = column(default_runs / reference(case))
+    candidate = column(default_runs / case)
     assert sorted(candidate) == [1, 2, 3, 4, 5]
     assert single[5] < single[1], "training should make progress"
     assert_close(candidate, single)
-    fsdp2 = losses(default_runs / ("moe_ep2-fsdp2" if case.startswith("moe")
+    fsdp2 = column(default_runs / ("moe_ep2-fsdp2" if case.startswith("moe")
                                    else "fsdp2-straight"))
-    assert_close(candidate, {s: fsdp2[s] for s in range(1, 6)})
+    assert_close(candidate, fsdp2)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("direction", ["simple-to-fsdp2", "fsdp2-to-simple"])
 def test_checkpoint_moves_between_wrappers(default_runs: Path, direction: str) -> None:
-    straight = losses(default_runs / "fsdp2-straight")
-    resumed = losses(default_runs / direction)
+    straight = column(default_runs / "fsdp2-straight")
+    resumed = column(default_runs / direction)
     assert sorted(resumed) == list(range(6, 11))
     assert_close(resumed, straight)
 
@@ -131,4 +123,4 @@ def test_slow_cases_match_one_process(tmp_path_factory, case: str) -> None:
     root = tmp_path_factory.mktemp(case)
     job(1, single_runs(root))
     job(4, case_runs(root, {case: SLOW[case]}))
-    assert_close(losses(root / case), losses(root / reference(case)))
+    assert_close(column(root / case), column(root / reference(case)))

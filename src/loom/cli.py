@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from loom.config import ConfigError, parse_args
 from loom.launch import CONFIG_ERROR_EXIT
 from loom.mesh import ParallelDims
-from loom.runtime import Preempted, rank_info
+from loom.preflight import check_outdir
+from loom.runtime import DIVERGED_EXIT, NonFiniteLossError, Preempted, rank_info
 
 USAGE = """usage: loom {train,launch,export} [FLAGS]
 
@@ -49,6 +50,7 @@ def run_train(argv: Sequence[str]) -> int:
     try:
         cfg = parse_args(argv)
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
+        check_outdir(cfg.output.outdir)
         from loom import train
 
         train.main(cfg, info)
@@ -56,6 +58,10 @@ def run_train(argv: Sequence[str]) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT
+    except NonFiniteLossError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return DIVERGED_EXIT
     except Preempted as e:
         if rank == 0:
             print(f"loom: {e}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -29,10 +30,6 @@ def flag(default: Any, help: str, *, aliases: Sequence[str] = (), type: Callable
     meta = dict(help=help, aliases=tuple(aliases), type=type, choices=choices,
                 hidden=hidden, const=const)
     return field(default=default, metadata=meta)
-
-
-def _default_seq_len() -> int:
-    return int(os.environ.get("SEQ_LEN", "1024"))
 
 
 @dataclass(frozen=True)
@@ -123,6 +120,8 @@ class TrainConfig:
     grad_accum_steps: int = flag(1, "micro-batches accumulated per optimizer step")
     skip_nonfinite: bool = flag(False, "skip a step whose loss or gradient is not finite "
                                 "(default: stop the run)")
+    max_skipped_steps: int = flag(10, "--skip-nonfinite: stop after this many consecutive "
+                                  "skipped steps")
 
 
 @dataclass(frozen=True)
@@ -142,10 +141,7 @@ class DataConfig:
     hf_split: str = flag("train", "dataset split")
     hf_text_column: str = flag("text", "column holding the text")
     hf_limit: int = flag(0, "keep this many rows, chosen deterministically (0 = all)")
-    seq_len: int = field(default_factory=_default_seq_len,
-                         metadata=dict(help="tokens per sample ($SEQ_LEN or 1024)",
-                                       aliases=(), type=int, choices=None, hidden=False,
-                                       const=None))
+    seq_len: int = flag(1024, "tokens per sample ($SEQ_LEN)")
     num_workers: int = flag(0, "data loader worker processes")
     hf_limit_seed: int = flag(0, "seed of the --hf-limit subsample ($LOOM_HF_LIMIT_SEED)",
                               hidden=True)
@@ -454,7 +450,9 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
             raise ConfigError(f"--ep {p.ep} / --etp {p.etp} need a mixture-of-experts model "
                               "(--n-experts > 0, e.g. --model moe-debug)")
         return
-    if m.n_experts < 0 or not 1 <= m.top_k <= m.n_experts:
+    if m.n_experts < 0:
+        raise ConfigError(f"--n-experts must be >= 0 (0 = dense model), got {m.n_experts}")
+    if not 1 <= m.top_k <= m.n_experts:
         raise ConfigError(f"--top-k {m.top_k} must be in [1, --n-experts {m.n_experts}]")
     if p.ep < 1 or m.n_experts % p.ep:
         raise ConfigError(f"--n-experts {m.n_experts} is not divisible by --ep {p.ep}")
@@ -473,6 +471,23 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
                           "must be >= 0")
 
 
+def _validate_numbers(cfg: JobConfig) -> None:
+    """Values that argparse accepts (nan, negatives, empty strings) but no run can use."""
+    o, d, c = cfg.optim, cfg.data, cfg.checkpoint
+    if not (math.isfinite(o.lr) and o.lr > 0):
+        raise ConfigError(f"--lr must be a finite number > 0, got {o.lr}")
+    if math.isnan(o.max_grad_norm):
+        raise ConfigError("--max-grad-norm must be a number (<= 0 disables clipping), got nan")
+    if not c.sigterm_grace_s >= 0:  # also rejects nan
+        raise ConfigError(f"--sigterm-grace-s must be >= 0, got {c.sigterm_grace_s}")
+    if d.hf_limit < 0:
+        raise ConfigError(f"--hf-limit must be >= 0 (0 = all rows), got {d.hf_limit}")
+    for name, value in (("--dataset", d.dataset), ("--tokenizer-name", d.tokenizer_name),
+                        ("--outdir", cfg.output.outdir), ("--resume", c.resume)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{name} must not be empty")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
@@ -482,10 +497,15 @@ def validate(cfg: JobConfig) -> None:
                 "--batch-size": t.batch_size, "--seq-len": d.seq_len,
                 "--loss-chunk-size": cfg.loss.loss_chunk_size,
                 "--grad-accum-steps": t.grad_accum_steps,
-                "--keep-checkpoints": cfg.checkpoint.keep_checkpoints}
+                "--keep-checkpoints": cfg.checkpoint.keep_checkpoints,
+                "--multiple-of": m.multiple_of, "--vocab-size": m.vocab_size,
+                "--epochs": t.epochs, "--max-skipped-steps": t.max_skipped_steps}
+    if m.hidden_dim is not None:
+        positive["--hidden-dim"] = m.hidden_dim
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
+    _validate_numbers(cfg)
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"--dp-shard must be >= 1 or -1 (auto), got {p.dp_shard}")
     if t.max_steps is not None and t.max_steps < 1:

@@ -295,6 +295,10 @@ def main(argv: list[str]) -> int:
     if not opts.cmd:
         print("loom launch: no command given", file=sys.stderr)
         return 2
+    for name, value in (("-n", opts.nproc), ("--nnodes", opts.nnodes)):
+        if value is not None and value < 1:
+            print(f"loom launch: {name} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     launcher = choose_launcher(os.environ)
     try:
         command = BUILDERS[launcher](opts, os.environ, detect_host())

@@ -27,6 +27,14 @@ class Preempted(Exception):
     """SIGTERM arrived: the run stopped after a final checkpoint (when one could be made)."""
 
 
+DIVERGED_EXIT = 3
+"""Exit code of a run stopped by a non-finite loss: the flags were valid, training diverged."""
+
+
+class NonFiniteLossError(Exception):
+    """Identical on every rank (the loss is all-reduced), so reported once, by rank 0."""
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int

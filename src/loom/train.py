@@ -30,8 +30,10 @@ from loom.parallel.expert import update_expert_bias
 from loom.parallel.hf import parallelize_hf, resolve_hf_model
 from loom.parallel.init import init_weights
 from loom.parallel.parallelize import parallelize_llama
+from loom.preflight import available_memory_bytes, check_model_fits
 from loom.profiling import maybe_profile
 from loom.runtime import (
+    NonFiniteLossError,
     Preempted,
     RankInfo,
     agree_on_seed,
@@ -44,12 +46,6 @@ from loom.runtime import (
 logger = logging.getLogger("loom")
 
 Batch = dict[str, torch.Tensor]
-
-
-class NonFiniteLossError(ConfigError):
-    """Identical on every rank (the loss is all-reduced), so reported once like bad input."""
-
-
 
 
 def model_args(cfg: JobConfig) -> ModelArgs:
@@ -91,6 +87,7 @@ class Trainer:
         seed_everything(self.seed)
         cfg = replace(cfg, train=replace(cfg.train, seed=self.seed))
         cfg = resolve_hf_model(cfg, info.local_rank)  # a HF --model: its shape and vocab
+        self.check_model_fits(cfg)
         dataset, cfg = build_dataset(cfg, info.local_rank)  # sizes the vocab from the tokenizer
         self.cfg = cfg = resolve_loss_impl(cfg)  # effective --loss-impl, before the tp plan
         self.loader = build_dataloader(
@@ -113,6 +110,7 @@ class Trainer:
         self.dp_group = dims.get_mesh("dp").get_group()
         self.moe_metrics: dict[str, float] = {}
         self.stop_requested = False
+        self.skipped_in_a_row = 0
 
     def optimizer_steps_per_epoch(self) -> int:
         """Each optimizer step takes `accum` loader batches; a ragged remainder is dropped."""
@@ -159,6 +157,19 @@ class Trainer:
         logger.info("model: %s, %.2fM parameters", self.cfg.model.model or "custom",
                     n_params / 1e6)
         return model
+
+    def check_model_fits(self, cfg: JobConfig) -> None:
+        """Fail in one line, before the data or the model is allocated, on a model too large
+        for this device (the vocab is the flag's: a tokenizer may replace it with its own)."""
+        if is_hf(cfg.model):
+            return
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in plain_model(cfg).parameters())
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = available_memory_bytes() if self.device.type == "cpu" else None
+        check_model_fits(n_params, self.dims.dp_shard * self.dims.tp, free)
 
     def effective_config(self) -> dict[str, Any]:
         return {**self.cfg.to_dict(), "world_size": self.info.world_size,
@@ -208,13 +219,20 @@ class Trainer:
 
     def update_is_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         if bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)):
+            self.skipped_in_a_row = 0
             return True
-        step = self.loop.step + 1
-        if not self.cfg.train.skip_nonfinite:
+        step, t = self.loop.step + 1, self.cfg.train
+        self.skipped_in_a_row += 1
+        if not t.skip_nonfinite:
             raise NonFiniteLossError(
-                f"non-finite loss {float(loss)} (gradient norm {float(grad_norm)}) at step "
-                f"{step}; lower --lr, raise --warmup-steps, try --fp32, or pass "
-                "--skip-nonfinite to skip such steps")
+                f"non-finite loss or gradient at step {step} (loss {float(loss)}, gradient "
+                f"norm {float(grad_norm)}); lower --lr, raise --warmup-steps, try --fp32, or "
+                "pass --skip-nonfinite to skip such steps")
+        if self.skipped_in_a_row >= t.max_skipped_steps:
+            raise NonFiniteLossError(
+                f"{self.skipped_in_a_row} steps in a row (up to step {step}) had a non-finite "
+                "loss or gradient (--max-skipped-steps); lower --lr, raise --warmup-steps or "
+                "try --fp32")
         logger.warning("step %d: non-finite loss or gradient, update skipped", step)
         return False
 

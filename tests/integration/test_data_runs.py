@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from loom.metrics import read_rows as rows
 from tests.harness import free_port, run_ranks
 
 
@@ -31,13 +32,9 @@ def parquet(tmp_path_factory) -> Path:
     return path
 
 
-def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 @pytest.mark.multirank
 def test_tp_ranks_share_batches_and_dp_groups_split_one_global_order(tmp_path, parquet):
-    job = run_ranks(4, ["tests/data_worker.py", str(parquet), str(tmp_path)], timeout=120,
+    job = run_ranks(4, ["tests/data_worker.py", str(parquet), str(tmp_path)], timeout=600,
                     env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
     assert job.ok, job.describe()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
@@ -60,8 +57,8 @@ def test_tp_ranks_share_batches_and_dp_groups_split_one_global_order(tmp_path, p
 @pytest.mark.multirank
 def test_loom_train_on_a_local_parquet_with_tp(tmp_path, parquet):
     flags = ["--model", "debug", "--tp", "2", "--dataset", str(parquet), "--seq-len", "32",
-             "--max-steps", "3", "--seed", "1", "--outdir", str(tmp_path / "run")]
-    job = run_ranks(4, ["-m", "loom", "train", *flags], timeout=180,
+             "--fp32", "--max-steps", "3", "--seed", "1", "--outdir", str(tmp_path / "run")]
+    job = run_ranks(4, ["-m", "loom", "train", *flags], timeout=900,
                     env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
     assert job.ok, job.describe()
     losses = [r["train/loss"] for r in rows(tmp_path / "run" / "metrics-0.jsonl")]
@@ -73,9 +70,9 @@ def test_loom_train_on_a_local_parquet_with_tp(tmp_path, parquet):
 
 
 def test_default_run_trains_on_the_embedded_corpus_offline(tmp_path):
-    flags = ["--model", "debug", "--seq-len", "64", "--max-steps", "2",
+    flags = ["--model", "debug", "--seq-len", "64", "--fp32", "--max-steps", "2",
              "--outdir", str(tmp_path / "run")]
-    job = run_ranks(1, ["-m", "loom", "train", *flags], timeout=120,
+    job = run_ranks(1, ["-m", "loom", "train", *flags], timeout=900,
                     env={"LOOM_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
     assert job.ok, job.describe()
     assert len(rows(tmp_path / "run" / "metrics-0.jsonl")) == 2
@@ -88,7 +85,7 @@ def test_default_run_trains_on_the_embedded_corpus_offline(tmp_path):
 def fail_at_data(tmp_path: Path, dataset: str, env: dict[str, str]):
     """`loom train` on one rank that must stop with a ConfigError while building the data."""
     job = run_ranks(1, ["-m", "loom", "train", "--model", "debug", "--dataset", dataset,
-                        "--outdir", str(tmp_path / "run")], timeout=90,
+                        "--outdir", str(tmp_path / "run")], timeout=300,
                     env={"LOOM_CACHE_DIR": str(tmp_path / "cache"), **env})
     (rank,) = job.ranks
     errors = [line for line in rank.stderr.splitlines() if line.strip()]
@@ -99,7 +96,8 @@ def fail_at_data(tmp_path: Path, dataset: str, env: dict[str, str]):
 @pytest.fixture(scope="module")
 def local_failure_s(tmp_path_factory) -> float:
     """Time of a failure at the same point without any network access: imports, process
-    group and the first data check. The hub errors may add seconds, not retries."""
+    group and the first data check. The hub errors may add seconds, not minutes of
+    retries."""
     job, line = fail_at_data(tmp_path_factory.mktemp("local"), "/no/such/file.jsonl", {})
     assert "no such file or folder" in line
     return job.elapsed
@@ -115,4 +113,5 @@ def test_hub_dataset_without_network_is_a_fast_one_line_error(tmp_path, local_fa
     job, line = fail_at_data(tmp_path, "eliplutchok/fineweb-small-sample", env)
     assert line.startswith("error: --dataset eliplutchok/fineweb-small-sample")
     assert "pass local files instead" in line
-    assert job.elapsed < local_failure_s + 5, (job.elapsed, local_failure_s)
+    # A bound for retries only (they take minutes), loose enough for a loaded machine.
+    assert job.elapsed < 3 * local_failure_s + 30, (job.elapsed, local_failure_s)

@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import loom
 LAUNCH = "import sys; from loom.launch import main; sys.exit(main(sys.argv[1:]))"
 
 
-def run_launch(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_launch(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "PBS_JOBID")}
     src = str(Path(loom.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
@@ -41,11 +40,9 @@ def test_failing_rank_ends_the_job_with_its_error_shown():
         "if rank == 1:\n"
         "    print('error: rank 1 is broken', file=sys.stderr)\n"
         "    sys.exit(3)\n"
-        "time.sleep(300)"
+        "time.sleep(3600)"
     )
-    start = time.monotonic()
-    result = run_launch("-n", "2", *rank_program(body))
-    assert time.monotonic() - start < 30
+    result = run_launch("-n", "2", *rank_program(body))  # a kept rank 0 would time out
     assert result.returncode == 3
     assert "error: rank 1 is broken" in result.stderr
     assert "loom launch: rank 1 (local 1) failed with exit code 3" in result.stderr

@@ -19,7 +19,7 @@ LOSS_RTOL = 1e-5
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("losses") / "results.json"
-    job = run_ranks(2, ["tests/losses_worker.py", str(out)], timeout=420)
+    job = run_ranks(2, ["tests/losses_worker.py", str(out)], timeout=1200)
     assert job.ok, job.describe()
     return {**json.loads(out.read_text()), "log": job.ranks[0].stdout}
 

@@ -170,7 +170,8 @@ def test_models_own_checkpointing_recomputes_blocks_with_equal_gradients() -> No
     assert calls == [2, 4]
     assert grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_fused_linear_falls_back_to_compiled_on_a_hf_model(llama_folder: Path) -> None:

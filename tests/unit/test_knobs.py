@@ -62,7 +62,8 @@ def assert_same_numerics(model: nn.Module, reference: nn.Module, atol: float) ->
     ref_loss, ref_grads = loss_and_grads(reference)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=atol)
     for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=0, atol=atol, msg=name)
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize(("mode", "attention_calls", "ffn_calls"), [

@@ -104,7 +104,8 @@ def test_built_loss_through_the_model_matches_eager(mode: str) -> None:
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     if mode == "fused-linear":  # the fused head still projects when given no labels
         hidden = model(inputs, return_hidden=True)
         torch.testing.assert_close(model.output(hidden), reference(inputs))

@@ -164,6 +164,8 @@ def tokenize(docs: datasets.Dataset, column: str, tokenizer: TextTokenizer) -> n
                        batched=True, batch_size=ENCODE_BATCH, remove_columns=docs.column_names,
                        keep_in_memory=True, new_fingerprint="loom-tokenize",
                        num_proc=None if tokenizer.parallel else os.cpu_count())
+    if "ids" not in encoded.column_names:  # no document held any text
+        return np.zeros(0, dtype=token_dtype(tokenizer.size))
     flat = pc.list_flatten(encoded.data.table.column("ids")).to_numpy()
     return flat.astype(token_dtype(tokenizer.size))
 

@@ -1,0 +1,72 @@
+"""Every user-fixable mistake found before training is one line on stderr, exit 2, and no
+run folder (checked in-process through the `loom train` and `loom launch` entry points)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom import launch
+from loom.cli import run_train
+
+BASE = ["--model", "debug", "--dataset", "random", "--max-steps", "1", "--fp32"]
+MISTAKES = {  # id: (flags, message)
+    "lr-negative": (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    "lr-nan": (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    "multiple-of-0": (["--multiple-of", "0"], "--multiple-of must be >= 1, got 0"),
+    "vocab-0": (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+    "vocab-negative": (["--vocab-size", "-5"], "--vocab-size must be >= 1, got -5"),
+    "hidden-dim-negative": (["--hidden-dim", "-4"], "--hidden-dim must be >= 1, got -4"),
+    "epochs-0": (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    "epochs-negative": (["--epochs", "-3"], "--epochs must be >= 1, got -3"),
+    "dataset-empty": (["--dataset", ""], "--dataset must not be empty"),
+    "outdir-empty": (["--outdir", ""], "--outdir must not be empty"),
+    "max-grad-norm-nan": (["--max-grad-norm", "nan"], "--max-grad-norm must be a number"),
+    "hf-limit-negative": (["--hf-limit", "-5"], "--hf-limit must be >= 0 (0 = all rows), got -5"),
+    "sigterm-grace-negative": (["--sigterm-grace-s", "-1"],
+                               "--sigterm-grace-s must be >= 0, got -1.0"),
+    "n-experts-negative": (["--n-experts", "-4"], "--n-experts must be >= 0 (0 = dense model)"),
+    "max-skipped-steps-0": (["--max-skipped-steps", "0"], "--max-skipped-steps must be >= 1"),
+    "lr-not-a-number": (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+}
+
+
+def assert_one_line_exit_2(code: int, stderr: str, message: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], (code, stderr)
+
+
+@pytest.mark.parametrize(("flags", "message"), list(MISTAKES.values()), ids=list(MISTAKES))
+def test_bad_flag_is_one_line_and_writes_nothing(tmp_path, capsys, flags, message):
+    outdir = ["--outdir", str(tmp_path / "run")] if "--outdir" not in flags else []
+    code = run_train([*BASE, *outdir, *flags])
+    assert_one_line_exit_2(code, capsys.readouterr().err, message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_seq_len_environment_must_be_an_integer(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SEQ_LEN", "abc")
+    code = run_train([*BASE, "--outdir", str(tmp_path / "run")])
+    assert_one_line_exit_2(code, capsys.readouterr().err, "SEQ_LEN must be an integer, got 'abc'")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["is-a-file", "under-a-file", "unwritable"])
+def test_outdir_that_cannot_be_a_run_folder(tmp_path, capsys, monkeypatch, where):
+    (tmp_path / "file").write_text("keep")
+    outdir = tmp_path / "file" / "run" if where == "under-a-file" else tmp_path / "file"
+    if where == "unwritable":  # chmod cannot stop root, so stand in for the permission check
+        outdir = tmp_path / "locked" / "run"
+        (tmp_path / "locked").mkdir()
+        monkeypatch.setattr("loom.preflight.os.access", lambda path, mode: False)
+    code = run_train([*BASE, "--outdir", str(outdir)])
+    message = "cannot write in" if where == "unwritable" else "is a file, not a folder"
+    assert_one_line_exit_2(code, capsys.readouterr().err, message)
+    assert (tmp_path / "file").read_text() == "keep"
+    assert where == "is-a-file" or not outdir.exists()
+
+
+@pytest.mark.parametrize("nproc", ["0", "-2"])
+def test_launch_needs_at_least_one_rank(capsys, nproc):
+    code = launch.main(["-n", nproc, "true"])
+    assert_one_line_exit_2(code, capsys.readouterr().err, f"-n must be >= 1, got {nproc}")
+
