@@ -32,6 +32,7 @@ from loom.config import JobConfig
 from loom.data.cache import default_cache_dir
 from loom.mesh import ParallelDims
 from loom.plots import write_plots
+from loom.precision import resolve_precision, torch_dtype
 from loom.progress import Progress, text_plot
 from loom.runtime import RankInfo
 from loom.tracking import Histograms, WandbRun
@@ -372,7 +373,7 @@ def run_facts(cfg: JobConfig, dims: ParallelDims, device: torch.device, model: n
     batch = cfg.train.batch_size * cfg.train.grad_accum_steps  # samples per dp rank per step
     seq, global_batch = cfg.data.seq_len, dims.global_batch_size(batch)
     count = flops.count_step_flops(build_model, batch, seq)
-    dtype = torch.float32 if cfg.parallel.fp32 else torch.bfloat16
+    dtype = torch_dtype(resolve_precision(cfg.parallel.dtype, device).dtype)
     cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else default_cache_dir()
     peak = flops.peak_flops(device, dtype, cache)
     return RunFacts(

@@ -9,7 +9,9 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
+from loom.precision import resolve_precision
 from tests.harness import REPO, run_ranks
 
 SPEC_KEYS = (
@@ -72,6 +74,8 @@ def test_run_folder_config_summary_and_plots(dp2_run):
     assert len(config["hostnames"]) == 2 and config["mesh"]["dp_shard"] == 2
     assert derived["flops_per_step"] == pytest.approx(2 * derived["flops_per_rank"])
     assert derived["global_batch_size"] == 2 and derived["flops_exact"]
+    expected = resolve_precision("auto", torch.device("cpu"))
+    assert config["precision"] == vars(expected) and config["parallel"]["dtype"] == expected.dtype
     summary = json.loads((outdir / "summary.json").read_text())
     table = rows(outdir / "metrics-0.jsonl")
     assert summary["steps"] == 10 and summary["tokens"] == 5120
