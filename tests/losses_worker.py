@@ -92,7 +92,8 @@ def functional_checks(mesh) -> dict[str, float | bool]:
 def build_model(dims: ParallelDims, mode: str, fp32: bool) -> Transformer:
     with torch.device("meta"):
         model = Transformer(ARGS)
-    parallelize_llama(model, dims, ParallelConfig(fp32=fp32), loss_parallel=mode == "loss-parallel",
+    cfg = ParallelConfig(dtype="fp32" if fp32 else "bf16")
+    parallelize_llama(model, dims, cfg, loss_parallel=mode == "loss-parallel",
                       backend="gloo")
     init_weights(model, seed=3, device=torch.device("cpu"))
     return model

@@ -84,7 +84,9 @@ class ParallelConfig:
     compile_backend: str = flag(
         "inductor", "torch.compile backend; aot_eager skips code generation (cheap, for tests) "
         "($LOOM_COMPILE_BACKEND)", choices=("inductor", "aot_eager"))
-    fp32: bool = flag(False, "turn mixed precision off (fp32 parameters and reductions)")
+    dtype: str = flag("auto", "compute dtype: bf16 mixed precision (fp32 master weights), fp32, "
+                      "or auto (bf16 on GPUs and native-bf16 CPUs, else fp32)",
+                      choices=("auto", "bf16", "fp32"))
     reduce_dtype: str = flag("fp32", "gradient reduction dtype under mixed precision "
                              "($LOOM_REDUCE_DTYPE)", choices=("fp32", "bf16"))
     grad_divide_factor: bool = flag(
@@ -239,6 +241,8 @@ def build_parser(prog: str = "loom train") -> argparse.ArgumentParser:
     parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                         action="store_const", const="never",
                         help="same as --reshard-after-forward never")
+    parser.add_argument("--fp32", dest="dtype", action="store_const", const="fp32",
+                        help="same as --dtype fp32")
     return parser
 
 

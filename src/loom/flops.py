@@ -2,13 +2,18 @@
 
 The count is forward + backward of the *unsharded* model at the real (batch, seq) shape,
 run under fake tensors (nothing allocated, so it cannot OOM) with the math attention
-kernel forced so attention's matmuls are seen (full T x T, no causal discount). These are
+kernel forced so attention's matmuls are seen (full T x T, no causal discount). The count
+runs in bf16, where MoE experts take `torch._grouped_mm` (FLOPs: 2 x routed rows x in x
+out, i.e. tokens x top-k; formula registered below), so MoE counts are exact too. These are
 model FLOPs: activation recompute is not counted, so MFU is model, not hardware, FLOPs
 utilisation.
 
-The CPU has no datasheet peak: a short matmul benchmark measures it once per machine,
-dtype and thread count, cached as `peak_flops.json` in loom's cache folder ($LOOM_CACHE_DIR,
-default `~/.cache/loom`). Delete that file to measure again.
+The CPU has no datasheet peak: a matmul benchmark measures it per machine, dtype and
+thread count, in rounds until the two best rounds agree within 10% while the process got
+at least 90% of its threads' CPU time (otherwise the machine was busy). Only such a clean
+measurement is cached, as `peak_flops.json` in loom's cache folder ($LOOM_CACHE_DIR,
+default `~/.cache/loom`). An MFU above 100% means the peak (or the count) is wrong: the
+peak is measured again, a warning is logged once, and such a reading is never reported.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
 logger = logging.getLogger("loom")
 
@@ -40,6 +45,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 NVL": {"bf16": 835.0, "fp32": 60.0},
     "H100 PCIe": {"bf16": 756.0, "fp32": 51.0},
     "H100": {"bf16": 989.4, "fp32": 66.9},
+    "GH200": {"bf16": 989.4, "fp32": 66.9},  # its H100 GPU; before "H200", a substring
     "H200": {"bf16": 989.4, "fp32": 66.9},
     "B200": {"bf16": 2250.0, "fp32": 80.0},
     "A100": {"bf16": 312.0, "fp32": 19.5},
@@ -61,6 +67,18 @@ class FlopCount:
     """False when the scaled probe was used: attention is under-counted, MFU a lower bound."""
 
 
+if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in flop_registry:
+    @register_flop_formula(torch.ops.aten._grouped_mm)
+    def _grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args: object,
+                          out_shape: torch.Size | None = None, **kwargs: object) -> int:
+        """2D x 3D with offsets (MoE experts): every row of `a` meets one group's (K, N)."""
+        if len(a_shape) == 2 and len(b_shape) == 3:
+            return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+        if len(a_shape) == 3 and len(b_shape) == 3:  # batched groups
+            return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[-1]
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]  # 2D x 2D: the weight gradient
+
+
 def _train_step_flops(model: nn.Module, tokens: torch.Tensor) -> int:
     """FLOPs of logits -> cross-entropy -> backward, math attention kernel forced."""
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
@@ -69,9 +87,20 @@ def _train_step_flops(model: nn.Module, tokens: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
+def build_in_bf16(build_model: Callable[[], nn.Module]) -> nn.Module:
+    """bf16 parameters, so MoE experts take the grouped matmul (FLOPs do not depend on the
+    dtype; the fp32 expert loop reads routing counts on the host, which fake tensors cannot)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return build_model()
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _fake_count(build_model: Callable[[], nn.Module], batch: int, seq: int) -> float:
     with FakeTensorMode():
-        model = build_model()
+        model = build_in_bf16(build_model)
         return float(_train_step_flops(model, torch.zeros(batch, seq, dtype=torch.long)))
 
 
@@ -127,44 +156,97 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.1) -> float:
-    """Best FLOP/s of square matmuls over a few sizes (small ones win on CPU caches)."""
+MIN_CPU_SHARE = 0.9
+"""A measurement is clean when the process got this share of its threads' CPU time."""
+AGREEMENT = 0.1
+"""...and its two best rounds agree within this fraction."""
+
+
+@dataclass(frozen=True)
+class PeakMeasurement:
+    flops: float
+    cpu_share: float
+    """CPU seconds of the process / (wall seconds x threads) during the timed matmuls."""
+    rounds: int
+    clean: bool
+
+
+def timed_round(device: torch.device, dtype: torch.dtype, seconds: float) -> tuple[float, float]:
+    """(best FLOP/s, CPU share) of square matmuls over a few sizes up to the plateau; a size
+    whose one matmul takes longer than `seconds` (bf16 without hardware support) ends it."""
     sizes = (256, 512, 1024) if device.type == "cpu" else (4096, 8192)
     best, sync = 0.0, synchronizer(device)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         a @ b
         sync()
-        deadline, reps = time.perf_counter() + seconds, 0
-        while reps < 3 or time.perf_counter() < deadline:
+        deadline, reps, slowest = time.perf_counter() + seconds, 0, 0.0
+        while reps < 2 or time.perf_counter() < deadline:
             start = time.perf_counter()
             a @ b
             sync()
-            best = max(best, 2 * n**3 / (time.perf_counter() - start))
-            reps += 1
-    return best
+            elapsed = time.perf_counter() - start
+            best, slowest, reps = max(best, 2 * n**3 / elapsed), max(slowest, elapsed), reps + 1
+        if slowest > seconds:
+            break
+    wall = time.perf_counter() - wall0
+    share = (time.process_time() - cpu0) / (wall * torch.get_num_threads())
+    return best, share if device.type == "cpu" else 1.0
 
 
-def measured_peak(device: torch.device, dtype: torch.dtype, cache: Path) -> float:
-    """The measured matmul peak for this machine, dtype and thread count, cached."""
-    path = cache / "peak_flops.json"
-    key = (f"{platform.node()}|{device_name(device)}|{dtype_key(dtype)}|"
-           f"threads={torch.get_num_threads()}|torch={torch.__version__}")
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.05,
+                        max_rounds: int = 6) -> PeakMeasurement:
+    """Best of several short rounds; stops early once the measurement is clean."""
+    rounds: list[tuple[float, float]] = []
+    while len(rounds) < max_rounds:
+        rounds.append(timed_round(device, dtype, seconds))
+        if len(rounds) >= 2 and is_clean(rounds):
+            break
+    best, share = max(rounds)
+    return PeakMeasurement(best, share, len(rounds), is_clean(rounds))
+
+
+def is_clean(rounds: list[tuple[float, float]]) -> bool:
+    """The two best rounds agree and neither lost CPU time to other processes."""
+    (first, share1), (second, share2) = sorted(rounds, reverse=True)[:2]
+    return second >= (1 - AGREEMENT) * first and min(share1, share2) >= MIN_CPU_SHARE
+
+
+def peak_cache_key(device: torch.device, dtype: torch.dtype) -> str:
+    return (f"{platform.node()}|{device_name(device)}|{dtype_key(dtype)}|"
+            f"threads={torch.get_num_threads()}|torch={torch.__version__}")
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype, cache: Path, *,
+                  remeasure: bool = False) -> float:
+    """The matmul peak for this machine, dtype and thread count: cached if a clean
+    measurement was ever taken, else measured now (and cached only if clean)."""
+    path, key = cache / "peak_flops.json", peak_cache_key(device, dtype)
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    if key not in known:
-        known[key] = measure_matmul_peak(device, dtype)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1) + "\n")
-            os.replace(tmp, path)
-        except OSError as e:
-            logger.warning("could not cache the measured peak in %s: %s", path, e)
-    return known[key]
+    entry = known.get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), float) and not remeasure:
+        return entry["flops"]  # a bare number is main's old format, maybe from a busy moment
+    peak = measure_matmul_peak(device, dtype)
+    if not peak.clean:
+        logger.warning("matmul peak measured on a busy machine (%.0f%% CPU share, %d rounds): "
+                       "%.3g GFLOP/s, used for this run only, not cached", 100 * peak.cpu_share,
+                       peak.rounds, peak.flops / 1e9)
+        return peak.flops
+    known[key] = {"flops": peak.flops, "cpu_share": round(peak.cpu_share, 3),
+                  "rounds": peak.rounds, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not cache the measured peak in %s: %s", path, e)
+    return peak.flops
 
 
 @dataclass(frozen=True)
@@ -174,15 +256,40 @@ class Peak:
     """'datasheet' or 'measured'."""
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, cache: Path) -> Peak:
+def peak_flops(device: torch.device, dtype: torch.dtype, cache: Path, *,
+               remeasure: bool = False) -> Peak:
     """Datasheet peak of a known accelerator; a measured matmul peak otherwise."""
     name = device_name(device)
     known = table_peak(name, dtype)
     if known is not None:
         return Peak(known, "datasheet")
-    if device.type != "cpu":
+    if device.type != "cpu" and not remeasure:
         logger.warning("no datasheet peak for %r; MFU uses a measured matmul peak", name)
-    return Peak(measured_peak(device, dtype, cache), "measured")
+    return Peak(measured_peak(device, dtype, cache, remeasure=remeasure), "measured")
+
+
+class MfuMeter:
+    """MFU of one rank's steps, never above 100%: the first reading above it re-measures
+    the peak (`remeasure`, which bypasses the cache) and warns once; a reading that is
+    still above 100% is reported as None, never as a number."""
+
+    def __init__(self, flops_per_rank: float, peak: Peak, remeasure: Callable[[], Peak]):
+        self.flops_per_rank, self.peak, self.remeasure = flops_per_rank, peak, remeasure
+        self.warned = False
+
+    def __call__(self, seconds: float) -> float | None:
+        mfu = mfu_percent(self.flops_per_rank, seconds, self.peak.flops)
+        if mfu > 100.0 and not self.warned:
+            self.warned, old = True, self.peak
+            if old.source == "measured":
+                self.peak = self.remeasure()
+            mfu = mfu_percent(self.flops_per_rank, seconds, self.peak.flops)
+            logger.warning("MFU above 100%% against the %s peak %.4g TFLOP/s: %s; MFU "
+                           "readings above 100%% are not reported", old.source,
+                           old.flops / 1e12, f"re-measured {self.peak.flops / 1e12:.4g} "
+                           "TFLOP/s" if old.source == "measured" else
+                           "the FLOP count or the datasheet entry is wrong")
+        return mfu if mfu <= 100.0 else None
 
 
 def mfu_percent(flops_per_rank: float, seconds: float, peak: float) -> float:

@@ -32,6 +32,7 @@ from loom.config import JobConfig
 from loom.data.cache import default_cache_dir
 from loom.mesh import ParallelDims
 from loom.plots import write_plots
+from loom.precision import resolve_precision, torch_dtype
 from loom.progress import Progress, text_plot
 from loom.runtime import RankInfo
 from loom.tracking import Histograms, WandbRun
@@ -210,11 +211,13 @@ class Metrics(NullMetrics):
 
     def __init__(self, outdir: Path, rank: int, device: torch.device, facts: RunFacts, *,
                  health_every: int, progress: Progress, wandb: WandbRun | None,
-                 histograms: Histograms):
+                 histograms: Histograms, remeasure: Callable[[], flops.Peak]):
         super().__init__(outdir, rank)
         self.device, self.facts, self.health_every = device, facts, health_every
         self.progress, self.wandb, self.histograms = progress, wandb, histograms
         self.clock = StepClock(device)
+        self.mfu = flops.MfuMeter(facts.flops_per_rank, flops.Peak(facts.peak_flops,
+                                  facts.peak_source), remeasure)
         self.rows_path = outdir / f"metrics-{rank}.jsonl"
         self.rows: TextIO | None = None
         self.step, self.lr = 0, 0.0
@@ -312,7 +315,7 @@ class Metrics(NullMetrics):
                 "train/tps": f.tokens_per_step / dt,
                 "train/tps_per_gpu": f.tokens_per_step / dt / f.world_size,
                 "train/tflops": f.flops_per_rank / dt / 1e12,
-                "train/mfu": flops.mfu_percent(f.flops_per_rank, dt, f.peak_flops),
+                "train/mfu": self.mfu(dt),
                 "grad/norm_preclip": grad_norm, "opt/lr": self.lr}
 
     def timings(self) -> dict[str, float]:
@@ -338,7 +341,8 @@ class Metrics(NullMetrics):
         rows = read_rows(self.outdir / "metrics-0.jsonl")
         summary = {"steps": len(rows), "tokens": rows[-1]["train/tokens_seen"] if rows else 0,
                    "steady_from_step": steady_start(len(rows)), "timings": timings,
-                   **asdict(self.facts), "metrics": summarize(rows)}
+                   **asdict(self.facts), "peak_flops": self.mfu.peak.flops,
+                   "metrics": summarize(rows)}
         (self.outdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if rows:
             write_plots(rows, self.outdir / "plots")
@@ -352,7 +356,8 @@ class Metrics(NullMetrics):
                     "MFU %.2f%%; setup %.1f s, train %.1f s; run folder %s",
                     summary["steps"], f"{summary['tokens']:,}", rows[0]["train/loss"],
                     rows[-1]["train/loss"], f"{steady['train/tps']['steady_mean']:,.0f}",
-                    steady["train/mfu"]["steady_mean"], summary["timings"]["setup_s"],
+                    steady.get("train/mfu", {}).get("steady_mean", float("nan")),
+                    summary["timings"]["setup_s"],
                     summary["timings"]["train_s"], self.outdir)
 
     def close(self) -> None:
@@ -372,15 +377,21 @@ def run_facts(cfg: JobConfig, dims: ParallelDims, device: torch.device, model: n
     batch = cfg.train.batch_size * cfg.train.grad_accum_steps  # samples per dp rank per step
     seq, global_batch = cfg.data.seq_len, dims.global_batch_size(batch)
     count = flops.count_step_flops(build_model, batch, seq)
-    dtype = torch.float32 if cfg.parallel.fp32 else torch.bfloat16
-    cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else default_cache_dir()
-    peak = flops.peak_flops(device, dtype, cache)
+    peak = flops.peak_flops(device, run_dtype(cfg, device), peak_cache(cfg))
     return RunFacts(
         global_batch_size=global_batch, tokens_per_step=global_batch * seq,
         parameters=sum(p.numel() for p in model.parameters()),
         flops_per_step=count.flops * dims.dp_size, flops_per_rank=count.flops / dims.tp,
         flops_exact=count.exact, peak_flops=peak.flops, peak_source=peak.source,
         world_size=world_size, dp_size=dims.dp_size, tp=dims.tp)
+
+
+def run_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
+    return torch_dtype(resolve_precision(cfg.parallel.dtype, device).dtype)
+
+
+def peak_cache(cfg: JobConfig) -> Path:
+    return Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else default_cache_dir()
 
 
 def hostnames() -> list[str]:
@@ -402,6 +413,8 @@ def build_metrics(cfg: JobConfig, info: RankInfo, dims: ParallelDims, device: to
         if out.wandb and info.is_main else None
     metrics = Metrics(outdir, info.rank, device, facts, health_every=out.health_every,
                       progress=Progress(out.log_every, enabled=info.is_main), wandb=wandb,
-                      histograms=Histograms(outdir, info.rank, out.hist_every, out.hist))
+                      histograms=Histograms(outdir, info.rank, out.hist_every, out.hist),
+                      remeasure=lambda: flops.peak_flops(device, run_dtype(cfg, device),
+                                                         peak_cache(cfg), remeasure=True))
     metrics.watch(model, optimizer)
     return metrics

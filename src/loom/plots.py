@@ -28,7 +28,7 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
         fig = Figure(figsize=(6, 3.5), dpi=100, layout="constrained")
         ax = fig.subplots()
         for key in y_keys:
-            points = [(r[x_key], r[key]) for r in rows if key in r]
+            points = [(r[x_key], r[key]) for r in rows if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), label=key.split("/")[-1],
                         marker="." if len(points) < 50 else None)

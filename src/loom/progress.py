@@ -31,10 +31,15 @@ def format_eta(seconds: float) -> str:
     return str(timedelta(seconds=round(max(seconds, 0.0))))
 
 
+def format_mfu(mfu: float | None) -> str:
+    """None: a reading above 100% (a wrong peak or count), never shown as a number."""
+    return "  n/a " if mfu is None else f"{mfu:5.2f}%"
+
+
 def format_progress(row: dict[str, Any], total: int, eta_s: float) -> str:
     width = len(str(total))
     return (f"step {row['train/iter']:>{width}}/{total}  loss {row['train/loss']:.4f}  "
-            f"{row['train/tps']:>9,.0f} tok/s  mfu {row['train/mfu']:5.2f}%  "
+            f"{row['train/tps']:>9,.0f} tok/s  mfu {format_mfu(row['train/mfu'])}  "
             f"dt {row['train/dt'] * 1e3:7.1f} ms  eta {format_eta(eta_s)}")
 
 

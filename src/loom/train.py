@@ -30,6 +30,7 @@ from loom.parallel.expert import update_expert_bias
 from loom.parallel.hf import parallelize_hf, resolve_hf_model
 from loom.parallel.init import init_weights
 from loom.parallel.parallelize import parallelize_llama
+from loom.precision import resolve_precision
 from loom.preflight import available_memory_bytes, check_model_fits
 from loom.profiling import maybe_profile
 from loom.runtime import (
@@ -85,7 +86,10 @@ class Trainer:
         dims.build_mesh(device.type)
         self.seed = agree_on_seed(cfg.train.seed, device)
         seed_everything(self.seed)
-        cfg = replace(cfg, train=replace(cfg.train, seed=self.seed))
+        self.precision = resolve_precision(cfg.parallel.dtype, device)
+        logger.info("precision: %s (%s)", self.precision.dtype, self.precision.reason)
+        cfg = replace(cfg, train=replace(cfg.train, seed=self.seed),
+                      parallel=replace(cfg.parallel, dtype=self.precision.dtype))
         cfg = resolve_hf_model(cfg, info.local_rank)  # a HF --model: its shape and vocab
         self.check_model_fits(cfg)
         dataset, cfg = build_dataset(cfg, info.local_rank)  # sizes the vocab from the tokenizer
@@ -174,7 +178,7 @@ class Trainer:
     def effective_config(self) -> dict[str, Any]:
         return {**self.cfg.to_dict(), "world_size": self.info.world_size,
                 "mesh": self.dims.degrees, "device": str(self.device),
-                "global_batch_size": self.global_batch,
+                "global_batch_size": self.global_batch, "precision": vars(self.precision),
                 "environment": environment_facts()}
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,10 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from loom.metrics import read_rows as rows
+from loom.precision import resolve_precision
 from tests.harness import REPO, run_ranks
 
 SPEC_KEYS = (
@@ -49,8 +51,8 @@ def test_every_row_has_the_spec_keys_with_finite_values(dp2_run):
         for r in table:
             missing = [k for k in SPEC_KEYS if k not in r]
             assert not missing, missing
-            assert all(math.isfinite(r[k]) for k in SPEC_KEYS), r
-            assert r["train/mfu"] > 0  # its upper bound depends on the CPU's quoted peak
+            assert r["train/mfu"] is None or 0 < r["train/mfu"] <= 100, r  # None: above 100%
+            assert all(math.isfinite(r[k]) for k in SPEC_KEYS if k != "train/mfu"), r
             assert r["train/tokens"] == 2 * 256 and r["train/tokens_seen"] == 512 * r["train/iter"]
             assert r["train/dt"] == pytest.approx(r["train/dtf"] + r["train/dtb"])
             assert r["train/tflops"] * 1e12 * r["train/dt"] == pytest.approx(per_rank)
@@ -70,6 +72,8 @@ def test_run_folder_config_summary_and_plots(dp2_run):
     assert len(config["hostnames"]) == 2 and config["mesh"]["dp_shard"] == 2
     assert derived["flops_per_step"] == pytest.approx(2 * derived["flops_per_rank"])
     assert derived["global_batch_size"] == 2 and derived["flops_exact"]
+    expected = resolve_precision("auto", torch.device("cpu"))
+    assert config["precision"] == vars(expected) and config["parallel"]["dtype"] == expected.dtype
     summary = json.loads((outdir / "summary.json").read_text())
     table = rows(outdir / "metrics-0.jsonl")
     assert summary["steps"] == 10 and summary["tokens"] == 5120

@@ -71,6 +71,9 @@ def test_fallback_probe_warns_and_scales_by_tokens(caplog):
     ("NVIDIA A100-SXM4-80GB", torch.float32, 19.5),
     ("AMD Instinct MI300X", torch.bfloat16, 1307.4),
     ("Intel(R) Data Center GPU Max 1550", torch.bfloat16, 298.2),
+    ("NVIDIA GH200 480GB", torch.bfloat16, 989.4),
+    ("NVIDIA H200", torch.float32, 66.9),
+    ("AMD Instinct MI250X", torch.bfloat16, 191.5),
 ])
 def test_datasheet_peak_picks_the_most_specific_name(name, dtype, tflops):
     assert flops.table_peak(name, dtype) == pytest.approx(tflops * 1e12)
@@ -80,14 +83,109 @@ def test_unknown_device_has_no_datasheet_peak():
     assert flops.table_peak("Some Future Accelerator", torch.bfloat16) is None
 
 
-def test_cpu_peak_is_measured_once_and_cached(tmp_path):
-    cpu = torch.device("cpu")
-    first = flops.measured_peak(cpu, torch.float32, tmp_path)
+CPU = torch.device("cpu")
+
+
+class FakeBench:
+    """Stands in for the matmul benchmark: the machine's load decides cleanliness, and
+    tests must not depend on how busy this machine is."""
+
+    def __init__(self, flops_: float, clean: bool):
+        self.result = flops.PeakMeasurement(flops_, 1.0 if clean else 0.3, 2, clean)
+        self.calls = 0
+
+    def __call__(self, device: torch.device, dtype: torch.dtype) -> flops.PeakMeasurement:
+        self.calls += 1
+        return self.result
+
+
+def test_clean_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    bench = FakeBench(5e10, clean=True)
+    monkeypatch.setattr(flops, "measure_matmul_peak", bench)
+    assert flops.measured_peak(CPU, torch.float32, tmp_path) == 5e10
+    assert flops.peak_flops(CPU, torch.float32, tmp_path) == flops.Peak(5e10, "measured")
     cached = json.loads((tmp_path / "peak_flops.json").read_text())
-    assert list(cached.values()) == [first] and first > 1e9
-    assert flops.measured_peak(cpu, torch.float32, tmp_path) == first  # a new timing would differ
-    peak = flops.peak_flops(cpu, torch.float32, tmp_path)
-    assert (peak.flops, peak.source) == (first, "measured")
+    assert [e["flops"] for e in cached.values()] == [5e10], cached
+    assert bench.calls == 1, f"measured {bench.calls} times, expected once then cached"
+
+
+def test_busy_peak_is_used_but_never_cached(tmp_path, monkeypatch, caplog):
+    bench = FakeBench(1e6, clean=False)
+    monkeypatch.setattr(flops, "measure_matmul_peak", bench)
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert flops.measured_peak(CPU, torch.float32, tmp_path) == 1e6
+        assert flops.measured_peak(CPU, torch.float32, tmp_path) == 1e6
+    assert not (tmp_path / "peak_flops.json").exists()
+    assert bench.calls == 2 and "not cached" in caplog.text
+
+
+def test_old_bare_number_entry_is_measured_again(tmp_path, monkeypatch):
+    """main cached bare numbers, some taken on a busy machine: they are not trusted."""
+    key = flops.peak_cache_key(CPU, torch.float32)
+    (tmp_path / "peak_flops.json").write_text(json.dumps({key: 6.4e8}))
+    monkeypatch.setattr(flops, "measure_matmul_peak", FakeBench(5e10, clean=True))
+    assert flops.measured_peak(CPU, torch.float32, tmp_path) == 5e10
+
+
+@pytest.mark.parametrize(("rounds", "clean"), [
+    ([(10.0, 1.0), (9.5, 0.95)], True),
+    ([(10.0, 1.0), (5.0, 1.0)], False),  # the rounds disagree
+    ([(10.0, 0.5), (9.9, 0.5)], False),  # other processes took half the CPU time
+    ([(3.0, 1.0), (10.0, 0.99), (9.2, 0.97)], True),
+])
+def test_clean_needs_two_agreeing_rounds_with_the_cpu_to_ourselves(rounds, clean):
+    assert flops.is_clean(rounds) is clean, rounds
+
+
+def test_real_benchmark_reports_its_cpu_share():
+    peak = flops.measure_matmul_peak(CPU, torch.float32, seconds=0.01, max_rounds=2)
+    assert peak.flops > 1e8 and 0 < peak.cpu_share <= 1.5 and 1 <= peak.rounds <= 2, peak
+
+
+def test_mfu_never_above_100_after_a_busy_cached_peak(tmp_path, monkeypatch, caplog):
+    """A peak cached from a busy moment (100x too low) gives MFU > 100% until re-measured."""
+    key = flops.peak_cache_key(CPU, torch.float32)
+    busy = {"flops": 5e8, "cpu_share": 0.95, "rounds": 2, "measured": "then"}
+    (tmp_path / "peak_flops.json").write_text(json.dumps({key: busy}))
+    monkeypatch.setattr(flops, "measure_matmul_peak", FakeBench(5e10, clean=True))
+    peak = flops.peak_flops(CPU, torch.float32, tmp_path)
+    assert peak.flops == 5e8  # the cache is believed until a reading proves it wrong
+    meter = flops.MfuMeter(2e9, peak, lambda: flops.peak_flops(
+        CPU, torch.float32, tmp_path, remeasure=True))
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        readings = [meter(seconds) for seconds in (0.1, 0.2, 0.01, 0.1)]
+    assert readings[0] == pytest.approx(40.0) and readings[1] == pytest.approx(20.0), readings
+    assert readings[2] is None, "400% must not be reported"
+    assert caplog.text.count("MFU above 100%") == 1, caplog.text
+    fixed = json.loads((tmp_path / "peak_flops.json").read_text())[key]["flops"]
+    assert fixed == 5e10, "the re-measured peak replaces the busy one in the cache"
+
+
+def test_datasheet_peak_is_not_remeasured(caplog):
+    peak = flops.Peak(1e12, "datasheet")
+    meter = flops.MfuMeter(1e12, peak, lambda: pytest.fail("a datasheet peak is not measured"))
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert meter(0.5) is None and meter(2.0) == pytest.approx(50.0)
+    assert "the FLOP count or the datasheet entry is wrong" in caplog.text
+
+
+def test_moe_flops_are_counted_exactly_with_grouped_mm():
+    """Routed experts: 3 matmuls (w1, w3, w2) over tokens x top-k rows, forward + 2x backward,
+    checked against the same model with one expert and top-1 (everything else equal)."""
+    from loom.models.moe import MoEArgs, MoETransformer
+
+    args = MoEArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
+                   n_experts=4, top_k=2, n_shared_experts=1, moe_hidden_dim=64,
+                   n_dense_layers=1)
+    dense_args = MoEArgs(**{**vars(args), "n_shared_experts": 1, "top_k": 1, "n_experts": 1})
+    counted = flops.count_step_flops(lambda: MoETransformer(args), BATCH, 64)
+    assert counted.exact, "MoE must not fall back to the probe"
+    routed = 3 * 3 * 2 * BATCH * 64 * args.top_k * args.dim * args.moe_hidden_dim
+    one_expert = flops.count_step_flops(lambda: MoETransformer(dense_args), BATCH, 64).flops
+    routed_one = routed // args.top_k
+    router_extra = 6 * BATCH * 64 * args.dim * (args.n_experts - 1)  # gate: E outputs, not 1
+    assert counted.flops - routed == pytest.approx(one_expert - routed_one + router_extra,
+                                                   rel=1e-9), (counted.flops, one_expert)
 
 
 @pytest.mark.parametrize(("world", "flags"), [(4, ["--tp", "2"]), (4, ["--tp", "4"]),

@@ -7,12 +7,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from loom.precision import torch_dtype
+
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def mixed_precision(fp32: bool, reduce_dtype: str) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 (or bf16) gradient reduction; nothing cast under --fp32."""
-    if fp32:
+def mixed_precision(dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 (or bf16) gradient reduction; nothing cast under fp32."""
+    if torch_dtype(dtype) == torch.float32:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                 reduce_dtype=REDUCE_DTYPES[reduce_dtype])

@@ -18,6 +18,7 @@ from loom.mesh import ParallelDims
 from loom.models.hf import HFCausalLM, is_hf, load_hf_config, with_hf_config
 from loom.parallel.compile import compile_kwargs, set_act_mem_budget
 from loom.parallel.fsdp import mixed_precision, set_gradient_division
+from loom.precision import describe
 
 logger = logging.getLogger("loom")
 
@@ -70,7 +71,7 @@ def apply_hf_fsdp(model: nn.Module, blocks: nn.ModuleList, dims: ParallelDims,
                   cfg: ParallelConfig) -> list[FSDPModule]:
     """One unit per block, then the root with everything else (embeddings, final norm, head)."""
     kwargs = dict(mesh=dims.fsdp_mesh, reshard_after_forward=cfg.reshard_after_forward == "always",
-                  mp_policy=mixed_precision(cfg.fp32, cfg.reduce_dtype))
+                  mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
     units = [fully_shard(block, **kwargs) for block in blocks]
     return [*units, fully_shard(model, **kwargs)]
 
@@ -94,5 +95,5 @@ def parallelize_hf(model: HFCausalLM, dims: ParallelDims, cfg: ParallelConfig,
                 cfg.activation_checkpoint, cfg.compile_backend if cfg.compile else "off",
                 len(units), "HSDP" if dims.dp_replicate_enabled else "dp_shard",
                 tuple(dims.fsdp_mesh.shape), cfg.reshard_after_forward,
-                "fp32" if cfg.fp32 else f"bf16 params, {cfg.reduce_dtype} reduce")
+                describe(cfg.dtype, cfg.reduce_dtype))
     return model

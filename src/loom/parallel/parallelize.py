@@ -20,6 +20,7 @@ from loom.parallel.expert import (
 from loom.parallel.fsdp import apply_fsdp, mixed_precision, set_gradient_division
 from loom.parallel.simple_fsdp import apply_simple_fsdp
 from loom.parallel.tensor import apply_tp
+from loom.precision import describe
 
 logger = logging.getLogger("loom")
 
@@ -39,7 +40,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
         compile_fn = apply_moe_compile if moe_layers(model) else apply_compile
         compile_fn(model, cfg.compile_mode, cfg.act_mem_budget, cfg.compile_backend)
     fsdp_kwargs = dict(reshard_after_forward=cfg.reshard_after_forward == "always",
-                       mp_policy=mixed_precision(cfg.fp32, cfg.reduce_dtype))
+                       mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
     apply_expert_fsdp(model, dims, backend=backend, **fsdp_kwargs)
     units = apply_fsdp(model, dims.fsdp_mesh, **fsdp_kwargs)
     if cfg.grad_divide_factor:
@@ -47,5 +48,5 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
     logger.info("FSDP2: %d units over %s mesh %s, reshard after forward: %s, %s",
                 len(units), "HSDP" if dims.dp_replicate_enabled else "dp_shard",
                 tuple(dims.fsdp_mesh.shape), cfg.reshard_after_forward,
-                "fp32" if cfg.fp32 else f"bf16 params, {cfg.reduce_dtype} reduce")
+                describe(cfg.dtype, cfg.reduce_dtype))
     return model

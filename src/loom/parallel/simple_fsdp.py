@@ -43,6 +43,7 @@ from loom.mesh import ParallelDims
 from loom.parallel.compile import compile_kwargs, prepare_compile
 from loom.parallel.expert import apply_moe_compile, moe_layers
 from loom.parallel.fsdp import REDUCE_DTYPES
+from loom.precision import describe, torch_dtype
 
 logger = logging.getLogger("loom")
 
@@ -229,7 +230,7 @@ def mode_name(dp_dims: tuple[str, ...]) -> str:
 
 def data_parallel(dims: ParallelDims, cfg: ParallelConfig, dp_dims: tuple[str, ...]
                   ) -> DataParallel:
-    mixed = not cfg.fp32
+    mixed = torch_dtype(cfg.dtype) != torch.float32
     return DataParallel(dims, dp_dims, param_dtype=torch.bfloat16 if mixed else None,
                         reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype] if mixed else None,
                         grad_scale=1.0 / dims.dp_size,
@@ -264,8 +265,7 @@ def apply_simple_fsdp(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig)
     count = sum(dense.wrap(m) for m in model.modules() if m is not model)
     count += dense.wrap(model, root=True)
     logger.info("SimpleFSDP: %s over %s, %d parameter tensors, %s", mode_name(dp_dims),
-                dp_dims, count, "fp32" if cfg.fp32 else f"bf16 params, {cfg.reduce_dtype} "
-                "reduce")
+                dp_dims, count, describe(cfg.dtype, cfg.reduce_dtype))
     if cfg.compile:
         maybe_compile(model, cfg, moe=bool(experts))
     return model
