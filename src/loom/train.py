@@ -7,7 +7,6 @@ import logging
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ from loom.runtime import (
     NonFiniteLossError,
     Preempted,
     RankInfo,
-    agree_on_seed,
     backend_for,
     init_distributed,
     seed_everything,
@@ -83,9 +81,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device):
         self.info, self.dims, self.device = info, dims, device
         dims.build_mesh(device.type)
-        self.seed = agree_on_seed(cfg.train.seed, device)
+        self.seed = cfg.train.seed
         seed_everything(self.seed)
-        cfg = replace(cfg, train=replace(cfg.train, seed=self.seed))
         cfg = resolve_hf_model(cfg, info.local_rank)  # a HF --model: its shape and vocab
         self.check_model_fits(cfg)
         dataset, cfg = build_dataset(cfg, info.local_rank)  # sizes the vocab from the tokenizer
