@@ -8,14 +8,16 @@ import sys
 import traceback
 import warnings
 from collections.abc import Sequence
+from importlib.metadata import version
 
+import loom
 from loom.config import ConfigError, parse_args
 from loom.launch import CONFIG_ERROR_EXIT
 from loom.mesh import ParallelDims
 from loom.preflight import check_outdir
 from loom.runtime import DIVERGED_EXIT, NonFiniteLossError, Preempted, rank_info
 
-USAGE = """usage: loom {train,launch,export} [FLAGS]
+USAGE = """usage: loom {train,launch,export} [FLAGS]  |  loom --version
 
   loom train [FLAGS]          train in this process group (see `loom train --help`)
   loom launch [-n N] CMD...   start CMD on every rank (elastic agent, srun or mpiexec)
@@ -80,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         sys.exit(0 if argv else 2)
+    if argv[0] in ("-V", "--version"):
+        print(f"loom {loom.__version__} (torch {version('torch')})")
+        sys.exit(0)
     command, rest = argv[0], argv[1:]
     if command == "train":
         sys.exit(run_train(rest))

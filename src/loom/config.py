@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from loom.presets import is_hf_model, resolve_preset
+from loom.presets import PRESETS, is_hf_model, resolve_preset
 
 
 class ConfigError(ValueError):
@@ -116,8 +116,7 @@ class OptimConfig:
 class TrainConfig:
     epochs: int = flag(5, "passes over the dataset")
     batch_size: int = flag(1, "samples per data-parallel rank per step")
-    seed: int | None = flag(None, "seed for weights and data order (default: drawn once)",
-                            type=int)
+    seed: int = flag(0, "seed for weights and data order (identical commands reproduce)")
     max_steps: int | None = flag(None, "stop after this many optimizer steps", type=int)
     grad_accum_steps: int = flag(1, "micro-batches accumulated per optimizer step")
     skip_nonfinite: bool = flag(False, "skip a step whose loss or gradient is not finite "
@@ -195,12 +194,15 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warnings: tuple[str, ...] = ()
     """Messages produced while resolving the config, logged once by rank 0."""
+    given: tuple[str, ...] = ()
+    """Fields the user set with a flag (not a preset, an environment knob or a default)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {f.name: f.default_factory for f in fields(JobConfig) if f.name != "warnings"}
+SECTIONS = {f.name: f.default_factory for f in fields(JobConfig)
+            if f.name not in ("warnings", "given")}
 
 
 def _flag_names(name: str, aliases: Sequence[str]) -> list[str]:
@@ -217,22 +219,43 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+HELP_GROUPS = {"model": "model (and MoE)", "parallel": "parallel", "optim": "optimisation",
+               "train": "training", "checkpoint": "checkpoint", "loss": "loss", "data": "data",
+               "output": "output"}
+"""`loom train --help` groups, in the order of the README's flag table."""
+
+
+def _help(text: str, default: Any) -> str:
+    """The flag's help with its default (argparse cannot show it: defaults are suppressed)."""
+    if default is None or default is False:
+        return text
+    return f"{text} [default: {'on' if default is True else default}]"
+
+
+def _presets_epilog() -> str:
+    shapes = [f"{name} ({p['dim']}x{p['n_layers']}{', MoE' if p.get('n_experts') else ''})"
+              for name, p in PRESETS.items()]
+    return ("model presets (--model NAME; dim x layers): " + ", ".join(shapes)
+            + "; a Hugging Face repo id or local folder also works")
+
+
 def build_parser(prog: str = "loom train") -> argparse.ArgumentParser:
     """One argparse parser generated from the dataclass declarations (defaults suppressed,
     so the parsed namespace holds exactly the flags the user gave)."""
-    parser = _Parser(prog=prog, argument_default=argparse.SUPPRESS)
-    for section, factory in SECTIONS.items():
-        group = parser.add_argument_group(section)
-        for f in fields(factory):
+    parser = _Parser(prog=prog, usage="%(prog)s [FLAGS]", argument_default=argparse.SUPPRESS,
+                     epilog=_presets_epilog())
+    for section, title in HELP_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for f in fields(SECTIONS[section]):
             meta = f.metadata
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kwargs: dict[str, Any] = dict(dest=f.name, help=meta["help"])
+            kwargs: dict[str, Any] = dict(dest=f.name, help=_help(meta["help"], f.default))
             if meta["hidden"]:
                 kwargs["help"] = argparse.SUPPRESS
-            if isinstance(default, bool):
-                kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+            if isinstance(f.default, bool):
+                kwargs["action"] = (argparse.BooleanOptionalAction if f.default
+                                    else "store_true")
             else:
-                kwargs["type"] = meta["type"] or type(default)
+                kwargs["type"] = meta["type"] or type(f.default)
                 if meta["choices"]:
                     kwargs["choices"] = meta["choices"]
                 if meta["const"] is not None:
@@ -436,7 +459,7 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
                        for s in SECTIONS}, warnings=tuple(warnings))
     cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in by_section.items()})
     warnings += _knob_warnings(cfg.parallel, budget_given="act_mem_budget" in explicit)
-    cfg = replace(cfg, warnings=tuple(warnings))
+    cfg = replace(cfg, warnings=tuple(warnings), given=tuple(sorted(explicit)))
     validate(cfg)
     return cfg
 

@@ -99,15 +99,6 @@ def init_distributed(info: RankInfo) -> torch.device:
     return device
 
 
-def agree_on_seed(seed: int | None, device: torch.device) -> int:
-    """The given seed, or one drawn on rank 0 and shared so every rank builds the same model."""
-    if seed is not None:
-        return seed
-    drawn = torch.tensor([random.SystemRandom().randrange(2**31)], device=device)
-    dist.broadcast(drawn, src=0)
-    return int(drawn.item())
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)

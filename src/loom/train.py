@@ -37,7 +37,6 @@ from loom.runtime import (
     NonFiniteLossError,
     Preempted,
     RankInfo,
-    agree_on_seed,
     backend_for,
     init_distributed,
     seed_everything,
@@ -84,12 +83,11 @@ class Trainer:
     def __init__(self, cfg: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device):
         self.info, self.dims, self.device = info, dims, device
         dims.build_mesh(device.type)
-        self.seed = agree_on_seed(cfg.train.seed, device)
+        self.seed = cfg.train.seed
         seed_everything(self.seed)
         self.precision = resolve_precision(cfg.parallel.dtype, device)
         logger.info("precision: %s (%s)", self.precision.dtype, self.precision.reason)
-        cfg = replace(cfg, train=replace(cfg.train, seed=self.seed),
-                      parallel=replace(cfg.parallel, dtype=self.precision.dtype))
+        cfg = replace(cfg, parallel=replace(cfg.parallel, dtype=self.precision.dtype))
         cfg = resolve_hf_model(cfg, info.local_rank)  # a HF --model: its shape and vocab
         self.check_model_fits(cfg)
         dataset, cfg = build_dataset(cfg, info.local_rank)  # sizes the vocab from the tokenizer

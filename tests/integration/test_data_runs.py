@@ -65,7 +65,7 @@ def test_loom_train_on_a_local_parquet_with_tp(tmp_path, parquet):
     assert len(losses) == 3 and all(0 < x < 12 for x in losses)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["model"]["vocab_size"] == 50257
-    assert sum("--vocab-size 32000 replaced by 50257" in w for w in config["warnings"]) == 1
+    assert not any("--vocab-size" in w for w in config["warnings"]), "flag was not given"
     assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 1
 
 

@@ -208,3 +208,9 @@ def test_vocab_is_sized_from_the_tokenizer_with_one_recorded_warning(tmp_path):
     assert len(resized.warnings) == len(cfg.warnings) + 1
     assert "--vocab-size 1000 replaced by 50257" in resized.warnings[-1]
     assert sized_to_tokenizer(resized, {"vocab_size": 50257, "tokenizer": "gpt2"}) is resized
+
+
+def test_vocab_not_given_is_sized_from_the_tokenizer_without_a_warning(tmp_path):
+    cfg = data_config(tmp_path, None)
+    resized = sized_to_tokenizer(cfg, {"vocab_size": 50257, "tokenizer": "gpt2"})
+    assert resized.model.vocab_size == 50257 and resized.warnings == cfg.warnings

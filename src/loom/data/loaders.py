@@ -155,8 +155,10 @@ def sized_to_tokenizer(cfg: JobConfig, meta: dict) -> JobConfig:
             raise ConfigError(f"tokenizer {meta['tokenizer']} has {size} tokens but the model "
                               f"{cfg.model.model} embeds only {cfg.model.vocab_size}")
         return cfg
+    sized = replace(cfg, model=replace(cfg.model, vocab_size=size))
+    if "vocab_size" not in cfg.given:  # the default or a preset's: sizing it is no news
+        return sized
     warning = (f"--vocab-size {cfg.model.vocab_size} replaced by {size}, the full length of "
                f"tokenizer {meta['tokenizer']} (special tokens included)")
     logger.warning(warning)
-    return replace(cfg, model=replace(cfg.model, vocab_size=size),
-                   warnings=(*cfg.warnings, warning))
+    return replace(sized, warnings=(*cfg.warnings, warning))

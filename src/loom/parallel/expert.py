@@ -192,9 +192,10 @@ def apply_moe_parallel(model: nn.Module, dims: ParallelDims) -> None:
         return
     tp_mesh = dims.get_mesh("tp") if dims.tp_enabled else None
     ep_group = dims.get_mesh("ep").get_group() if dims.ep_enabled else None
-    for block in model.layers.values():
-        if not isinstance(getattr(block, "moe", None), MoE):
-            continue
+    moe_blocks = [b for b in model.layers.values() if isinstance(getattr(b, "moe", None), MoE)]
+    if not moe_blocks:  # a dense model: nothing to place, nothing to say
+        return
+    for block in moe_blocks:
         if tp_mesh is not None:
             parallelize_module(block, tp_mesh, moe_tp_plan(block.moe))
             block.moe.router.register_forward_hook(partial(_sum_router_grads, tp_mesh))

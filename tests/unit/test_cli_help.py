@@ -1,0 +1,48 @@
+"""`loom train --help` shows groups, defaults and presets; `loom --version`; a fixed default
+seed; every README command that trains stops by itself."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from loom import __version__
+from loom.cli import main
+from loom.config import HELP_GROUPS, build_parser, parse_args
+from loom.presets import PRESETS
+from tests.harness import REPO
+
+
+def test_help_groups_flags_like_the_readme_and_shows_defaults_and_presets():
+    text = build_parser().format_help()
+    positions = [text.index(f"\n{title}:\n") for title in HELP_GROUPS.values()]
+    assert positions == sorted(positions)
+    for shown in ("--lr LR", "[default: 0.003]", "[default: 5]", "--seed SEED",
+                  "[default: 0]", "--batch-size BATCH_SIZE"):
+        assert shown in text, shown
+    lr_help = text[text.index("--lr LR"):text.index("--max-grad-norm")]
+    assert "[default: 0.003]" in lr_help
+    words = " ".join(text.split())  # the epilog is wrapped to the terminal width
+    assert all(f"{name} (" in words for name in PRESETS)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(f"loom {__version__} (torch ")
+
+
+def test_default_seed_is_fixed():
+    assert parse_args([]).train.seed == parse_args(["--model", "debug"]).train.seed == 0
+
+
+def test_every_readme_command_that_trains_has_max_steps():
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    commands = [line for block in blocks for line in block.splitlines()
+                if "loom train" in line and "--help" not in line]
+    assert len(commands) >= 8
+    missing = [c for c in commands if "--max-steps" not in c]
+    assert not missing, missing
