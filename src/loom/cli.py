@@ -13,6 +13,7 @@ from loom.config import ConfigError, parse_args
 from loom.launch import CONFIG_ERROR_EXIT
 from loom.mesh import ParallelDims
 from loom.runtime import Preempted, rank_info
+from loom.watchdog import report, watch_launcher, write_error_file
 
 USAGE = """usage: loom {train,launch,export} [FLAGS]
 
@@ -40,9 +41,18 @@ def quiet_known_upstream_noise() -> None:
     warnings.filterwarnings("ignore", message=r"Slicing a flattened dim from root mesh")
 
 
+def is_comm_failure(err: Exception) -> bool:
+    """A collective that failed because a peer died or timed out (gloo, nccl, the store)."""
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistError) or "gloo" in str(err).lower()
+
+
 def run_train(argv: Sequence[str]) -> int:
-    """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2.
+    """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2
+    (each rank also leaves the line for `loom launch`, in case rank 0 was stopped first).
     Anything else is rank-specific and printed by the rank that hit it."""
+    watch_launcher()
     info = rank_info()
     rank = info.rank
     setup_logging(rank)
@@ -55,16 +65,23 @@ def run_train(argv: Sequence[str]) -> int:
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        write_error_file(f"error: {e}")
         return CONFIG_ERROR_EXIT
     except Preempted as e:
         if rank == 0:
             print(f"loom: {e}", file=sys.stderr, flush=True)
-        return 128 + signal.SIGTERM
+        return 128 + e.signum
     except KeyboardInterrupt:
-        return 130
+        if rank == 0:
+            print("loom: interrupted by Ctrl-C", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except Exception as e:
+        if is_comm_failure(e):  # the peer that caused it reports the cause
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            report(f"error (rank {rank}): lost contact with another rank: {first[:300]}")
+            return 1
         traceback.print_exc()
-        print(f"error (rank {rank}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        report(f"error (rank {rank}): {type(e).__name__}: {e}")
         return 1
     return 0
 
