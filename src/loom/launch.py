@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -237,7 +238,7 @@ def _quiet_elastic_logs() -> None:
 CONFIG_ERROR_EXIT = 2
 """`loom train`'s exit code for a configuration error, printed by rank 0 if it got there."""
 
-SECONDARY_ERRORS = ("lost contact with another rank", "no step finished for")
+SECONDARY_ERRORS = ("lost contact with another rank",)
 """Lines of ranks that failed because of another rank: the cause is named elsewhere."""
 
 
@@ -250,20 +251,23 @@ def last_error_line(failure: ProcessFailure) -> str:
     return message if isinstance(message, str) else ""
 
 
-def first_cause(err: ChildFailedError) -> tuple[int, ProcessFailure, str]:
-    """The failure to report: the earliest one that is not a consequence of another rank's."""
-    lines = {rank: last_error_line(f) for rank, f in err.failures.items()}
-    rank, failure = min(err.failures.items(), key=lambda item: (
-        any(s in lines[item[0]] for s in SECONDARY_ERRORS), item[1].timestamp, item[0]))
-    return rank, failure, lines[rank]
+def first_cause(err: ChildFailedError, lines: dict[int, str]) -> tuple[int, ProcessFailure]:
+    """The failure to report: the earliest that is not a consequence of another rank's
+    (a lost peer, or the agent's SIGTERM to the ranks still running)."""
+    def consequence(rank: int, failure: ProcessFailure) -> bool:
+        return any(s in lines[rank] for s in SECONDARY_ERRORS) or \
+            failure.exitcode == -signal.SIGTERM
+
+    return min(err.failures.items(),
+               key=lambda item: (consequence(*item), item[1].timestamp, item[0]))
 
 
 def _report_failure(err: ChildFailedError) -> int:
-    rank, failure, line = first_cause(err)
-    code = failure.exitcode
+    lines = {rank: last_error_line(f) for rank, f in err.failures.items()}
+    rank, failure = first_cause(err, lines)
+    code, line = failure.exitcode, lines[rank]
     if code == CONFIG_ERROR_EXIT:
-        rank0 = err.failures.get(0)
-        if rank0 is None or rank0.exitcode != CONFIG_ERROR_EXIT:  # rank 0 did not print it
+        if lines.get(0) != line or not line:  # rank 0 prints the line before leaving it
             print(line or f"loom launch: rank {rank} reported a configuration error",
                   file=sys.stderr)
         return code

@@ -41,7 +41,7 @@ from loom.runtime import (
     seed_everything,
     teardown,
 )
-from loom.watchdog import StepWatchdog, heartbeat_store
+from loom.watchdog import StepWatchdog, collective_timeout_s, heartbeat_store
 
 logger = logging.getLogger("loom")
 
@@ -332,6 +332,6 @@ def main(cfg: JobConfig, info: RankInfo) -> None:
     mesh before any heavy import or collective)."""
     for warning in cfg.warnings:
         logger.warning(warning)
-    device = init_distributed(info, cfg.train.comm_timeout_s)
+    device = init_distributed(info, collective_timeout_s(cfg.train.comm_timeout_s))
     run(cfg, info, device)
     teardown()  # only after success: a failed rank must exit at once, not wait in a barrier

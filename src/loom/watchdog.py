@@ -64,6 +64,16 @@ def watch_launcher(environ: dict[str, str] | None = None, period_s: float = 1.0)
     _daemon(poll, "loom-launcher-watch")
 
 
+def heartbeat_period(timeout_s: float) -> float:
+    return min(5.0, max(0.5, timeout_s / 10))
+
+
+def collective_timeout_s(timeout_s: float) -> float:
+    """The process group's timeout: a little past the watchdog's, so that a stalled peer
+    is reported by the watchdog, which can name it, rather than by gloo, which cannot."""
+    return timeout_s + 3 * heartbeat_period(timeout_s)
+
+
 class StepWatchdog:
     """Ends the rank when no step finishes for `timeout_s`, naming the rank that stopped.
 
@@ -76,12 +86,13 @@ class StepWatchdog:
                  store: dist.Store | None):
         self.timeout_s, self.outdir, self.rank, self.world = timeout_s, outdir, rank, world_size
         self.store = store
-        self.period_s = min(5.0, max(0.5, timeout_s / 10))
+        self.period_s = heartbeat_period(timeout_s)
         self.step, self.last_progress = 0, time.monotonic()
         self.stopped = threading.Event()
 
     def start(self, step: int) -> None:
         self.beat(step)
+        self.publish()
         _daemon(self.run, "loom-step-watchdog")
 
     def beat(self, step: int) -> None:
@@ -102,18 +113,22 @@ class StepWatchdog:
                 self.store.set(f"heartbeat/{self.rank}", f"{self.step} {time.time()}")
 
     def stalled_ranks(self) -> list[str]:
-        """'rank R at step S' for each rank whose heartbeat is older than three periods."""
+        """'rank R (...)' for each rank whose heartbeat is missing or older than 3 periods."""
         if self.store is None:
             return []
         stale, now = [], time.time()
         for r in range(self.world):
+            key = f"heartbeat/{r}"
             try:
-                step, when = self.store.get(f"heartbeat/{r}").decode().split()
-            except Exception:  # missing, or the store's host stopped answering
-                stale.append(f"rank {r} (no heartbeat)")
+                if not self.store.check([key]):
+                    stale.append(f"rank {r} (no heartbeat)")
+                    continue
+                step, when = self.store.get(key).decode().split()
+            except Exception:  # the store's host stopped answering
+                stale.append(f"rank {r} (store unreachable)")
                 break
             if now - float(when) > 3 * self.period_s:
-                stale.append(f"rank {r} after step {step}")
+                stale.append(f"rank {r} (silent since step {step})")
         return stale
 
     def fire(self) -> None:
