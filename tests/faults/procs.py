@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,13 +21,16 @@ from tests.harness import REPO
 TINY = ["--model", "debug", "--fp32", "--dataset", "random", "--vocab-size", "256",
         "--seq-len", "32", "--batch-size", "1", "--seed", "3", "--log-every", "1"]
 LOOM = [sys.executable, "-m", "loom"]
+CACHE = Path(tempfile.gettempdir()) / f"loom-fault-tests-{os.getuid()}"
+"""A cache (peak FLOP/s) of these tests' own: processes on other branches share ~/.cache."""
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "PBS_")) and k not in ("RANK", "WORLD_SIZE",
                                                                  "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", **extra)
+    env.update(PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", LOOM_CACHE_DIR=str(CACHE),
+               **extra)
     return env
 
 
