@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import traceback
@@ -48,6 +49,13 @@ def is_comm_failure(err: Exception) -> bool:
     return isinstance(err, dist.DistError) or "gloo" in str(err).lower()
 
 
+def first_sentence(err: Exception) -> str:
+    """'Connection reset by peer' out of gloo's '[file.cc:537] ... peer. This is typically...'."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(err).strip())
+    first = text.splitlines()[0] if text else ""
+    return (first.split(". ")[0] or type(err).__name__)[:300]
+
+
 def run_train(argv: Sequence[str]) -> int:
     """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2
     (each rank also leaves the line for `loom launch`, in case rank 0 was stopped first).
@@ -77,8 +85,7 @@ def run_train(argv: Sequence[str]) -> int:
         return 128 + signal.SIGINT
     except Exception as e:
         if is_comm_failure(e):  # the peer that caused it reports the cause
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            report(f"error (rank {rank}): lost contact with another rank: {first[:300]}")
+            report(f"error (rank {rank}): lost contact with another rank: {first_sentence(e)}")
             return 1
         traceback.print_exc()
         report(f"error (rank {rank}): {type(e).__name__}: {e}")
