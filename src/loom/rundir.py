@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import logging
 import os
 from datetime import datetime
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import IO
 import torch.distributed as dist
 
 from loom.config import ConfigError
+
+logger = logging.getLogger("loom")
 
 LOCK_NAME = ".lock"
 RUN_MARKERS = ("config.json", "summary.json", "checkpoints")
@@ -48,6 +51,9 @@ def take_lock(outdir: Path) -> IO[str]:
         lock.close()
         raise ConfigError(f"--outdir {outdir} is in use by a running job ({owner}); "
                           "wait for it or choose another --outdir") from None
+    except OSError as e:  # e.g. a shared filesystem mounted without flock support
+        logger.warning("cannot lock %s (%s): two runs into it would not be stopped",
+                       outdir / LOCK_NAME, e.strerror)
     return lock
 
 
