@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import traceback
@@ -16,6 +17,7 @@ from loom.launch import CONFIG_ERROR_EXIT
 from loom.mesh import ParallelDims
 from loom.preflight import check_outdir
 from loom.runtime import DIVERGED_EXIT, NonFiniteLossError, Preempted, rank_info
+from loom.watchdog import report, watch_launcher, write_error_file
 
 USAGE = """usage: loom {train,launch,export} [FLAGS]  |  loom --version
 
@@ -43,9 +45,25 @@ def quiet_known_upstream_noise() -> None:
     warnings.filterwarnings("ignore", message=r"Slicing a flattened dim from root mesh")
 
 
+def is_comm_failure(err: Exception) -> bool:
+    """A collective that failed because a peer died or timed out (gloo, nccl, the store)."""
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistError) or "gloo" in str(err).lower()
+
+
+def first_sentence(err: Exception) -> str:
+    """'Connection reset by peer' out of gloo's '[file.cc:537] ... peer. This is typically...'."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(err).strip())
+    first = text.splitlines()[0] if text else ""
+    return (first.split(". ")[0] or type(err).__name__)[:300]
+
+
 def run_train(argv: Sequence[str]) -> int:
-    """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2.
+    """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2
+    (each rank also leaves the line for `loom launch`, in case rank 0 was stopped first).
     Anything else is rank-specific and printed by the rank that hit it."""
+    watch_launcher()
     info = rank_info()
     rank = info.rank
     setup_logging(rank)
@@ -59,6 +77,7 @@ def run_train(argv: Sequence[str]) -> int:
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        write_error_file(f"error: {e}")
         return CONFIG_ERROR_EXIT
     except NonFiniteLossError as e:
         if rank == 0:
@@ -67,12 +86,17 @@ def run_train(argv: Sequence[str]) -> int:
     except Preempted as e:
         if rank == 0:
             print(f"loom: {e}", file=sys.stderr, flush=True)
-        return 128 + signal.SIGTERM
+        return 128 + e.signum
     except KeyboardInterrupt:
-        return 130
+        if rank == 0:
+            print("loom: interrupted by Ctrl-C", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except Exception as e:
+        if is_comm_failure(e):  # the peer that caused it reports the cause
+            report(f"error (rank {rank}): lost contact with another rank: {first_sentence(e)}")
+            return 1
         traceback.print_exc()
-        print(f"error (rank {rank}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        report(f"error (rank {rank}): {type(e).__name__}: {e}")
         return 1
     return 0
 

@@ -123,6 +123,8 @@ class TrainConfig:
                                 "(default: stop the run)")
     max_skipped_steps: int = flag(10, "--skip-nonfinite: stop after this many consecutive "
                                   "skipped steps")
+    comm_timeout_s: float = flag(600.0, "end the job when a collective or a whole step "
+                                 "makes no progress for this long (a stalled or dead rank)")
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class OutputConfig:
     outdir: str | None = flag(None, "run folder (default: outputs/<timestamp>)", type=str)
+    overwrite: bool = flag(False, "move a previous run in --outdir aside and start anew")
     profile: bool = flag(False, "torch profiler trace in the run folder")
     pyinstrument_profiler: bool = flag(False, "pyinstrument profile of the run "
                                        "(pip install 'loom[profile]')")
@@ -539,6 +542,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"--max-steps must be >= 1, got {t.max_steps}")
     if d.num_workers < 0:
         raise ConfigError(f"--num-workers must be >= 0, got {d.num_workers}")
+    if not t.comm_timeout_s > 0:
+        raise ConfigError(f"--comm-timeout-s must be > 0, got {t.comm_timeout_s}")
     if not 0.0 < p.act_mem_budget <= 1.0:
         raise ConfigError(f"--act-mem-budget must be in (0, 1], got {p.act_mem_budget}")
     o = cfg.optim

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import logging
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loom.watchdog import LAUNCHER_PID_ENV
+
 if TYPE_CHECKING:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 DEFAULT_PORT = "29500"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -232,26 +236,56 @@ def _quiet_elastic_logs() -> None:
 
 
 CONFIG_ERROR_EXIT = 2
-"""`loom train`'s exit code for a configuration error that rank 0 has already printed."""
+"""`loom train`'s exit code for a configuration error, printed by rank 0 if it got there."""
+
+SECONDARY_ERRORS = ("lost contact with another rank",)
+"""Lines of ranks that failed because of another rank: the cause is named elsewhere."""
+
+
+def last_error_line(failure: ProcessFailure) -> str:
+    """The one line a rank left in its torchelastic error file ('' if none)."""
+    try:
+        message = json.loads(Path(failure.error_file).read_text())["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return message if isinstance(message, str) else ""
+
+
+def first_cause(err: ChildFailedError, lines: dict[int, str]) -> tuple[int, ProcessFailure]:
+    """The failure to report: the earliest that is not a consequence of another rank's
+    (a lost peer, or the agent's SIGTERM to the ranks still running)."""
+    def consequence(rank: int, failure: ProcessFailure) -> bool:
+        return any(s in lines[rank] for s in SECONDARY_ERRORS) or \
+            failure.exitcode == -signal.SIGTERM
+
+    return min(err.failures.items(),
+               key=lambda item: (consequence(*item), item[1].timestamp, item[0]))
 
 
 def _report_failure(err: ChildFailedError) -> int:
-    rank, failure = err.get_first_failure()
-    code = failure.exitcode
+    lines = {rank: last_error_line(f) for rank, f in err.failures.items()}
+    rank, failure = first_cause(err, lines)
+    code, line = failure.exitcode, lines[rank]
     if code == CONFIG_ERROR_EXIT:
+        if lines.get(0) != line or not line:  # rank 0 prints the line before leaving it
+            print(line or f"loom launch: rank {rank} reported a configuration error",
+                  file=sys.stderr)
         return code
     how = f"failed with exit code {code}" if code > 0 else f"was killed by {failure.signal_name()}"
     others = sum(1 for r, f in err.failures.items() if r != rank and f.exitcode > 0)
     more = f"; {others} other rank(s) failed too" if others else ""
-    print(f"loom launch: rank {rank} (local {failure.local_rank}) {how}{more}", file=sys.stderr)
+    why = f": {line}" if line else ""
+    print(f"loom launch: rank {rank} (local {failure.local_rank}) {how}{more}{why}",
+          file=sys.stderr)
     return code if code > 0 else 128 - code
 
 
 def run_local(command: Command) -> int:
     """Run torchrun's agent in this process: its failures become one line, not tracebacks.
 
-    Unlike the printed command, the agent gets a temporary --log-dir, removed afterwards, for
-    the redirected stdout of the other ranks.
+    Unlike the printed command, the agent gets a temporary --log-dir, removed on every exit
+    but SIGKILL, for the redirected stdout and the error files of the ranks. The workers get
+    this process's pid, so they end themselves if it dies (see `loom.watchdog`).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -259,8 +293,8 @@ def run_local(command: Command) -> int:
     from torch.distributed.run import get_args_parser, run
 
     _quiet_elastic_logs()
-    os.environ.update(command.env)
-    with tempfile.TemporaryDirectory(prefix="loom-launch-") as log_dir:
+    os.environ.update({**command.env, LAUNCHER_PID_ENV: str(os.getpid())})
+    with tempfile.TemporaryDirectory(prefix="loom-launch-", ignore_cleanup_errors=True) as log_dir:
         args = get_args_parser().parse_args(command.argv[len(TORCHRUN) :])
         args.log_dir = log_dir
         try:

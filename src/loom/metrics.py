@@ -168,6 +168,17 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
+def run_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the run as it stands: a resumed run appends from its checkpoint's step,
+    so a row whose step is not past the previous one replaces the rows it repeats."""
+    history: list[dict[str, Any]] = []
+    for row in rows:
+        while history and history[-1]["train/iter"] >= row["train/iter"]:
+            history.pop()
+        history.append(row)
+    return history
+
+
 class NullMetrics:
     """Metrics off: the loop's calls cost nothing; only config.json is written."""
 
@@ -246,17 +257,9 @@ class Metrics(NullMetrics):
             self.grad_stats = tensor_stats((g for g in grads if g is not None), self.device)
         self.histograms.gradients(step)
 
-    def open_rows(self, start_step: int) -> TextIO:
-        """A fresh file, or on resume the rows up to the checkpoint's step (later ones were
-        never checkpointed and will be logged again)."""
-        kept = [r for r in read_rows(self.rows_path) if r["train/iter"] <= start_step] \
-            if start_step > 0 and self.rows_path.is_file() else []
-        rows = self.rows_path.open("w")
-        rows.writelines(json.dumps(r) + "\n" for r in kept)
-        return rows
-
     def begin(self, total_steps: int, start_step: int = 0) -> None:
-        self.rows, self.step = self.open_rows(start_step), start_step
+        # Appended, never truncated: the folder is new, or resumed (see `run_history`).
+        self.rows, self.step = self.rows_path.open("a"), start_step
         f = self.facts
         logger.info("%d steps of %s tokens (global batch %d = %d per dp rank x dp %d), "
                     "%.4g GFLOP/step", total_steps, f"{f.tokens_per_step:,}",
@@ -338,7 +341,7 @@ class Metrics(NullMetrics):
             self.wandb = None
 
     def write_summary(self, timings: dict[str, float]) -> dict[str, Any]:
-        rows = read_rows(self.outdir / "metrics-0.jsonl")
+        rows = run_history(read_rows(self.outdir / "metrics-0.jsonl"))
         summary = {"steps": len(rows), "tokens": rows[-1]["train/tokens_seen"] if rows else 0,
                    "steady_from_step": steady_start(len(rows)), "timings": timings,
                    **asdict(self.facts), "peak_flops": self.mfu.peak.flops,

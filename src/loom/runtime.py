@@ -11,6 +11,7 @@ import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,12 @@ _LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID",
 
 
 class Preempted(Exception):
-    """SIGTERM arrived: the run stopped after a final checkpoint (when one could be made)."""
+    """SIGTERM or SIGINT arrived: the run stopped after the current step, with a final
+    checkpoint when one could be made; exits 128 + the signal number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
 
 
 DIVERGED_EXIT = 3
@@ -82,9 +88,10 @@ def backend_for(device: torch.device) -> str:
     return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
 
 
-def init_distributed(info: RankInfo) -> torch.device:
+def init_distributed(info: RankInfo, timeout_s: float = 600.0) -> torch.device:
     """Choose and set the device, then start the process group (a store-only one for a
-    single plain process, so the mesh and FSDP code paths are the same at world size 1)."""
+    single plain process, so the mesh and FSDP code paths are the same at world size 1).
+    A collective that waits longer than `timeout_s` for a peer fails instead of hanging."""
     device = pick_device(info.local_rank)
     if device.type in ("cuda", "xpu"):
         getattr(torch, device.type).set_device(device)
@@ -94,7 +101,7 @@ def init_distributed(info: RankInfo) -> torch.device:
     else:
         dist.init_process_group(
             backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-            rank=info.rank, world_size=info.world_size,
+            rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type in ("cuda", "xpu") else None)
     return device
 

@@ -33,6 +33,7 @@ from loom.parallel.parallelize import parallelize_llama
 from loom.precision import resolve_precision
 from loom.preflight import available_memory_bytes, check_model_fits
 from loom.profiling import maybe_profile
+from loom.rundir import RunFolder
 from loom.runtime import (
     NonFiniteLossError,
     Preempted,
@@ -42,6 +43,7 @@ from loom.runtime import (
     seed_everything,
     teardown,
 )
+from loom.watchdog import StepWatchdog, collective_timeout_s, heartbeat_store
 
 logger = logging.getLogger("loom")
 
@@ -84,6 +86,11 @@ class Trainer:
         self.info, self.dims, self.device = info, dims, device
         dims.build_mesh(device.type)
         self.seed = cfg.train.seed
+        outdir = agree_on_outdir(cfg.output.outdir)
+        self.run_folder = RunFolder(outdir, info.rank, resume=cfg.checkpoint.resume is not None,
+                                    overwrite=cfg.output.overwrite)
+        if self.run_folder.note:
+            logger.info(self.run_folder.note)
         seed_everything(self.seed)
         self.precision = resolve_precision(cfg.parallel.dtype, device)
         logger.info("precision: %s (%s)", self.precision.dtype, self.precision.reason)
@@ -101,7 +108,6 @@ class Trainer:
         self.loss_fn = build_loss(cfg.loss, self.model, dims.tp)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
-        outdir = agree_on_outdir(cfg.output.outdir)
         self.checkpointer = Checkpointer(outdir, cfg.checkpoint.checkpoint_interval,
                                          cfg.checkpoint.keep_checkpoints,
                                          cfg.checkpoint.async_checkpoint, info.rank)
@@ -111,8 +117,8 @@ class Trainer:
         self.metrics.write_config(self.effective_config())
         self.dp_group = dims.get_mesh("dp").get_group()
         self.moe_metrics: dict[str, float] = {}
-        self.stop_requested = False
         self.skipped_in_a_row = 0
+        self.stop_signal = 0  # the signal that asked this job to stop, agreed by all ranks
 
     def optimizer_steps_per_epoch(self) -> int:
         """Each optimizer step takes `accum` loader batches; a ragged remainder is dropped."""
@@ -212,11 +218,13 @@ class Trainer:
 
     def reduce_loss_and_stop_flag(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """One all-reduce over every rank: the loss sum (tp ranks hold copies, hence / tp)
-        and whether any rank was asked to stop."""
-        packed = torch.stack([loss_sum / self.dims.tp,
-                              torch.tensor(float(self.stop_requested), device=self.device)])
+        and whether any rank got SIGTERM or SIGINT (SIGTERM wins when both arrived)."""
+        flags = [float(self.stop_signal == s) for s in (signal.SIGTERM, signal.SIGINT)]
+        packed = torch.cat([(loss_sum / self.dims.tp).reshape(1),
+                            torch.tensor(flags, device=self.device)])
         dist.all_reduce(packed)
-        self.stop_requested = bool(packed[1] > 0)
+        self.stop_signal = signal.SIGTERM if packed[1] > 0 else \
+            signal.SIGINT if packed[2] > 0 else 0
         return packed[0]
 
     def update_is_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
@@ -255,9 +263,16 @@ class Trainer:
                 yield epoch, bidx, [next(micro) for _ in range(self.accum)]
 
     def fit(self) -> None:
+        """The loop; a SIGTERM or SIGINT ends it after the current step, and the summary
+        and plots are written for the steps done either way."""
         total, out = self.total_steps(), self.cfg.output
         self.metrics.begin(total, start_step=self.loop.step)
-        previous = signal.signal(signal.SIGTERM, self.request_stop)
+        previous = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM,
+                                                                      signal.SIGINT)}
+        watchdog = StepWatchdog(self.cfg.train.comm_timeout_s, self.metrics.outdir,
+                                self.info.rank, self.info.world_size,
+                                heartbeat_store(self.cfg.train.comm_timeout_s))
+        watchdog.start(self.loop.step)
         try:
             with maybe_profile(out.profile, out.pyinstrument_profiler, self.metrics.outdir,
                                self.info.rank, total) as profiler:
@@ -269,9 +284,16 @@ class Trainer:
                                           self.moe_metrics)
                     profiler.step()
                     self.maybe_checkpoint(final=self.loop.step == total)
+                    watchdog.beat(self.loop.step)
+        except Preempted:
+            self.metrics.finish()
+            raise
+        else:
             self.metrics.finish()
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            watchdog.stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
             self.checkpointer.finish()
 
     def advance(self) -> None:
@@ -281,19 +303,24 @@ class Trainer:
                               samples_seen=self.loop.samples_seen + self.global_batch)
 
     def request_stop(self, signum: int, _frame: object) -> None:
-        """Schedulers send SIGTERM before the kill: finish the step, then stop."""
-        self.stop_requested = True
+        """Schedulers send SIGTERM before the kill, users press Ctrl-C: finish the step,
+        then stop. A second Ctrl-C interrupts at once."""
+        self.stop_signal = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            logger.warning("Ctrl-C: stopping after this step (press again to abort)")
 
     def maybe_checkpoint(self, final: bool) -> None:
         ckpt, step = self.checkpointer, self.loop.step
-        if self.stop_requested:
-            grace = self.cfg.checkpoint.sigterm_grace_s
+        if self.stop_signal:
+            name, grace = signal.Signals(self.stop_signal).name, self.cfg.checkpoint.sigterm_grace_s
             if ckpt.enabled and ckpt.last_save_seconds <= grace:
                 self.save_checkpoint()
             elif ckpt.enabled:
-                logger.warning("SIGTERM: last save took %.1f s > %.1f s grace; not saving",
-                               ckpt.last_save_seconds, grace)
-            raise Preempted(f"stopped by SIGTERM after step {step}")
+                logger.warning("%s: last save took %.1f s > %.1f s grace; not saving",
+                               name, ckpt.last_save_seconds, grace)
+            raise Preempted(f"stopped by {name} after step {step}; summary and plots in "
+                            f"{self.metrics.outdir}", self.stop_signal)
         if ckpt.due(step) or (final and ckpt.enabled):
             self.save_checkpoint()
 
@@ -307,6 +334,7 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+        self.run_folder.close()
 
 
 def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
@@ -324,6 +352,6 @@ def main(cfg: JobConfig, info: RankInfo) -> None:
     mesh before any heavy import or collective)."""
     for warning in cfg.warnings:
         logger.warning(warning)
-    device = init_distributed(info)
+    device = init_distributed(info, collective_timeout_s(cfg.train.comm_timeout_s))
     run(cfg, info, device)
     teardown()  # only after success: a failed rank must exit at once, not wait in a barrier

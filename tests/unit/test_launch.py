@@ -1,5 +1,6 @@
 """`loom launch` command construction, with faked scheduler environments (nothing is run)."""
 
+import json
 import os
 import shlex
 import sys
@@ -146,3 +147,39 @@ def test_failure_is_one_line(capsys, tmp_path):
     failures[0].timestamp = failures[1].timestamp + 1  # rank 1 failed first
     assert launch._report_failure(ChildFailedError("loom", failures)) == 3
     assert capsys.readouterr().err == "loom launch: rank 1 (local 1) failed with exit code 3\n"
+
+
+def failure(tmp_path, rank, exitcode, line=None, timestamp=100):
+    """A rank's failure as the agent sees it, with the error line the rank left (if any)."""
+    path = tmp_path / f"error-{rank}.json"
+    if line is not None:
+        path.write_text(json.dumps({"message": line, "timestamp": timestamp}))
+    found = ProcessFailure(local_rank=rank, pid=10 + rank, exitcode=exitcode,
+                           error_file=str(path))
+    found.timestamp = timestamp
+    return found
+
+
+def test_config_error_of_another_rank_is_printed_when_rank_0_was_stopped(capsys, tmp_path):
+    """Rank 1 failed first and the agent stopped rank 0 before it printed (issue #20)."""
+    line = "error: --n-heads 4 is not divisible by --tp 3"
+    failures = {0: failure(tmp_path, 0, -15, timestamp=99), 1: failure(tmp_path, 1, 2, line)}
+    assert launch._report_failure(ChildFailedError("loom", failures)) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_config_error_already_printed_by_rank_0_is_not_repeated(capsys, tmp_path):
+    line = "error: --n-heads 4 is not divisible by --tp 3"
+    failures = {0: failure(tmp_path, 0, -15, line, timestamp=100),
+                1: failure(tmp_path, 1, 2, line, timestamp=100)}
+    assert launch._report_failure(ChildFailedError("loom", failures)) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_summary_names_the_cause_not_the_ranks_that_lost_it(capsys, tmp_path):
+    lost = "error (rank 0): lost contact with another rank: Connection reset by peer"
+    failures = {0: failure(tmp_path, 0, 1, lost, timestamp=99),
+                1: failure(tmp_path, 1, -9, timestamp=101)}
+    assert launch._report_failure(ChildFailedError("loom", failures)) == 128 + 9
+    assert capsys.readouterr().err == \
+        "loom launch: rank 1 (local 1) was killed by SIGKILL; 1 other rank(s) failed too\n"

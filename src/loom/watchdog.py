@@ -1,0 +1,162 @@
+"""Threads that end a rank which can no longer finish: its launcher died, or the job stalled.
+
+Both end the process with `os._exit`: the main thread may be blocked inside a collective
+that Python cannot interrupt, and a rank that waits for it would outlive the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily: the launcher watch starts before torch is imported
+    import torch.distributed as dist
+
+LAUNCHER_PID_ENV = "LOOM_LAUNCHER_PID"
+"""Set by `loom launch` for its workers: the pid they must not outlive."""
+
+HANG_EXIT = 1
+ORPHAN_EXIT = 1
+
+
+def _daemon(target: object, name: str) -> None:
+    threading.Thread(target=target, name=name, daemon=True).start()
+
+
+def report(line: str) -> None:
+    """One line on stderr and, under torch's agent, in the error file the launcher reads."""
+    print(line, file=sys.stderr, flush=True)
+    write_error_file(line)
+
+
+def write_error_file(line: str) -> None:
+    """torch's elastic agent reads `message` from this JSON file when the rank fails."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+
+
+def watch_launcher(environ: dict[str, str] | None = None, period_s: float = 1.0) -> None:
+    """Exit when `loom launch` is gone: the agent starts workers in their own sessions, so
+    nothing else stops them when the launcher is SIGKILLed. Polling the parent pid works
+    on every POSIX system; a dead parent re-parents us to init or a subreaper."""
+    env = os.environ if environ is None else environ
+    pid = env.get(LAUNCHER_PID_ENV, "")
+    if not pid.isdigit() or os.getppid() != int(pid):
+        return
+
+    def poll() -> None:
+        while os.getppid() == int(pid):
+            time.sleep(period_s)
+        report(f"loom: launcher (pid {pid}) is gone; rank {env.get('RANK', '?')} stops")
+        os._exit(ORPHAN_EXIT)
+
+    _daemon(poll, "loom-launcher-watch")
+
+
+def heartbeat_period(timeout_s: float) -> float:
+    return min(5.0, max(0.5, timeout_s / 10))
+
+
+def collective_timeout_s(timeout_s: float) -> float:
+    """The process group's timeout: a little past the watchdog's, so that a stalled peer
+    is reported by the watchdog, which can name it, rather than by gloo, which cannot."""
+    return timeout_s + 3 * heartbeat_period(timeout_s)
+
+
+class StepWatchdog:
+    """Ends the rank when no step finishes for `timeout_s`, naming the rank that stopped.
+
+    Each rank refreshes a heartbeat (its last finished step and the time) in the job's
+    store from this thread; a SIGSTOPped or dead rank stops refreshing, so on timeout the
+    stale heartbeats tell which rank stalled. Stacks go to `<outdir>/hang-<rank>.txt`.
+    """
+
+    def __init__(self, timeout_s: float, outdir: Path, rank: int, world_size: int,
+                 store: dist.Store | None):
+        self.timeout_s, self.outdir, self.rank, self.world = timeout_s, outdir, rank, world_size
+        self.store = store
+        self.period_s = heartbeat_period(timeout_s)
+        self.step, self.last_progress = 0, time.monotonic()
+        self.stopped = threading.Event()
+
+    def start(self, step: int) -> None:
+        self.beat(step)
+        self.publish()
+        _daemon(self.run, "loom-step-watchdog")
+
+    def beat(self, step: int) -> None:
+        self.step, self.last_progress = step, time.monotonic()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            self.publish()
+            if time.monotonic() - self.last_progress > self.timeout_s:
+                self.fire()
+
+    def publish(self) -> None:
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # the store's host may be the stalled rank
+                self.store.set(f"heartbeat/{self.rank}", f"{self.step} {time.time()}")
+
+    def stalled_ranks(self) -> list[str]:
+        """'rank R (...)' for each rank whose heartbeat is missing or older than 3 periods."""
+        if self.store is None:
+            return []
+        stale, now = [], time.time()
+        for r in range(self.world):
+            key = f"heartbeat/{r}"
+            try:
+                if not self.store.check([key]):
+                    stale.append(f"rank {r} (no heartbeat)")
+                    continue
+                step, when = self.store.get(key).decode().split()
+            except Exception:  # the store's host stopped answering
+                stale.append(f"rank {r} (store unreachable)")
+                break
+            if now - float(when) > 3 * self.period_s:
+                stale.append(f"rank {r} (silent since step {step})")
+        return stale
+
+    def fire(self) -> None:
+        hang_file = self.outdir / f"hang-{self.rank}.txt"
+        try:
+            with hang_file.open("w") as f:
+                faulthandler.dump_traceback(f, all_threads=True)
+        except OSError:
+            hang_file = Path("(stacks not written)")
+        stalled = self.stalled_ranks()
+        who = ", ".join(stalled) if stalled else "a peer"
+        report(f"loom: rank {self.rank}: no step finished for {self.timeout_s:g} s "
+               f"(--comm-timeout-s) after step {self.step}; stopped: {who}; "
+               f"stacks in {hang_file.parent}/hang-<rank>.txt")
+        os._exit(HANG_EXIT)
+
+
+def heartbeat_store(timeout_s: float) -> dist.Store | None:
+    """A separate client of the job's store with a short timeout, so this thread never
+    shares a connection with the main thread nor blocks on a stalled store host."""
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not addr or not port:
+        return None
+    try:
+        store = dist.TCPStore(addr, int(port), is_master=False,
+                              timeout=timedelta(seconds=min(10.0, timeout_s)))
+    except Exception:
+        return None
+    return dist.PrefixStore("loom", store)
