@@ -43,6 +43,13 @@ def quiet_known_upstream_noise() -> None:
     warnings.filterwarnings("ignore", message=r"Slicing a flattened dim from root mesh")
 
 
+def quiet_upstream_notices() -> None:
+    """One-off torch notices about things loom has already handled; `--verbose` keeps them.
+    With SimpleFSDP + --compile, dynamo warns that a checkpoint context_fn must avoid in-place
+    ops: it is SimpleFSDP's own gather-recompute policy, which has none."""
+    logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
+
+
 def run_train(argv: Sequence[str]) -> int:
     """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2.
     Anything else is rank-specific and printed by the rank that hit it."""
@@ -51,6 +58,8 @@ def run_train(argv: Sequence[str]) -> int:
     setup_logging(rank)
     try:
         cfg = parse_args(argv)
+        if not cfg.output.verbose:
+            quiet_upstream_notices()
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
         check_outdir(cfg.output.outdir)
         from loom import train

@@ -255,7 +255,7 @@ class Trainer:
         previous = signal.signal(signal.SIGTERM, self.request_stop)
         try:
             with maybe_profile(out.profile, out.pyinstrument_profiler, self.metrics.outdir,
-                               self.info.rank, total) as profiler:
+                               self.info.rank, total, out.verbose) as profiler:
                 for epoch, bidx, micro in itertools.islice(self.batches(),
                                                            max(0, total - self.loop.step)):
                     loss, grad_norm = self.train_step(micro)
