@@ -59,6 +59,13 @@ def first_sentence(err: Exception) -> str:
     return (first.split(". ")[0] or type(err).__name__)[:300]
 
 
+def quiet_upstream_notices() -> None:
+    """One-off torch notices about things loom has already handled; `--verbose` keeps them.
+    With SimpleFSDP + --compile, dynamo warns that a checkpoint context_fn must avoid in-place
+    ops: it is SimpleFSDP's own gather-recompute policy, which has none."""
+    logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
+
+
 def run_train(argv: Sequence[str]) -> int:
     """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2
     (each rank also leaves the line for `loom launch`, in case rank 0 was stopped first).
@@ -69,6 +76,8 @@ def run_train(argv: Sequence[str]) -> int:
     setup_logging(rank)
     try:
         cfg = parse_args(argv)
+        if not cfg.output.verbose:
+            quiet_upstream_notices()
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
         check_outdir(cfg.output.outdir)
         from loom import train

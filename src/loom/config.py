@@ -175,6 +175,7 @@ class OutputConfig:
     wandb: bool = flag(False, "log to Weights & Biases (pip install 'loom[wandb]'; "
                        "WANDB_MODE=offline works without an account)")
     log_every: int = flag(0, "progress line every N steps (0 = auto, ~20 lines) ($LOOM_LOG_EVERY)")
+    verbose: bool = flag(False, "show the upstream notices loom hides (README: Quiet output)")
     metrics: bool = flag(True, "per-step metrics ($LOOM_METRICS=0 turns them off: the "
                          "overhead baseline)", hidden=True)
     health_every: int = flag(1, "gradient/parameter health statistics every K steps, 0 = off "

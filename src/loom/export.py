@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from loom.checkpoint import SafeFileSystemReader
+from loom.data.tokenizers import SHIPPED_FLAG, load_tokenizer, save_tokenizer, tokenizer_name
 from loom.models.llama import ModelArgs, Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -70,7 +72,18 @@ def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], ModelAr
     return state["model"], args
 
 
-def export(checkpoint: Path, outdir: Path, dtype: str = "fp32") -> None:
+def run_tokenizer(checkpoint: Path) -> str | None:
+    """The tokenizer of the run that saved `checkpoint`, from its run folder's config.json
+    (None: the shipped one)."""
+    config = checkpoint.parent.parent / "config.json"
+    settings = json.loads(config.read_text()) if config.is_file() else {}
+    return tokenizer_name(settings.get("data", {}).get("tokenizer_name"),
+                          settings.get("model", {}).get("model"))
+
+
+def export(checkpoint: Path, outdir: Path, dtype: str = "fp32") -> str:
+    """Write the model, and the run's tokenizer when the embedding covers it; returns what
+    was written, for the one line `loom export` prints."""
     from safetensors.torch import save_file
 
     model_sd, args = load_model_state(checkpoint)
@@ -79,6 +92,13 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32") -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(outdir / "model.safetensors"), metadata={"format": "pt"})
     (outdir / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+    tokenizer = run_tokenizer(checkpoint)
+    size = load_tokenizer(tokenizer).size
+    if size > args.vocab_size:  # e.g. a --dataset random run with a small --vocab-size
+        return (f"model only: its {args.vocab_size}-row embedding is smaller than tokenizer "
+                f"{tokenizer or SHIPPED_FLAG} ({size} tokens)")
+    save_tokenizer(tokenizer, outdir)
+    return f"model and tokenizer {tokenizer or SHIPPED_FLAG}"
 
 
 def main(argv: Sequence[str]) -> int:
@@ -87,10 +107,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("checkpoint", type=Path, help="a checkpoints/step-N folder")
     parser.add_argument("outdir", type=Path, help="folder for model.safetensors + config.json")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--verbose", action="store_true", help="show upstream notices")
     opts = parser.parse_args(list(argv))
+    if not opts.verbose:  # DCP's note that it loads in one process: exactly what export does
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
     if not (opts.checkpoint / "loop.json").is_file():
         print(f"error: {opts.checkpoint} is not a loom checkpoint folder", file=sys.stderr)
         return 2
-    export(opts.checkpoint, opts.outdir, opts.dtype)
-    print(f"exported {opts.checkpoint} -> {opts.outdir}")
+    written = export(opts.checkpoint, opts.outdir, opts.dtype)
+    print(f"exported {opts.checkpoint} -> {opts.outdir} ({written})")
     return 0

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import os
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,13 +57,49 @@ def _trace_writer(folder: Path, rank: int):
 
 
 @contextlib.contextmanager
-def torch_profile(outdir: Path, rank: int, total_steps: int) -> Iterator[torch.profiler.profile]:
+def stderr_silenced() -> Iterator[None]:
+    """Point file descriptor 2 at /dev/null: kineto's C++ prints a "USDT: ... profiler_start"
+    and "profiler_stop" line there whenever recording starts or stops."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class StepProfiler:
+    """The torch profiler, each of whose steps (where recording starts and stops) runs under
+    `quiet`."""
+
+    def __init__(self, prof: torch.profiler.profile,
+                 quiet: Callable[[], contextlib.AbstractContextManager]):
+        self.prof, self.quiet = prof, quiet
+
+    def step(self) -> None:
+        with self.quiet():
+            self.prof.step()
+
+
+@contextlib.contextmanager
+def torch_profile(outdir: Path, rank: int, total_steps: int,
+                  verbose: bool = False) -> Iterator[StepProfiler]:
     wait, warmup, active = profile_schedule(total_steps)
-    with torch.profiler.profile(
-            activities=_activities(),
-            schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-            on_trace_ready=_trace_writer(outdir / "profile", rank)) as prof:
-        yield prof
+    prof = torch.profiler.profile(
+        activities=_activities(),
+        schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=_trace_writer(outdir / "profile", rank))
+    quiet = contextlib.nullcontext if verbose else stderr_silenced
+    with quiet():
+        prof.start()
+    try:
+        yield StepProfiler(prof, quiet)
+    finally:
+        with quiet():
+            prof.stop()
 
 
 @contextlib.contextmanager
@@ -81,12 +119,13 @@ def pyinstrument_profile(outdir: Path, rank: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def maybe_profile(profile: bool, pyinstrument: bool, outdir: Path, rank: int,
-                  total_steps: int) -> Iterator[NoProfiler | torch.profiler.profile]:
-    """The profilers that are on, around the training loop; call `.step()` after each step."""
+                  total_steps: int, verbose: bool = False) -> Iterator[NoProfiler | StepProfiler]:
+    """The profilers that are on, around the training loop; call `.step()` after each step.
+    kineto's start/stop lines are hidden unless `verbose`."""
     with contextlib.ExitStack() as stack:
         if pyinstrument:
             stack.enter_context(pyinstrument_profile(outdir, rank))
         if profile:
-            yield stack.enter_context(torch_profile(outdir, rank, total_steps))
+            yield stack.enter_context(torch_profile(outdir, rank, total_steps, verbose))
         else:
             yield NoProfiler()

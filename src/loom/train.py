@@ -275,7 +275,7 @@ class Trainer:
         watchdog.start(self.loop.step)
         try:
             with maybe_profile(out.profile, out.pyinstrument_profiler, self.metrics.outdir,
-                               self.info.rank, total) as profiler:
+                               self.info.rank, total, out.verbose) as profiler:
                 for epoch, bidx, micro in itertools.islice(self.batches(),
                                                            max(0, total - self.loop.step)):
                     loss, grad_norm = self.train_step(micro)

@@ -113,5 +113,6 @@ def test_hub_dataset_without_network_is_a_fast_one_line_error(tmp_path, local_fa
     job, line = fail_at_data(tmp_path, "eliplutchok/fineweb-small-sample", env)
     assert line.startswith("error: --dataset eliplutchok/fineweb-small-sample")
     assert "pass local files instead" in line
-    # A bound for retries only (they take minutes), loose enough for a loaded machine.
-    assert job.elapsed < 3 * local_failure_s + 30, (job.elapsed, local_failure_s)
+    # A hang bound for retry loops (>= 5x the same failure without network), not a speed
+    # check: benchmarks/fail_fast.py measures speed.
+    assert job.elapsed < 5 * local_failure_s + 60, (job.elapsed, local_failure_s)

@@ -3,6 +3,8 @@ run folder (checked in-process through the `loom train` and `loom launch` entry 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from loom import launch
@@ -28,6 +30,16 @@ MISTAKES = {  # id: (flags, message)
     "max-skipped-steps-0": (["--max-skipped-steps", "0"], "--max-skipped-steps must be >= 1"),
     "lr-not-a-number": (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
 }
+
+
+@pytest.fixture(autouse=True)
+def loom_logger_restored():
+    """run_train sets up the "loom" logger for a whole process (no propagation, so caplog
+    would miss it); later tests in this session need it back as it was."""
+    logger = logging.getLogger("loom")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 def assert_one_line_exit_2(code: int, stderr: str, message: str) -> None:

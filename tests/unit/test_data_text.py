@@ -214,3 +214,17 @@ def test_vocab_not_given_is_sized_from_the_tokenizer_without_a_warning(tmp_path)
     cfg = data_config(tmp_path, None)
     resized = sized_to_tokenizer(cfg, {"vocab_size": 50257, "tokenizer": "gpt2"})
     assert resized.model.vocab_size == 50257 and resized.warnings == cfg.warnings
+
+
+def test_shipped_tokenizer_has_a_name_and_tokenizer_errors_are_whole(tmp_path):
+    from loom.data.tokenizers import SHIPPED_FLAG, load_auto_tokenizer, tokenizer_name
+
+    assert tokenizer_name(SHIPPED_FLAG, None) is None  # None selects the shipped tokenizer
+    assert tokenizer_name(SHIPPED_FLAG, "org/model") is None
+    pytest.importorskip("transformers")
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast"}')  # no tokenizer.json beside it
+    with pytest.raises(ConfigError) as error:
+        load_auto_tokenizer(str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "from one of: (1)" in message and "(3)" in message

@@ -176,3 +176,13 @@ def test_torch_profile_writes_a_trace_even_for_short_runs(tmp_path, steps):
             prof.step()
     trace = json.loads((tmp_path / "profile" / "trace-rank0.json").read_text())
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_torch_profile_hides_kineto_start_stop_lines_unless_verbose(tmp_path, capfd, verbose):
+    with torch_profile(tmp_path, 0, 3, verbose=verbose) as prof:
+        for _ in range(3):
+            torch.randn(8, 8) @ torch.randn(8, 8)
+            prof.step()
+    err = capfd.readouterr().err
+    assert ("profiler_start" in err) == verbose, err

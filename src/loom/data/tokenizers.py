@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,13 @@ import tokenizers
 
 from loom.config import ConfigError
 from loom.data.cache import files_fingerprint
-from loom.data.hub import ensure_hub_reachable, first_line, looks_like_hub_id
+from loom.data.hub import ensure_hub_reachable, looks_like_hub_id
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_TOKENIZER = ASSETS / "gpt2-tokenizer"
 SHIPPED_NAME = "gpt2 (embedded)"
+SHIPPED_FLAG = "gpt2-embedded"
+"""--tokenizer-name of the shipped tokenizer (its file is gzipped, so it is no HF folder)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class TextTokenizer:
 
 def tokenizer_name(tokenizer: str | None, model: str | None) -> str | None:
     """--tokenizer-name, else the repo of an HF --model, else None (the shipped one)."""
+    if tokenizer == SHIPPED_FLAG:
+        return None
     if tokenizer is not None:
         return tokenizer
     return model if model is not None and "/" in model else None
@@ -60,6 +65,19 @@ def tokenizer_identity(name: str | None) -> str:
     if path.is_dir():
         return f"folder:{path.resolve()}:{files_fingerprint(sorted(path.iterdir()))}"
     return f"hub:{name}"
+
+
+def save_tokenizer(name: str | None, outdir: Path) -> None:
+    """Write a tokenizer as a Hugging Face tokenizer folder (AutoTokenizer loads it)."""
+    if name is None:
+        text = gzip.decompress((SHIPPED_TOKENIZER / "tokenizer.json.gz").read_bytes())
+        (outdir / "tokenizer.json").write_bytes(text)
+        shutil.copyfile(SHIPPED_TOKENIZER / "tokenizer_config.json",
+                        outdir / "tokenizer_config.json")
+        return
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(name).save_pretrained(str(outdir))
 
 
 def load_tokenizer(name: str | None) -> TextTokenizer:
@@ -88,7 +106,8 @@ def load_auto_tokenizer(name: str) -> TextTokenizer:
     try:
         tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--tokenizer-name {name}: cannot load it ({first_line(e)}); "
+        reason = " ".join(str(e).split()).rstrip(": ")  # whole, on one line
+        raise ConfigError(f"--tokenizer-name {name}: cannot load it ({reason}); "
                           f"{hint}") from None
     if tok.eos_token_id is None:
         raise ConfigError(f"--tokenizer-name {name} has no end-of-text (eos) token to "
