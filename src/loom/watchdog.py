@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,8 +24,7 @@ if TYPE_CHECKING:  # imported lazily: the launcher watch starts before torch is 
 LAUNCHER_PID_ENV = "LOOM_LAUNCHER_PID"
 """Set by `loom launch` for its workers: the pid they must not outlive."""
 
-HANG_EXIT = 1
-ORPHAN_EXIT = 1
+FAILURE_EXIT = 1
 
 
 def _daemon(target: object, name: str) -> None:
@@ -46,7 +46,7 @@ def write_error_file(line: str) -> None:
         Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
 
 
-def watch_launcher(environ: dict[str, str] | None = None, period_s: float = 1.0) -> None:
+def watch_launcher(environ: Mapping[str, str] | None = None, period_s: float = 1.0) -> None:
     """Exit when `loom launch` is gone: the agent starts workers in their own sessions, so
     nothing else stops them when the launcher is SIGKILLed. Polling the parent pid works
     on every POSIX system; a dead parent re-parents us to init or a subreaper."""
@@ -58,8 +58,10 @@ def watch_launcher(environ: dict[str, str] | None = None, period_s: float = 1.0)
     def poll() -> None:
         while os.getppid() == int(pid):
             time.sleep(period_s)
-        report(f"loom: launcher (pid {pid}) is gone; rank {env.get('RANK', '?')} stops")
-        os._exit(ORPHAN_EXIT)
+        try:  # stderr may be a pipe nobody reads any more
+            report(f"loom: launcher (pid {pid}) is gone; rank {env.get('RANK', '?')} stops")
+        finally:
+            os._exit(FAILURE_EXIT)
 
     _daemon(poll, "loom-launcher-watch")
 
@@ -132,18 +134,19 @@ class StepWatchdog:
         return stale
 
     def fire(self) -> None:
-        hang_file = self.outdir / f"hang-{self.rank}.txt"
         try:
-            with hang_file.open("w") as f:
-                faulthandler.dump_traceback(f, all_threads=True)
-        except OSError:
-            hang_file = Path("(stacks not written)")
-        stalled = self.stalled_ranks()
-        who = ", ".join(stalled) if stalled else "a peer"
-        report(f"loom: rank {self.rank}: no step finished for {self.timeout_s:g} s "
-               f"(--comm-timeout-s) after step {self.step}; stopped: {who}; "
-               f"stacks in {hang_file.parent}/hang-<rank>.txt")
-        os._exit(HANG_EXIT)
+            try:
+                with (self.outdir / f"hang-{self.rank}.txt").open("w") as f:
+                    faulthandler.dump_traceback(f, all_threads=True)
+                stacks = f"stacks in {self.outdir}/hang-<rank>.txt"
+            except OSError as e:
+                stacks = f"stacks not written ({e.strerror})"
+            stalled = self.stalled_ranks()
+            who = f"stopped: {', '.join(stalled)}; " if stalled else ""
+            report(f"loom: rank {self.rank}: no step finished for {self.timeout_s:g} s "
+                   f"(--comm-timeout-s) after step {self.step}; {who}{stacks}")
+        finally:
+            os._exit(FAILURE_EXIT)
 
 
 def heartbeat_store(timeout_s: float) -> dist.Store | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -146,3 +147,15 @@ def test_config_error_of_any_rank_reaches_the_terminal(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_config_error_reaches_the_terminal_20_times(tmp_path: Path) -> None:
     config_error_reaches_the_terminal(20, tmp_path)
+
+
+def test_a_stalled_step_dumps_stacks_and_exits_with_one_line(tmp_path: Path) -> None:
+    """The watchdog alone, in one process: no heartbeat store, a step that never ends."""
+    body = ("import time; from pathlib import Path; from loom.watchdog import StepWatchdog\n"
+            f"StepWatchdog(1.0, Path({str(tmp_path)!r}), 0, 1, None).start(3)\n"
+            "time.sleep(60)")
+    code, _, err = finish(start([sys.executable, "-c", body]), 50)
+    assert code == 1, err
+    assert err.splitlines() == ["loom: rank 0: no step finished for 1 s (--comm-timeout-s) "
+                                f"after step 3; stacks in {tmp_path}/hang-<rank>.txt"], err
+    assert "in fire" in (tmp_path / "hang-0.txt").read_text()
