@@ -2,10 +2,12 @@
 block, plus the small analytic term a tensor trace cannot see.
 
 Depth: a step is traced with `d` and `d + 1` blocks (d = the leading dense blocks + 1,
-so both traces contain every kind of block). Each category's bytes at the peak grow by
-the same amount per added block (its parameters, gradients, optimizer state and saved
-activations), so the full depth is `at(d) + (L - d) * (at(d + 1) - at(d))`. Models with
-at most d + 1 blocks are traced whole.
+so both traces contain every kind of block). Per-block categories at the peak (sharded
+parameters, gradients, optimizer state, saved activations) grow by the same amount per
+added block, so at full depth they are `at(d) + (L - d) * (at(d + 1) - at(d))`. Transient
+categories (gathered parameters and gradients, collective buffers, backward temporaries)
+hold at most the blocks in flight, whatever the depth: the larger of the two traces.
+Models with at most d + 1 blocks are traced whole.
 """
 
 from __future__ import annotations
@@ -54,10 +56,15 @@ def traced_depths(cfg: JobConfig) -> tuple[int, int]:
     return first, first + 1
 
 
+TRANSIENT = {"Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Temp"}
+
+
 def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int) -> Breakdown:
-    kinds = set(low) | set(high)
-    return {k: max(0, low.get(k, 0) + (depth - low_depth) * (high.get(k, 0) - low.get(k, 0)))
-            for k in kinds}
+    out = {}
+    for kind in set(low) | set(high):
+        a, b = low.get(kind, 0), high.get(kind, 0)
+        out[kind] = max(a, b) if kind in TRANSIENT else max(0, a + (depth - low_depth) * (b - a))
+    return out
 
 
 def traced_peak(cfg: JobConfig, world_size: int) -> Breakdown:

@@ -19,9 +19,10 @@ import torch
 from loom.config import JobConfig
 from loom.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
 from loom.mesh import ParallelDims
+from loom.models.moe import MOE_FIELDS, MoEArgs, active_param_count
 from loom.plan.memory import traced_depths
 from loom.plan.trace import with_layers
-from loom.train import plain_model
+from loom.train import model_args, plain_model
 
 EFFICIENCY = 0.4
 """Fraction of the matmul peak a training step reaches (assumed; torchtitan's published
@@ -49,8 +50,20 @@ class StepTime:
     peak_source: str
 
 
+def _moe_flops(cfg: JobConfig) -> float:
+    """MoE routing makes token splits data-dependent, which fake tensors cannot follow:
+    6 x active parameters x tokens, plus attention's 12 x layers x dim x seq per token
+    (full T x T, as `count_step_flops` counts it)."""
+    m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
+    args = MoEArgs(**vars(model_args(cfg)), **{n: getattr(m, n) for n in MOE_FIELDS})
+    return tokens * (6 * active_param_count(args) + 12 * m.n_layers * m.dim * cfg.data.seq_len)
+
+
 def _flops(cfg: JobConfig) -> float:
     """Forward + backward FLOPs of the whole model for one rank's micro-batch."""
+    if cfg.model.n_experts:
+        return _moe_flops(cfg)
+
     def count(c: JobConfig) -> float:
         return count_step_flops(lambda: plain_model(c), c.train.batch_size, c.data.seq_len).flops
     low_depth, high_depth = traced_depths(cfg)
