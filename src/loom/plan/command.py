@@ -123,7 +123,7 @@ def main(argv: Sequence[str]) -> int:
             from loom.plan.search import search
 
             return search(cfg, options.world_size, options.device_memory, options.device,
-                          cache, as_json=options.json)
+                          cache, train_argv, as_json=options.json)
         with fake_world(options.world_size):
             plan = make_plan(cfg, options.world_size, options.device_memory, options.device,
                              cache)

@@ -12,11 +12,12 @@ expert parallel collectives sit on the critical path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
 
-from loom.config import JobConfig
+from loom.config import DataConfig, JobConfig, ModelConfig
 from loom.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
 from loom.mesh import ParallelDims
 from loom.models.moe import MOE_FIELDS, MoEArgs, active_param_count
@@ -31,6 +32,10 @@ Llama 3 runs on H100 report 35-45 % MFU). The CPU's measured peak gets the same 
 RECOMPUTE = {"none": 0.0, "selective": 0.1, "block": 1.0}
 """Extra forward passes recomputed in backward per --ac mode ('selective' recomputes
 attention only: ~10 % of a block's forward FLOPs at the presets' shapes, assumed)."""
+
+BUDGET_RECOMPUTE = 0.2
+"""Extra forward fraction per unit of budget below 1 under --compile: the partitioner
+recomputes the cheapest (pointwise) ops first (assumed)."""
 
 BANDWIDTH_GBS: dict[str, tuple[float, float]] = {
     # device-name fragment -> (within a node, across nodes) GB/s per device, one direction
@@ -61,6 +66,13 @@ def _moe_flops(cfg: JobConfig) -> float:
 
 def _flops(cfg: JobConfig) -> float:
     """Forward + backward FLOPs of the whole model for one rank's micro-batch."""
+    return cfg.train.batch_size * _flops_per_sample(cfg.model, cfg.data.seq_len)
+
+
+@cache
+def _flops_per_sample(model: ModelConfig, seq_len: int) -> float:
+    """FLOPs grow linearly with the batch: counted once per model and sequence length."""
+    cfg = JobConfig(model=model, data=DataConfig(seq_len=seq_len))
     if cfg.model.n_experts:
         return _moe_flops(cfg)
 
@@ -91,10 +103,11 @@ def bandwidth(device: str, group: int) -> float:
     return BANDWIDTH_GBS["cpu"][1] * 1e9
 
 
-def param_count(cfg: JobConfig) -> tuple[int, int]:
+@cache
+def param_count(model_cfg: ModelConfig) -> tuple[int, int]:
     """(all parameters, routed-expert parameters) of the model, built on the meta device."""
     with torch.device("meta"):
-        model = plain_model(cfg)
+        model = plain_model(JobConfig(model=model_cfg))
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return total, experts
@@ -103,7 +116,7 @@ def param_count(cfg: JobConfig) -> tuple[int, int]:
 def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str) -> tuple[float, float]:
     """(overlappable FSDP seconds, exposed tp/ep seconds) of one step on one rank."""
     p, m = cfg.parallel, cfg.model
-    total, experts = param_count(cfg)
+    total, experts = param_count(cfg.model)
     param_bytes = 4 if p.fp32 else 2
     grad_bytes = 4 if p.fp32 or p.reduce_dtype == "fp32" else 2
     dense = (total - experts) / dims.tp
@@ -131,7 +144,11 @@ def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     dtype = torch.float32 if cfg.parallel.fp32 else torch.bfloat16
     peak, source = device_peak(device, dtype, cache)
-    recompute = 1 + RECOMPUTE[cfg.parallel.activation_checkpoint] / 3  # forward = 1/3 of a step
+    p = cfg.parallel
+    extra_forward = RECOMPUTE[p.activation_checkpoint]
+    if p.compile:
+        extra_forward += (1 - p.act_mem_budget) * BUDGET_RECOMPUTE
+    recompute = 1 + extra_forward / 3  # the forward is ~1/3 of a step's FLOPs
     flops = _flops(cfg) / dims.tp * recompute * cfg.train.grad_accum_steps
     compute = flops / (peak * EFFICIENCY)
     fsdp_s, exposed = comm_seconds(cfg, dims, device)
