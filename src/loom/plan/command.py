@@ -46,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
 def plan_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="loom plan", add_help=False)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--device-memory", type=parse_size, required=True)
+    parser.add_argument("--device-memory", required=True)
     parser.add_argument("--device", default="cpu",
                         help="cpu (measured peak) or a name in loom.flops.PEAK_TFLOPS, e.g. H100")
     parser.add_argument("--json", action="store_true")
@@ -113,6 +113,7 @@ def main(argv: Sequence[str]) -> int:
         options, train_argv = plan_parser().parse_known_args(list(argv))
         if options.world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {options.world_size}")
+        device_memory = parse_size(options.device_memory)
         cfg = parse_args(train_argv)
         ParallelDims.from_config(cfg.parallel, options.world_size)
         check_supported(cfg)
@@ -122,10 +123,10 @@ def main(argv: Sequence[str]) -> int:
         if options.search:
             from loom.plan.search import search
 
-            return search(cfg, options.world_size, options.device_memory, options.device,
+            return search(cfg, options.world_size, device_memory, options.device,
                           cache, train_argv, as_json=options.json)
         with fake_world(options.world_size):
-            plan = make_plan(cfg, options.world_size, options.device_memory, options.device,
+            plan = make_plan(cfg, options.world_size, device_memory, options.device,
                              cache)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
