@@ -63,6 +63,17 @@ def with_layers(cfg: JobConfig, n_layers: int) -> JobConfig:
     return replace(cfg, model=replace(model, n_layers=n_layers, n_dense_layers=n_dense))
 
 
+def traceable(cfg: JobConfig) -> JobConfig:
+    """Dynamo cannot compile under the tracker's dispatch modes, so the trace runs eager:
+    compiled blocks as eager blocks (`loom.plan.memory` applies --act-mem-budget), and the
+    compiled loss as chunked-backward, which like it never holds more than one
+    logits-sized buffer for the gradient (their published peaks are equal,
+    ../shared/spec/figures.md; checked on CPU by benchmarks/plan_accuracy.py)."""
+    loss = "chunked-backward" if cfg.loss.loss_impl == "compiled" else cfg.loss.loss_impl
+    return replace(cfg, parallel=replace(cfg.parallel, compile=False),
+                   loss=replace(cfg.loss, loss_impl=loss))
+
+
 def trace_step(cfg: JobConfig, world_size: int) -> Breakdown:
     """Peak live bytes of rank 0 in the second training step of `cfg` (a resolved config:
     effective --loss-impl); needs `fake_world(world_size)` around it.
@@ -70,6 +81,7 @@ def trace_step(cfg: JobConfig, world_size: int) -> Breakdown:
     The optimizer step runs outside the tracker: under fake tensors the fused AdamW kernel
     reports out-of-place copies of every state that the real in-place kernel never makes
     (measured; the real step's peak is in backward, see benchmarks/plan_accuracy.py)."""
+    cfg = traceable(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.build_mesh("cpu")
     with torch.device("meta"):
