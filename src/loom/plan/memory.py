@@ -2,12 +2,16 @@
 block, plus the small analytic term a tensor trace cannot see.
 
 Depth: a step is traced with `d` and `d + 1` blocks (d = the leading dense blocks + 1,
-so both traces contain every kind of block). Per-block categories at the peak (sharded
-parameters, gradients, optimizer state, saved activations) grow by the same amount per
-added block, so at full depth they are `at(d) + (L - d) * (at(d + 1) - at(d))`. Transient
-categories (gathered parameters and gradients, collective buffers, backward temporaries)
-hold at most the blocks in flight, whatever the depth: the larger of the two traces.
-Models with at most d + 1 blocks are traced whole.
+so both traces contain every kind of block). The peak of a shallow trace can sit in a
+different phase than the full model's (e.g. the output head's backward rather than the
+start of the blocks' backward), so each phase is extrapolated on its own: the step's
+peak and every FSDP unit's forward and backward peak snapshot, matched by name across
+the two traces (the last block as 'last'). Per-block categories (sharded parameters,
+gradients, optimizer state, saved activations) grow by the same amount per added block,
+so at full depth they are `at(d) + (L - d) * (at(d + 1) - at(d))`; transient categories
+(gathered parameters and gradients, collective buffers, backward temporaries) hold at
+most the blocks in flight: the larger of the two traces. The predicted peak is the
+largest phase. Models with at most d + 1 blocks are traced whole.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config import JobConfig
-from loom.plan.trace import Breakdown, trace_step, with_layers
+from loom.plan.trace import PEAK, Breakdown, trace_step, with_layers
 
 GiB = 2**30
 
@@ -71,10 +75,12 @@ def traced_peak(cfg: JobConfig, world_size: int) -> Breakdown:
     """Rank 0's peak bytes by tracker category at the full depth (see the module doc)."""
     low_depth, high_depth = traced_depths(cfg)
     if cfg.model.n_layers <= high_depth:
-        return trace_step(cfg, world_size)
+        return trace_step(cfg, world_size)[PEAK]
     low = trace_step(with_layers(cfg, low_depth), world_size)
     high = trace_step(with_layers(cfg, high_depth), world_size)
-    return extrapolate(low, high, low_depth, cfg.model.n_layers)
+    phases = [extrapolate(low[name], high[name], low_depth, cfg.model.n_layers)
+              for name in low.keys() & high.keys()]
+    return max(phases, key=lambda b: sum(b.values()))
 
 
 def compile_activation_scale(cfg: JobConfig) -> float:

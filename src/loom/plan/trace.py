@@ -31,6 +31,9 @@ from loom.train import plain_model
 Breakdown = dict[str, int]
 """Bytes live at the peak, by FSDPMemTracker category ('Total' excluded)."""
 
+PEAK = "peak"
+"""The key of the whole step's peak among the phases `trace_step` returns."""
+
 
 @contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
@@ -74,9 +77,34 @@ def traceable(cfg: JobConfig) -> JobConfig:
                    loss=replace(cfg.loss, loss_impl=loss))
 
 
-def trace_step(cfg: JobConfig, world_size: int) -> Breakdown:
-    """Peak live bytes of rank 0 in the second training step of `cfg` (a resolved config:
-    effective --loss-impl); needs `fake_world(world_size)` around it.
+def _categories(snapshot: dict) -> Breakdown:
+    return {str(getattr(kind, "value", kind)): nbytes for kind, nbytes in snapshot.items()
+            if kind != "Total"}
+
+
+def _phase_name(fqn: str, state: object, n_layers: int) -> str:
+    """'<module>|<state>', the last block named 'last' so traces of any depth share it."""
+    parts = fqn.split(".")
+    if "layers" in parts[:-1] and parts[parts.index("layers") + 1] == str(n_layers - 1):
+        parts[parts.index("layers") + 1] = "last"
+    return f"{'.'.join(parts)}|{getattr(state, 'value', state)}"
+
+
+def module_phases(tracker: FSDPMemTracker, n_layers: int) -> dict[str, Breakdown]:
+    """Each FSDP unit's forward and backward peak snapshot."""
+    phases = {}
+    for stats in tracker.memory_tracking.values():
+        for state, snaps in stats.snapshots.items():
+            if "Peak" in str(getattr(state, "value", state)) and snaps and snaps[-1]:
+                (snap,) = snaps[-1].values()
+                phases[_phase_name(stats.mod_fqn, state, n_layers)] = _categories(snap)
+    return phases
+
+
+def trace_step(cfg: JobConfig, world_size: int) -> dict[str, Breakdown]:
+    """Live bytes of rank 0 in the second training step of `cfg` (a resolved config:
+    effective --loss-impl) at its peak (`PEAK`) and at each FSDP unit's forward and
+    backward peak; needs `fake_world(world_size)` around it.
 
     The optimizer step runs outside the tracker: under fake tensors the fused AdamW kernel
     reports out-of-place copies of every state that the real in-place kernel never makes
@@ -102,8 +130,7 @@ def trace_step(cfg: JobConfig, world_size: int) -> Breakdown:
         with tracker:
             forward_backward(model, loss_fn, tokens, cfg.optim.max_grad_norm)
         (peak,) = tracker.get_tracker_snapshot("peak").values()
-    return {str(getattr(kind, "value", kind)): nbytes for kind, nbytes in peak.items()
-            if kind != "Total"}
+        return {PEAK: _categories(peak), **module_phases(tracker, cfg.model.n_layers)}
 
 
 def forward_backward(model: torch.nn.Module, loss_fn: LossFn, tokens: torch.Tensor,
