@@ -58,6 +58,13 @@ def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
     return out
 
 
+def global_tokens(c: JobConfig, world: int) -> int:
+    """Tokens of one optimizer step over all ranks."""
+    dims = ParallelDims.from_config(c.parallel, world)
+    return (dims.global_batch_size(c.train.batch_size) * c.train.grad_accum_steps
+            * c.data.seq_len)
+
+
 def memory_key(c: JobConfig) -> tuple:
     p = c.parallel
     return (p.tp, p.dp_shard, p.activation_checkpoint, c.loss.loss_impl, p.reshard_after_forward)
@@ -114,8 +121,7 @@ def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: P
     with fake_world(world):
         timed = sorted(((predict_step_time(c, world, device, cache), c)
                         for c in candidates(cfg, world)),
-                       key=lambda sc: -sc[1].train.batch_size * sc[1].data.seq_len
-                       / sc[0].seconds)
+                       key=lambda sc: -global_tokens(sc[1], world) / sc[0].seconds)
         traced: dict[tuple, dict[str, float]] = {}
         found, truncated = [], False
         for step, c in timed:
@@ -129,10 +135,8 @@ def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: P
                 traced[key] = predict_memory(one, world, device).breakdown_gib
             peak = scaled_peak(traced[key], c, device)
             if peak * GiB <= device_memory:
-                tokens = (ParallelDims.from_config(c.parallel, world).global_batch_size(
-                    c.train.batch_size) * c.data.seq_len)
                 found.append(dict(peak_gib=peak, step_time_s=step.seconds,
-                                  tokens_per_s=tokens / step.seconds,
+                                  tokens_per_s=global_tokens(c, world) / step.seconds,
                                   command=launch_line(c, world, base_argv)))
                 if len(found) == TOP:
                     break
