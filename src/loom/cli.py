@@ -19,11 +19,13 @@ from loom.preflight import check_outdir
 from loom.runtime import DIVERGED_EXIT, NonFiniteLossError, Preempted, rank_info
 from loom.watchdog import report, watch_launcher, write_error_file
 
-USAGE = """usage: loom {train,launch,export} [FLAGS]  |  loom --version
+USAGE = """usage: loom {train,launch,export,plan} [FLAGS]  |  loom --version
 
   loom train [FLAGS]          train in this process group (see `loom train --help`)
   loom launch [-n N] CMD...   start CMD on every rank (elastic agent, srun or mpiexec)
   loom export CKPT OUTDIR     write a checkpoint as a Hugging Face Llama model
+  loom plan [FLAGS] --world-size N --device-memory SIZE [--search] [--json]
+                              predict per-rank peak memory and step time before launch
 """
 
 
@@ -129,5 +131,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from loom import export
 
         sys.exit(export.main(rest))
+    if command == "plan":
+        setup_logging(0)
+        logging.getLogger("loom").setLevel(logging.WARNING)  # not each traced build's lines
+        from loom.plan.command import main as plan
+
+        sys.exit(plan(rest))
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     sys.exit(2)

@@ -1,0 +1,135 @@
+"""`loom plan [train flags] --world-size N --device-memory SIZE [--device D] [--json]
+[--search]`: will this job fit, and how fast will a step be? No accelerator, no peers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from loom.config import ConfigError, JobConfig, parse_args
+from loom.data.cache import default_cache_dir
+from loom.losses import resolve_loss_impl
+from loom.mesh import ParallelDims
+from loom.plan.memory import predict_memory
+from loom.plan.speed import predict_step_time
+from loom.plan.trace import fake_world
+
+logger = logging.getLogger("loom")
+
+UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'64GiB', '80GB', '512MiB', '64G' (binary) -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in UNITS:
+        raise ConfigError(f"--device-memory {text!r} is not a size like 64GiB, 80GB or 512MiB")
+    size = float(match.group(1)) * UNITS[match.group(2).lower()]
+    if size <= 0:
+        raise ConfigError(f"--device-memory must be > 0, got {text!r}")
+    return int(size)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="loom plan", add_help=False)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--device-memory", required=True)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (measured peak) or a name in loom.flops.PEAK_TFLOPS, e.g. H100")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--search", action="store_true")
+    return parser
+
+
+@dataclass(frozen=True)
+class Plan:
+    peak_gib: float
+    fits: bool
+    breakdown: dict[str, float]
+    step_time_s: float
+    tokens_per_s: float
+    device_memory_gib: float
+    world_size: int
+    layout: dict[str, int]
+
+    def verdict(self) -> str:
+        return "fits" if self.fits else f"OOM (needs {self.peak_gib:.2f} GiB)"
+
+
+def check_supported(cfg: JobConfig) -> None:
+    """What the fake trace cannot follow yet, said before any work."""
+    m, p = cfg.model, cfg.parallel
+    if m.model is not None and "/" in m.model:
+        raise ConfigError("loom plan supports loom's own models, not Hugging Face --model")
+    if p.data_parallel != "fsdp2":
+        raise ConfigError("loom plan traces --data-parallel fsdp2 only")
+    if m.n_experts and (p.ep > 1 or p.fp32):
+        raise ConfigError("loom plan cannot trace expert parallel or fp32 experts yet (token "
+                          "splits are data-dependent); use --ep 1 without --fp32")
+
+
+def make_plan(cfg: JobConfig, world_size: int, device_memory: int, device: str,
+              cache: Path) -> Plan:
+    """Predict one configuration (validated, effective --loss-impl); needs `fake_world`."""
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    memory = predict_memory(cfg, world_size, device)
+    step = predict_step_time(cfg, world_size, device, cache)
+    tokens = dims.global_batch_size(cfg.train.batch_size) * cfg.train.grad_accum_steps
+    return Plan(peak_gib=memory.peak_gib, fits=memory.peak_gib * 2**30 <= device_memory,
+                breakdown=memory.breakdown_gib, step_time_s=step.seconds,
+                tokens_per_s=tokens * cfg.data.seq_len / step.seconds,
+                device_memory_gib=device_memory / 2**30, world_size=world_size,
+                layout={**dims.degrees, "ep": dims.ep})
+
+
+def report(plan: Plan, cfg: JobConfig, device: str) -> str:
+    lines = [f"loom plan: {cfg.model.model or 'custom'} on {plan.world_size} ranks "
+             f"{plan.layout}, batch {cfg.train.batch_size} x seq {cfg.data.seq_len}",
+             "per-rank peak memory (worst rank, predicted):"]
+    lines += [f"  {name:<16}{gib:9.3f} GiB" for name, gib in sorted(plan.breakdown.items())]
+    lines.append(f"  {'total':<16}{plan.peak_gib:9.3f} GiB of {plan.device_memory_gib:.2f} "
+                 f"GiB: {plan.verdict()}")
+    lines.append(f"step time (estimate, {device}): {plan.step_time_s:.3g} s, "
+                 f"{plan.tokens_per_s:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Exit 0 when the plan was made (fitting or not), 2 on bad input."""
+    try:
+        options, train_argv = plan_parser().parse_known_args(list(argv))
+        if options.world_size < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {options.world_size}")
+        device_memory = parse_size(options.device_memory)
+        cfg = parse_args(train_argv)
+        ParallelDims.from_config(cfg.parallel, options.world_size)
+        check_supported(cfg)
+        cfg = resolve_loss_impl(cfg)
+        cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
+            default_cache_dir()
+        if options.search:
+            from loom.plan.search import search
+
+            return search(cfg, options.world_size, device_memory, options.device,
+                          cache, train_argv, as_json=options.json)
+        with fake_world(options.world_size):
+            plan = make_plan(cfg, options.world_size, device_memory, options.device,
+                             cache)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(json.dumps(asdict(plan)) if options.json else report(plan, cfg, options.device))
+    return 0

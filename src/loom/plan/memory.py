@@ -1,0 +1,105 @@
+"""Per-rank peak memory of a training step: traced at reduced depth, extrapolated per
+block, plus the small analytic term a tensor trace cannot see.
+
+Depth: a step is traced with `d` and `d + 1` blocks (d = the leading dense blocks + 1,
+so both traces contain every kind of block). The peak of a shallow trace can sit in a
+different phase than the full model's (e.g. the output head's backward rather than the
+start of the blocks' backward), so each phase is extrapolated on its own: the step's
+peak and every FSDP unit's forward and backward peak snapshot, matched by name across
+the two traces (the last block as 'last'). Per-block categories (sharded parameters,
+gradients, optimizer state, saved activations) grow by the same amount per added block,
+so at full depth they are `at(d) + (L - d) * (at(d + 1) - at(d))`; transient categories
+(gathered parameters and gradients, collective buffers, backward temporaries) hold at
+most the blocks in flight: the larger of the two traces. The predicted peak is the
+largest phase. Models with at most d + 1 blocks are traced whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.config import JobConfig
+from loom.plan.trace import PEAK, Breakdown, trace_step, with_layers
+
+GiB = 2**30
+
+CATEGORIES = {
+    # FSDPMemTracker category -> the breakdown's name
+    "Sharded Param": "parameters", "Unsharded Param": "parameters", "Buffer": "parameters",
+    "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+    "OptState": "optimizer", "Activation": "activations", "Temp": "backward_temps",
+    "All Gather": "fsdp_buffers", "Reduce Scatter": "fsdp_buffers", "Inputs": "inputs",
+}
+
+ANALYTIC: dict[str, dict[str, float]] = {
+    # The term a tensor trace cannot see, per device kind (bytes are GiB; fractions of the
+    # traced peak). CPU runs use malloc directly: nothing is added, the trace is compared
+    # with measurement as is (benchmarks/plan_accuracy.py).
+    "cpu": {"fragmentation": 0.0, "context_gib": 0.0, "compile_workspace_gib": 0.0},
+    # Accelerators: the caching allocator rounds blocks to 512 B and keeps freed blocks in
+    # 2 MiB / 20 MiB segments, so reserved exceeds allocated (PyTorch CUDA semantics notes,
+    # "Memory management"; assumed 5 %, not measured here); the CUDA context with cuBLAS
+    # and NCCL workspaces takes ~0.5-1 GiB per device outside the allocator (assumed 0.75);
+    # inductor's autotuning and Triton workspaces under --compile (assumed 0.5 GiB).
+    "accelerator": {"fragmentation": 0.05, "context_gib": 0.75, "compile_workspace_gib": 0.5},
+}
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    breakdown_gib: dict[str, float]
+    """GiB per category at the worst rank's peak, the analytic term as `overhead`."""
+
+    @property
+    def peak_gib(self) -> float:
+        return sum(self.breakdown_gib.values())
+
+
+def traced_depths(cfg: JobConfig) -> tuple[int, int]:
+    first = min(cfg.model.n_dense_layers, cfg.model.n_layers) + 1 if cfg.model.n_experts else 1
+    return first, first + 1
+
+
+TRANSIENT = {"Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Temp"}
+
+
+def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int) -> Breakdown:
+    out = {}
+    for kind in set(low) | set(high):
+        a, b = low.get(kind, 0), high.get(kind, 0)
+        out[kind] = max(a, b) if kind in TRANSIENT else max(0, a + (depth - low_depth) * (b - a))
+    return out
+
+
+def traced_peak(cfg: JobConfig, world_size: int) -> Breakdown:
+    """Rank 0's peak bytes by tracker category at the full depth (see the module doc)."""
+    low_depth, high_depth = traced_depths(cfg)
+    if cfg.model.n_layers <= high_depth:
+        return trace_step(cfg, world_size)[PEAK]
+    low = trace_step(with_layers(cfg, low_depth), world_size)
+    high = trace_step(with_layers(cfg, high_depth), world_size)
+    phases = [extrapolate(low[name], high[name], low_depth, cfg.model.n_layers)
+              for name in low.keys() & high.keys()]
+    return max(phases, key=lambda b: sum(b.values()))
+
+
+def compile_activation_scale(cfg: JobConfig) -> float:
+    """Under --compile the partitioner keeps `act_mem_budget` of the saved activations
+    (the budget's definition); the eager trace is scaled by it (an upper bound: fusion
+    saves less than eager even at budget 1)."""
+    return cfg.parallel.act_mem_budget if cfg.parallel.compile else 1.0
+
+
+def predict_memory(cfg: JobConfig, world_size: int, device_kind: str) -> MemoryPrediction:
+    """Needs `fake_world(world_size)` around it."""
+    gib: dict[str, float] = {}
+    for kind, nbytes in traced_peak(cfg, world_size).items():
+        name = CATEGORIES.get(kind, kind.lower())
+        gib[name] = gib.get(name, 0.0) + nbytes / GiB
+    gib["activations"] = gib.get("activations", 0.0) * compile_activation_scale(cfg)
+    terms = ANALYTIC["cpu" if device_kind == "cpu" else "accelerator"]
+    overhead = terms["fragmentation"] * sum(gib.values()) + terms["context_gib"]
+    if cfg.parallel.compile:
+        overhead += terms["compile_workspace_gib"]
+    gib["overhead"] = overhead
+    return MemoryPrediction(gib)

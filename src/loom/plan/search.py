@@ -1,0 +1,154 @@
+"""`loom plan --search`: the ten fastest predicted configurations that fit.
+
+Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, dp_shard the rest; ep 1, see
+`check_supported`) and knobs (--ac, --loss-impl, --reshard-after-forward, micro-batch
+1-8, off or --compile at budget 0.5). Candidates are visited fastest first (the step-time
+estimate needs no trace). Memory depends on (tp, dp_shard, ac, loss, reshard) only, so
+each such key is traced once at micro-batch 1 and the batch-proportional categories
+(activations, backward temporaries, inputs) are scaled by the micro-batch; the compile
+budget scales activations as in `loom plan`. Run `loom plan` on a printed line for its
+exact trace. Tracing stops after `TIME_BUDGET_S`, and the report says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from loom.config import ConfigError, JobConfig, validate
+from loom.mesh import ParallelDims
+from loom.plan.memory import ANALYTIC, GiB, predict_memory
+from loom.plan.speed import NODE_SIZE, predict_step_time
+from loom.plan.trace import fake_world
+
+TIME_BUDGET_S = 90.0
+TOP = 10
+PER_SAMPLE = ("activations", "backward_temps", "inputs")
+MICRO_BATCHES = (8, 4, 2, 1)
+AC_MODES = ("none", "selective", "block")
+COMPILE = ((False, 1.0), (True, 0.5))
+
+
+def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
+    """Every valid configuration of the search space (validated like `loom train` flags)."""
+    out = []
+    tps = [t for t in (1, 2, 4, 8) if t <= min(NODE_SIZE, world) and world % t == 0]
+    for tp, replicate in itertools.product(tps, (1, 2)):
+        if world % (tp * replicate):
+            continue
+        shard = world // (tp * replicate)
+        losses = ["fused-linear", "chunked-backward"] + (["loss-parallel"] if tp > 1 else [])
+        for ac, loss, reshard, mb, (compiled, budget) in itertools.product(
+                AC_MODES, losses, ("never", "always"), MICRO_BATCHES, COMPILE):
+            p = replace(cfg.parallel, tp=tp, dp_replicate=replicate, dp_shard=shard,
+                        activation_checkpoint=ac, reshard_after_forward=reshard,
+                        compile=compiled, act_mem_budget=budget)
+            c = replace(cfg, parallel=p, loss=replace(cfg.loss, loss_impl=loss),
+                        train=replace(cfg.train, batch_size=mb))
+            try:
+                validate(c)
+                ParallelDims.from_config(p, world)
+            except ConfigError:
+                continue
+            out.append(c)
+    return out
+
+
+def global_tokens(c: JobConfig, world: int) -> int:
+    """Tokens of one optimizer step over all ranks."""
+    dims = ParallelDims.from_config(c.parallel, world)
+    return (dims.global_batch_size(c.train.batch_size) * c.train.grad_accum_steps
+            * c.data.seq_len)
+
+
+def memory_key(c: JobConfig) -> tuple:
+    p = c.parallel
+    return (p.tp, p.dp_shard, p.activation_checkpoint, c.loss.loss_impl, p.reshard_after_forward)
+
+
+def scaled_peak(batch_one: dict[str, float], c: JobConfig, device: str) -> float:
+    """Peak GiB of `c` from its key's micro-batch-1 eager breakdown."""
+    gib = {k: v * (c.train.batch_size if k in PER_SAMPLE else 1) for k, v in batch_one.items()}
+    if c.parallel.compile:
+        gib["activations"] *= c.parallel.act_mem_budget
+        gib["overhead"] += ANALYTIC["cpu" if device == "cpu" else "accelerator"][
+            "compile_workspace_gib"]
+    return sum(gib.values())
+
+
+SEARCHED_FLAGS = {"--tp": 1, "--dp-replicate": 1, "--dp_replicate": 1, "--dp-shard": 1,
+                  "--dp_shard": 1, "--ac": 1, "--activation-checkpoint": 1,
+                  "--activation_checkpoint": 1, "--loss-impl": 1, "--loss_impl": 1,
+                  "--reshard-after-forward": 1, "--reshard_after_forward": 1,
+                  "--batch-size": 1, "--batch_size": 1, "--act-mem-budget": 1,
+                  "--act_mem_budget": 1, "--compile": 0, "--no-compile": 0,
+                  "--no-reshard-after-forward": 0}
+
+
+def unsearched(argv: list[str]) -> list[str]:
+    """The user's train flags without those the search sets (`--flag value` or `--flag=v`)."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in SEARCHED_FLAGS:
+            skip = 0 if "=" in arg else SEARCHED_FLAGS[name]
+            continue
+        out.append(arg)
+    return out
+
+
+def launch_line(c: JobConfig, world: int, base_argv: list[str]) -> str:
+    p = c.parallel
+    flags = [*unsearched(base_argv), "--tp", str(p.tp), "--dp-replicate", str(p.dp_replicate),
+             "--dp-shard", str(p.dp_shard), "--ac", p.activation_checkpoint,
+             "--loss-impl", c.loss.loss_impl, "--reshard-after-forward",
+             p.reshard_after_forward, "--batch-size", str(c.train.batch_size)]
+    if p.compile:
+        flags += ["--compile", "--act-mem-budget", str(p.act_mem_budget)]
+    return f"loom launch -n {world} loom train {shlex.join(flags)}"
+
+
+def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: Path,
+           base_argv: list[str], as_json: bool) -> int:
+    start = time.monotonic()
+    with fake_world(world):
+        timed = sorted(((predict_step_time(c, world, device, cache), c)
+                        for c in candidates(cfg, world)),
+                       key=lambda sc: -global_tokens(sc[1], world) / sc[0].seconds)
+        traced: dict[tuple, dict[str, float]] = {}
+        found, truncated = [], False
+        for step, c in timed:
+            key = memory_key(c)
+            if key not in traced:
+                if time.monotonic() - start > TIME_BUDGET_S:
+                    truncated = True
+                    break
+                one = replace(c, train=replace(c.train, batch_size=1),
+                              parallel=replace(c.parallel, compile=False))
+                traced[key] = predict_memory(one, world, device).breakdown_gib
+            peak = scaled_peak(traced[key], c, device)
+            if peak * GiB <= device_memory:
+                found.append(dict(peak_gib=peak, step_time_s=step.seconds,
+                                  tokens_per_s=global_tokens(c, world) / step.seconds,
+                                  command=launch_line(c, world, base_argv)))
+                if len(found) == TOP:
+                    break
+    elapsed = time.monotonic() - start
+    if as_json:
+        print(json.dumps(dict(results=found, traced_keys=len(traced), seconds=elapsed,
+                              truncated=truncated)))
+        return 0
+    print(f"loom plan --search: {len(found)} fitting configurations, fastest first "
+          f"(step time is an estimate); {len(traced)} memory traces in {elapsed:.0f} s"
+          + (f", stopped at the {TIME_BUDGET_S:.0f} s budget" if truncated else ""))
+    for i, r in enumerate(found, 1):
+        print(f"{i:>2}. {r['peak_gib']:6.2f} GiB  {r['step_time_s']:8.3g} s/step  "
+              f"{r['tokens_per_s']:>12,.0f} tokens/s\n    {r['command']}")
+    return 0

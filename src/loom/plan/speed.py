@@ -1,0 +1,156 @@
+"""Predicted step time: counted FLOPs over a device peak, plus communication that cannot
+hide behind compute. An estimate for ranking layouts, not a measurement.
+
+FLOPs come from `loom.flops.count_step_flops` (the unsharded model under fake tensors) at
+reduced depth, extrapolated per block like memory. Every rank does 1/world of them
+(dp splits the batch, tp the matmuls); activation checkpointing adds the recomputed
+forward. Communication volume is derived from the layout: FSDP all-gathers (forward and,
+when resharding, backward again) and reduce-scatters overlap with compute; tensor and
+expert parallel collectives sit on the critical path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from loom.config import DataConfig, JobConfig, ModelConfig
+from loom.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
+from loom.mesh import ParallelDims
+from loom.models.moe import MOE_FIELDS, MoEArgs, active_param_count
+from loom.plan.memory import traced_depths
+from loom.plan.trace import with_layers
+from loom.train import model_args, plain_model
+
+EFFICIENCY = 0.4
+"""Fraction of the matmul peak a training step reaches (assumed; torchtitan's published
+Llama 3 runs on H100 report 35-45 % MFU). The CPU's measured peak gets the same factor."""
+
+RECOMPUTE = {"none": 0.0, "selective": 0.1, "block": 1.0}
+"""Extra forward passes recomputed in backward per --ac mode ('selective' recomputes
+attention only: ~10 % of a block's forward FLOPs at the presets' shapes, assumed)."""
+
+BUDGET_RECOMPUTE = 0.2
+"""Extra forward fraction per unit of budget below 1 under --compile: the partitioner
+recomputes the cheapest (pointwise) ops first (assumed)."""
+
+BANDWIDTH_GBS: dict[str, tuple[float, float]] = {
+    # device-name fragment -> (within a node, across nodes) GB/s per device, one direction
+    "H100": (450.0, 50.0), "H200": (450.0, 50.0), "B200": (900.0, 50.0),
+    "A100": (300.0, 25.0), "MI300X": (448.0, 50.0), "MI325X": (448.0, 50.0),
+    "cpu": (5.0, 1.0),  # gloo over loopback / TCP: assumed
+}
+NODE_SIZE = 8
+"""Devices per node: collectives over groups larger than this cross the network."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    compute_s: float
+    exposed_comm_s: float
+    peak_source: str
+
+
+def _moe_flops(cfg: JobConfig) -> float:
+    """MoE routing makes token splits data-dependent, which fake tensors cannot follow:
+    6 x active parameters x tokens, plus attention's 12 x layers x dim x seq per token
+    (full T x T, as `count_step_flops` counts it)."""
+    m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
+    args = MoEArgs(**vars(model_args(cfg)), **{n: getattr(m, n) for n in MOE_FIELDS})
+    return tokens * (6 * active_param_count(args) + 12 * m.n_layers * m.dim * cfg.data.seq_len)
+
+
+def _flops(cfg: JobConfig) -> float:
+    """Forward + backward FLOPs of the whole model for one rank's micro-batch."""
+    return cfg.train.batch_size * _flops_per_sample(cfg.model, cfg.data.seq_len)
+
+
+@cache
+def _flops_per_sample(model: ModelConfig, seq_len: int) -> float:
+    """FLOPs grow linearly with the batch: counted once per model and sequence length."""
+    cfg = JobConfig(model=model, data=DataConfig(seq_len=seq_len))
+    if cfg.model.n_experts:
+        return _moe_flops(cfg)
+
+    def count(c: JobConfig) -> float:
+        return count_step_flops(lambda: plain_model(c), c.train.batch_size, c.data.seq_len).flops
+    low_depth, high_depth = traced_depths(cfg)
+    if cfg.model.n_layers <= high_depth:
+        return count(cfg)
+    low, high = count(with_layers(cfg, low_depth)), count(with_layers(cfg, high_depth))
+    return low + (cfg.model.n_layers - low_depth) * (high - low)
+
+
+def device_peak(device: str, dtype: torch.dtype, cache: Path) -> tuple[float, str]:
+    if device == "cpu":
+        return measured_peak(torch.device("cpu"), dtype, cache), "measured on this CPU"
+    peak = table_peak(device, dtype)
+    if peak is None:
+        raise ValueError(f"unknown --device {device!r}; choose cpu or one of "
+                         f"{', '.join(PEAK_TFLOPS)}")
+    return peak, f"{device} datasheet"
+
+
+def bandwidth(device: str, group: int) -> float:
+    """Bytes/s per device for a collective over `group` consecutive ranks."""
+    for fragment, (intra, inter) in BANDWIDTH_GBS.items():
+        if fragment.lower() in device.lower():
+            return (intra if group <= NODE_SIZE else inter) * 1e9
+    return BANDWIDTH_GBS["cpu"][1] * 1e9
+
+
+@cache
+def param_count(model_cfg: ModelConfig) -> tuple[int, int]:
+    """(all parameters, routed-expert parameters) of the model, built on the meta device."""
+    with torch.device("meta"):
+        model = plain_model(JobConfig(model=model_cfg))
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return total, experts
+
+
+def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str) -> tuple[float, float]:
+    """(overlappable FSDP seconds, exposed tp/ep seconds) of one step on one rank."""
+    p, m = cfg.parallel, cfg.model
+    total, experts = param_count(cfg.model)
+    param_bytes = 4 if p.fp32 else 2
+    grad_bytes = 4 if p.fp32 or p.reduce_dtype == "fp32" else 2
+    dense = (total - experts) / dims.tp
+    routed = experts / max(1, dims.ep * (dims.tp if dims.etp_enabled else 1))
+    gathers = 2 if p.reshard_after_forward == "always" else 1
+    shard, shard_ep = dims.dp_shard, dims.dp_shard_mod_ep
+    fsdp = (dense * (shard - 1) / shard * (gathers * param_bytes + grad_bytes)
+            + routed * (shard_ep - 1) / shard_ep * (gathers * param_bytes + grad_bytes))
+    fsdp_s = fsdp / bandwidth(device, dims.dp_shard * dims.tp)
+    if dims.dp_replicate > 1:  # HSDP: all-reduce of the shard's gradients across replicas
+        fsdp_s += 2 * (dense / shard) * grad_bytes / bandwidth(device, dims.world_size)
+    act = cfg.train.batch_size * cfg.data.seq_len * m.dim * param_bytes
+    exposed = 0.0
+    if dims.tp > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters per block, x2 bwd
+        exposed += m.n_layers * 8 * act * (dims.tp - 1) / dims.tp / bandwidth(device, dims.tp)
+    if dims.ep > 1:  # dispatch + combine, forward and backward, top_k copies of each token
+        moe_layers = m.n_layers - m.n_dense_layers
+        group = dims.ep * dims.tp
+        exposed += (moe_layers * 4 * act / dims.tp * m.top_k * (dims.ep - 1) / dims.ep
+                    / bandwidth(device, group))
+    return fsdp_s, exposed
+
+
+def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path) -> StepTime:
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dtype = torch.float32 if cfg.parallel.fp32 else torch.bfloat16
+    peak, source = device_peak(device, dtype, cache)
+    p = cfg.parallel
+    extra_forward = RECOMPUTE[p.activation_checkpoint]
+    if p.compile:
+        extra_forward += (1 - p.act_mem_budget) * BUDGET_RECOMPUTE
+    recompute = 1 + extra_forward / 3  # the forward is ~1/3 of a step's FLOPs
+    flops = _flops(cfg) / dims.tp * recompute * cfg.train.grad_accum_steps
+    compute = flops / (peak * EFFICIENCY)
+    fsdp_s, exposed = comm_seconds(cfg, dims, device)
+    exposed += max(0.0, fsdp_s - compute)
+    return StepTime(compute + exposed, compute, exposed, source)

@@ -1,0 +1,73 @@
+"""`loom plan`: predicted per-rank peaks against real gloo ranks; the 671B preset at 2048
+ranks without allocating; bad input."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from loom.plan.accuracy import compare
+from loom.plan.command import main as plan_main
+from loom.plan.command import parse_size
+from tests.harness import run_ranks
+
+BASE = ["--model", "debug", "--fp32", "--dataset", "random", "--seq-len", "128",
+        "--batch-size", "2", "--max-steps", "2"]
+RUNS = [[], ["--dp-replicate", "2", "--ac", "block", "--loss-impl", "chunked"],
+        ["--tp", "2", "--loss-impl", "loss-parallel"],
+        ["--tp", "2", "--loss-impl", "fused-linear", "--ac", "selective"]]
+TOLERANCE = 0.10
+
+
+@pytest.mark.multirank
+def test_predicted_peaks_within_ten_percent_of_measured(tmp_path):
+    """FSDP, HSDP + block AC + chunked loss, tp + loss-parallel, tp + fused-linear +
+    selective AC, on 4 ranks: one launch measures all four."""
+    argv = [[*BASE, *flags, "--outdir", str(tmp_path / str(i))] for i, flags in enumerate(RUNS)]
+    job = run_ranks(4, ["-m", "loom.plan.measure", json.dumps(argv)], timeout=600,
+                    env={"LOOM_METRICS": "0"})
+    assert job.ok, job.describe()
+    rows = compare(4, [[*BASE, *flags] for flags in RUNS], [r.stdout for r in job.ranks])
+    table = "\n".join(f"{' '.join(r.flags[len(BASE):]) or 'FSDP':<50} predicted "
+                      f"{r.predicted_mib:.2f} MiB measured {r.measured_mib:.2f} MiB "
+                      f"error {100 * r.error:+.1f}%" for r in rows)
+    worst = max(rows, key=lambda r: abs(r.error))
+    assert all(r.measured_mib > 0 for r in rows), table
+    assert abs(worst.error) <= TOLERANCE, f"worst {100 * worst.error:+.1f}%:\n{table}"
+
+
+@pytest.mark.slow
+def test_671b_moe_at_2048_ranks_plans_without_allocating():
+    """~31 s on the loaded 2-core machine; the model would need ~1.3 TB of weights alone."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    out = subprocess.run([sys.executable, "-m", "loom", "plan", "--model", "moe-671b",
+                          "--world-size", "2048", "--device-memory", "80GiB", "--device",
+                          "H100", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(plan) >= {"peak_gib", "fits", "breakdown", "step_time_s"}, plan
+    assert plan["breakdown"]["optimizer"] > 0 and plan["step_time_s"] > 0, plan
+    rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    assert rss_gib < 4 or before / 2**20 >= 4, f"plan process peaked at {rss_gib:.1f} GiB RSS"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "4", "--device-memory", "lots"], "is not a size"),
+    (["--world-size", "3", "--device-memory", "8GiB", "--tp", "2"], "world size 3"),
+    (["--world-size", "4", "--device-memory", "8GiB", "--model", "moe-debug", "--ep", "2"],
+     "expert parallel"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_sizes():
+    assert parse_size("64GiB") == 64 * 2**30
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
