@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from loom.config import ConfigError, parse_args
 from loom.launch import CONFIG_ERROR_EXIT
 from loom.mesh import ParallelDims
-from loom.runtime import Preempted, rank_info
+from loom.runtime import CheckpointWriteError, Preempted, rank_info
 
 USAGE = """usage: loom {train,launch,export} [FLAGS]
 
@@ -62,6 +62,10 @@ def run_train(argv: Sequence[str]) -> int:
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
+    except CheckpointWriteError as e:  # raised on every rank alike
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     except Exception as e:
         traceback.print_exc()
         print(f"error (rank {rank}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -184,7 +184,7 @@ class NullMetrics:
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         pass
 
-    def begin(self, total_steps: int, start_step: int = 0) -> None:
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None:
         pass
 
     def forward_done(self) -> None:
@@ -217,7 +217,7 @@ class Metrics(NullMetrics):
         self.clock = StepClock(device)
         self.rows_path = outdir / f"metrics-{rank}.jsonl"
         self.rows: TextIO | None = None
-        self.step, self.lr = 0, 0.0
+        self.step, self.lr, self.tokens_seen = 0, 0.0, 0
         self.model: nn.Module | None = None
         self.grad_stats: torch.Tensor | None = None
         self.t_begin = time.perf_counter()
@@ -252,8 +252,10 @@ class Metrics(NullMetrics):
         rows.writelines(json.dumps(r) + "\n" for r in kept)
         return rows
 
-    def begin(self, total_steps: int, start_step: int = 0) -> None:
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None:
+        """`tokens_seen`: the resumed run's count, which later rows continue."""
         self.rows, self.step = self.open_rows(start_step), start_step
+        self.tokens_seen = tokens_seen
         f = self.facts
         logger.info("%d steps of %s tokens (global batch %d = %d per dp rank x dp %d), "
                     "%.4g GFLOP/step", total_steps, f"{f.tokens_per_step:,}",
@@ -288,6 +290,7 @@ class Metrics(NullMetrics):
         scalars = [loss.detach().float().reshape(1), grad_norm.detach().float().reshape(1)]
         values = torch.cat([*scalars, *health]).tolist()  # the step's one host sync
         dt, dtf, dtb = self.clock.stop()
+        self.tokens_seen += self.facts.tokens_per_step
         row = self.row(step, epoch, bidx, values[0], values[1], (dt, dtf, dtb))
         if health:
             row.update(zip(HEALTH_KEYS, values[2:], strict=True))
@@ -308,7 +311,7 @@ class Metrics(NullMetrics):
         f, (dt, dtf, dtb) = self.facts, times
         return {"train/iter": step, "train/epoch": epoch, "train/bidx": bidx,
                 "train/loss": loss, "train/dt": dt, "train/dtf": dtf, "train/dtb": dtb,
-                "train/tokens": f.tokens_per_step, "train/tokens_seen": step * f.tokens_per_step,
+                "train/tokens": f.tokens_per_step, "train/tokens_seen": self.tokens_seen,
                 "train/tps": f.tokens_per_step / dt,
                 "train/tps_per_gpu": f.tokens_per_step / dt / f.world_size,
                 "train/tflops": f.flops_per_rank / dt / 1e12,

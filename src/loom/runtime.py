@@ -27,6 +27,10 @@ class Preempted(Exception):
     """SIGTERM arrived: the run stopped after a final checkpoint (when one could be made)."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A save failed on some rank (disk full, permissions); the same line on every rank."""
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
