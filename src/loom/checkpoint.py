@@ -29,7 +29,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from loom.checkpoint_trust import MANIFEST, SafeFileSystemReader, read_json, write_manifest
+from loom.checkpoint_trust import (
+    MANIFEST,
+    HashingFileSystem,
+    SafeFileSystemReader,
+    file_record,
+    read_json,
+    write_manifest,
+)
 from loom.runtime import CheckpointWriteError
 
 logger = logging.getLogger("loom")
@@ -114,8 +121,11 @@ def _local_bytes(state: dict[str, Any]) -> int:
 
 
 def storage_writer(path: Path) -> FileSystemWriter:
-    """DCP's file writer (a seam for tests that simulate a full disk)."""
-    return FileSystemWriter(path)
+    """DCP's file writer, hashing data files as it writes them (a seam for tests that
+    simulate a full disk)."""
+    writer = FileSystemWriter(path)
+    writer.fs = HashingFileSystem()
+    return writer
 
 
 def _describe(error: BaseException) -> tuple[str, bool]:
@@ -134,7 +144,7 @@ class Checkpointer:
         self.root = checkpoint_dir(outdir)
         self.interval, self.keep, self.async_save, self.rank = interval, keep, async_save, rank
         self.run_id = run_id
-        self._pending: tuple[Future, Path, Path] | None = None
+        self._pending: tuple[Future, Path, Path, dict[str, Any]] | None = None
         self._needed = 0
         self.last_save_seconds = 0.0
 
@@ -161,15 +171,16 @@ class Checkpointer:
         self._agree(tmp, error, needed=_local_bytes(state))
         error = self._attempt(lambda: self._write_json(tmp, loop))
         self._agree(tmp, error)
+        writer = storage_writer(tmp)
+        written = getattr(writer.fs, "records", {})
         if self.async_save:
-            self._pending = (dcp.async_save(state, storage_writer=storage_writer(tmp)), tmp,
-                             final)
+            self._pending = (dcp.async_save(state, storage_writer=writer), tmp, final, written)
             return
         try:
-            dcp.save(state, storage_writer=storage_writer(tmp))
+            dcp.save(state, storage_writer=writer)
         except (Exception, CheckpointException) as e:  # DCP raises on every rank together
             self._fail(tmp, e)
-        self._commit(tmp, final, step)
+        self._commit(tmp, final, step, written)
 
     def _write_json(self, tmp: Path, loop: dict[str, Any]) -> None:
         (tmp / f"rng-{self.rank}.json").write_text(json.dumps(_rng_state()))
@@ -184,16 +195,18 @@ class Checkpointer:
             return e
         return None
 
-    def _agree(self, tmp: Path, error: BaseException | None, needed: int | None = None) -> None:
-        """Share each rank's outcome (and bytes to write); if any rank failed, all raise the
-        same error."""
+    def _agree(self, tmp: Path, error: BaseException | None, needed: int | None = None,
+               records: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Share each rank's outcome, bytes to write and file records; if any rank failed,
+        all raise the same error. Returns every rank's file records."""
         shared: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(shared, (_describe(error) if error else None, needed))
+        dist.all_gather_object(shared, (_describe(error) if error else None, needed, records))
         if needed is not None:
-            self._needed = sum(n for _, n in shared)
-        failed = [outcome for outcome, _ in shared if outcome is not None]
+            self._needed = sum(n for _, n, _ in shared)
+        failed = [outcome for outcome, _, _ in shared if outcome is not None]
         if failed:
             self._raise(tmp, *failed[0])
+        return {name: record for *_, found in shared for name, record in (found or {}).items()}
 
     def _fail(self, tmp: Path, error: BaseException) -> None:
         self._raise(tmp, *_describe(error))
@@ -214,25 +227,36 @@ class Checkpointer:
     def finish(self) -> None:
         """Wait for an asynchronous save and publish it."""
         if self._pending is not None:
-            future, tmp, final = self._pending
+            future, tmp, final, written = self._pending
             self._pending = None
             try:
                 future.result()
             except (Exception, CheckpointException) as e:
                 self._fail(tmp, e)
-            self._commit(tmp, final, step_of(final))
+            self._commit(tmp, final, step_of(final), written)
 
-    def _commit(self, tmp: Path, final: Path, step: int) -> None:
-        dist.barrier()
-        error = None
+    def _own_files(self, tmp: Path) -> list[Path]:
+        """What this rank wrote (DCP names rank r's data files `__r_*.distcp`); rank 0 also
+        wrote the metadata and loop state."""
+        own = re.compile(rf"^(__{self.rank}_\d+\.distcp|rng-{self.rank}\.json)$")
+        shared = (".metadata", "loop.json") if self.rank == 0 else ()
+        return [p for p in tmp.iterdir() if own.match(p.name) or p.name in shared]
+
+    def _commit(self, tmp: Path, final: Path, step: int, written: dict[str, Any]) -> None:
+        """Every rank shares the hashes of its own files (data files were hashed while
+        written); rank 0 seals, publishes and prunes."""
+        records: dict[str, Any] = {}
+        error = self._attempt(lambda: records.update(
+            {p.name: written.get(p.name) or file_record(p) for p in self._own_files(tmp)}))
+        records = self._agree(tmp, error, records=records)
         if self.rank == 0:
-            error = self._attempt(lambda: self._publish(tmp, final, step))
+            error = self._attempt(lambda: self._publish(tmp, final, step, records))
         self._agree(tmp, error)
         if self.rank == 0:
             logger.info("checkpoint saved: %s", final)
 
-    def _publish(self, tmp: Path, final: Path, step: int) -> None:
-        write_manifest(tmp, run_id=self.run_id, step=step)
+    def _publish(self, tmp: Path, final: Path, step: int, records: dict[str, Any]) -> None:
+        write_manifest(tmp, records, run_id=self.run_id, step=step)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         for old in prunable(complete_checkpoints(self.root.parent), self.run_id, self.keep,

@@ -1,6 +1,7 @@
-"""What loading a checkpoint trusts: a manifest of checksums, JSON, and exact metadata classes.
+"""What loading a checkpoint trusts: a manifest of hashes, JSON, and exact metadata classes.
 
-Every load path (`--resume`, `loom export`) goes through `verify_checkpoint` and
+Saves are sealed with the size and xxh3-64 hash of every file (data files are hashed as they
+are written). Every load path (`--resume`, `loom export`) goes through `verify_checkpoint` and
 `SafeFileSystemReader`. A checkpoint holds only tensors in DCP files (read with
 `weights_only=True` by DCP); everything else is JSON. DCP's `.metadata` is a pickle, so it
 is read by an unpickler that admits an exact list of classes, then checked for shape: only
@@ -9,16 +10,20 @@ tensor entries, stored in this folder's own `__R_I.distcp` files.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import pickle
 import re
-import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 
@@ -97,16 +102,63 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 def file_record(path: Path) -> dict[str, int]:
-    crc, size = 0, 0
+    digest, size = xxhash.xxh3_64(), 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
-    return {"bytes": size, "crc32": crc}
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "xxh3": digest.intdigest()}
 
 
-def write_manifest(folder: Path, **fields: Any) -> None:
-    """Sizes and crc32 of every file in the folder, written last (the save's seal)."""
-    files = {p.name: file_record(p) for p in sorted(folder.iterdir()) if p.name != MANIFEST}
+class _HashingStream(io.RawIOBase):
+    """A write stream that hashes what passes through it (DCP writes each file in order)."""
+
+    def __init__(self, raw: Any):
+        super().__init__()
+        self.raw, self.digest, self.size = raw, xxhash.xxh3_64(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.digest.update(b)
+        self.size += memoryview(b).nbytes
+        return self.raw.write(b)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local file system that records each written file's size and hash in
+    `records`, so a save is sealed without reading its data back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, dict[str, int]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as raw:
+            if mode != "wb":
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            yield stream
+        self.records[Path(path).name] = {"bytes": stream.size, "xxh3": stream.digest.intdigest()}
+
+
+def write_manifest(folder: Path, known: dict[str, Any], **fields: Any) -> None:
+    """Sizes and xxh3 hashes of every file in the folder (`known`: those the writing ranks already
+    computed), written last: the save's seal."""
+    files = {p.name: known.get(p.name) or file_record(p) for p in sorted(folder.iterdir())
+             if p.name != MANIFEST}
     (folder / MANIFEST).write_text(json.dumps({**fields, "files": files}, indent=1))
 
 
@@ -115,7 +167,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
-        if not all(isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), int)
+        if not all(isinstance(v.get("bytes"), int) and isinstance(v.get("xxh3"), int)
                    for v in files.values()):
             raise ValueError("bad file record")
     except FileNotFoundError:
@@ -137,7 +189,7 @@ def file_problems(path: Path, manifest: dict[str, Any], names: list[str]) -> lis
         elif file.stat().st_size != expected["bytes"]:
             problems.append(f"{name} has {file.stat().st_size} bytes, expected "
                             f"{expected['bytes']}")
-        elif file_record(file)["crc32"] != expected["crc32"]:
+        elif file_record(file)["xxh3"] != expected["xxh3"]:
             problems.append(f"{name} checksum mismatch")
     return problems
 

@@ -132,6 +132,17 @@ def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any]) -> JobConfig:
     return cfg
 
 
+def rescale_lr(optimizer: Any, scheduler: Any, saved_lr: float, lr: float) -> None:
+    """--lr given again on resume: the loaded optimizer and scheduler state carry the saved
+    peak lr, and every scheduled lr is proportional to it."""
+    scale = lr / saved_lr
+    scheduler.base_lrs = [base * scale for base in scheduler.base_lrs]
+    scheduler._last_lr = [last * scale for last in scheduler.get_last_lr()]
+    for group in optimizer.param_groups:
+        group["lr"] *= scale
+        group["initial_lr"] *= scale
+
+
 def architecture(cfg: JobConfig, args: ModelArgs) -> dict[str, Any]:
     """What the parameters' shapes depend on: the kind of model and its sizes."""
     m = cfg.model

@@ -38,6 +38,7 @@ from loom.resume import (
     check_architecture,
     find_resume,
     new_run_id,
+    rescale_lr,
     run_settings,
 )
 from loom.runtime import (
@@ -151,6 +152,8 @@ class Trainer:
         path, saved = resume.path, resume.saved
         Checkpointer.load(path, self.model, self.optimizer, self.info.rank, saved)
         self.scheduler.load_state_dict(saved["scheduler"])
+        if self.cfg.optim.lr != saved["settings"]["lr"]:
+            rescale_lr(self.optimizer, self.scheduler, saved["settings"]["lr"], self.cfg.optim.lr)
         loop = LoopState(step=saved["step"], tokens_seen=saved["tokens_seen"],
                          samples_seen=saved["samples_seen"])
         if loop.samples_seen % self.global_batch:

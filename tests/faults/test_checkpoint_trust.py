@@ -9,6 +9,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,12 +25,14 @@ TINY = ["--model", "debug", "--dim", "32", "--n-layers", "1", "--n-heads", "2",
         "--n-kv-heads", "1", "--vocab-size", "64", "--seq-len", "16", "--dataset", "random",
         "--fp32", "--seed", "3"]
 HANG_LIMIT = 150  # idle: ~10 s
+CACHE = {"LOOM_CACHE_DIR": tempfile.mkdtemp(prefix="loom-test-cache-")}
+"""A private cache: runs of other checkouts on this machine may write another format."""
 
 
 def loom(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "loom", *argv], cwd=REPO, text=True,
-                          env=rank_env(0, 1, free_port(), None), capture_output=True,
+                          env=rank_env(0, 1, free_port(), CACHE), capture_output=True,
                           timeout=HANG_LIMIT)
     return proc, time.monotonic() - start
 
@@ -183,7 +186,7 @@ def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path)
     """Rank 1's storage reports ENOSPC on the second save (no small tmpfs in CI)."""
     result = run_ranks(2, ["tests/faults/enospc_worker.py", *TINY, "--max-steps", "3",
                            "--checkpoint-interval", "1", "--outdir", str(tmp_path)],
-                       timeout=HANG_LIMIT * 2)
+                       timeout=HANG_LIMIT * 2, env=CACHE)
     assert [r.returncode for r in result.ranks] == [1, 1], result.describe()
     line = result.ranks[0].stderr.strip()
     assert line.startswith(f"error: disk full writing checkpoint {tmp_path}/checkpoints/"

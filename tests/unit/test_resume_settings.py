@@ -5,9 +5,17 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from loom.config import ConfigError, parse_args
-from loom.resume import apply_saved_settings, architecture, check_architecture, run_settings
+from loom.resume import (
+    apply_saved_settings,
+    architecture,
+    check_architecture,
+    rescale_lr,
+    run_settings,
+)
 from loom.train import model_args
 
 
@@ -35,3 +43,22 @@ def test_a_different_model_is_named_by_its_field() -> None:
                            (["--n-experts", "4"], "checkpoint has kind dense, this run moe")]:
         with pytest.raises(ConfigError, match=message):
             check_architecture(arch(), arch(*flags))
+
+
+def test_lr_given_again_rescales_the_loaded_schedule() -> None:
+    def schedule(lr: float) -> tuple[torch.optim.Optimizer, LambdaLR]:
+        optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=lr)
+        return optimizer, LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+
+    saved_optim, saved_sched = schedule(1e-3)
+    for _ in range(3):
+        saved_optim.step()
+        saved_sched.step()
+    optimizer, scheduler = schedule(2e-3)
+    optimizer.load_state_dict(saved_optim.state_dict())
+    scheduler.load_state_dict(saved_sched.state_dict())
+    rescale_lr(optimizer, scheduler, 1e-3, 2e-3)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 4 / 10, rel=1e-12)
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 5 / 10, rel=1e-12)
