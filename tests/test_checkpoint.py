@@ -55,7 +55,9 @@ def resume_runs(tmp_path_factory) -> Path:
     job(4, [[*COMMON, "--batch-size", "1", "--max-steps", "10", "--resume", step10,
              "--outdir", str(root / "dp4-loaded")],
             [*COMMON, "--batch-size", "1", "--max-steps", "20", "--resume", step10,
-             "--outdir", str(root / "dp4")]])
+             "--outdir", str(root / "dp4")],
+            [*COMMON, "--batch-size", "2", "--max-steps", "12", "--resume", step10,
+             "--outdir", str(root / "dp4-batch8")]])
     return root
 
 
@@ -79,6 +81,25 @@ def test_resume_on_a_different_dp_degree(resume_runs: Path) -> None:
     assert sorted(resharded) == list(range(11, 21))
     for step in range(11, 21):
         assert resharded[step] == pytest.approx(straight[step], rel=1e-5, abs=0), step
+
+
+@pytest.mark.multirank
+def test_resume_with_another_global_batch_continues_the_counts_and_settings(
+        resume_runs: Path) -> None:
+    """2 ranks x 2 samples saved step 10; 4 ranks x 2 samples continue: tokens_seen goes on
+    from the saved count, and the saved --checkpoint-interval 5 / --keep-checkpoints 3 hold."""
+    folder = resume_runs / "dp4-batch8"
+    rows = [json.loads(line) for line in (folder / "metrics-0.jsonl").read_text().splitlines()]
+    saved = 10 * 4 * 64
+    assert [(r["train/iter"], r["train/tokens_seen"]) for r in rows] == [
+        (11, saved + 8 * 64), (12, saved + 2 * 8 * 64)]
+    (latest,) = complete_checkpoints(folder)
+    loop = json.loads((latest / "loop.json").read_text())
+    assert (latest.name, loop["tokens_seen"], loop["samples_seen"]) == ("step-12", 3584, 56)
+    assert loop["settings"]["checkpoint_interval"] == 5
+    assert loop["settings"]["keep_checkpoints"] == 3
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["tokens"] == 3584
 
 
 @pytest.mark.multirank

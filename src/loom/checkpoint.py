@@ -1,22 +1,23 @@
 """Distributed checkpoints: complete or absent, never half-written, never unpickling code.
 
-A save writes `checkpoints/.step-N.tmp/` on every rank, then rank 0 renames it to `step-N`
-once all ranks are done, so a job killed mid-save leaves the previous checkpoint as the
-latest. Model and optimizer go through torch.distributed.checkpoint (resharded on load to
-any mesh); loop state and RNG states are JSON. DCP's metadata file is a pickle, so it is
-read with an unpickler that only admits DCP's own metadata classes.
+A save writes `checkpoints/.step-N.tmp/` on every rank, seals it with a manifest of
+checksums and then rank 0 renames it to `step-N`, so a job killed mid-save leaves the
+previous checkpoint as the latest. Model tensors and optimizer state tensors go through
+torch.distributed.checkpoint (resharded on load to any mesh); loop state, scheduler state,
+optimizer hyperparameters and RNG states are JSON. What loading trusts is in
+`loom.checkpoint_trust`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
-import pickle
 import random
 import re
 import shutil
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,44 +25,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from loom.config import ConfigError
+from loom.checkpoint_trust import (
+    MANIFEST,
+    HashingFileSystem,
+    SafeFileSystemReader,
+    file_record,
+    read_json,
+    write_manifest,
+)
+from loom.runtime import CheckpointWriteError
 
 logger = logging.getLogger("loom")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_SAFE_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": None,  # every class of DCP's metadata module
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice", "tuple", "list", "dict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _SAFE_GLOBALS.get(module, set())
-        is_torch_type = module == "torch" and (
-            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))
-        if is_torch_type or (module in _SAFE_GLOBALS and (allowed is None or name in allowed)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, "
-                                     "which is not a checkpoint metadata type")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with a restricted unpickler for the metadata file."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 @dataclass
@@ -78,25 +58,29 @@ def checkpoint_dir(outdir: Path) -> Path:
     return outdir / "checkpoints"
 
 
+def step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
 def complete_checkpoints(outdir: Path) -> list[Path]:
     """Finished checkpoints, oldest first (temporary folders of interrupted saves ignored)."""
     root = checkpoint_dir(outdir)
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name)] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=step_of)
 
 
-def resolve_resume(resume: str | None, outdir: Path) -> Path | None:
-    """`auto`: the latest complete checkpoint in the run folder (None if there is none);
-    anything else must be a checkpoint folder."""
-    if resume is None:
+def run_id_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
         return None
-    if resume == "auto":
-        found = complete_checkpoints(outdir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / ".metadata").is_file() or not (path / "loop.json").is_file():
-        raise ConfigError(f"--resume {resume}: not a complete loom checkpoint folder")
-    return path
+
+
+def prunable(checkpoints: list[Path], run_id: str, keep: int, just_saved: Path) -> list[Path]:
+    """This run's checkpoints beyond the newest `keep`; never another run's, never
+    `just_saved`."""
+    ours = [p for p in checkpoints if run_id_of(p) == run_id and p != just_saved]
+    return ours[:max(0, len(ours) - (keep - 1))]
 
 
 def _rng_state() -> dict[str, Any]:
@@ -115,13 +99,53 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
-class Checkpointer:
-    """Saves every `interval` steps (and at the end), keeps the newest `keep`, loads any."""
+def _groups_to_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
 
-    def __init__(self, outdir: Path, interval: int, keep: int, async_save: bool, rank: int):
+
+def _groups_from_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """JSON has no tuples: hyperparameters such as AdamW's betas come back as tuples."""
+    return [{k: v if k == "params" or not isinstance(v, list) else tuple(v)
+             for k, v in g.items()} for g in groups]
+
+
+def _local_bytes(state: dict[str, Any]) -> int:
+    total = 0
+    for value in state.values():
+        if isinstance(value, dict):
+            total += _local_bytes(value)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+    return total
+
+
+def storage_writer(path: Path) -> FileSystemWriter:
+    """DCP's file writer, hashing data files as it writes them (a seam for tests that
+    simulate a full disk)."""
+    writer = FileSystemWriter(path)
+    writer.fs = HashingFileSystem()
+    return writer
+
+
+def _describe(error: BaseException) -> tuple[str, bool]:
+    """One line for a failed save, and whether the disk was full."""
+    if isinstance(error, CheckpointException):
+        error = next(iter(error.failures.values()))[0]
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    return f"{type(error).__name__}: {error}", full
+
+
+class Checkpointer:
+    """Saves every `interval` steps (and at the end), keeps this run's newest `keep`."""
+
+    def __init__(self, outdir: Path, interval: int, keep: int, async_save: bool, rank: int,
+                 run_id: str):
         self.root = checkpoint_dir(outdir)
         self.interval, self.keep, self.async_save, self.rank = interval, keep, async_save, rank
-        self._pending: tuple[Future, Path, Path] | None = None
+        self.run_id = run_id
+        self._pending: tuple[Future, Path, Path, dict[str, Any]] | None = None
+        self._needed = 0
         self.last_save_seconds = 0.0
 
     @property
@@ -137,56 +161,121 @@ class Checkpointer:
         next save starts or at `finish()`."""
         self.finish()
         final, tmp = self.root / f"step-{step}", self.root / f".step-{step}.tmp"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+        loop = {**extra, "param_groups": _groups_to_json(optim_sd["param_groups"])}
+        error = None
+        if self.rank == 0:
+            error = self._attempt(lambda: (shutil.rmtree(tmp, ignore_errors=True),
+                                           tmp.mkdir(parents=True)))
+        self._agree(tmp, error, needed=_local_bytes(state))
+        error = self._attempt(lambda: self._write_json(tmp, loop))
+        self._agree(tmp, error)
+        writer = storage_writer(tmp)
+        written = getattr(writer.fs, "records", {})
+        if self.async_save:
+            self._pending = (dcp.async_save(state, storage_writer=writer), tmp, final, written)
+            return
+        try:
+            dcp.save(state, storage_writer=writer)
+        except (Exception, CheckpointException) as e:  # DCP raises on every rank together
+            self._fail(tmp, e)
+        self._commit(tmp, final, step, written)
+
+    def _write_json(self, tmp: Path, loop: dict[str, Any]) -> None:
         (tmp / f"rng-{self.rank}.json").write_text(json.dumps(_rng_state()))
         if self.rank == 0:
-            (tmp / "loop.json").write_text(json.dumps(extra, indent=2))
-        if self.async_save:
-            self._pending = (dcp.async_save(state, checkpoint_id=tmp), tmp, final)
-        else:
-            dcp.save(state, checkpoint_id=tmp)
-            self._commit(tmp, final)
+            (tmp / "loop.json").write_text(json.dumps(loop, indent=2))
+
+    @staticmethod
+    def _attempt(action: Any) -> BaseException | None:
+        try:
+            action()
+        except OSError as e:
+            return e
+        return None
+
+    def _agree(self, tmp: Path, error: BaseException | None, needed: int | None = None,
+               records: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Share each rank's outcome, bytes to write and file records; if any rank failed,
+        all raise the same error. Returns every rank's file records."""
+        shared: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shared, (_describe(error) if error else None, needed, records))
+        if needed is not None:
+            self._needed = sum(n for _, n, _ in shared)
+        failed = [outcome for outcome, _, _ in shared if outcome is not None]
+        if failed:
+            self._raise(tmp, *failed[0])
+        return {name: record for *_, found in shared for name, record in (found or {}).items()}
+
+    def _fail(self, tmp: Path, error: BaseException) -> None:
+        self._raise(tmp, *_describe(error))
+
+    def _raise(self, tmp: Path, message: str, disk_full: bool) -> None:
+        """Remove the partial save, keep the previous checkpoint, say so in one line."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        done = complete_checkpoints(self.root.parent)
+        kept = f"; {done[-1]} is intact" if done else ""
+        if disk_full:
+            free = shutil.disk_usage(self.root if self.root.exists() else "/").free
+            raise CheckpointWriteError(
+                f"disk full writing checkpoint {tmp}: it needs about {self._needed:,} bytes, "
+                f"{free:,} free{kept}")
+        raise CheckpointWriteError(f"checkpoint save to {tmp} failed: {message}{kept}")
 
     def finish(self) -> None:
         """Wait for an asynchronous save and publish it."""
         if self._pending is not None:
-            future, tmp, final = self._pending
+            future, tmp, final, written = self._pending
             self._pending = None
-            future.result()
-            self._commit(tmp, final)
+            try:
+                future.result()
+            except (Exception, CheckpointException) as e:
+                self._fail(tmp, e)
+            self._commit(tmp, final, step_of(final), written)
 
-    def _commit(self, tmp: Path, final: Path) -> None:
-        dist.barrier()
+    def _own_files(self, tmp: Path) -> list[Path]:
+        """What this rank wrote (DCP names rank r's data files `__r_*.distcp`); rank 0 also
+        wrote the metadata and loop state."""
+        own = re.compile(rf"^(__{self.rank}_\d+\.distcp|rng-{self.rank}\.json)$")
+        shared = (".metadata", "loop.json") if self.rank == 0 else ()
+        return [p for p in tmp.iterdir() if own.match(p.name) or p.name in shared]
+
+    def _commit(self, tmp: Path, final: Path, step: int, written: dict[str, Any]) -> None:
+        """Every rank shares the hashes of its own files (data files were hashed while
+        written); rank 0 seals, publishes and prunes."""
+        records: dict[str, Any] = {}
+        error = self._attempt(lambda: records.update(
+            {p.name: written.get(p.name) or file_record(p) for p in self._own_files(tmp)}))
+        records = self._agree(tmp, error, records=records)
         if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            for old in complete_checkpoints(self.root.parent)[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-            for stale in self.root.glob(".step-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
+            error = self._attempt(lambda: self._publish(tmp, final, step, records))
+        self._agree(tmp, error)
+        if self.rank == 0:
             logger.info("checkpoint saved: %s", final)
-        dist.barrier()
+
+    def _publish(self, tmp: Path, final: Path, step: int, records: dict[str, Any]) -> None:
+        write_manifest(tmp, records, run_id=self.run_id, step=step)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in prunable(complete_checkpoints(self.root.parent), self.run_id, self.keep,
+                            final):
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob(".step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
 
     @staticmethod
-    def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-             rank: int) -> dict[str, Any]:
-        """Load model and optimizer (resharded to this mesh) and this rank's RNG state;
-        returns the loop state written by rank 0."""
+    def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+             saved: dict[str, Any]) -> None:
+        """Load a verified checkpoint's model and optimizer (resharded to this mesh) and this
+        rank's RNG state; `saved` is its loop.json."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         dcp.load(state, storage_reader=SafeFileSystemReader(path))
+        optim_sd = {"state": state["optim"]["state"],
+                    "param_groups": _groups_from_json(saved["param_groups"])}
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        rng = path / f"rng-{rank}.json"
-        if rng.is_file():
-            _set_rng_state(json.loads(rng.read_text()))
-        return json.loads((path / "loop.json").read_text())
-
-
-def loop_state_dict(loop: LoopState, **extra: Any) -> dict[str, Any]:
-    return {**asdict(loop), **extra}
+                       optim_state_dict=optim_sd)
+        if (path / f"rng-{rank}.json").is_file():
+            _set_rng_state(read_json(path, f"rng-{rank}.json"))

@@ -16,7 +16,13 @@ from loom.config import ConfigError, parse_args
 from loom.launch import CONFIG_ERROR_EXIT
 from loom.mesh import ParallelDims
 from loom.preflight import check_outdir
-from loom.runtime import DIVERGED_EXIT, NonFiniteLossError, Preempted, rank_info
+from loom.runtime import (
+    DIVERGED_EXIT,
+    CheckpointWriteError,
+    NonFiniteLossError,
+    Preempted,
+    rank_info,
+)
 from loom.watchdog import report, watch_launcher, write_error_file
 
 USAGE = """usage: loom {train,launch,export,plan} [FLAGS]  |  loom --version
@@ -102,6 +108,11 @@ def run_train(argv: Sequence[str]) -> int:
         if rank == 0:
             print("loom: interrupted by Ctrl-C", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
+    except CheckpointWriteError as e:  # raised on every rank alike
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        write_error_file(f"error: {e}")
+        return 1
     except Exception as e:
         if is_comm_failure(e):  # the peer that caused it reports the cause
             report(f"error (rank {rank}): lost contact with another rank: {first_sentence(e)}")

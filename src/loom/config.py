@@ -159,8 +159,8 @@ class CheckpointConfig:
     keep_checkpoints: int = flag(2, "keep the newest K complete checkpoints")
     async_checkpoint: bool = flag(False, "write checkpoints in a background thread")
     resume: str | None = flag(None, "continue from the latest checkpoint in --outdir (bare "
-                              "flag or 'auto') or from a checkpoint folder", type=str,
-                              const="auto")
+                              "flag: there must be one; 'auto': if there is one) or from a "
+                              "checkpoint folder", type=str, const="latest")
     sigterm_grace_s: float = flag(25.0, "on SIGTERM, save a final checkpoint only if the last "
                                   "save took at most this long (schedulers kill ~30 s later)")
 
@@ -198,15 +198,15 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warnings: tuple[str, ...] = ()
     """Messages produced while resolving the config, logged once by rank 0."""
-    given: tuple[str, ...] = ()
-    """Fields the user set with a flag (not a preset, an environment knob or a default)."""
+    explicit: tuple[str, ...] = ()
+    """Fields set by a flag or an environment knob (a resumed run keeps the others)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 SECTIONS = {f.name: f.default_factory for f in fields(JobConfig)
-            if f.name not in ("warnings", "given")}
+            if f.name not in ("warnings", "explicit")}
 
 
 def _flag_names(name: str, aliases: Sequence[str]) -> list[str]:
@@ -445,7 +445,9 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
             raise ConfigError(str(e)) from None
         values.update(preset)
         explicit["model"] = canonical
-    values.update(_environment_overrides(environ))
+    environment = _environment_overrides(environ)
+    values.update(environment)
+    given = {*environment, *explicit, *(["seq_len"] if "SEQ_LEN" in environ else [])}
     if "SEQ_LEN" in environ:
         try:
             values["seq_len"] = int(environ["SEQ_LEN"])
@@ -463,7 +465,7 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
                        for s in SECTIONS}, warnings=tuple(warnings))
     cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in by_section.items()})
     warnings += _knob_warnings(cfg.parallel, budget_given="act_mem_budget" in explicit)
-    cfg = replace(cfg, warnings=tuple(warnings), given=tuple(sorted(explicit)))
+    cfg = replace(cfg, warnings=tuple(warnings), explicit=tuple(sorted(given)))
     validate(cfg)
     return cfg
 

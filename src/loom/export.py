@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from loom.checkpoint import SafeFileSystemReader
+from loom.checkpoint_trust import SafeFileSystemReader, read_json, verify_checkpoint
+from loom.config import ConfigError
 from loom.data.tokenizers import SHIPPED_FLAG, load_tokenizer, save_tokenizer, tokenizer_name
 from loom.models.llama import ModelArgs, Transformer
 
@@ -64,8 +65,13 @@ def hf_config(args: ModelArgs, dtype: str) -> dict:
 
 
 def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], ModelArgs]:
-    """Read the full (unsharded) model from a DCP checkpoint in this one process."""
-    loop = json.loads((checkpoint / "loop.json").read_text())
+    """Verify a checkpoint and read its full (unsharded) model in this one process."""
+    verify_checkpoint(checkpoint)
+    loop = read_json(checkpoint, "loop.json")
+    kind = loop.get("architecture", {}).get("kind")
+    if kind != "dense":
+        raise ConfigError(f"{checkpoint} holds a {kind} model; loom export writes dense loom "
+                          "models only")
     args = ModelArgs(**loop["model_args"])
     state = {"model": Transformer(args).state_dict()}
     dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
@@ -114,6 +120,10 @@ def main(argv: Sequence[str]) -> int:
     if not (opts.checkpoint / "loop.json").is_file():
         print(f"error: {opts.checkpoint} is not a loom checkpoint folder", file=sys.stderr)
         return 2
-    written = export(opts.checkpoint, opts.outdir, opts.dtype)
+    try:
+        written = export(opts.checkpoint, opts.outdir, opts.dtype)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"exported {opts.checkpoint} -> {opts.outdir} ({written})")
     return 0

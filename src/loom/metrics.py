@@ -196,7 +196,7 @@ class NullMetrics:
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         pass
 
-    def begin(self, total_steps: int, start_step: int = 0) -> None:
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None:
         pass
 
     def forward_done(self) -> None:
@@ -231,7 +231,7 @@ class Metrics(NullMetrics):
                                   facts.peak_source), remeasure)
         self.rows_path = outdir / f"metrics-{rank}.jsonl"
         self.rows: TextIO | None = None
-        self.step, self.lr = 0, 0.0
+        self.step, self.lr, self.tokens_seen = 0, 0.0, 0
         self.model: nn.Module | None = None
         self.grad_stats: torch.Tensor | None = None
         self.t_begin = time.perf_counter()
@@ -257,9 +257,11 @@ class Metrics(NullMetrics):
             self.grad_stats = tensor_stats((g for g in grads if g is not None), self.device)
         self.histograms.gradients(step)
 
-    def begin(self, total_steps: int, start_step: int = 0) -> None:
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None:
+        """`tokens_seen`: the resumed run's count, which later rows continue."""
         # Appended, never truncated: the folder is new, or resumed (see `run_history`).
         self.rows, self.step = self.rows_path.open("a"), start_step
+        self.tokens_seen = tokens_seen
         f = self.facts
         logger.info("%d steps of %s tokens (global batch %d = %d per dp rank x dp %d), "
                     "%.4g GFLOP/step", total_steps, f"{f.tokens_per_step:,}",
@@ -294,6 +296,7 @@ class Metrics(NullMetrics):
         scalars = [loss.detach().float().reshape(1), grad_norm.detach().float().reshape(1)]
         values = torch.cat([*scalars, *health]).tolist()  # the step's one host sync
         dt, dtf, dtb = self.clock.stop()
+        self.tokens_seen += self.facts.tokens_per_step
         row = self.row(step, epoch, bidx, values[0], values[1], (dt, dtf, dtb))
         if health:
             row.update(zip(HEALTH_KEYS, values[2:], strict=True))
@@ -314,7 +317,7 @@ class Metrics(NullMetrics):
         f, (dt, dtf, dtb) = self.facts, times
         return {"train/iter": step, "train/epoch": epoch, "train/bidx": bidx,
                 "train/loss": loss, "train/dt": dt, "train/dtf": dtf, "train/dtb": dtb,
-                "train/tokens": f.tokens_per_step, "train/tokens_seen": step * f.tokens_per_step,
+                "train/tokens": f.tokens_per_step, "train/tokens_seen": self.tokens_seen,
                 "train/tps": f.tokens_per_step / dt,
                 "train/tps_per_gpu": f.tokens_per_step / dt / f.world_size,
                 "train/tflops": f.flops_per_rank / dt / 1e12,

@@ -41,6 +41,10 @@ class NonFiniteLossError(Exception):
     """Identical on every rank (the loss is all-reduced), so reported once, by rank 0."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A save failed on some rank (disk full, permissions); the same line on every rank."""
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.checkpoint import Checkpointer, LoopState, resolve_resume
+from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
 from loom.data.loaders import build_dataloader, build_dataset
 from loom.losses import IGNORE_INDEX, build_loss, resolve_loss_impl
@@ -33,6 +33,16 @@ from loom.parallel.parallelize import parallelize_llama
 from loom.precision import resolve_precision
 from loom.preflight import available_memory_bytes, check_model_fits
 from loom.profiling import maybe_profile
+from loom.resume import (
+    ResumePoint,
+    apply_saved_settings,
+    architecture,
+    check_architecture,
+    find_resume,
+    new_run_id,
+    rescale_lr,
+    run_settings,
+)
 from loom.rundir import RunFolder
 from loom.runtime import (
     NonFiniteLossError,
@@ -85,12 +95,15 @@ class Trainer:
     def __init__(self, cfg: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device):
         self.info, self.dims, self.device = info, dims, device
         dims.build_mesh(device.type)
-        self.seed = cfg.train.seed
         outdir = agree_on_outdir(cfg.output.outdir)
         self.run_folder = RunFolder(outdir, info.rank, resume=cfg.checkpoint.resume is not None,
                                     overwrite=cfg.output.overwrite)
         if self.run_folder.note:
             logger.info(self.run_folder.note)
+        resume = find_resume(cfg.checkpoint.resume, outdir)
+        if resume is not None:
+            cfg = apply_saved_settings(cfg, resume.saved["settings"])
+        self.seed = cfg.train.seed
         seed_everything(self.seed)
         self.precision = resolve_precision(cfg.parallel.dtype, device)
         logger.info("precision: %s (%s)", self.precision.dtype, self.precision.reason)
@@ -104,14 +117,17 @@ class Trainer:
             seed=self.seed, num_workers=cfg.data.num_workers)
         self.accum = cfg.train.grad_accum_steps
         self.steps_per_epoch = self.optimizer_steps_per_epoch()
+        if resume is not None:  # before the model is built
+            check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)))
         self.model = self.build_model()
         self.loss_fn = build_loss(cfg.loss, self.model, dims.tp)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
         self.checkpointer = Checkpointer(outdir, cfg.checkpoint.checkpoint_interval,
                                          cfg.checkpoint.keep_checkpoints,
-                                         cfg.checkpoint.async_checkpoint, info.rank)
-        self.loop = self.maybe_resume(resolve_resume(cfg.checkpoint.resume, outdir))
+                                         cfg.checkpoint.async_checkpoint, info.rank,
+                                         resume.run_id if resume else new_run_id())
+        self.loop = self.maybe_resume(resume)
         self.metrics = build_metrics(cfg, info, dims, device, outdir, self.model, self.optimizer,
                                      build_model=lambda: plain_model(cfg))
         self.metrics.write_config(self.effective_config())
@@ -134,13 +150,16 @@ class Trainer:
     def global_batch(self) -> int:
         return self.dims.global_batch_size(self.cfg.train.batch_size) * self.accum
 
-    def maybe_resume(self, path: Path | None) -> LoopState:
+    def maybe_resume(self, resume: ResumePoint | None) -> LoopState:
         """Load a checkpoint into model, optimizer and scheduler; the data position is kept
         in global samples, so it is exact whenever the global batch is unchanged."""
-        if path is None:
+        if resume is None:
             return LoopState()
-        saved = Checkpointer.load(path, self.model, self.optimizer, self.info.rank)
+        path, saved = resume.path, resume.saved
+        Checkpointer.load(path, self.model, self.optimizer, self.info.rank, saved)
         self.scheduler.load_state_dict(saved["scheduler"])
+        if self.cfg.optim.lr != saved["settings"]["lr"]:
+            rescale_lr(self.optimizer, self.scheduler, saved["settings"]["lr"], self.cfg.optim.lr)
         loop = LoopState(step=saved["step"], tokens_seen=saved["tokens_seen"],
                          samples_seen=saved["samples_seen"])
         if loop.samples_seen % self.global_batch:
@@ -266,7 +285,7 @@ class Trainer:
         """The loop; a SIGTERM or SIGINT ends it after the current step, and the summary
         and plots are written for the steps done either way."""
         total, out = self.total_steps(), self.cfg.output
-        self.metrics.begin(total, start_step=self.loop.step)
+        self.metrics.begin(total, start_step=self.loop.step, tokens_seen=self.loop.tokens_seen)
         previous = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM,
                                                                       signal.SIGINT)}
         watchdog = StepWatchdog(self.cfg.train.comm_timeout_s, self.metrics.outdir,
@@ -329,7 +348,8 @@ class Trainer:
         self.checkpointer.save(self.loop.step, self.model, self.optimizer, {
             **vars(self.loop), "scheduler": self.scheduler.state_dict(),
             "global_batch": self.global_batch, "mesh": self.dims.degrees,
-            "model_args": vars(model_args(self.cfg))})
+            "model_args": vars(model_args(self.cfg)), "settings": run_settings(self.cfg),
+            "architecture": architecture(self.cfg, model_args(self.cfg))})
         self.checkpointer.last_save_seconds = time.perf_counter() - start
 
     def close(self) -> None:

@@ -156,7 +156,7 @@ def sized_to_tokenizer(cfg: JobConfig, meta: dict) -> JobConfig:
                               f"{cfg.model.model} embeds only {cfg.model.vocab_size}")
         return cfg
     sized = replace(cfg, model=replace(cfg.model, vocab_size=size))
-    if "vocab_size" not in cfg.given:  # the default or a preset's: sizing it is no news
+    if "vocab_size" not in cfg.explicit:  # the default or a preset's: sizing it is no news
         return sized
     warning = (f"--vocab-size {cfg.model.vocab_size} replaced by {size}, the full length of "
                f"tokenizer {meta['tokenizer']} (special tokens included)")

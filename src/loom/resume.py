@@ -1,0 +1,164 @@
+"""Resuming a run: which checkpoint, the run settings it brings back, and whether this run's
+model is the one it holds. All of it happens before the dataset and model are built."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from loom.checkpoint import checkpoint_dir, complete_checkpoints, step_of
+from loom.checkpoint_trust import UnusableCheckpoint, read_json, verify_checkpoint
+from loom.config import ConfigError, JobConfig, validate
+from loom.models.hf import is_hf
+from loom.models.llama import ModelArgs
+
+logger = logging.getLogger("loom")
+
+RUN_SETTINGS = {
+    "optim": ("lr", "max_grad_norm", "lr_schedule", "warmup_steps", "min_lr_ratio",
+              "decay_fraction"),
+    "train": ("epochs", "seed", "max_steps", "skip_nonfinite"),
+    "checkpoint": ("checkpoint_interval", "keep_checkpoints", "async_checkpoint",
+                   "sigterm_grace_s"),
+    "data": ("dataset", "tokenizer_name", "seq_len", "hf_split", "hf_text_column", "hf_limit"),
+}
+"""Kept from the checkpoint on resume unless the flag is given again."""
+
+_LOOP_KEYS = ("step", "tokens_seen", "samples_seen", "scheduler", "param_groups", "settings",
+              "architecture", "model_args")
+_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
+_MOE_FIELDS = ("n_experts", "n_shared_experts", "moe_hidden_dim", "n_dense_layers")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    saved: dict[str, Any]
+    """The checkpoint's loop.json: loop, scheduler and optimizer state, settings, model."""
+    run_id: str
+
+
+def new_run_id() -> str:
+    """Chosen by rank 0, shared with every rank; marks the checkpoints this run may prune."""
+    chosen = [uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+def _gather(problems: list[str]) -> list[str]:
+    shared: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shared, problems)
+    return [p for found in shared for p in found]
+
+
+def open_checkpoint(path: Path) -> ResumePoint:
+    """Verify a checkpoint (collective) and read its loop state."""
+    manifest = verify_checkpoint(path, dist.get_rank(), dist.get_world_size(), _gather)
+    saved = read_json(path, "loop.json")
+    missing = [k for k in _LOOP_KEYS if k not in saved]
+    if missing:
+        raise UnusableCheckpoint(f"checkpoint {path}: loop.json lacks {missing[0]}")
+    return ResumePoint(path, saved, str(manifest.get("run_id")))
+
+
+def _with_hint(error: UnusableCheckpoint, path: Path) -> UnusableCheckpoint:
+    """Name the newest older checkpoint of the same folder in the message."""
+    older = [p for p in complete_checkpoints(path.parent.parent) if step_of(p) < step_of(path)] \
+        if path.parent.name == "checkpoints" and path.name.startswith("step-") else []
+    hint = f"; resume from {older[-1].name} with --resume {older[-1]}" if older else ""
+    return UnusableCheckpoint(f"{error}{hint}")
+
+
+def find_resume(resume: str | None, outdir: Path) -> ResumePoint | None:
+    """None: a new run. `auto`: the newest usable checkpoint in the run folder, if any;
+    `latest` (bare --resume): the same, but there must be one; else a checkpoint folder.
+    A corrupt newest checkpoint is skipped with a warning in favour of an older one."""
+    if resume is None:
+        return None
+    if resume not in ("auto", "latest"):
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError(f"--resume {resume}: no such checkpoint folder")
+        try:
+            return open_checkpoint(path)
+        except UnusableCheckpoint as e:
+            raise _with_hint(e, path) from None
+    found = complete_checkpoints(outdir)
+    if not found and resume == "latest":
+        raise ConfigError(f"--resume: no checkpoint in {checkpoint_dir(outdir)} to resume "
+                          "from (--resume auto starts a new run when there is none)")
+    errors = []
+    for path in reversed(found):
+        try:
+            point = open_checkpoint(path)
+        except UnusableCheckpoint as e:
+            logger.warning("--resume %s: skipping %s (%s)", resume, path.name, e)
+            errors.append(e)
+            continue
+        return point
+    if errors:
+        raise UnusableCheckpoint(f"--resume {resume}: no usable checkpoint in "
+                                 f"{checkpoint_dir(outdir)}; the newest: {errors[0]}")
+    logger.info("--resume auto: no checkpoint in %s, starting a new run", checkpoint_dir(outdir))
+    return None
+
+
+def run_settings(cfg: JobConfig) -> dict[str, Any]:
+    return {name: getattr(getattr(cfg, section), name)
+            for section, names in RUN_SETTINGS.items() for name in names}
+
+
+def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any]) -> JobConfig:
+    """The checkpoint's run settings, except those given again (one info line lists those
+    that differ); the result is validated like flags."""
+    changed, kept = [], {}
+    for section, names in RUN_SETTINGS.items():
+        for name in (n for n in names if n in saved):
+            now = getattr(getattr(cfg, section), name)
+            if name in cfg.explicit:
+                if now != saved[name]:
+                    changed.append(f"--{name.replace('_', '-')} {saved[name]} -> {now}")
+            else:
+                kept.setdefault(section, {})[name] = saved[name]
+    cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in kept.items()})
+    if changed:
+        logger.info("resume: run settings as saved, except %s", ", ".join(changed))
+    validate(cfg)
+    return cfg
+
+
+def rescale_lr(optimizer: Any, scheduler: Any, saved_lr: float, lr: float) -> None:
+    """--lr given again on resume: the loaded optimizer and scheduler state carry the saved
+    peak lr, and every scheduled lr is proportional to it."""
+    scale = lr / saved_lr
+    scheduler.base_lrs = [base * scale for base in scheduler.base_lrs]
+    scheduler._last_lr = [last * scale for last in scheduler.get_last_lr()]
+    for group in optimizer.param_groups:
+        group["lr"] *= scale
+        group["initial_lr"] *= scale
+
+
+def architecture(cfg: JobConfig, args: ModelArgs) -> dict[str, Any]:
+    """What the parameters' shapes depend on: the kind of model and its sizes."""
+    m = cfg.model
+    kind = "hf" if is_hf(m) else "moe" if m.n_experts else "dense"
+    arch: dict[str, Any] = {"kind": kind}
+    if kind == "hf":
+        arch["model"] = m.model
+    arch.update({f: getattr(args, f) for f in _SHAPE_FIELDS})
+    if kind == "moe":
+        arch.update({f: getattr(m, f) for f in _MOE_FIELDS})
+    return arch
+
+
+def check_architecture(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """One line naming the first field where the checkpoint's model and this run's differ."""
+    for field in dict.fromkeys([*saved, *current]):
+        if saved.get(field) != current.get(field):
+            raise ConfigError(f"--resume: checkpoint has {field} {saved.get(field)}, this run "
+                              f"{current.get(field)}; give the checkpoint's model flags")

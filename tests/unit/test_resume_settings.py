@@ -1,0 +1,64 @@
+"""A resumed run keeps its saved settings unless a flag is given again, and names those."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from loom.config import ConfigError, parse_args
+from loom.resume import (
+    apply_saved_settings,
+    architecture,
+    check_architecture,
+    rescale_lr,
+    run_settings,
+)
+from loom.train import model_args
+
+
+def test_saved_settings_hold_unless_given_again(caplog) -> None:
+    saved = run_settings(parse_args(["--checkpoint-interval", "5", "--keep-checkpoints", "3",
+                                     "--lr", "1e-3", "--lr-schedule", "cosine", "--seed", "7",
+                                     "--max-steps", "10", "--dataset", "random"]))
+    with caplog.at_level(logging.INFO, logger="loom"):
+        cfg = apply_saved_settings(parse_args(["--resume", "--max-steps", "20",
+                                               "--batch-size", "4"]), saved)
+    assert (cfg.checkpoint.checkpoint_interval, cfg.checkpoint.keep_checkpoints) == (5, 3)
+    assert (cfg.optim.lr, cfg.optim.lr_schedule, cfg.train.seed) == (1e-3, "cosine", 7)
+    assert (cfg.train.max_steps, cfg.train.batch_size, cfg.data.dataset) == (20, 4, "random")
+    assert caplog.messages == ["resume: run settings as saved, except --max-steps 10 -> 20"]
+
+
+def test_a_different_model_is_named_by_its_field() -> None:
+    def arch(*flags: str) -> dict:
+        cfg = parse_args(["--model", "debug", *flags])
+        return architecture(cfg, model_args(cfg))
+
+    check_architecture(arch(), arch("--lr", "1"))
+    for flags, message in [(["--dim", "64"], "checkpoint has dim 128, this run 64"),
+                           (["--vocab-size", "99"], "checkpoint has vocab_size 32000, this run 99"),
+                           (["--n-experts", "4"], "checkpoint has kind dense, this run moe")]:
+        with pytest.raises(ConfigError, match=message):
+            check_architecture(arch(), arch(*flags))
+
+
+def test_lr_given_again_rescales_the_loaded_schedule() -> None:
+    def schedule(lr: float) -> tuple[torch.optim.Optimizer, LambdaLR]:
+        optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=lr)
+        return optimizer, LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+
+    saved_optim, saved_sched = schedule(1e-3)
+    for _ in range(3):
+        saved_optim.step()
+        saved_sched.step()
+    optimizer, scheduler = schedule(2e-3)
+    optimizer.load_state_dict(saved_optim.state_dict())
+    scheduler.load_state_dict(saved_sched.state_dict())
+    rescale_lr(optimizer, scheduler, 1e-3, 2e-3)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 4 / 10, rel=1e-12)
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 5 / 10, rel=1e-12)
