@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import sys
@@ -14,11 +15,14 @@ from loom.launch import CONFIG_ERROR_EXIT
 from loom.mesh import ParallelDims
 from loom.runtime import Preempted, rank_info
 
-USAGE = """usage: loom {train,launch,export} [FLAGS]
+USAGE = """usage: loom {train,launch,export,tokenize,eval,generate} [FLAGS]
 
   loom train [FLAGS]          train in this process group (see `loom train --help`)
   loom launch [-n N] CMD...   start CMD on every rank (elastic agent, srun or mpiexec)
   loom export CKPT OUTDIR     write a checkpoint as a Hugging Face Llama model
+  loom tokenize SRC OUT       tokenize a corpus into memory-mapped shards (--dataset OUT)
+  loom eval CKPT --dataset D  validation loss of a checkpoint
+  loom generate CKPT --prompt TEXT   sample text from a checkpoint or HF folder
 """
 
 
@@ -85,5 +89,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from loom import export
 
         sys.exit(export.main(rest))
+    if command in ("tokenize", "eval", "generate"):
+        module = importlib.import_module(f"loom.{ {'eval': 'evaluate'}.get(command, command)}")
+        sys.exit(module.main(rest))
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     sys.exit(2)

@@ -154,6 +154,16 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    val_dataset: str | None = flag(None, "validation data: hub id, local file/folder or shard "
+                                   "folder (same tokenizer as --dataset)", type=str)
+    val_fraction: float = flag(0.0, "hold out this fraction of --dataset's tokens for "
+                               "validation, cut between documents")
+    eval_every: int = flag(0, "validation loss every N steps (0 = only after the last step)")
+    eval_steps: int = flag(8, "global batches per validation (at most the whole set)")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     checkpoint_interval: int = flag(0, "save a checkpoint every N steps and at the end "
                                     "(0 = no checkpoints)")
@@ -194,6 +204,7 @@ class JobConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warnings: tuple[str, ...] = ()
     """Messages produced while resolving the config, logged once by rank 0."""
@@ -473,6 +484,18 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
                           "must be >= 0")
 
 
+def _validate_eval(e: EvalConfig) -> None:
+    if not 0.0 <= e.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {e.val_fraction}")
+    if e.val_fraction and e.val_dataset is not None:
+        raise ConfigError("--val-dataset and --val-fraction exclude each other; pick one")
+    if e.eval_every < 0 or e.eval_steps < 1:
+        raise ConfigError(f"--eval-every must be >= 0 and --eval-steps >= 1, got "
+                          f"{e.eval_every} and {e.eval_steps}")
+    if e.eval_every and not (e.val_fraction or e.val_dataset):
+        raise ConfigError("--eval-every needs validation data: --val-dataset or --val-fraction")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
@@ -503,6 +526,7 @@ def validate(cfg: JobConfig) -> None:
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
     _validate_output(cfg.output)
+    _validate_eval(cfg.eval)
     _validate_moe(m, p)
     if hf and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "

@@ -8,7 +8,7 @@ from typing import Any
 
 X_LABELS = {"train/tokens_seen": "tokens seen", "train/iter": "step"}
 PLOTS = {  # file: (x key, y keys, title, y label)
-    "loss.png": ("train/tokens_seen", ("train/loss",), "training loss", "loss"),
+    "loss.png": ("train/tokens_seen", ("train/loss", "val/loss"), "loss", "loss"),
     "throughput.png": ("train/iter", ("train/tps",), "global throughput", "tokens / s"),
     "mfu.png": ("train/iter", ("train/mfu",), "model FLOPs utilisation (rank 0)", "MFU %"),
     "memory.png": ("train/iter", ("train/mem_alloc", "train/mem_alloc_peak",

@@ -18,7 +18,8 @@ from torch import nn
 
 from loom.checkpoint import Checkpointer, LoopState, resolve_resume
 from loom.config import ConfigError, JobConfig
-from loom.data.loaders import build_dataloader, build_dataset
+from loom.data.loaders import build_dataloader, build_datasets
+from loom.evaluate import build_evaluator
 from loom.losses import IGNORE_INDEX, build_loss, resolve_loss_impl
 from loom.mesh import ParallelDims
 from loom.metrics import build_metrics, environment_facts
@@ -91,7 +92,7 @@ class Trainer:
         seed_everything(self.seed)
         cfg = replace(cfg, train=replace(cfg.train, seed=self.seed))
         cfg = resolve_hf_model(cfg, info.local_rank)  # a HF --model: its shape and vocab
-        dataset, cfg = build_dataset(cfg, info.local_rank)  # sizes the vocab from the tokenizer
+        dataset, val_dataset, cfg = build_datasets(cfg, info.local_rank)  # vocab sized
         self.cfg = cfg = resolve_loss_impl(cfg)  # effective --loss-impl, before the tp plan
         self.loader = build_dataloader(
             dataset, batch_size=cfg.train.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
@@ -100,6 +101,7 @@ class Trainer:
         self.steps_per_epoch = self.optimizer_steps_per_epoch()
         self.model = self.build_model()
         self.loss_fn = build_loss(cfg.loss, self.model, dims.tp)
+        self.evaluator = build_evaluator(val_dataset, cfg, dims, self.loss_fn, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
         outdir = agree_on_outdir(cfg.output.outdir)
@@ -245,14 +247,20 @@ class Trainer:
                                                            max(0, total - self.loop.step)):
                     loss, grad_norm = self.train_step(micro)
                     self.advance()
+                    val = self.maybe_evaluate(final=self.loop.step == total)
                     self.metrics.log_step(self.loop.step, epoch, bidx, loss, grad_norm,
-                                          self.moe_metrics)
+                                          {**self.moe_metrics, **val})
                     profiler.step()
                     self.maybe_checkpoint(final=self.loop.step == total)
             self.metrics.finish()
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.checkpointer.finish()
+
+    def maybe_evaluate(self, final: bool) -> dict[str, float]:
+        if self.evaluator is None:
+            return {}
+        return self.evaluator.maybe_evaluate(self.model, self.loop.step, final)
 
     def advance(self) -> None:
         tokens = self.global_batch * self.cfg.data.seq_len
