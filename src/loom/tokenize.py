@@ -82,6 +82,7 @@ class Parts:
     def claim(self, plan: dict[str, Any]) -> None:
         """Start or resume; a folder left by a different source or tokenizer is refused."""
         self.root.mkdir(parents=True, exist_ok=True)
+        plan = json.loads(json.dumps(plan))  # tuples as lists, as read back
         path = self.root / "plan.json"
         if path.is_file() and json.loads(path.read_text()) != plan:
             raise ConfigError(f"{self.root.parent} holds an interrupted tokenization of a "
@@ -140,8 +141,10 @@ def tokenize_local(pieces: list[Piece], parts: Parts, column: str, tokenizer: st
                    jobs: int, progress: Throughput) -> None:
     pending = [(i, p, column, str(parts.root.parent)) for i, p in enumerate(pieces)
                if not parts.done(i)]
-    skipped = sum(p.size for i, p in enumerate(pieces) if parts.done(i))
-    progress.total -= skipped  # throughput counts this run's work only
+    if len(pending) < len(pieces):
+        print(f"resuming: {len(pieces) - len(pending)} of {len(pieces)} pieces already "
+              "tokenized", file=sys.stderr)
+    progress.total = max(1, sum(job[1].size for job in pending))  # this run's work only
     if not pending:
         return
     context = multiprocessing.get_context("spawn")  # Rust tokenizer threads do not fork safely
