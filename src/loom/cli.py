@@ -10,7 +10,8 @@ import traceback
 import warnings
 from collections.abc import Sequence
 
-from loom.config import ConfigError, parse_args
+from loom.config import SECTIONS, ConfigError, JobConfig, parse_args
+from loom.config_file import to_toml
 from loom.launch import CONFIG_ERROR_EXIT
 from loom.mesh import ParallelDims
 from loom.runtime import Preempted, rank_info
@@ -44,6 +45,10 @@ def quiet_known_upstream_noise() -> None:
     warnings.filterwarnings("ignore", message=r"Slicing a flattened dim from root mesh")
 
 
+def config_toml(cfg: JobConfig) -> str:
+    return to_toml({name: getattr(cfg, name) for name in SECTIONS})
+
+
 def run_train(argv: Sequence[str]) -> int:
     """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2.
     Anything else is rank-specific and printed by the rank that hit it."""
@@ -52,6 +57,10 @@ def run_train(argv: Sequence[str]) -> int:
     setup_logging(rank)
     try:
         cfg = parse_args(argv)
+        if "--print-config" in argv:
+            if rank == 0:
+                print(config_toml(cfg), end="")
+            return 0
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
         from loom import train
 

@@ -254,6 +254,10 @@ def build_parser(prog: str = "loom train") -> argparse.ArgumentParser:
     parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                         action="store_const", const="never",
                         help="same as --reshard-after-forward never")
+    parser.add_argument("--config", dest="config_file", type=str,
+                        help="TOML file of settings, one [section] per group; flags override it")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective config as TOML and exit")
     return parser
 
 
@@ -414,10 +418,12 @@ def _fit_hf_model(values: dict[str, Any], warnings: list[str]) -> None:
 
 
 def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None,
-                      ) -> JobConfig:
-    """Build the job config: defaults < preset < $SEQ_LEN < explicit flags; then validate."""
+                      from_file: Mapping[str, Any] | None = None) -> JobConfig:
+    """Build the job config: defaults < preset < $SEQ_LEN < --config file < explicit flags;
+    then validate."""
     environ = os.environ if environ is None else environ
-    explicit = dict(explicit)
+    budget_given = "act_mem_budget" in explicit
+    explicit = {**(from_file or {}), **explicit}
     warnings: list[str] = []
     _resolve_sharding_strategy(explicit, warnings)
     values: dict[str, Any] = {}
@@ -446,16 +452,21 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     cfg = JobConfig(**{s: SECTIONS[s]()  # type: ignore[misc]
                        for s in SECTIONS}, warnings=tuple(warnings))
     cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in by_section.items()})
-    warnings += _knob_warnings(cfg.parallel, budget_given="act_mem_budget" in explicit)
+    warnings += _knob_warnings(cfg.parallel, budget_given=budget_given)
     cfg = replace(cfg, warnings=tuple(warnings))
     validate(cfg)
     return cfg
 
 
 def parse_args(argv: Sequence[str]) -> JobConfig:
-    """Parse `loom train` flags; errors become ConfigError (one line, exit 2)."""
-    namespace = build_parser().parse_args(list(argv))
-    return config_from_flags(vars(namespace))
+    """Parse `loom train` flags (and a --config file); errors become ConfigError (one line,
+    exit 2). --print-config is acted on by the caller."""
+    from loom.config_file import read_config_file
+
+    explicit = vars(build_parser().parse_args(list(argv)))
+    explicit.pop("print_config", None)
+    path = explicit.pop("config_file", None)
+    return config_from_flags(explicit, from_file=read_config_file(path, SECTIONS) if path else None)
 
 
 def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
