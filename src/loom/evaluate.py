@@ -80,8 +80,9 @@ MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multi
 
 
 def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
-    """Training flags for the data and mesh; the model's shape comes from the checkpoint,
-    and the run writes only to `<run>/eval-step-N/`."""
+    """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
+    are evaluated, else --dataset); the model's shape comes from the checkpoint, and the
+    run writes only to `<run>/eval-step-N/`."""
     loop = checkpoint / "loop.json"
     if not loop.is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
@@ -89,8 +90,7 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
                       "--outdir", str(checkpoint.parent.parent / f"eval-{checkpoint.name}")])
     model = replace(cfg.model, **{k: shape[k] for k in MODEL_FIELDS})
-    return replace(cfg, model=model, eval=replace(cfg.eval, val_fraction=0.0, val_dataset=None),
-                   output=replace(cfg.output, metrics=False))
+    return replace(cfg, model=model, output=replace(cfg.output, metrics=False))
 
 
 def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
@@ -103,8 +103,9 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     device = init_distributed(info)
     trainer = Trainer(cfg, info, dims, device)
-    evaluator = Evaluator(trainer.loader.dataset, trainer.loss_fn, dims, device,
-                          cfg.train.batch_size, cfg.eval.eval_steps, every=0)
+    evaluator = trainer.evaluator or Evaluator(trainer.loader.dataset, trainer.loss_fn, dims,
+                                               device, cfg.train.batch_size,
+                                               cfg.eval.eval_steps, every=0)
     result = evaluator.evaluate(trainer.model)
     if info.is_main:
         out = trainer.metrics.outdir / "eval.json"
@@ -124,8 +125,8 @@ def main(argv: Sequence[str]) -> int:
     rank = rank_info().rank
     setup_logging(rank)
     if not argv or argv[0].startswith("-"):
-        print("usage: loom eval CHECKPOINT --dataset DATA [training flags: --eval-steps, "
-              "--batch-size, --seq-len, mesh...]")
+        print("usage: loom eval CHECKPOINT --dataset DATA [--val-fraction F | --val-dataset V] "
+              "[training flags: --eval-steps, --batch-size, --seq-len, mesh...]")
         return 2 if not argv or argv[0] not in ("-h", "--help") else 0
     try:
         run_eval(Path(argv[0]), argv[1:])
