@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def load_model(path: Path) -> tuple[nn.Module, int, str | None]:
         from loom.export import load_model_state
         from loom.models.llama import Transformer
 
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # by design
         state, args = load_model_state(path)
         model = Transformer(args)
         model.load_state_dict(state)
