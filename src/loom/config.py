@@ -538,6 +538,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
     _validate_output(cfg.output)
     _validate_eval(cfg.eval)
+    if d.dataset == "random" and cfg.eval.val_dataset is not None:
+        raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
+                          "use --val-fraction)")
     _validate_moe(m, p)
     if hf and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "

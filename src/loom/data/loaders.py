@@ -136,6 +136,9 @@ def build_datasets(cfg: JobConfig, local_rank: int,
         val = PackedTokens(stream, meta, data.seq_len, (cut, len(stream)))
     elif ev.val_dataset is not None:
         val_stream, val_meta, _ = token_stream(ev.val_dataset, cfg, local_rank)
+        if (val_meta["vocab_size"], val_meta["eot_id"]) != (meta["vocab_size"], meta["eot_id"]):
+            raise ConfigError(f"--val-dataset {ev.val_dataset} was tokenized with "
+                              f"{val_meta['tokenizer']}, --dataset with {meta['tokenizer']}")
         val = PackedTokens(val_stream, val_meta, data.seq_len)
     train = PackedTokens(stream, meta, data.seq_len, span)
     logger.info("data: %s, %d tokens, %d windows of %d tokens%s", name, train.n_tokens,
