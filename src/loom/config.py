@@ -149,6 +149,8 @@ class DataConfig:
     num_workers: int = flag(0, "data loader worker processes")
     hf_limit_seed: int = flag(0, "seed of the --hf-limit subsample ($LOOM_HF_LIMIT_SEED)",
                               hidden=True)
+    streaming: bool = flag(False, "read, tokenize and pack documents on the fly, dealt to dp "
+                           "ranks (needs --max-steps; resumes at the exact token)")
     cache_dir: str | None = flag(None, "tokenization cache folder ($LOOM_CACHE_DIR; "
                                  "default ~/.cache/loom)", type=str, hidden=True)
 
@@ -538,6 +540,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
     _validate_output(cfg.output)
     _validate_eval(cfg.eval)
+    if d.streaming and (t.max_steps is None or cfg.eval.val_fraction
+                        or d.dataset == "random" or d.num_workers):
+        raise ConfigError("--streaming needs --max-steps (a stream has no epoch length) and "
+                          "text data; it excludes --val-fraction (use --val-dataset) and "
+                          "--num-workers")
     if d.dataset == "random" and cfg.eval.val_dataset is not None:
         raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
                           "use --val-fraction)")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
@@ -25,7 +26,7 @@ import numpy as np
 
 from loom.config import ConfigError
 from loom.data.cache import token_dtype
-from loom.data.documents import Piece, plan_pieces, read_piece
+from loom.data.documents import Piece, hub_documents, plan_pieces, read_piece
 from loom.data.shards import MANIFEST, SHARD_FORMAT, shard_name
 from loom.data.text import resolve_source
 from loom.data.tokenizers import TextTokenizer, load_tokenizer, tokenizer_identity
@@ -153,34 +154,22 @@ def tokenize_local(pieces: list[Piece], parts: Parts, column: str, tokenizer: st
             progress.update(size, tokens)
 
 
-def hub_documents(name: str, split: str, column: str, skip: int) -> Iterator[str]:
-    """A hub dataset streamed (nothing downloaded whole), from document `skip` on."""
-    import datasets
-
-    from loom.data.hub import LOCAL_FILES_HINT, ensure_hub_reachable
-
-    ensure_hub_reachable(name, "dataset", "loom tokenize", LOCAL_FILES_HINT)
-    stream = datasets.load_dataset(name, split=split, streaming=True).skip(skip)
-    return (row[column] for row in stream if row.get(column))
-
-
 def tokenize_hub(name: str, parts: Parts, split: str, column: str, tokenizer: TextTokenizer,
                  progress: Throughput) -> int:
-    """Parts of HUB_DOCS_PER_PART documents, in this process; returns the part count."""
+    """Parts of HUB_DOCS_PER_PART rows, in this process; returns the part count."""
     done = 0
     while parts.done(done):
         done += 1
-    docs = hub_documents(name, split, column, skip=done * HUB_DOCS_PER_PART)
+    rows = hub_documents(name, split, column, skip=done * HUB_DOCS_PER_PART)
     dtype = token_dtype(tokenizer.size)
-    while True:
-        batch = [text for _, text in zip(range(HUB_DOCS_PER_PART), docs, strict=False)]
-        if not batch:
-            return done
-        tokens, count = encode(batch, tokenizer, dtype)
-        size = sum(len(t.encode()) for t in batch)
+    while batch := list(itertools.islice(rows, HUB_DOCS_PER_PART)):
+        texts = [text for text in batch if text]
+        tokens, count = encode(texts, tokenizer, dtype)
+        size = sum(len(t.encode()) for t in texts)
         parts.write(done, tokens, count, size)
         progress.update(size, int(tokens.size))
         done += 1
+    return done
 
 
 def write_shards(parts: Parts, n_parts: int, out: Path, shard_tokens: int,

@@ -19,6 +19,7 @@ from torch import nn
 from loom.checkpoint import Checkpointer, LoopState, resolve_resume
 from loom.config import ConfigError, JobConfig
 from loom.data.loaders import build_dataloader, build_datasets
+from loom.data.streaming import data_state, restore_data_state
 from loom.evaluate import build_evaluator
 from loom.losses import IGNORE_INDEX, build_loss, resolve_loss_impl
 from loom.mesh import ParallelDims
@@ -139,6 +140,7 @@ class Trainer:
         self.scheduler.load_state_dict(saved["scheduler"])
         loop = LoopState(step=saved["step"], tokens_seen=saved["tokens_seen"],
                          samples_seen=saved["samples_seen"])
+        restore_data_state(self.loader, saved)
         if loop.samples_seen % self.global_batch:
             logger.warning("resuming with global batch %d, which does not divide the %d "
                            "samples consumed: continuing from the last whole step",
@@ -290,7 +292,7 @@ class Trainer:
         self.checkpointer.save(self.loop.step, self.model, self.optimizer, {
             **vars(self.loop), "scheduler": self.scheduler.state_dict(),
             "global_batch": self.global_batch, "mesh": self.dims.degrees,
-            "model_args": vars(model_args(self.cfg))})
+            "model_args": vars(model_args(self.cfg)), **data_state(self.loader)})
         self.checkpointer.last_save_seconds = time.perf_counter() - start
 
     def close(self) -> None:

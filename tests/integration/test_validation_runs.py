@@ -52,9 +52,10 @@ def assert_close(got: list[float], want: list[float], what: str) -> None:
 @pytest.mark.multirank
 def test_val_loss_is_the_same_on_1_and_2_dp_ranks_and_loom_eval_reproduces_it(tmp_path,
                                                                                shards):
-    one = run_ranks(1, train_flags(shards, tmp_path / "one", batch=2), timeout=240)
+    env = {"LOOM_CACHE_DIR": str(tmp_path / "cache")}
+    one = run_ranks(1, train_flags(shards, tmp_path / "one", batch=2), timeout=240, env=env)
     assert one.ok, one.describe()
-    two = run_ranks(2, train_flags(shards, tmp_path / "two", batch=1), timeout=240)
+    two = run_ranks(2, train_flags(shards, tmp_path / "two", batch=1), timeout=240, env=env)
     assert two.ok, two.describe()
     reference = val_losses(tmp_path / "one" / "metrics-0.jsonl")
     assert len(reference) == 2 and all(0 < x < 12 for x in reference), reference
@@ -66,7 +67,7 @@ def test_val_loss_is_the_same_on_1_and_2_dp_ranks_and_loom_eval_reproduces_it(tm
     ckpt = tmp_path / "one" / "checkpoints" / "step-2"
     flags = ["--dataset", str(shards), "--val-fraction", "0.2", "--eval-steps", "3",
              "--seq-len", "32", "--batch-size", "1", "--fp32"]
-    job = run_ranks(2, ["-m", "loom", "eval", str(ckpt), *flags], timeout=240)
+    job = run_ranks(2, ["-m", "loom", "eval", str(ckpt), *flags], timeout=240, env=env)
     assert job.ok, job.describe()
     result = json.loads((tmp_path / "one" / "eval-step-2" / "eval.json").read_text())
     assert_close([result["val/loss"]], reference[-1:], "loom eval of the final checkpoint")

@@ -25,7 +25,7 @@ PIECE_BYTES = 16 * 2**20
 @dataclass(frozen=True)
 class Piece:
     kind: str
-    """'text', 'jsonl' or 'parquet'."""
+    """'text', 'jsonl', 'parquet' or 'hub' (a streamed hub dataset, one piece)."""
     paths: tuple[str, ...]
     start: int = 0
     """jsonl: first byte; parquet: row group."""
@@ -98,9 +98,11 @@ def _open_text(path: str) -> TextIO:
         path, encoding="utf-8")
 
 
-def read_piece(piece: Piece, column: str) -> Iterator[str]:
-    """The piece's documents, in order."""
-    if piece.kind == "text":
+def read_piece(piece: Piece, column: str, split: str = "train") -> Iterator[str]:
+    """The piece's documents, in order (a hub piece: every row, empty ones included)."""
+    if piece.kind == "hub":
+        yield from hub_documents(piece.paths[0], split, column)
+    elif piece.kind == "text":
         for path in piece.paths:
             with _open_text(path) as f:
                 yield f.read()
@@ -131,3 +133,14 @@ def _jsonl_documents(piece: Piece, column: str) -> Iterator[str]:
                               f"not a JSON object with a {column!r} field") from None
         if text:
             yield text
+
+
+def hub_documents(name: str, split: str, column: str, skip: int = 0) -> Iterator[str]:
+    """A hub dataset streamed (nothing downloaded whole), from row `skip` on."""
+    import datasets
+
+    from loom.data.hub import LOCAL_FILES_HINT, ensure_hub_reachable
+
+    ensure_hub_reachable(name, "dataset", "--dataset", LOCAL_FILES_HINT)
+    stream = datasets.load_dataset(name, split=split, streaming=True).skip(skip)
+    return (row.get(column) or "" for row in stream)

@@ -21,6 +21,7 @@ from loom.config import ConfigError, JobConfig
 from loom.data.cache import TokenCache, cache_key, default_cache_dir
 from loom.data.shards import ShardStream, is_shard_folder, read_manifest
 from loom.data.split import held_out_cut
+from loom.data.streaming import PackedStream, StreamLoader, StreamSpec, build_stream_spec
 from loom.data.text import (
     PackedTokens,
     TokenStream,
@@ -96,9 +97,12 @@ class GlobalOrderSampler(Sampler[int]):
 
 
 def build_dataloader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size: int,
-                     seed: int, num_workers: int, shuffle: bool = True) -> DataLoader:
+                     seed: int, num_workers: int, shuffle: bool = True,
+                     ) -> DataLoader | StreamLoader:
     """A loader that drops the ragged tail in sampler and loader alike (ragged shapes force
     recompiles); fails when that leaves no full batch for this rank."""
+    if isinstance(dataset, StreamSpec):
+        return StreamLoader(PackedStream(dataset, dp_rank, dp_size), batch_size, dataset.batches)
     sampler = GlobalOrderSampler(len(dataset), batch_size, dp_rank, dp_size, seed, shuffle)
     if sampler.steps_per_epoch == 0:
         raise ConfigError(
@@ -117,9 +121,10 @@ def build_dataset(cfg: JobConfig, local_rank: int) -> tuple[Dataset, JobConfig]:
 
 
 def build_datasets(cfg: JobConfig, local_rank: int,
-                   ) -> tuple[Dataset, Dataset | None, JobConfig]:
+                   ) -> tuple[Dataset | StreamSpec, Dataset | None, JobConfig]:
     """(training set, validation set or None, `cfg` sized to the tokenizer). A
-    --val-fraction holds out the tail of the training tokens, cut between documents."""
+    --val-fraction holds out the tail of the training tokens, cut between documents;
+    --streaming gives a stream spec that `build_dataloader` deals out to the dp ranks."""
     data, ev = cfg.data, cfg.eval
     if data.dataset == "random":
         train = RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed)
@@ -127,6 +132,13 @@ def build_datasets(cfg: JobConfig, local_rank: int,
                            max(1, round(len(train) * ev.val_fraction))) \
             if ev.val_fraction else None
         return train, val, cfg
+    if data.streaming:
+        spec = build_stream_spec(cfg, tokenizer_name(data.tokenizer_name, cfg.model.model))
+        val = None if ev.val_dataset is None else PackedTokens(
+            *token_stream(ev.val_dataset, cfg, local_rank)[:2], data.seq_len)
+        tok = spec.tokenizer
+        return spec, val, sized_to_tokenizer(cfg, {"vocab_size": tok.size,
+                                                   "tokenizer": tok.name})
     stream, meta, name = token_stream(data.dataset, cfg, local_rank)
     span = (0, len(stream))
     val = None
