@@ -134,4 +134,7 @@ def main(argv: Sequence[str]) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # rank-specific: every rank reports its own
+        print(f"error (rank {rank}): {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -105,4 +105,7 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        print(f"error: loom generate failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0

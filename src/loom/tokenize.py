@@ -100,11 +100,13 @@ class Throughput:
         self.last_tenth = -1
 
     def line(self) -> str:
+        """The bar when the total is known (local files), else only the counts (hub)."""
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         frac = min(self.bytes / self.total, 1.0)
         bar = "#" * round(30 * frac) + "-" * (30 - round(30 * frac))
-        return (f"[{bar}] {100 * frac:5.1f}%  {self.bytes / 2**20:,.1f} MB  "
-                f"{self.bytes / 2**20 / elapsed:,.1f} MB/s  {self.tokens / elapsed:,.0f} tok/s")
+        done = f"[{bar}] {100 * frac:5.1f}%  " if self.total > 1 else ""
+        return (f"{done}{self.bytes / 2**20:,.1f} MB  {self.bytes / 2**20 / elapsed:,.1f} "
+                f"MB/s  {self.tokens / elapsed:,.0f} tok/s")
 
     def update(self, size: int, tokens: int) -> None:
         self.bytes += size
@@ -119,7 +121,8 @@ class Throughput:
 
     def close(self) -> dict[str, float]:
         elapsed = time.perf_counter() - self.t0
-        self.stream.write(("\r" if self.stream.isatty() else "") + self.line() + "\n")
+        if self.stream.isatty() or self.last_tenth < 10:
+            self.stream.write(("\r" if self.stream.isatty() else "") + self.line() + "\n")
         return {"seconds": elapsed, "mb_per_s": self.bytes / 2**20 / max(elapsed, 1e-9),
                 "tokens_per_s": self.tokens / max(elapsed, 1e-9)}
 
@@ -268,4 +271,7 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"error: loom tokenize failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
