@@ -33,7 +33,7 @@ def format_eta(seconds: float) -> str:
 
 def format_progress(row: dict[str, Any], total: int, eta_s: float) -> str:
     width = len(str(total))
-    val = f"  val {row['val/loss']:.4f}" if "val/loss" in row else ""
+    val = f"  val {row['val/loss']:.4f} ppl {row['val/ppl']:,.1f}" if "val/loss" in row else ""
     return (f"step {row['train/iter']:>{width}}/{total}  loss {row['train/loss']:.4f}{val}  "
             f"{row['train/tps']:>9,.0f} tok/s  mfu {row['train/mfu']:5.2f}%  "
             f"dt {row['train/dt'] * 1e3:7.1f} ms  eta {format_eta(eta_s)}")
