@@ -18,6 +18,12 @@ PLOTS = {  # file: (x key, y keys, title, y label)
 }
 
 
+def label(key: str, keys: tuple[str, ...]) -> str:
+    """The key without its group (`mem_rss`), unless that is ambiguous (train/val loss)."""
+    short = key.split("/")[-1]
+    return key if sum(k.split("/")[-1] == short for k in keys) > 1 else short
+
+
 def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     """One PNG per entry of PLOTS (matplotlib imported here: only at the end of a run)."""
     from matplotlib.figure import Figure
@@ -30,7 +36,7 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
         for key in y_keys:
             points = [(r[x_key], r[key]) for r in rows if key in r]
             if points:
-                ax.plot(*zip(*points, strict=True), label=key.split("/")[-1],
+                ax.plot(*zip(*points, strict=True), label=label(key, y_keys),
                         marker="." if len(points) < 50 else None)
         ax.set(title=title, xlabel=X_LABELS[x_key], ylabel=y_label)
         ax.grid(alpha=0.3)
