@@ -35,15 +35,15 @@ def worker_train(argv: list[str]) -> dict[str, float]:
     from loom.mesh import ParallelDims
     from loom.runtime import init_distributed, rank_info, teardown
 
-    build_dataset, data_s = train.build_dataset, []
+    build_datasets, data_s = train.build_datasets, []
 
     def timed_build(*args, **kwargs):
         start = time.perf_counter()
-        out = build_dataset(*args, **kwargs)
+        out = build_datasets(*args, **kwargs)
         data_s.append(time.perf_counter() - start)
         return out
 
-    train.build_dataset = timed_build
+    train.build_datasets = timed_build
     info, cfg = rank_info(), parse_args(argv)
     trainer = train.Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
                             init_distributed(info))

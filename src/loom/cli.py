@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 import signal
@@ -12,7 +13,8 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 import loom
-from loom.config import ConfigError, parse_args
+from loom.config import SECTIONS, ConfigError, JobConfig, parse_args
+from loom.config_file import to_toml
 from loom.launch import CONFIG_ERROR_EXIT
 from loom.mesh import ParallelDims
 from loom.preflight import check_outdir
@@ -25,14 +27,22 @@ from loom.runtime import (
 )
 from loom.watchdog import report, watch_launcher, write_error_file
 
-USAGE = """usage: loom {train,launch,export,plan} [FLAGS]  |  loom --version
+USAGE = """usage: loom {train,launch,export,plan,tokenize,eval,generate} [FLAGS]  |  loom --version
 
   loom train [FLAGS]          train in this process group (see `loom train --help`)
   loom launch [-n N] CMD...   start CMD on every rank (elastic agent, srun or mpiexec)
   loom export CKPT OUTDIR     write a checkpoint as a Hugging Face Llama model
   loom plan [FLAGS] --world-size N --device-memory SIZE [--search] [--json]
                               predict per-rank peak memory and step time before launch
+  loom tokenize SRC OUT       tokenize a corpus into memory-mapped shards (--dataset OUT)
+  loom eval CKPT --dataset D  validation loss of a checkpoint
+  loom generate CKPT --prompt TEXT   sample text from a checkpoint or HF folder
 """
+
+
+COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan.command",
+            "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate"}
+"""Subcommands other than train, each a module with `main(argv) -> exit code`."""
 
 
 def setup_logging(rank: int) -> None:
@@ -74,6 +84,10 @@ def quiet_upstream_notices() -> None:
     logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
 
 
+def config_toml(cfg: JobConfig) -> str:
+    return to_toml({name: getattr(cfg, name) for name in SECTIONS})
+
+
 def run_train(argv: Sequence[str]) -> int:
     """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2
     (each rank also leaves the line for `loom launch`, in case rank 0 was stopped first).
@@ -84,6 +98,10 @@ def run_train(argv: Sequence[str]) -> int:
     setup_logging(rank)
     try:
         cfg = parse_args(argv)
+        if "--print-config" in argv:
+            if rank == 0:
+                print(config_toml(cfg), end="")
+            return 0
         if not cfg.output.verbose:
             quiet_upstream_notices()
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
@@ -134,19 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     if command == "train":
         sys.exit(run_train(rest))
-    if command == "launch":
-        from loom import launch
-
-        sys.exit(launch.main(rest))
-    if command == "export":
-        from loom import export
-
-        sys.exit(export.main(rest))
-    if command == "plan":
-        setup_logging(0)
-        logging.getLogger("loom").setLevel(logging.WARNING)  # not each traced build's lines
-        from loom.plan.command import main as plan
-
-        sys.exit(plan(rest))
+    if command in COMMANDS:
+        sys.exit(importlib.import_module(COMMANDS[command]).main(rest))
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     sys.exit(2)

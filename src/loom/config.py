@@ -148,8 +148,20 @@ class DataConfig:
     num_workers: int = flag(0, "data loader worker processes")
     hf_limit_seed: int = flag(0, "seed of the --hf-limit subsample ($LOOM_HF_LIMIT_SEED)",
                               hidden=True)
+    streaming: bool = flag(False, "read, tokenize and pack documents on the fly, dealt to dp "
+                           "ranks (needs --max-steps; resumes at the exact token)")
     cache_dir: str | None = flag(None, "tokenization cache folder ($LOOM_CACHE_DIR; "
                                  "default ~/.cache/loom)", type=str, hidden=True)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    val_dataset: str | None = flag(None, "validation data: hub id, local file/folder or shard "
+                                   "folder (same tokenizer as --dataset)", type=str)
+    val_fraction: float = flag(0.0, "hold out this fraction of --dataset's tokens for "
+                               "validation, cut between documents")
+    eval_every: int = flag(0, "validation loss every N steps (0 = only after the last step)")
+    eval_steps: int = flag(8, "global batches per validation (at most the whole set)")
 
 
 @dataclass(frozen=True)
@@ -195,6 +207,7 @@ class JobConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warnings: tuple[str, ...] = ()
     """Messages produced while resolving the config, logged once by rank 0."""
@@ -270,6 +283,10 @@ def build_parser(prog: str = "loom train") -> argparse.ArgumentParser:
                         help="same as --reshard-after-forward never")
     parser.add_argument("--fp32", dest="dtype", action="store_const", const="fp32",
                         help="same as --dtype fp32")
+    parser.add_argument("--config", dest="config_file", type=str,
+                        help="TOML file of settings, one [section] per group; flags override it")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective config as TOML and exit")
     return parser
 
 
@@ -430,10 +447,12 @@ def _fit_hf_model(values: dict[str, Any], warnings: list[str]) -> None:
 
 
 def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None,
-                      ) -> JobConfig:
-    """Build the job config: defaults < preset < $SEQ_LEN < explicit flags; then validate."""
+                      from_file: Mapping[str, Any] | None = None) -> JobConfig:
+    """Build the job config: defaults < preset < $SEQ_LEN < --config file < explicit flags;
+    then validate."""
     environ = os.environ if environ is None else environ
-    explicit = dict(explicit)
+    budget_given = "act_mem_budget" in explicit
+    explicit = {**(from_file or {}), **explicit}
     warnings: list[str] = []
     _resolve_sharding_strategy(explicit, warnings)
     values: dict[str, Any] = {}
@@ -464,16 +483,21 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     cfg = JobConfig(**{s: SECTIONS[s]()  # type: ignore[misc]
                        for s in SECTIONS}, warnings=tuple(warnings))
     cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in by_section.items()})
-    warnings += _knob_warnings(cfg.parallel, budget_given="act_mem_budget" in explicit)
+    warnings += _knob_warnings(cfg.parallel, budget_given=budget_given)
     cfg = replace(cfg, warnings=tuple(warnings), explicit=tuple(sorted(given)))
     validate(cfg)
     return cfg
 
 
 def parse_args(argv: Sequence[str]) -> JobConfig:
-    """Parse `loom train` flags; errors become ConfigError (one line, exit 2)."""
-    namespace = build_parser().parse_args(list(argv))
-    return config_from_flags(vars(namespace))
+    """Parse `loom train` flags (and a --config file); errors become ConfigError (one line,
+    exit 2). --print-config is acted on by the caller."""
+    from loom.config_file import read_config_file
+
+    explicit = vars(build_parser().parse_args(list(argv)))
+    explicit.pop("print_config", None)
+    path = explicit.pop("config_file", None)
+    return config_from_flags(explicit, from_file=read_config_file(path, SECTIONS) if path else None)
 
 
 def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
@@ -521,6 +545,18 @@ def _validate_numbers(cfg: JobConfig) -> None:
             raise ConfigError(f"{name} must not be empty")
 
 
+def _validate_eval(e: EvalConfig) -> None:
+    if not 0.0 <= e.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {e.val_fraction}")
+    if e.val_fraction and e.val_dataset is not None:
+        raise ConfigError("--val-dataset and --val-fraction exclude each other; pick one")
+    if e.eval_every < 0 or e.eval_steps < 1:
+        raise ConfigError(f"--eval-every must be >= 0 and --eval-steps >= 1, got "
+                          f"{e.eval_every} and {e.eval_steps}")
+    if e.eval_every and not (e.val_fraction or e.val_dataset):
+        raise ConfigError("--eval-every needs validation data: --val-dataset or --val-fraction")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
@@ -558,6 +594,15 @@ def validate(cfg: JobConfig) -> None:
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
     _validate_output(cfg.output)
+    _validate_eval(cfg.eval)
+    if d.streaming and (t.max_steps is None or cfg.eval.val_fraction
+                        or d.dataset == "random" or d.num_workers):
+        raise ConfigError("--streaming needs --max-steps (a stream has no epoch length) and "
+                          "text data; it excludes --val-fraction (use --val-dataset) and "
+                          "--num-workers")
+    if d.dataset == "random" and cfg.eval.val_dataset is not None:
+        raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
+                          "use --val-fraction)")
     _validate_moe(m, p)
     if hf and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "

@@ -8,7 +8,7 @@ from typing import Any
 
 X_LABELS = {"train/tokens_seen": "tokens seen", "train/iter": "step"}
 PLOTS = {  # file: (x key, y keys, title, y label)
-    "loss.png": ("train/tokens_seen", ("train/loss",), "training loss", "loss"),
+    "loss.png": ("train/tokens_seen", ("train/loss", "val/loss"), "loss", "loss"),
     "throughput.png": ("train/iter", ("train/tps",), "global throughput", "tokens / s"),
     "mfu.png": ("train/iter", ("train/mfu",), "model FLOPs utilisation (rank 0)", "MFU %"),
     "memory.png": ("train/iter", ("train/mem_alloc", "train/mem_alloc_peak",
@@ -16,6 +16,12 @@ PLOTS = {  # file: (x key, y keys, title, y label)
                                   "train/mem_rss", "train/mem_rss_peak"),
                    "memory (rank 0)", "GiB"),
 }
+
+
+def label(key: str, keys: tuple[str, ...]) -> str:
+    """The key without its group (`mem_rss`), unless that is ambiguous (train/val loss)."""
+    short = key.split("/")[-1]
+    return key if sum(k.split("/")[-1] == short for k in keys) > 1 else short
 
 
 def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
@@ -30,7 +36,7 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
         for key in y_keys:
             points = [(r[x_key], r[key]) for r in rows if r.get(key) is not None]
             if points:
-                ax.plot(*zip(*points, strict=True), label=key.split("/")[-1],
+                ax.plot(*zip(*points, strict=True), label=label(key, y_keys),
                         marker="." if len(points) < 50 else None)
         ax.set(title=title, xlabel=X_LABELS[x_key], ylabel=y_label)
         ax.grid(alpha=0.3)

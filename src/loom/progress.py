@@ -38,7 +38,8 @@ def format_mfu(mfu: float | None) -> str:
 
 def format_progress(row: dict[str, Any], total: int, eta_s: float) -> str:
     width = len(str(total))
-    return (f"step {row['train/iter']:>{width}}/{total}  loss {row['train/loss']:.4f}  "
+    val = f"  val {row['val/loss']:.4f} ppl {row['val/ppl']:,.1f}" if "val/loss" in row else ""
+    return (f"step {row['train/iter']:>{width}}/{total}  loss {row['train/loss']:.4f}{val}  "
             f"{row['train/tps']:>9,.0f} tok/s  mfu {format_mfu(row['train/mfu'])}  "
             f"dt {row['train/dt'] * 1e3:7.1f} ms  eta {format_eta(eta_s)}")
 

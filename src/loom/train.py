@@ -18,7 +18,9 @@ from torch import nn
 
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
-from loom.data.loaders import build_dataloader, build_dataset
+from loom.data.loaders import build_dataloader, build_datasets
+from loom.data.streaming import data_state, restore_data_state
+from loom.evaluate import build_evaluator
 from loom.losses import IGNORE_INDEX, build_loss, resolve_loss_impl
 from loom.mesh import ParallelDims
 from loom.metrics import build_metrics, environment_facts
@@ -110,7 +112,7 @@ class Trainer:
         cfg = replace(cfg, parallel=replace(cfg.parallel, dtype=self.precision.dtype))
         cfg = resolve_hf_model(cfg, info.local_rank)  # a HF --model: its shape and vocab
         self.check_model_fits(cfg)
-        dataset, cfg = build_dataset(cfg, info.local_rank)  # sizes the vocab from the tokenizer
+        dataset, val_dataset, cfg = build_datasets(cfg, info.local_rank)  # vocab sized
         self.cfg = cfg = resolve_loss_impl(cfg)  # effective --loss-impl, before the tp plan
         self.loader = build_dataloader(
             dataset, batch_size=cfg.train.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
@@ -121,6 +123,7 @@ class Trainer:
             check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)))
         self.model = self.build_model()
         self.loss_fn = build_loss(cfg.loss, self.model, dims.tp)
+        self.evaluator = build_evaluator(val_dataset, cfg, dims, self.loss_fn, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
         self.checkpointer = Checkpointer(outdir, cfg.checkpoint.checkpoint_interval,
@@ -162,6 +165,7 @@ class Trainer:
             rescale_lr(self.optimizer, self.scheduler, saved["settings"]["lr"], self.cfg.optim.lr)
         loop = LoopState(step=saved["step"], tokens_seen=saved["tokens_seen"],
                          samples_seen=saved["samples_seen"])
+        restore_data_state(self.loader, saved)
         if loop.samples_seen % self.global_batch:
             logger.warning("resuming with global batch %d, which does not divide the %d "
                            "samples consumed: continuing from the last whole step",
@@ -299,8 +303,9 @@ class Trainer:
                                                            max(0, total - self.loop.step)):
                     loss, grad_norm = self.train_step(micro)
                     self.advance()
+                    val = self.maybe_evaluate(final=self.loop.step == total)
                     self.metrics.log_step(self.loop.step, epoch, bidx, loss, grad_norm,
-                                          self.moe_metrics)
+                                          {**self.moe_metrics, **val})
                     profiler.step()
                     self.maybe_checkpoint(final=self.loop.step == total)
                     watchdog.beat(self.loop.step)
@@ -314,6 +319,11 @@ class Trainer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.checkpointer.finish()
+
+    def maybe_evaluate(self, final: bool) -> dict[str, float]:
+        if self.evaluator is None:
+            return {}
+        return self.evaluator.maybe_evaluate(self.model, self.loop.step, final)
 
     def advance(self) -> None:
         tokens = self.global_batch * self.cfg.data.seq_len
@@ -349,7 +359,8 @@ class Trainer:
             **vars(self.loop), "scheduler": self.scheduler.state_dict(),
             "global_batch": self.global_batch, "mesh": self.dims.degrees,
             "model_args": vars(model_args(self.cfg)), "settings": run_settings(self.cfg),
-            "architecture": architecture(self.cfg, model_args(self.cfg))})
+            "architecture": architecture(self.cfg, model_args(self.cfg)),
+            **data_state(self.loader)})
         self.checkpointer.last_save_seconds = time.perf_counter() - start
 
     def close(self) -> None:

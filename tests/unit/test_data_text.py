@@ -71,7 +71,7 @@ def data_config(tmp_path: Path, dataset: str | None, seq_len: int = 8, **flags):
 
 
 def stream_of(dataset: PackedTokens) -> list[int]:
-    return dataset.tokens[:].astype(np.int64).tolist()
+    return dataset.stream[:].astype(np.int64).tolist()
 
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl", "txt"])
@@ -153,7 +153,7 @@ def test_second_build_reads_the_cache_and_seq_len_is_not_part_of_the_key(tmp_pat
 
     monkeypatch.setattr(text, "load_documents", no_tokenizing)
     again, _ = build_dataset(data_config(tmp_path, path, seq_len=4), local_rank=0)
-    assert stream_of(again) == stream_of(first) and again.path == first.path
+    assert stream_of(again) == stream_of(first) and again.stream.path == first.stream.path
     with pytest.raises(AssertionError, match="tokenized again"):
         build_dataset(data_config(tmp_path, path, hf_text_column="other"), local_rank=0)
 

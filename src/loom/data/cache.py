@@ -55,6 +55,9 @@ class TokenCache:
     def exists(self) -> bool:
         return (self.path / "meta.json").is_file()
 
+    def stream(self) -> CachedStream:
+        return CachedStream(self.tokens_path)
+
     def meta(self) -> dict[str, Any]:
         return json.loads((self.path / "meta.json").read_text())
 
@@ -70,3 +73,26 @@ class TokenCache:
             shutil.rmtree(tmp, ignore_errors=True)
             if not self.exists():
                 raise
+
+
+class CachedStream:
+    """A cache entry's token array, memory-mapped on first use in each process (the map is
+    not pickled, so loader workers open their own)."""
+
+    def __init__(self, path: Path):
+        self.path, self._tokens = path, None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = np.load(self.path, mmap_mode="r")
+        return self._tokens
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        return self.tokens[window]

@@ -19,7 +19,16 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from loom.config import ConfigError, JobConfig
 from loom.data.cache import TokenCache, cache_key, default_cache_dir
-from loom.data.text import PackedTokens, cache_parts, prepare_tokens, resolve_source
+from loom.data.shards import ShardStream, is_shard_folder, read_manifest
+from loom.data.split import held_out_cut
+from loom.data.streaming import PackedStream, StreamLoader, StreamSpec, build_stream_spec
+from loom.data.text import (
+    PackedTokens,
+    TokenStream,
+    cache_parts,
+    prepare_tokens,
+    resolve_source,
+)
 from loom.data.tokenizers import tokenizer_name
 from loom.presets import is_hf_model
 
@@ -88,10 +97,13 @@ class GlobalOrderSampler(Sampler[int]):
 
 
 def build_dataloader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size: int,
-                     seed: int, num_workers: int) -> DataLoader:
+                     seed: int, num_workers: int, shuffle: bool = True,
+                     ) -> DataLoader | StreamLoader:
     """A loader that drops the ragged tail in sampler and loader alike (ragged shapes force
     recompiles); fails when that leaves no full batch for this rank."""
-    sampler = GlobalOrderSampler(len(dataset), batch_size, dp_rank, dp_size, seed)
+    if isinstance(dataset, StreamSpec):
+        return StreamLoader(PackedStream(dataset, dp_rank, dp_size), batch_size, dataset.batches)
+    sampler = GlobalOrderSampler(len(dataset), batch_size, dp_rank, dp_size, seed, shuffle)
     if sampler.steps_per_epoch == 0:
         raise ConfigError(
             f"zero full batches on this rank: dataset has {len(dataset)} samples but one "
@@ -103,24 +115,67 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size
 
 
 def build_dataset(cfg: JobConfig, local_rank: int) -> tuple[Dataset, JobConfig]:
-    """The training dataset, and `cfg` with the vocabulary sized from its tokenizer.
+    """The training dataset, and `cfg` with the vocabulary sized from its tokenizer."""
+    train, _, cfg = build_datasets(cfg, local_rank)
+    return train, cfg
 
-    Text is tokenized by local rank 0 of each node while the other ranks wait; they then
-    read the cache, so N ranks never tokenize the same data concurrently.
-    """
-    data = cfg.data
+
+def build_datasets(cfg: JobConfig, local_rank: int,
+                   ) -> tuple[Dataset | StreamSpec, Dataset | None, JobConfig]:
+    """(training set, validation set or None, `cfg` sized to the tokenizer). A
+    --val-fraction holds out the tail of the training tokens, cut between documents;
+    --streaming gives a stream spec that `build_dataloader` deals out to the dp ranks."""
+    data, ev = cfg.data, cfg.eval
     if data.dataset == "random":
-        return RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed), cfg
-    source = resolve_source(data.dataset)
+        train = RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed)
+        val = RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed + 1,
+                           max(1, round(len(train) * ev.val_fraction))) \
+            if ev.val_fraction else None
+        return train, val, cfg
+    if data.streaming:
+        spec = build_stream_spec(cfg, tokenizer_name(data.tokenizer_name, cfg.model.model))
+        val = None if ev.val_dataset is None else PackedTokens(
+            *token_stream(ev.val_dataset, cfg, local_rank)[:2], data.seq_len)
+        tok = spec.tokenizer
+        return spec, val, sized_to_tokenizer(cfg, {"vocab_size": tok.size,
+                                                   "tokenizer": tok.name})
+    stream, meta, name = token_stream(data.dataset, cfg, local_rank)
+    span = (0, len(stream))
+    val = None
+    if ev.val_fraction:
+        cut = held_out_cut(stream, meta["eot_id"], ev.val_fraction)
+        span = (0, cut)
+        val = PackedTokens(stream, meta, data.seq_len, (cut, len(stream)))
+    elif ev.val_dataset is not None:
+        val_stream, val_meta, _ = token_stream(ev.val_dataset, cfg, local_rank)
+        if (val_meta["vocab_size"], val_meta["eot_id"]) != (meta["vocab_size"], meta["eot_id"]):
+            raise ConfigError(f"--val-dataset {ev.val_dataset} was tokenized with "
+                              f"{val_meta['tokenizer']}, --dataset with {meta['tokenizer']}")
+        val = PackedTokens(val_stream, val_meta, data.seq_len)
+    train = PackedTokens(stream, meta, data.seq_len, span)
+    logger.info("data: %s, %d tokens, %d windows of %d tokens%s", name, train.n_tokens,
+                len(train), data.seq_len + 1,
+                "" if val is None else f"; validation {val.n_tokens} tokens")
+    return train, val, sized_to_tokenizer(cfg, meta)
+
+
+def token_stream(dataset: str | None, cfg: JobConfig, local_rank: int,
+                 ) -> tuple[TokenStream, dict, str]:
+    """(tokens, metadata, name) of a shard folder from `loom tokenize` (memory-mapped, no
+    rank waits), or of text tokenized once per node into the cache (local rank 0
+    tokenizes while the other ranks wait, so N ranks never tokenize the same data)."""
+    if dataset is not None and is_shard_folder(dataset):
+        folder = Path(dataset).expanduser()
+        manifest = read_manifest(folder)
+        return ShardStream(folder, manifest), manifest, str(folder)
+    data = cfg.data
+    source = resolve_source(dataset)
     tokenizer = tokenizer_name(data.tokenizer_name, cfg.model.model)
     root = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
     cache = TokenCache(root, cache_key(cache_parts(source, data, tokenizer)))
     on_node_leaders(lambda: prepare_tokens(cache, source, data, tokenizer, root),
                     leader=local_rank == 0)
-    dataset = PackedTokens(cache, data.seq_len)
-    logger.info("data: %s, %d tokens, %d windows of %d tokens", source.name,
-                dataset.n_tokens, len(dataset), data.seq_len + 1)
-    return dataset, sized_to_tokenizer(cfg, dataset.meta)
+    return cache.stream(), cache.meta(), source.name
 
 
 def on_node_leaders(fn: Callable[[], None], leader: bool) -> None:

@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -41,6 +41,14 @@ BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parq
 """Local file suffix -> `datasets` builder (.gz is read through for text, json and csv)."""
 ENCODE_BATCH = 1000
 """Documents per tokenizer call: big enough for the Rust tokenizer to use every core."""
+
+
+class TokenStream(Protocol):
+    """A flat, read-only token sequence that can be sliced (memory-mapped, never loaded)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, window: slice) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -204,31 +212,25 @@ def mask_labels(labels: torch.Tensor, attention_mask: torch.Tensor,
 
 
 class PackedTokens(Dataset):
-    """Consecutive windows of seq_len + 1 tokens over the cached stream: input = w[:-1],
-    labels = w[1:], both exactly seq_len long. The tail shorter than a window is padded
-    and masked; the stream is memory-mapped per process (cheap to hand to workers)."""
+    """Consecutive windows of seq_len + 1 tokens over tokens [start, end) of a stream (the
+    cache's memory-mapped array or the shards): input = w[:-1], labels = w[1:], both exactly
+    seq_len long. The tail shorter than a window is padded and masked."""
 
-    def __init__(self, cache: TokenCache, seq_len: int):
-        self.path, self.seq_len, self.meta = cache.tokens_path, seq_len, cache.meta()
-        self.n_tokens = int(self.meta["n_tokens"])
-        self.pad_id: int | None = self.meta["pad_id"]
-        self._tokens: np.ndarray | None = None
-
-    @property
-    def tokens(self) -> np.ndarray:
-        if self._tokens is None:
-            self._tokens = np.load(self.path, mmap_mode="r")
-        return self._tokens
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tokens": None}
+    def __init__(self, stream: TokenStream, meta: dict[str, Any], seq_len: int,
+                 span: tuple[int, int] | None = None):
+        self.stream, self.seq_len, self.meta = stream, seq_len, meta
+        self.start, end = span or (0, len(stream))
+        self.n_tokens = end - self.start
+        self.pad_id: int | None = meta["pad_id"]
 
     def __len__(self) -> int:
         return -(-self.n_tokens // (self.seq_len + 1))
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         width = self.seq_len + 1
-        chunk = torch.from_numpy(self.tokens[index * width:(index + 1) * width].astype(np.int64))
+        first = self.start + index * width
+        last = self.start + min((index + 1) * width, self.n_tokens)
+        chunk = torch.from_numpy(self.stream[first:last].astype(np.int64))
         window = torch.full((width,), self.meta["eot_id"] if self.pad_id is None else
                             self.pad_id, dtype=torch.int64)
         window[:len(chunk)] = chunk

@@ -47,6 +47,9 @@ class TextTokenizer:
             return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
         return self.backend(texts, add_special_tokens=False)["input_ids"]
 
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids)
+
 
 def tokenizer_name(tokenizer: str | None, model: str | None) -> str | None:
     """--tokenizer-name, else the repo of an HF --model, else None (the shipped one)."""

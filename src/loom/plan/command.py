@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loom.cli import setup_logging
 from loom.config import ConfigError, JobConfig, parse_args
 from loom.data.cache import default_cache_dir
 from loom.losses import resolve_loss_impl
@@ -109,6 +110,8 @@ def report(plan: Plan, cfg: JobConfig, device: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """Exit 0 when the plan was made (fitting or not), 2 on bad input."""
+    setup_logging(0)
+    logger.setLevel(logging.WARNING)  # not each traced build's lines
     try:
         options, train_argv = plan_parser().parse_known_args(list(argv))
         if options.world_size < 1:

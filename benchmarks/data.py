@@ -1,0 +1,120 @@
+"""Pretraining-scale data: `loom tokenize` throughput and training start-up / peak RSS on a
+small vs a large synthetic corpus, shards (memory-mapped) vs the old token cache.
+
+    python benchmarks/data.py                 # 2 MB vs 20 MB of text (~5-10 min on 2 busy cores)
+    python benchmarks/data.py --full          # 20 MB vs 400 MB (the issue's acceptance sizes)
+
+- tokenize: `loom tokenize` of the large corpus with -j 1 and -j 2 (MB/s, tokens/s);
+- train: a fresh `loom train --model debug --fp32 --max-steps 2` process per row; start-up
+  is summary.json's setup_s (interpreter start to the first step), peak RSS the last
+  metrics row's train/mem_rss_peak. "shards" trains on the `loom tokenize` output, "cache
+  cold" on the jsonl through the old cache (tokenized inside the run), "cache warm" on the
+  cache the cold run filled. Ratios are large / small, measured in the same run.
+Writes benchmarks/results/data.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "data.json"
+TRAIN = ["-m", "loom", "train", "--model", "debug", "--fp32", "--max-steps", "2",
+         "--seq-len", "64", "--seed", "1", "--health-every", "0"]
+
+
+def synthetic_jsonl(path: Path, megabytes: int, seed: int = 0) -> None:
+    """Documents of 50-500 words drawn from a Zipf-like list of 5000 made-up words."""
+    rng = random.Random(seed)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(5000)]
+    weights = [1 / (i + 1) for i in range(len(words))]
+    pool = rng.choices(words, weights, k=200_000)
+    target, written = megabytes * 2**20, 0
+    with path.open("w") as f:
+        while written < target:
+            start = rng.randrange(len(pool) - 500)
+            line = json.dumps({"text": " ".join(pool[start:start + rng.randint(50, 500)])})
+            f.write(line + "\n")
+            written += len(line) + 1
+
+
+def tokenize(src: Path, out: Path, jobs: int) -> dict[str, float]:
+    from loom.tokenize import tokenize as run
+
+    shutil.rmtree(out, ignore_errors=True)
+    manifest = run(str(src), out, jobs=jobs)
+    return {"jobs": jobs, "mb": manifest["bytes"] / 2**20, "tokens": manifest["n_tokens"],
+            **manifest["speed"]}
+
+
+def train(dataset: Path, outdir: Path, cache: Path) -> dict[str, float]:
+    env = {**os.environ, "LOOM_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, *TRAIN, "--dataset", str(dataset), "--outdir",
+                          str(outdir)], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"loom train failed:\n{out.stderr[-2000:]}")
+    summary = json.loads((outdir / "summary.json").read_text())
+    last = json.loads((outdir / "metrics-0.jsonl").read_text().splitlines()[-1])
+    return {"setup_s": summary["timings"]["setup_s"],
+            "peak_rss_gib": last["train/mem_rss_peak"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="20 MB vs 400 MB")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep files here")
+    opts = parser.parse_args()
+    small_mb, large_mb = (20, 400) if opts.full else (2, 20)
+    work = opts.workdir or Path(tempfile.mkdtemp(prefix="loom-data-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict = {"sizes_mb": [small_mb, large_mb], "cpus": os.cpu_count(),
+                     "load_avg": os.getloadavg(), "tokenize": [], "train": []}
+    for size in (small_mb, large_mb):
+        synthetic_jsonl(work / f"text-{size}.jsonl", size)
+    results["tokenize"] = [tokenize(work / f"text-{large_mb}.jsonl", work / f"shards-{large_mb}",
+                                    jobs) for jobs in (1, 2)]
+    tokenize(work / f"text-{small_mb}.jsonl", work / f"shards-{small_mb}", 2)
+    for size in (small_mb, large_mb):
+        cache = work / f"cache-{size}"
+        shutil.rmtree(cache, ignore_errors=True)
+        for kind, dataset in (("shards", work / f"shards-{size}"),
+                              ("cache cold", work / f"text-{size}.jsonl"),
+                              ("cache warm", work / f"text-{size}.jsonl")):
+            row = train(dataset, work / f"run-{size}-{kind.replace(' ', '-')}", cache)
+            results["train"].append({"mb": size, "kind": kind, **row})
+
+    print(f"\nloom tokenize, {large_mb} MB of synthetic jsonl")
+    print(f"{'-j':>3} {'seconds':>8} {'MB/s':>7} {'tokens/s':>12}")
+    for r in results["tokenize"]:
+        print(f"{r['jobs']:>3} {r['seconds']:>8.1f} {r['mb_per_s']:>7.2f} "
+              f"{r['tokens_per_s']:>12,.0f}")
+    print(f"\nloom train --model debug --max-steps 2: start-up and peak RSS, "
+          f"{small_mb} MB vs {large_mb} MB")
+    print(f"{'data':<11} {'MB':>4} {'setup s':>8} {'peak RSS GiB':>13}")
+    for r in results["train"]:
+        print(f"{r['kind']:<11} {r['mb']:>4} {r['setup_s']:>8.1f} {r['peak_rss_gib']:>13.3f}")
+    ratios = {}
+    for kind in ("shards", "cache cold", "cache warm"):
+        small, large = (r for r in results["train"] if r["kind"] == kind)
+        ratios[kind] = {"rss_large_over_small": large["peak_rss_gib"] / small["peak_rss_gib"],
+                        "setup_large_over_small": large["setup_s"] / small["setup_s"]}
+        print(f"{kind}: peak RSS x{ratios[kind]['rss_large_over_small']:.2f}, start-up "
+              f"x{ratios[kind]['setup_large_over_small']:.2f} ({large_mb} MB / {small_mb} MB)")
+    results["ratios"] = ratios
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+    if opts.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""`loom train --config run.toml` and `--print-config`: the job config as TOML, one table per
+config dataclass (`[train] max_steps = 3`, `[optim] lr = 0.01`).
+
+Read with the standard library's tomllib; written by the small writer below (loom's values
+are only booleans, numbers and strings), so what `--print-config` prints reads back equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from loom.config import ConfigError
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _check(section: str, f: dataclasses.Field, value: Any) -> Any:
+    """The value if it has the field's type (an int is a valid float); else one line."""
+    default, meta = _default(f), f.metadata
+    expected = type(default) if default is not None else meta["type"]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not expected:
+        raise ConfigError(f"config file: [{section}] {f.name} = {value!r} must be "
+                          f"{expected.__name__}")
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"config file: [{section}] {f.name} = {value!r}; choose from "
+                          f"{', '.join(meta['choices'])}")
+    return value
+
+
+def read_config_file(path: str, sections: Mapping[str, Callable]) -> dict[str, Any]:
+    """The file's settings as {field name: value}, every name and type checked."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise ConfigError("--config needs Python 3.11 or later (tomllib)") from None
+    try:
+        data = tomllib.loads(Path(path).expanduser().read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+    values: dict[str, Any] = {}
+    for section, table in data.items():
+        if section not in sections or not isinstance(table, dict):
+            raise ConfigError(f"--config {path}: unknown section [{section}]; sections: "
+                              f"{', '.join(sections)}")
+        known = {f.name: f for f in dataclasses.fields(sections[section])}
+        for name, value in table.items():
+            if name not in known:
+                raise ConfigError(f"--config {path}: [{section}] has no setting {name!r}")
+            values[name] = _check(section, known[name], value)
+    return values
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")) \
+            if not math.isfinite(value) else repr(value)
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(value)  # a valid TOML basic string
+
+
+def to_toml(sections: Mapping[str, Any]) -> str:
+    """One table per section, in declaration order; unset (None) fields are left out."""
+    lines: list[str] = []
+    for name, section in sections.items():
+        lines.append(f"[{name}]")
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if value is not None:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)

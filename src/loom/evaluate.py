@@ -1,0 +1,140 @@
+"""Validation loss: training's model and loss function under the same mesh, without
+gradient state, and `loom eval CHECKPOINT --dataset ...` for a saved model.
+
+The loss is summed over valid tokens and divided once by the global count, exactly as
+training reduces it, so a 2-rank dp run and a 1-rank run report the same value.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from loom.config import ConfigError, JobConfig, parse_args
+from loom.data.loaders import build_dataloader
+from loom.losses import IGNORE_INDEX, LossFn
+from loom.mesh import ParallelDims
+
+logger = logging.getLogger("loom")
+
+
+class Evaluator:
+    """The first `steps` global batches of a dataset in a fixed order (the same tokens at
+    every evaluation, so the curve compares like with like)."""
+
+    def __init__(self, dataset: Dataset, loss_fn: LossFn, dims: ParallelDims,
+                 device: torch.device, batch_size: int, steps: int, every: int):
+        try:
+            self.loader = build_dataloader(dataset, batch_size=batch_size, dp_rank=dims.dp_rank,
+                                           dp_size=dims.dp_size, seed=0, num_workers=0,
+                                           shuffle=False)
+        except ConfigError as e:
+            raise ConfigError(f"validation data: {e}") from None
+        self.steps = min(steps, self.loader.sampler.steps_per_epoch)
+        self.loss_fn, self.dims, self.device, self.every = loss_fn, dims, device, every
+
+    def maybe_evaluate(self, model: nn.Module, step: int, final: bool) -> dict[str, float]:
+        """`val/loss` and `val/ppl` when due (every `every` steps and after the last)."""
+        if not (final or (self.every and step % self.every == 0)):
+            return {}
+        return self.evaluate(model)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        valid = torch.zeros((), device=self.device, dtype=torch.float64)
+        for batch in itertools.islice(self.loader, self.steps):
+            inputs = batch["input"].to(self.device)
+            labels = batch["labels"].to(self.device)
+            count = (labels != IGNORE_INDEX).sum()
+            loss_sum += self.loss_fn(model, inputs, labels).double() * count
+            valid += count
+        packed = torch.stack([loss_sum, valid]) / self.dims.tp  # tp ranks hold copies
+        dist.all_reduce(packed)
+        loss = float(packed[0] / packed[1])
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 700.0)),
+                "val/tokens": int(packed[1])}
+
+
+def build_evaluator(dataset: Dataset | None, cfg: JobConfig, dims: ParallelDims,
+                    loss_fn: LossFn, device: torch.device) -> Evaluator | None:
+    if dataset is None:
+        return None
+    return Evaluator(dataset, loss_fn, dims, device, cfg.train.batch_size,
+                     cfg.eval.eval_steps, cfg.eval.eval_every)
+
+
+MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+                "ffn_dim_multiplier", "hidden_dim", "rope_theta", "norm_eps", "max_seq_len")
+
+
+def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
+    """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
+    are evaluated, else --dataset); the model's shape comes from the checkpoint, and the
+    run writes only to `<run>/eval-step-N/`."""
+    loop = checkpoint / "loop.json"
+    if not loop.is_file():
+        raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
+    shape = json.loads(loop.read_text())["model_args"]
+    cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
+                      "--outdir", str(checkpoint.parent.parent / f"eval-{checkpoint.name}")])
+    model = replace(cfg.model, **{k: shape[k] for k in MODEL_FIELDS})
+    return replace(cfg, model=model, output=replace(cfg.output, metrics=False))
+
+
+def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
+    """Load the checkpoint through training's own resume path and evaluate --dataset."""
+    from loom.runtime import init_distributed, rank_info, teardown
+    from loom.train import Trainer
+
+    cfg = eval_config(checkpoint, argv)
+    info = rank_info()
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size)
+    device = init_distributed(info)
+    trainer = Trainer(cfg, info, dims, device)
+    evaluator = trainer.evaluator or Evaluator(trainer.loader.dataset, trainer.loss_fn, dims,
+                                               device, cfg.train.batch_size,
+                                               cfg.eval.eval_steps, every=0)
+    result = evaluator.evaluate(trainer.model)
+    if info.is_main:
+        out = trainer.metrics.outdir / "eval.json"
+        out.write_text(json.dumps({"checkpoint": str(checkpoint), "dataset": cfg.data.dataset,
+                                   **result}, indent=2) + "\n")
+        print(f"{checkpoint}: val/loss {result['val/loss']:.4f}  val/ppl "
+              f"{result['val/ppl']:.2f}  over {result['val/tokens']:,} tokens ({out})")
+    trainer.close()
+    teardown()
+    return result
+
+
+def main(argv: Sequence[str]) -> int:
+    from loom.cli import setup_logging
+    from loom.runtime import rank_info
+
+    rank = rank_info().rank
+    setup_logging(rank)
+    if not argv or argv[0].startswith("-"):
+        print("usage: loom eval CHECKPOINT --dataset DATA [--val-fraction F | --val-dataset V] "
+              "[training flags: --eval-steps, --batch-size, --seq-len, mesh...]")
+        return 2 if not argv or argv[0] not in ("-h", "--help") else 0
+    try:
+        run_eval(Path(argv[0]), argv[1:])
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # rank-specific: every rank reports its own
+        print(f"error (rank {rank}): {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0

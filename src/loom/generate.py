@@ -1,0 +1,111 @@
+"""`loom generate CHECKPOINT --prompt TEXT`: continue a prompt with a trained model, in one
+process, so a user can see what training produced.
+
+A loom checkpoint is read through `loom.export.load_model_state` (DCP with the restricted
+metadata reader); a Hugging Face folder (e.g. from `loom export`) through transformers.
+Greedy by default; --temperature and --top-k sample. No KV cache: each new token runs the
+whole window again, which is fine for the short samples this is meant for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from loom.config import ConfigError, ModelConfig
+from loom.data.tokenizers import TextTokenizer, load_tokenizer
+
+Logits = Callable[[torch.Tensor], torch.Tensor]
+"""Token ids (1, T) -> logits (1, T, V)."""
+
+
+def load_model(path: Path) -> tuple[nn.Module, int, str | None]:
+    """(model in eval mode, context length, tokenizer recorded by the run or None)."""
+    if (path / "loop.json").is_file():
+        from loom.export import load_model_state
+        from loom.models.llama import Transformer
+
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # by design
+        state, args = load_model_state(path)
+        model = Transformer(args)
+        model.load_state_dict(state)
+        config = path.parent.parent / "config.json"  # <run>/checkpoints/step-N
+        tokenizer = json.loads(config.read_text())["data"]["tokenizer_name"] \
+            if config.is_file() else None
+        return model.eval(), args.max_seq_len, tokenizer
+    if (path / "config.json").is_file():
+        from loom.models.hf import load_hf_model
+
+        model = load_hf_model(ModelConfig(model=str(path.resolve())))
+        has_tokenizer = (path / "tokenizer_config.json").is_file()
+        return model.eval(), model.hf.config.max_position_embeddings, \
+            str(path) if has_tokenizer else None
+    raise ConfigError(f"loom generate: {path} is neither a loom checkpoint (loop.json) nor "
+                      "a Hugging Face model folder (config.json)")
+
+
+@torch.no_grad()
+def sample(logits_of: Logits, ids: list[int], max_new_tokens: int, *, context: int,
+           temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> list[int]:
+    """The prompt ids followed by `max_new_tokens` new ones."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor([ids], dtype=torch.long)
+    for _ in range(max_new_tokens):
+        logits = logits_of(tokens[:, -context:])[:, -1, :].float()  # (1, V)
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k > 0:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+        tokens = torch.cat([tokens, nxt], dim=1)
+    return tokens[0].tolist()
+
+
+def generate(path: Path, prompt: str, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, tokenizer_name: str | None = None) -> str:
+    """The prompt and its continuation, as text."""
+    model, context, recorded = load_model(path)
+    tokenizer: TextTokenizer = load_tokenizer(tokenizer_name or recorded)
+    ids = tokenizer.encode([prompt])[0] or [tokenizer.eot_id]
+    out = sample(model, ids, max_new_tokens, context=context, temperature=temperature,
+                 top_k=top_k, seed=seed)
+    return tokenizer.decode(out)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="loom generate",
+                                     description="continue a prompt with a trained model")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoints/step-N folder or an "
+                        "exported Hugging Face folder")
+    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely "
+                        "tokens (0 = all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-name", "--tokenizer_name", default=None,
+                        help="default: the run's tokenizer (or the shipped GPT-2)")
+    opts = parser.parse_args(list(argv))
+    try:
+        if opts.max_new_tokens < 0 or opts.top_k < 0 or opts.temperature < 0:
+            raise ConfigError("--max-new-tokens, --top-k and --temperature must be >= 0")
+        print(generate(opts.checkpoint, opts.prompt, opts.max_new_tokens,
+                       temperature=opts.temperature, top_k=opts.top_k, seed=opts.seed,
+                       tokenizer_name=opts.tokenizer_name))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        print(f"error: loom generate failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,277 @@
+"""`loom tokenize SRC OUT`: a corpus to fixed-size token shards and a manifest.
+
+Pieces of the source (documents.py) are tokenized by `-j` processes into `OUT/.parts/`,
+each part written whole or not at all, so an interrupted run redoes only missing parts.
+The parts are then packed in source order into shards of `--shard-tokens` tokens; the
+manifest is written last, so a folder with a manifest is always complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from loom.config import ConfigError
+from loom.data.cache import token_dtype
+from loom.data.documents import Piece, hub_documents, plan_pieces, read_piece
+from loom.data.shards import MANIFEST, SHARD_FORMAT, shard_name
+from loom.data.text import resolve_source
+from loom.data.tokenizers import TextTokenizer, load_tokenizer, tokenizer_identity
+
+ENCODE_BATCH = 256
+"""Documents per tokenizer call."""
+HUB_DOCS_PER_PART = 20_000
+"""A streamed hub dataset is cut into parts of this many documents."""
+
+_worker_tokenizer: list[TextTokenizer] = []
+
+
+def encode(documents: Iterable[str], tokenizer: TextTokenizer, dtype: np.dtype,
+           ) -> tuple[np.ndarray, int]:
+    """Every document's tokens followed by end-of-text; returns (tokens, documents)."""
+    chunks, batch, count = [], [], 0
+    for text in [*documents, None]:
+        if text is not None:
+            batch.append(text)
+        if batch and (text is None or len(batch) == ENCODE_BATCH):
+            for ids in tokenizer.encode(batch):
+                chunks.append(np.asarray([*ids, tokenizer.eot_id], dtype=dtype))
+            count += len(batch)
+            batch = []
+    return (np.concatenate(chunks) if chunks else np.empty(0, dtype)), count
+
+
+class Parts:
+    """`OUT/.parts/`: numbered token files plus a JSON note each; the note is written after
+    the tokens and renamed into place, so a part with a note is complete."""
+
+    def __init__(self, out: Path):
+        self.root = out / ".parts"
+
+    def note(self, index: int) -> Path:
+        return self.root / f"{index:06d}.json"
+
+    def done(self, index: int) -> bool:
+        return self.note(index).is_file()
+
+    def write(self, index: int, tokens: np.ndarray, documents: int, size: int) -> None:
+        tokens.tofile(self.root / f"{index:06d}.bin")
+        tmp = self.root / f".{index:06d}.json.tmp"
+        tmp.write_text(json.dumps({"tokens": int(tokens.size), "documents": documents,
+                                   "bytes": size}))
+        tmp.rename(self.note(index))
+
+    def read(self, index: int, dtype: np.dtype) -> np.ndarray:
+        return np.fromfile(self.root / f"{index:06d}.bin", dtype=dtype)
+
+    def info(self, index: int) -> dict[str, int]:
+        return json.loads(self.note(index).read_text())
+
+    def claim(self, plan: dict[str, Any]) -> None:
+        """Start or resume; a folder left by a different source or tokenizer is refused."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        plan = json.loads(json.dumps(plan))  # tuples as lists, as read back
+        path = self.root / "plan.json"
+        if path.is_file() and json.loads(path.read_text()) != plan:
+            raise ConfigError(f"{self.root.parent} holds an interrupted tokenization of a "
+                              "different source or tokenizer; delete it or pick another OUT")
+        path.write_text(json.dumps(plan))
+
+
+class Throughput:
+    """A progress bar with MB/s and tokens/s (redrawn on a terminal, else every 10%)."""
+
+    def __init__(self, total_bytes: int, stream: TextIO = sys.stderr):
+        self.total, self.stream, self.t0 = max(total_bytes, 1), stream, time.perf_counter()
+        self.bytes = self.tokens = 0
+        self.last_tenth = -1
+
+    def line(self) -> str:
+        """The bar when the total is known (local files), else only the counts (hub)."""
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        frac = min(self.bytes / self.total, 1.0)
+        bar = "#" * round(30 * frac) + "-" * (30 - round(30 * frac))
+        done = f"[{bar}] {100 * frac:5.1f}%  " if self.total > 1 else ""
+        return (f"{done}{self.bytes / 2**20:,.1f} MB  {self.bytes / 2**20 / elapsed:,.1f} "
+                f"MB/s  {self.tokens / elapsed:,.0f} tok/s")
+
+    def update(self, size: int, tokens: int) -> None:
+        self.bytes += size
+        self.tokens += tokens
+        tenth = int(10 * self.bytes / self.total)
+        if self.stream.isatty():
+            self.stream.write("\r" + self.line())
+        elif tenth > self.last_tenth:
+            self.stream.write(self.line() + "\n")
+        self.last_tenth = tenth
+        self.stream.flush()
+
+    def close(self) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.t0
+        if self.stream.isatty() or self.last_tenth < 10:
+            self.stream.write(("\r" if self.stream.isatty() else "") + self.line() + "\n")
+        return {"seconds": elapsed, "mb_per_s": self.bytes / 2**20 / max(elapsed, 1e-9),
+                "tokens_per_s": self.tokens / max(elapsed, 1e-9)}
+
+
+def _init_worker(tokenizer: str | None) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # -j sets the parallelism
+    _worker_tokenizer.append(load_tokenizer(tokenizer))
+
+
+def _tokenize_piece(job: tuple[int, Piece, str, str]) -> tuple[int, int, int, int]:
+    index, piece, column, out = job
+    tokenizer = _worker_tokenizer[0]
+    tokens, documents = encode(read_piece(piece, column), tokenizer,
+                               token_dtype(tokenizer.size))
+    Parts(Path(out)).write(index, tokens, documents, piece.size)
+    return index, piece.size, int(tokens.size), documents
+
+
+def tokenize_local(pieces: list[Piece], parts: Parts, column: str, tokenizer: str | None,
+                   jobs: int, progress: Throughput) -> None:
+    pending = [(i, p, column, str(parts.root.parent)) for i, p in enumerate(pieces)
+               if not parts.done(i)]
+    if len(pending) < len(pieces):
+        print(f"resuming: {len(pieces) - len(pending)} of {len(pieces)} pieces already "
+              "tokenized", file=sys.stderr)
+    progress.total = max(1, sum(job[1].size for job in pending))  # this run's work only
+    if not pending:
+        return
+    context = multiprocessing.get_context("spawn")  # Rust tokenizer threads do not fork safely
+    with context.Pool(min(jobs, len(pending)), _init_worker, (tokenizer,)) as pool:
+        for _, size, tokens, _ in pool.imap_unordered(_tokenize_piece, pending):
+            progress.update(size, tokens)
+
+
+def tokenize_hub(name: str, parts: Parts, split: str, column: str, tokenizer: TextTokenizer,
+                 progress: Throughput) -> int:
+    """Parts of HUB_DOCS_PER_PART rows, in this process; returns the part count."""
+    done = 0
+    while parts.done(done):
+        done += 1
+    rows = hub_documents(name, split, column, skip=done * HUB_DOCS_PER_PART)
+    dtype = token_dtype(tokenizer.size)
+    while batch := list(itertools.islice(rows, HUB_DOCS_PER_PART)):
+        texts = [text for text in batch if text]
+        tokens, count = encode(texts, tokenizer, dtype)
+        size = sum(len(t.encode()) for t in texts)
+        parts.write(done, tokens, count, size)
+        progress.update(size, int(tokens.size))
+        done += 1
+    return done
+
+
+def write_shards(parts: Parts, n_parts: int, out: Path, shard_tokens: int,
+                 dtype: np.dtype) -> list[dict[str, Any]]:
+    """Pack the parts, in order, into shards of `shard_tokens` (the last may be shorter)."""
+    shards: list[dict[str, Any]] = []
+    buffer, filled = np.empty(shard_tokens, dtype), 0
+
+    def flush() -> None:
+        nonlocal filled
+        name = shard_name(len(shards))
+        data = buffer[:filled]
+        tmp = out / f".{name}.tmp"
+        data.tofile(tmp)
+        tmp.rename(out / name)
+        shards.append({"file": name, "tokens": int(filled),
+                       "sha256": hashlib.sha256(data.tobytes()).hexdigest()})
+        filled = 0
+
+    for index in range(n_parts):
+        tokens = parts.read(index, dtype)
+        while tokens.size:
+            take = min(tokens.size, shard_tokens - filled)
+            buffer[filled:filled + take] = tokens[:take]
+            filled, tokens = filled + take, tokens[take:]
+            if filled == shard_tokens:
+                flush()
+    if filled:
+        flush()
+    return shards
+
+
+def tokenize(src: str, out: Path, *, tokenizer_name: str | None = None, jobs: int = 1,
+             shard_tokens: int = 100_000_000, split: str = "train", column: str = "text",
+             ) -> dict[str, Any]:
+    """Tokenize `src` into `out` (resuming an interrupted run); returns the manifest."""
+    if (out / MANIFEST).is_file():
+        raise ConfigError(f"{out} already holds tokenized shards ({MANIFEST}); delete it "
+                          "or pick another OUT")
+    source = resolve_source(src)
+    tokenizer = load_tokenizer(tokenizer_name)
+    dtype = token_dtype(tokenizer.size)
+    parts = Parts(out)
+    pieces = plan_pieces(source.files, source.builder) if source.kind != "hub" else []
+    parts.claim({"source": source.identity(), "split": split, "column": column,
+                 "tokenizer": tokenizer_identity(tokenizer_name),
+                 "pieces": [asdict(p) for p in pieces]})
+    progress = Throughput(sum(p.size for p in pieces) or 1)
+    if source.kind == "hub":
+        n_parts = tokenize_hub(source.name, parts, split, column, tokenizer, progress)
+    else:
+        tokenize_local(pieces, parts, column, tokenizer_name, jobs, progress)
+        n_parts = len(pieces)
+    speed = progress.close()
+    infos = [parts.info(i) for i in range(n_parts)]
+    n_tokens = sum(i["tokens"] for i in infos)
+    if n_tokens == 0:
+        raise ConfigError(f"loom tokenize: {src} holds no text (column {column!r})")
+    manifest = {"format": SHARD_FORMAT, "source": source.name, "split": split,
+                "column": column, "tokenizer": tokenizer.name,
+                "tokenizer_identity": tokenizer_identity(tokenizer_name),
+                "vocab_size": tokenizer.size, "eot_id": tokenizer.eot_id,
+                "pad_id": tokenizer.pad_id, "dtype": dtype.name, "shard_tokens": shard_tokens,
+                "n_tokens": n_tokens, "documents": sum(i["documents"] for i in infos),
+                "bytes": sum(i["bytes"] for i in infos),
+                "shards": write_shards(parts, n_parts, out, shard_tokens, dtype)}
+    (out / f".{MANIFEST}.tmp").write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / f".{MANIFEST}.tmp").rename(out / MANIFEST)
+    shutil.rmtree(parts.root)
+    print(f"{src}: {manifest['documents']:,} documents, {n_tokens:,} tokens in "
+          f"{len(manifest['shards'])} shards -> {out} ({speed['seconds']:.1f} s, "
+          f"{speed['mb_per_s']:.1f} MB/s, {speed['tokens_per_s']:,.0f} tok/s)")
+    return {**manifest, "speed": speed}
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="loom tokenize",
+                                     description="tokenize a corpus into memory-mappable shards")
+    parser.add_argument("src", help="a .txt/.jsonl/.parquet file, a folder of them, or a hub "
+                        "dataset id (streamed)")
+    parser.add_argument("out", type=Path, help="folder for the shards and manifest.json")
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1,
+                        help="tokenizer processes (local files)")
+    parser.add_argument("--tokenizer-name", "--tokenizer_name", default=None,
+                        help="hub id or local folder (default: the shipped GPT-2)")
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000,
+                        help="tokens per shard")
+    parser.add_argument("--split", default="train", help="hub dataset split")
+    parser.add_argument("--text-column", default="text", help="jsonl/parquet/hub text field")
+    opts = parser.parse_args(list(argv))
+    try:
+        if opts.jobs < 1 or opts.shard_tokens < 1:
+            raise ConfigError("-j and --shard-tokens must be >= 1")
+        tokenize(opts.src, opts.out, tokenizer_name=opts.tokenizer_name, jobs=opts.jobs,
+                 shard_tokens=opts.shard_tokens, split=opts.split, column=opts.text_column)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"error: loom tokenize failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
