@@ -9,7 +9,7 @@ import pytest
 
 from loom import __version__
 from loom.cli import main
-from loom.config import HELP_GROUPS, build_parser, parse_args
+from loom.config import HELP_GROUPS, SECTIONS, build_parser, parse_args
 from loom.presets import PRESETS
 from tests.harness import REPO
 
@@ -25,6 +25,10 @@ def test_help_groups_flags_like_the_readme_and_shows_defaults_and_presets():
     assert "[default: 0.003]" in lr_help
     words = " ".join(text.split())  # the epilog is wrapped to the terminal width
     assert all(f"{name} (" in words for name in PRESETS)
+
+
+def test_every_config_section_has_its_flags_in_help():
+    assert set(HELP_GROUPS) == set(SECTIONS)
 
 
 def test_version(capsys):
