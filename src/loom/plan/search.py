@@ -4,9 +4,10 @@ Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, dp_shard the rest; ep
 `check_supported`) and knobs (--ac, --loss-impl, --reshard-after-forward, micro-batch
 1-8, off or --compile at budget 0.5). Candidates are visited fastest first (the step-time
 estimate needs no trace). Memory depends on (tp, dp_shard, ac, loss, reshard) only, so
-each such key is traced once at micro-batch 1 and the batch-proportional categories
-(activations, backward temporaries, inputs) are scaled by the micro-batch; the compile
-budget scales activations as in `loom plan`. Run `loom plan` on a printed line for its
+each such key is traced once at micro-batch 1; in every phase of that trace the
+batch-proportional categories (activations, backward temporaries, inputs) are scaled by
+the micro-batch, and the largest phase counts; the compile budget and the analytic term
+are applied as in `loom plan`. Run `loom plan` on a printed line for its
 exact trace. Tracing stops after `TIME_BUDGET_S`, and the report says so.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from loom.config import ConfigError, JobConfig, validate
 from loom.mesh import ParallelDims
-from loom.plan.memory import ANALYTIC, GiB, predict_memory
+from loom.plan.memory import GiB, finish, in_gib, traced_phases
 from loom.plan.speed import NODE_SIZE, predict_step_time
 from loom.plan.trace import fake_world
 
@@ -70,14 +71,11 @@ def memory_key(c: JobConfig) -> tuple:
     return (p.tp, p.dp_shard, p.activation_checkpoint, c.loss.loss_impl, p.reshard_after_forward)
 
 
-def scaled_peak(batch_one: dict[str, float], c: JobConfig, device: str) -> float:
-    """Peak GiB of `c` from its key's micro-batch-1 eager breakdown."""
-    gib = {k: v * (c.train.batch_size if k in PER_SAMPLE else 1) for k, v in batch_one.items()}
-    if c.parallel.compile:
-        gib["activations"] *= c.parallel.act_mem_budget
-        gib["overhead"] += ANALYTIC["cpu" if device == "cpu" else "accelerator"][
-            "compile_workspace_gib"]
-    return sum(gib.values())
+def scaled_peak(phases: list[dict[str, float]], c: JobConfig, device: str) -> float:
+    """Peak GiB of `c` from its key's micro-batch-1 eager phases: each phase's
+    batch-proportional categories scaled, then the largest phase."""
+    return max(finish({k: v * (c.train.batch_size if k in PER_SAMPLE else 1)
+                       for k, v in phase.items()}, c, device).peak_gib for phase in phases)
 
 
 SEARCHED_FLAGS = {"--tp": 1, "--dp-replicate": 1, "--dp_replicate": 1, "--dp-shard": 1,
@@ -122,7 +120,7 @@ def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: P
         timed = sorted(((predict_step_time(c, world, device, cache), c)
                         for c in candidates(cfg, world)),
                        key=lambda sc: -global_tokens(sc[1], world) / sc[0].seconds)
-        traced: dict[tuple, dict[str, float]] = {}
+        traced: dict[tuple, list[dict[str, float]]] = {}
         found, truncated = [], False
         for step, c in timed:
             key = memory_key(c)
@@ -132,7 +130,7 @@ def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: P
                     break
                 one = replace(c, train=replace(c.train, batch_size=1),
                               parallel=replace(c.parallel, compile=False))
-                traced[key] = predict_memory(one, world, device).breakdown_gib
+                traced[key] = [in_gib(b) for b in traced_phases(one, world)]
             peak = scaled_peak(traced[key], c, device)
             if peak * GiB <= device_memory:
                 found.append(dict(peak_gib=peak, step_time_s=step.seconds,
