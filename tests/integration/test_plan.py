@@ -71,3 +71,27 @@ def test_sizes():
     assert parse_size("64GiB") == 64 * 2**30
     assert parse_size("80GB") == 80 * 10**9
     assert parse_size("512MiB") == 512 * 2**20
+
+
+@pytest.mark.slow
+def test_search_lines_fit_when_planned_exactly():
+    """--search scales each phase of a micro-batch-1 trace, which over-counts temporaries
+    that do not grow with the batch: the exact plan of its first line must fit, and the
+    search's figure may be at most 10 % under it (never optimistic) and 50 % over."""
+    argv = ["--model", "debug", "--fp32", "--seq-len", "128", "--world-size", "2",
+            "--device-memory", "300MiB"]
+    out = subprocess.run([sys.executable, "-m", "loom", "plan", *argv, "--search", "--json"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])["results"]
+    assert found, out.stdout
+    train_flags = found[0]["command"].split(" loom train ", 1)[1].split()
+    exact = subprocess.run([sys.executable, "-m", "loom", "plan", *train_flags,
+                            "--world-size", "2", "--device-memory", "300MiB", "--json"],
+                           capture_output=True, text=True, timeout=600)
+    assert exact.returncode == 0, exact.stderr[-3000:]
+    plan = json.loads(exact.stdout.strip().splitlines()[-1])
+    assert plan["fits"], plan
+    error = found[0]["peak_gib"] / plan["peak_gib"] - 1
+    assert -0.10 <= error <= 0.50, f"search {found[0]['peak_gib']:.4f} GiB vs exact " \
+                               f"{plan['peak_gib']:.4f} GiB ({100 * error:+.1f}%)"

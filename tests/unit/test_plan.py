@@ -16,7 +16,8 @@ def test_candidates_are_valid_and_their_launch_lines_parse_back():
     found = candidates(cfg, 4)
     layouts = {(c.parallel.tp, c.parallel.dp_replicate) for c in found}
     assert layouts == {(1, 1), (1, 2), (2, 1), (2, 2)}, layouts  # debug: 2 kv heads, no tp 4
-    assert {c.parallel.tp for c in found if c.loss.loss_impl == "loss-parallel"} == {2}
+    assert {c.loss.loss_impl for c in found} == {"fused-linear"}
+    assert {c.parallel.activation_checkpoint for c in found} == {"none", "selective", "block"}
     for c in found[:: max(1, len(found) // 25)]:
         line = launch_line(c, 4, ["--model", "debug", "--fp32", "--seq-len", "128"])
         argv = line.split(" loom train ", 1)[1].split()

@@ -121,6 +121,9 @@ def main(argv: Sequence[str]) -> int:
         ParallelDims.from_config(cfg.parallel, options.world_size)
         check_supported(cfg)
         cfg = resolve_loss_impl(cfg)
+        if cfg.model.n_experts:
+            print("warning: loom plan's MoE memory figures are not validated against a "
+                  "measurement (README, 'Planning a run')", file=sys.stderr, flush=True)
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
             default_cache_dir()
         if options.search:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config import JobConfig
-from loom.plan.trace import PEAK, Breakdown, trace_step, with_layers
+from loom.plan.trace import Breakdown, trace_step, with_layers
 
 GiB = 2**30
 
@@ -71,35 +71,43 @@ def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int) -> 
     return out
 
 
-def traced_peak(cfg: JobConfig, world_size: int) -> Breakdown:
-    """Rank 0's peak bytes by tracker category at the full depth (see the module doc)."""
+def traced_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
+    """Rank 0's bytes by tracker category in each phase at full depth (module doc)."""
     low_depth, high_depth = traced_depths(cfg)
     if cfg.model.n_layers <= high_depth:
-        return trace_step(cfg, world_size)[PEAK]
+        return list(trace_step(cfg, world_size).values())
     low = trace_step(with_layers(cfg, low_depth), world_size)
     high = trace_step(with_layers(cfg, high_depth), world_size)
-    phases = [extrapolate(low[name], high[name], low_depth, cfg.model.n_layers)
-              for name in low.keys() & high.keys()]
-    return max(phases, key=lambda b: sum(b.values()))
+    return [extrapolate(low[name], high[name], low_depth, cfg.model.n_layers)
+            for name in low.keys() & high.keys()]
 
 
-def compile_activation_scale(cfg: JobConfig) -> float:
-    """Under --compile the partitioner keeps `act_mem_budget` of the saved activations
-    (the budget's definition); the eager trace is scaled by it (an upper bound: fusion
-    saves less than eager even at budget 1)."""
-    return cfg.parallel.act_mem_budget if cfg.parallel.compile else 1.0
-
-
-def predict_memory(cfg: JobConfig, world_size: int, device_kind: str) -> MemoryPrediction:
-    """Needs `fake_world(world_size)` around it."""
-    gib: dict[str, float] = {}
-    for kind, nbytes in traced_peak(cfg, world_size).items():
+def in_gib(breakdown: Breakdown) -> dict[str, float]:
+    """Tracker categories folded into the report's categories, in GiB."""
+    gib = dict.fromkeys(CATEGORIES.values(), 0.0)
+    for kind, nbytes in breakdown.items():
         name = CATEGORIES.get(kind, kind.lower())
         gib[name] = gib.get(name, 0.0) + nbytes / GiB
-    gib["activations"] = gib.get("activations", 0.0) * compile_activation_scale(cfg)
+    return gib
+
+
+def finish(gib: dict[str, float], cfg: JobConfig, device_kind: str) -> MemoryPrediction:
+    """An eager phase of `cfg` with --compile's budget applied and the analytic term added.
+
+    Under --compile the partitioner keeps `act_mem_budget` of the saved activations (the
+    budget's definition), so the eager trace's activations are scaled by it (an upper
+    bound: fusion saves less than eager even at budget 1)."""
+    gib = dict(gib)
+    if cfg.parallel.compile:
+        gib["activations"] *= cfg.parallel.act_mem_budget
     terms = ANALYTIC["cpu" if device_kind == "cpu" else "accelerator"]
     overhead = terms["fragmentation"] * sum(gib.values()) + terms["context_gib"]
     if cfg.parallel.compile:
         overhead += terms["compile_workspace_gib"]
-    gib["overhead"] = overhead
-    return MemoryPrediction(gib)
+    return MemoryPrediction({**gib, "overhead": overhead})
+
+
+def predict_memory(cfg: JobConfig, world_size: int, device_kind: str) -> MemoryPrediction:
+    """The largest phase; needs `fake_world(world_size)` around it."""
+    phases = [finish(in_gib(b), cfg, device_kind) for b in traced_phases(cfg, world_size)]
+    return max(phases, key=lambda m: m.peak_gib)

@@ -1,13 +1,17 @@
 """`loom plan --search`: the ten fastest predicted configurations that fit.
 
 Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, dp_shard the rest; ep 1, see
-`check_supported`) and knobs (--ac, --loss-impl, --reshard-after-forward, micro-batch
-1-8, off or --compile at budget 0.5). Candidates are visited fastest first (the step-time
-estimate needs no trace). Memory depends on (tp, dp_shard, ac, loss, reshard) only, so
-each such key is traced once at micro-batch 1 and the batch-proportional categories
-(activations, backward temporaries, inputs) are scaled by the micro-batch; the compile
-budget scales activations as in `loom plan`. Run `loom plan` on a printed line for its
-exact trace. Tracing stops after `TIME_BUDGET_S`, and the report says so.
+`check_supported`) and knobs (--ac, --reshard-after-forward, micro-batch 1-8, off or
+--compile at budget 0.5; --loss-impl fused-linear, see `LOSSES`). Candidates are visited
+fastest first (the step-time estimate needs no trace); one that a traced, lighter
+configuration already rules out is skipped untraced (`ruled_out`). Memory depends on
+(tp, dp_shard, ac, loss, reshard) only, so each such key is traced once at micro-batch 1;
+in every phase of that trace the batch-proportional categories (activations, backward
+temporaries, inputs) are scaled by the micro-batch, and the largest phase counts; the
+compile budget and the analytic term are applied as in `loom plan`. Run `loom plan` on a
+printed line for its exact trace. Tracing stops after `TIME_BUDGET_S` seconds of this
+process's CPU time (wall time on an idle machine; the same answer on a loaded one), and
+says so.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 
 from loom.config import ConfigError, JobConfig, validate
 from loom.mesh import ParallelDims
-from loom.plan.memory import ANALYTIC, GiB, predict_memory
+from loom.plan.memory import GiB, finish, in_gib, traced_phases
 from loom.plan.speed import NODE_SIZE, predict_step_time
 from loom.plan.trace import fake_world
 
@@ -31,6 +35,9 @@ PER_SAMPLE = ("activations", "backward_temps", "inputs")
 MICRO_BATCHES = (8, 4, 2, 1)
 AC_MODES = ("none", "selective", "block")
 COMPILE = ((False, 1.0), (True, 0.5))
+LOSSES = ("fused-linear",)
+"""The step-time estimate cannot tell the loss modes apart, so searching them only printed
+the same layout once per mode (and cost a trace each); fused-linear holds the least."""
 
 
 def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
@@ -41,9 +48,8 @@ def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
         if world % (tp * replicate):
             continue
         shard = world // (tp * replicate)
-        losses = ["fused-linear", "chunked-backward"] + (["loss-parallel"] if tp > 1 else [])
         for ac, loss, reshard, mb, (compiled, budget) in itertools.product(
-                AC_MODES, losses, ("never", "always"), MICRO_BATCHES, COMPILE):
+                AC_MODES, LOSSES, ("never", "always"), MICRO_BATCHES, COMPILE):
             p = replace(cfg.parallel, tp=tp, dp_replicate=replicate, dp_shard=shard,
                         activation_checkpoint=ac, reshard_after_forward=reshard,
                         compile=compiled, act_mem_budget=budget)
@@ -58,6 +64,36 @@ def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
     return out
 
 
+AC_SAVING = {"none": 0, "selective": 1, "block": 2}
+
+
+def ruled_out(c: JobConfig, oom_from: dict[tuple, int]) -> bool:
+    """True when a traced key that needs no more memory than `c`'s runs out of it at a
+    micro-batch <= c's even with the lightest compile setting. Lighter means: same tp, at
+    least as many shards, at least as much recompute, and resharding when `c` does."""
+    p = c.parallel
+    for (tp, shard, ac, loss, reshard), mb in oom_from.items():
+        if (tp == p.tp and shard >= p.dp_shard and loss == c.loss.loss_impl
+                and AC_SAVING[ac] >= AC_SAVING[p.activation_checkpoint]
+                and (reshard == "always" or reshard == p.reshard_after_forward)
+                and mb <= c.train.batch_size):
+            return True
+    return False
+
+
+def first_oom(phases: list[dict[str, float]], c: JobConfig, device: str,
+              device_memory: int) -> int | None:
+    """The smallest micro-batch at which `c`'s key runs out of memory even compiled at the
+    lowest searched budget (None: every searched micro-batch fits that way)."""
+    light = replace(c, parallel=replace(c.parallel, compile=True,
+                                        act_mem_budget=min(b for _, b in COMPILE)))
+    for mb in sorted(MICRO_BATCHES):
+        sized = replace(light, train=replace(light.train, batch_size=mb))
+        if scaled_peak(phases, sized, device) * GiB > device_memory:
+            return mb
+    return None
+
+
 def global_tokens(c: JobConfig, world: int) -> int:
     """Tokens of one optimizer step over all ranks."""
     dims = ParallelDims.from_config(c.parallel, world)
@@ -70,14 +106,11 @@ def memory_key(c: JobConfig) -> tuple:
     return (p.tp, p.dp_shard, p.activation_checkpoint, c.loss.loss_impl, p.reshard_after_forward)
 
 
-def scaled_peak(batch_one: dict[str, float], c: JobConfig, device: str) -> float:
-    """Peak GiB of `c` from its key's micro-batch-1 eager breakdown."""
-    gib = {k: v * (c.train.batch_size if k in PER_SAMPLE else 1) for k, v in batch_one.items()}
-    if c.parallel.compile:
-        gib["activations"] *= c.parallel.act_mem_budget
-        gib["overhead"] += ANALYTIC["cpu" if device == "cpu" else "accelerator"][
-            "compile_workspace_gib"]
-    return sum(gib.values())
+def scaled_peak(phases: list[dict[str, float]], c: JobConfig, device: str) -> float:
+    """Peak GiB of `c` from its key's micro-batch-1 eager phases: each phase's
+    batch-proportional categories scaled, then the largest phase."""
+    return max(finish({k: v * (c.train.batch_size if k in PER_SAMPLE else 1)
+                       for k, v in phase.items()}, c, device).peak_gib for phase in phases)
 
 
 SEARCHED_FLAGS = {"--tp": 1, "--dp-replicate": 1, "--dp_replicate": 1, "--dp-shard": 1,
@@ -117,22 +150,28 @@ def launch_line(c: JobConfig, world: int, base_argv: list[str]) -> str:
 
 def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: Path,
            base_argv: list[str], as_json: bool) -> int:
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), time.process_time()
     with fake_world(world):
         timed = sorted(((predict_step_time(c, world, device, cache), c)
                         for c in candidates(cfg, world)),
                        key=lambda sc: -global_tokens(sc[1], world) / sc[0].seconds)
-        traced: dict[tuple, dict[str, float]] = {}
+        traced: dict[tuple, list[dict[str, float]]] = {}
         found, truncated = [], False
+        oom_from: dict[tuple, int] = {}
         for step, c in timed:
             key = memory_key(c)
             if key not in traced:
-                if time.monotonic() - start > TIME_BUDGET_S:
+                if ruled_out(c, oom_from):
+                    continue
+                if time.process_time() - cpu_start > TIME_BUDGET_S:
                     truncated = True
                     break
                 one = replace(c, train=replace(c.train, batch_size=1),
                               parallel=replace(c.parallel, compile=False))
-                traced[key] = predict_memory(one, world, device).breakdown_gib
+                traced[key] = [in_gib(b) for b in traced_phases(one, world)]
+                oom = first_oom(traced[key], c, device, device_memory)
+                if oom is not None:
+                    oom_from[key] = oom
             peak = scaled_peak(traced[key], c, device)
             if peak * GiB <= device_memory:
                 found.append(dict(peak_gib=peak, step_time_s=step.seconds,
@@ -147,7 +186,7 @@ def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: P
         return 0
     print(f"loom plan --search: {len(found)} fitting configurations, fastest first "
           f"(step time is an estimate); {len(traced)} memory traces in {elapsed:.0f} s"
-          + (f", stopped at the {TIME_BUDGET_S:.0f} s budget" if truncated else ""))
+          + (f", stopped at the {TIME_BUDGET_S:.0f} s CPU budget" if truncated else ""))
     for i, r in enumerate(found, 1):
         print(f"{i:>2}. {r['peak_gib']:6.2f} GiB  {r['step_time_s']:8.3g} s/step  "
               f"{r['tokens_per_s']:>12,.0f} tokens/s\n    {r['command']}")
