@@ -9,8 +9,10 @@ import logging
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+import torch
 
 from loom.cli import setup_logging
 from loom.config import ConfigError, JobConfig, parse_args
@@ -20,6 +22,7 @@ from loom.mesh import ParallelDims
 from loom.plan.memory import predict_memory
 from loom.plan.speed import predict_step_time
 from loom.plan.trace import fake_world
+from loom.precision import resolve_precision
 
 logger = logging.getLogger("loom")
 
@@ -70,6 +73,16 @@ class Plan:
         return "fits" if self.fits else f"OOM (needs {self.peak_gib:.2f} GiB)"
 
 
+def planned_dtype(requested: str, device: str) -> str:
+    """`--dtype auto` as a run on `device` would resolve it: the datasheet accelerators
+    compute in bf16; for the CPU, this machine's CPU decides."""
+    if requested != "auto":
+        return requested
+    if device == "cpu":
+        return resolve_precision("auto", torch.device("cpu")).dtype
+    return "bf16"
+
+
 def check_supported(cfg: JobConfig) -> None:
     """What the fake trace cannot follow yet, said before any work."""
     m, p = cfg.model, cfg.parallel
@@ -77,7 +90,7 @@ def check_supported(cfg: JobConfig) -> None:
         raise ConfigError("loom plan supports loom's own models, not Hugging Face --model")
     if p.data_parallel != "fsdp2":
         raise ConfigError("loom plan traces --data-parallel fsdp2 only")
-    if m.n_experts and (p.ep > 1 or p.fp32):
+    if m.n_experts and (p.ep > 1 or p.dtype == "fp32"):
         raise ConfigError("loom plan cannot trace expert parallel or fp32 experts yet (token "
                           "splits are data-dependent); use --ep 1 without --fp32")
 
@@ -118,6 +131,8 @@ def main(argv: Sequence[str]) -> int:
             raise ConfigError(f"--world-size must be >= 1, got {options.world_size}")
         device_memory = parse_size(options.device_memory)
         cfg = parse_args(train_argv)
+        dtype = planned_dtype(cfg.parallel.dtype, options.device)
+        cfg = replace(cfg, parallel=replace(cfg.parallel, dtype=dtype))
         ParallelDims.from_config(cfg.parallel, options.world_size)
         check_supported(cfg)
         cfg = resolve_loss_impl(cfg)

@@ -23,6 +23,7 @@ from loom.mesh import ParallelDims
 from loom.models.moe import MOE_FIELDS, MoEArgs, active_param_count
 from loom.plan.memory import traced_depths
 from loom.plan.trace import with_layers
+from loom.precision import torch_dtype
 from loom.train import model_args, plain_model
 
 EFFICIENCY = 0.4
@@ -117,8 +118,8 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str) -> tuple[float
     """(overlappable FSDP seconds, exposed tp/ep seconds) of one step on one rank."""
     p, m = cfg.parallel, cfg.model
     total, experts = param_count(cfg.model)
-    param_bytes = 4 if p.fp32 else 2
-    grad_bytes = 4 if p.fp32 or p.reduce_dtype == "fp32" else 2
+    param_bytes = 4 if p.dtype == "fp32" else 2
+    grad_bytes = 4 if p.dtype == "fp32" or p.reduce_dtype == "fp32" else 2
     dense = (total - experts) / dims.tp
     routed = experts / max(1, dims.ep * (dims.tp if dims.etp_enabled else 1))
     gathers = 2 if p.reshard_after_forward == "always" else 1
@@ -142,7 +143,7 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str) -> tuple[float
 
 def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path) -> StepTime:
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    dtype = torch.float32 if cfg.parallel.fp32 else torch.bfloat16
+    dtype = torch_dtype(cfg.parallel.dtype)
     peak, source = device_peak(device, dtype, cache)
     p = cfg.parallel
     extra_forward = RECOMPUTE[p.activation_checkpoint]
