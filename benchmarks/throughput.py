@@ -48,13 +48,12 @@ def loom_job(name: str, nproc: int, flags: list[str], steps: int, warmup: int,
              src: str | None = None) -> dict:
     """One fresh `loom train` job; the median post-warm-up step of rank 0's rows."""
     env = {"OMP_NUM_THREADS": str(max(1, cores() // nproc))}
-    if src:  # another checkout's loom, ahead of this one on the path
-        env["PYTHONPATH"] = src
     with tempfile.TemporaryDirectory() as tmp:
+        if src:  # another checkout's loom, ahead of this one on the path, with its own cache
+            env.update(PYTHONPATH=src, LOOM_CACHE_DIR=str(Path(tmp) / "cache"))
         job = run_ranks(nproc, ["-m", "loom", "train", *flags, "--max-steps", str(steps),
-                                "--seed", "0", "--outdir", "run"], timeout=1800,
-                        env={**env, "LOOM_CACHE_DIR": os.environ.get("LOOM_CACHE_DIR", str(
-                            Path.home() / ".cache" / "loom"))}, cwd=Path(tmp))
+                                "--seed", "0", "--outdir", "run"], timeout=1800, env=env,
+                        cwd=Path(tmp))
         if not job.ok:
             raise RuntimeError(f"{name} failed: {job.describe()[-2000:]}")
         run = Path(tmp) / "run"
