@@ -8,7 +8,7 @@ Every configuration is a fresh `loom train` job (random tokens, metrics on); the
 is one process training the same model with plain AdamW and cross-entropy (no FSDP, no
 metrics): the floor of framework overhead. Configurations run interleaved, round after
 round (A B A B), so a machine whose load changes hurts all of them alike; each figure is
-the median over rounds of the median post-warm-up step. Columns per row:
+the best round's median post-warm-up step. Columns per row:
 
 - tok/s/rank: tokens per step / step time / ranks; `vs bare`: that over the bare loop at
   the same threads per process (a rank's share of the cores).
@@ -118,14 +118,17 @@ def bare_loop(flags: list[str], steps: int, warmup: int) -> dict:
 
 
 def interleaved(jobs: dict[str, callable], rounds: int) -> dict[str, dict]:
-    """Run every job once per round, A B A B; keep the median round of each."""
+    """Run every job once per round, A B A B; keep each one's best round (the least
+    disturbed by other load) and every round's tokens/s."""
     runs: dict[str, list[dict]] = {name: [] for name in jobs}
     for r in range(rounds):
         for name, job in jobs.items():
             runs[name].append(job())
             print(f"  round {r + 1}: {name}: {runs[name][-1]['tokens_per_s']:,.0f} tok/s",
                   file=sys.stderr, flush=True)
-    return {name: sorted(rs, key=lambda x: x["step_s"])[len(rs) // 2] for name, rs in runs.items()}
+    return {name: {**min(rs, key=lambda x: x["step_s"]),
+                   "rounds_tokens_per_s": [x["tokens_per_s"] for x in rs]}
+            for name, rs in runs.items()}
 
 
 def with_ratios(results: dict[str, dict]) -> list[dict]:
@@ -205,7 +208,7 @@ def main(argv: list[str]) -> None:
     print(table(rows))
     load = os.getloadavg()[0]
     print(f"\n{time.perf_counter() - start:.0f} s; {cores()} cores, load average {load:.1f} at "
-          f"the end; median of {args.rounds} interleaved rounds, steps {args.warmup + 1}.."
+          f"the end; best of {args.rounds} interleaved rounds, median of steps {args.warmup + 1}.."
           f"{args.steps} of each run")
     out = RESULTS / ("throughput_peer.json" if args.peer else "throughput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
