@@ -11,7 +11,7 @@ utilisation.
 The CPU has no datasheet peak: a matmul benchmark measures it per machine, dtype and
 thread count, in rounds until the two best rounds agree within 10% while the process got
 at least 90% of its threads' CPU time (otherwise the machine was busy). Only such a clean
-measurement is cached, as `peak_flops.json` in loom's cache folder ($LOOM_CACHE_DIR,
+measurement is cached, as `peak_flops_v2.json` in loom's cache folder ($LOOM_CACHE_DIR,
 default `~/.cache/loom`). An MFU above 100% means the peak (or the count) is wrong: the
 peak is measured again, a warning is logged once, and such a reading is never reported.
 """
@@ -156,6 +156,8 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+PEAK_CACHE = "peak_flops_v2.json"
+"""Clean measurements only; older loom cached any measurement in peak_flops.json."""
 MIN_CPU_SHARE = 0.9
 """A measurement is clean when the process got this share of its threads' CPU time."""
 AGREEMENT = 0.1
@@ -223,14 +225,14 @@ def measured_peak(device: torch.device, dtype: torch.dtype, cache: Path, *,
                   remeasure: bool = False) -> float:
     """The matmul peak for this machine, dtype and thread count: cached if a clean
     measurement was ever taken, else measured now (and cached only if clean)."""
-    path, key = cache / "peak_flops.json", peak_cache_key(device, dtype)
+    path, key = cache / PEAK_CACHE, peak_cache_key(device, dtype)
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
     entry = known.get(key)
     if isinstance(entry, dict) and isinstance(entry.get("flops"), float) and not remeasure:
-        return entry["flops"]  # a bare number is main's old format, maybe from a busy moment
+        return entry["flops"]
     peak = measure_matmul_peak(device, dtype)
     if not peak.clean:
         logger.warning("matmul peak measured on a busy machine (%.0f%% CPU share, %d rounds): "

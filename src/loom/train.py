@@ -210,9 +210,14 @@ class Trainer:
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate the micro-batches, clip, step; returns the step's loss (mean over every
-        valid token of the global batch) and the pre-clip gradient norm."""
-        valid = [int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches]
-        total_valid = self.all_reduce_dp(float(sum(valid)))
+        valid token of the global batch) and the pre-clip gradient norm. One host read
+        (`step_state`) decides the update; the valid-token count stays on the device."""
+        valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches])
+        valid = valid.to(self.device)  # int64 counts: exact at any batch size
+        total_valid = valid.sum()
+        dist.all_reduce(total_valid, group=self.dp_group)
+        # FSDP averages over dp ranks, so weigh by this rank's share of the valid tokens.
+        weights = valid * self.dims.dp_size / total_valid
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             if self.accum > 1:
@@ -222,36 +227,34 @@ class Trainer:
             loss = self.loss_fn(self.model, inputs, labels)
             if i == len(micro_batches) - 1:
                 self.metrics.forward_done()
-            # FSDP averages over dp ranks, so weigh by this rank's share of the valid tokens.
-            (loss * (valid[i] * self.dims.dp_size / total_valid)).backward()
+            (loss * weights[i]).backward()
             loss_sum += loss.detach().float() * valid[i]
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.max_grad_norm)
-        step_loss = self.reduce_loss_and_stop_flag(loss_sum) / total_valid
-        if self.update_is_finite(step_loss, grad_norm):
+        step_loss, finite = self.step_state(loss_sum, total_valid, grad_norm)
+        if self.update_is_finite(finite, step_loss, grad_norm):
             self.optimizer.step()
             self.moe_metrics = update_expert_bias(self.model, self.dp_group)  # {} if dense
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return step_loss, grad_norm
 
-    def all_reduce_dp(self, value: float) -> float:
-        total = torch.tensor([value], device=self.device, dtype=torch.float64)
-        dist.all_reduce(total, group=self.dp_group)
-        return float(total.item())
-
-    def reduce_loss_and_stop_flag(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """One all-reduce over every rank: the loss sum (tp ranks hold copies, hence / tp)
-        and whether any rank got SIGTERM or SIGINT (SIGTERM wins when both arrived)."""
+    def step_state(self, loss_sum: torch.Tensor, total_valid: torch.Tensor,
+                   grad_norm: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """One all-reduce over every rank (the loss sum, tp ranks holding copies, hence / tp;
+        whether any rank got SIGTERM or SIGINT, SIGTERM winning) and the step's one host read:
+        the stop request and whether loss and gradient norm are finite."""
         flags = [float(self.stop_signal == s) for s in (signal.SIGTERM, signal.SIGINT)]
         packed = torch.cat([(loss_sum / self.dims.tp).reshape(1),
                             torch.tensor(flags, device=self.device)])
         dist.all_reduce(packed)
-        self.stop_signal = signal.SIGTERM if packed[1] > 0 else \
-            signal.SIGINT if packed[2] > 0 else 0
-        return packed[0]
+        step_loss = packed[0] / total_valid
+        finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.float())
+        term, interrupt, ok = torch.stack([packed[1] > 0, packed[2] > 0, finite]).tolist()
+        self.stop_signal = signal.SIGTERM if term else signal.SIGINT if interrupt else 0
+        return step_loss, bool(ok)
 
-    def update_is_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        if bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)):
+    def update_is_finite(self, finite: bool, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        if finite:
             self.skipped_in_a_row = 0
             return True
         step, t = self.loop.step + 1, self.cfg.train

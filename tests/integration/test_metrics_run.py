@@ -66,7 +66,8 @@ def test_run_folder_config_summary_and_plots(dp2_run):
     from matplotlib.image import imread
 
     outdir, _, cwd = dp2_run
-    assert sorted(p.name for p in cwd.iterdir()) == ["cache", "run"], "wrote outside --outdir"
+    written = {p.name for p in cwd.iterdir()}  # the peak is cached only if measured clean
+    assert written in ({"run"}, {"cache", "run"}), f"wrote outside --outdir: {written}"
     config = json.loads((outdir / "config.json").read_text())
     derived = config["derived"]
     assert len(config["hostnames"]) == 2 and config["mesh"]["dp_shard"] == 2

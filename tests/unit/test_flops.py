@@ -104,7 +104,7 @@ def test_clean_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(flops, "measure_matmul_peak", bench)
     assert flops.measured_peak(CPU, torch.float32, tmp_path) == 5e10
     assert flops.peak_flops(CPU, torch.float32, tmp_path) == flops.Peak(5e10, "measured")
-    cached = json.loads((tmp_path / "peak_flops.json").read_text())
+    cached = json.loads((tmp_path / flops.PEAK_CACHE).read_text())
     assert [e["flops"] for e in cached.values()] == [5e10], cached
     assert bench.calls == 1, f"measured {bench.calls} times, expected once then cached"
 
@@ -115,16 +115,19 @@ def test_busy_peak_is_used_but_never_cached(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="loom"):
         assert flops.measured_peak(CPU, torch.float32, tmp_path) == 1e6
         assert flops.measured_peak(CPU, torch.float32, tmp_path) == 1e6
-    assert not (tmp_path / "peak_flops.json").exists()
+    assert not (tmp_path / flops.PEAK_CACHE).exists()
     assert bench.calls == 2 and "not cached" in caplog.text
 
 
-def test_old_bare_number_entry_is_measured_again(tmp_path, monkeypatch):
-    """main cached bare numbers, some taken on a busy machine: they are not trusted."""
+def test_old_cache_is_left_alone_and_a_malformed_entry_measured_again(tmp_path, monkeypatch):
+    """main cached bare numbers in peak_flops.json, some from a busy moment: not read, and
+    not rewritten either (an older loom sharing the cache folder still reads it)."""
     key = flops.peak_cache_key(CPU, torch.float32)
     (tmp_path / "peak_flops.json").write_text(json.dumps({key: 6.4e8}))
+    (tmp_path / flops.PEAK_CACHE).write_text(json.dumps({key: 6.4e8}))
     monkeypatch.setattr(flops, "measure_matmul_peak", FakeBench(5e10, clean=True))
     assert flops.measured_peak(CPU, torch.float32, tmp_path) == 5e10
+    assert json.loads((tmp_path / "peak_flops.json").read_text()) == {key: 6.4e8}
 
 
 @pytest.mark.parametrize(("rounds", "clean"), [
@@ -146,7 +149,7 @@ def test_mfu_never_above_100_after_a_busy_cached_peak(tmp_path, monkeypatch, cap
     """A peak cached from a busy moment (100x too low) gives MFU > 100% until re-measured."""
     key = flops.peak_cache_key(CPU, torch.float32)
     busy = {"flops": 5e8, "cpu_share": 0.95, "rounds": 2, "measured": "then"}
-    (tmp_path / "peak_flops.json").write_text(json.dumps({key: busy}))
+    (tmp_path / flops.PEAK_CACHE).write_text(json.dumps({key: busy}))
     monkeypatch.setattr(flops, "measure_matmul_peak", FakeBench(5e10, clean=True))
     peak = flops.peak_flops(CPU, torch.float32, tmp_path)
     assert peak.flops == 5e8  # the cache is believed until a reading proves it wrong
@@ -157,7 +160,7 @@ def test_mfu_never_above_100_after_a_busy_cached_peak(tmp_path, monkeypatch, cap
     assert readings[0] == pytest.approx(40.0) and readings[1] == pytest.approx(20.0), readings
     assert readings[2] is None, "400% must not be reported"
     assert caplog.text.count("MFU above 100%") == 1, caplog.text
-    fixed = json.loads((tmp_path / "peak_flops.json").read_text())[key]["flops"]
+    fixed = json.loads((tmp_path / flops.PEAK_CACHE).read_text())[key]["flops"]
     assert fixed == 5e10, "the re-measured peak replaces the busy one in the cache"
 
 

@@ -1,0 +1,221 @@
+"""Training throughput of loom's layouts against a bare PyTorch loop and the GEMM bound.
+
+    python benchmarks/throughput.py              # debug-sized model, CPU: the layout table
+    python benchmarks/throughput.py --peer       # the peer config: loom vs an old commit
+    python benchmarks/throughput.py --peer --old-src /tmp/loom-old/src   # (git worktree add)
+
+Every configuration is a fresh `loom train` job (random tokens, metrics on); the bare loop
+is one process training the same model with plain AdamW and cross-entropy (no FSDP, no
+metrics): the floor of framework overhead. Configurations run interleaved, round after
+round (A B A B), so a machine whose load changes hurts all of them alike; each figure is
+the best round's median post-warm-up step. Columns per row:
+
+- tok/s/rank: tokens per step / step time / ranks; `vs bare`: that over the bare loop at
+  the same threads per process (a rank's share of the cores).
+- `vs GEMM`: the GEMM lower bound of the step (FLOPs per rank / the measured matmul peak)
+  over the step time: MFU as a fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.harness import run_ranks
+
+RESULTS = Path(__file__).parent / "results"
+DEBUG = ["--model", "debug", "--dataset", "random"]
+PEER = ["--dim", "256", "--n-layers", "4", "--n-heads", "4", "--n-kv-heads", "4",
+        "--hidden-dim", "768", "--vocab-size", "32000", "--seq-len", "256", "--batch-size", "2",
+        "--dataset", "random"]
+LAYOUTS = {"1 rank": (1, []), "2 ranks dp": (2, []), "2 ranks tp": (2, ["--tp", "2"]),
+           "2 ranks hsdp": (2, ["--dp-replicate", "2", "--dp-shard", "1"])}
+MODES = {"eager": [], "compiled": ["--compile"], "fused-linear": ["--loss-impl", "fused-linear"]}
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def loom_job(name: str, nproc: int, flags: list[str], steps: int, warmup: int,
+             src: str | None = None) -> dict:
+    """One fresh `loom train` job; the median post-warm-up step of rank 0's rows."""
+    env = {"OMP_NUM_THREADS": str(max(1, cores() // nproc))}
+    with tempfile.TemporaryDirectory() as tmp:
+        if src:  # another checkout's loom, ahead of this one on the path, with its own cache
+            env.update(PYTHONPATH=src, LOOM_CACHE_DIR=str(Path(tmp) / "cache"))
+        job = run_ranks(nproc, ["-m", "loom", "train", *flags, "--max-steps", str(steps),
+                                "--seed", "0", "--outdir", "run"], timeout=1800, env=env,
+                        cwd=Path(tmp))
+        if not job.ok:
+            raise RuntimeError(f"{name} failed: {job.describe()[-2000:]}")
+        run = Path(tmp) / "run"
+        rows = [json.loads(line) for line in (run / "metrics-0.jsonl").read_text().splitlines()]
+        derived = json.loads((run / "config.json").read_text()).get("derived", {})
+    steady = rows[warmup:]
+    dt = statistics.median(r["train/dt"] for r in steady)
+    memory = max(r.get("train/mem_alloc_peak", r.get("train/mem_rss_peak", 0.0)) for r in rows)
+    gemm_s = derived["flops_per_rank"] / derived["peak_flops"]
+    return {"config": name, "ranks": nproc, "step_s": dt,
+            "tokens_per_s": rows[0]["train/tokens"] / dt,
+            "tokens_per_s_per_rank": rows[0]["train/tokens"] / dt / nproc,
+            "mfu": 100 * gemm_s / dt, "vs_gemm": gemm_s / dt, "peak_mem_gib": memory,
+            "threads": max(1, cores() // nproc), "flops_per_rank": derived["flops_per_rank"],
+            "peak_flops": derived["peak_flops"]}
+
+
+def bare_job(flags: list[str], steps: int, warmup: int, threads: int) -> dict:
+    """The bare loop in a fresh process (this file with --bare)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = run_ranks(1, [__file__, "--bare", "--steps", str(steps), "--warmup", str(warmup),
+                            "--flags", json.dumps(flags)], timeout=1800,
+                        env={"OMP_NUM_THREADS": str(threads)}, cwd=Path(tmp))
+    if not job.ok:
+        raise RuntimeError(f"bare loop failed: {job.describe()[-2000:]}")
+    result = json.loads(job.ranks[0].stdout.strip().splitlines()[-1])
+    return {**result, "config": f"bare loop, {threads} thread(s)", "threads": threads}
+
+
+def bare_loop(flags: list[str], steps: int, warmup: int) -> dict:
+    """Plain PyTorch: the same model and optimizer settings, fp32, eager cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+
+    from loom.config import parse_args
+    from loom.models.llama import Transformer
+    from loom.parallel.init import init_weights
+    from loom.train import model_args
+
+    cfg = parse_args([*flags, "--fp32"])
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(model_args(cfg))
+    init_weights(model, 0, torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=True)
+    batch, seq, vocab = cfg.train.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+    times = []
+    for _ in range(steps):
+        tokens = torch.randint(vocab, (batch, seq + 1))
+        start = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    dt = statistics.median(times[warmup:])
+    return {"ranks": 1, "step_s": dt, "tokens_per_s": batch * seq / dt,
+            "tokens_per_s_per_rank": batch * seq / dt}
+
+
+def interleaved(jobs: dict[str, callable], rounds: int) -> dict[str, dict]:
+    """Run every job once per round, A B A B; keep each one's best round (the least
+    disturbed by other load) and every round's tokens/s."""
+    runs: dict[str, list[dict]] = {name: [] for name in jobs}
+    for r in range(rounds):
+        for name, job in jobs.items():
+            runs[name].append(job())
+            print(f"  round {r + 1}: {name}: {runs[name][-1]['tokens_per_s']:,.0f} tok/s",
+                  file=sys.stderr, flush=True)
+    return {name: {**min(rs, key=lambda x: x["step_s"]),
+                   "rounds_tokens_per_s": [x["tokens_per_s"] for x in rs]}
+            for name, rs in runs.items()}
+
+
+def with_ratios(results: dict[str, dict]) -> list[dict]:
+    bare = {r["threads"]: r for n, r in results.items() if n.startswith("bare")}
+    out = []
+    for name, r in results.items():
+        base = bare.get(r["threads"])
+        ratio = r["tokens_per_s_per_rank"] / base["tokens_per_s_per_rank"] if base else None
+        out.append({**r, "config": name, "vs_bare": ratio})
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| configuration | ranks | step s | tok/s | tok/s/rank | vs bare | MFU % | vs GEMM "
+             "| peak mem GiB |", "| --- |" + " ---: |" * 8]
+    for r in rows:
+        opt = {k: (f"{r[k]:{f}}" if r.get(k) is not None else "-")
+               for k, f in (("vs_bare", ".2f"), ("mfu", ".1f"), ("vs_gemm", ".3f"),
+                            ("peak_mem_gib", ".2f"))}
+        lines.append(f"| {r['config']} | {r['ranks']} | {r['step_s']:.3f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_rank']:,.0f} | "
+                     f"{opt['vs_bare']} | {opt['mfu']} | {opt['vs_gemm']} | "
+                     f"{opt['peak_mem_gib']} |")
+    return "\n".join(lines)
+
+
+def layout_jobs(args: argparse.Namespace) -> dict[str, callable]:
+    base = args.model_flags or DEBUG
+    jobs = {}
+    for layout, (nproc, flags) in LAYOUTS.items():
+        for mode in args.modes:
+            name = f"{layout}, {mode}"
+            jobs[name] = (lambda n=name, p=nproc, f=[*base, *flags, *MODES[mode]]:
+                          loom_job(n, p, f, args.steps, args.warmup))
+    for threads in sorted({max(1, cores() // n) for n, _ in LAYOUTS.values()}):
+        jobs[f"bare loop, {threads} thread(s)"] = (
+            lambda t=threads: bare_job(base, args.steps, args.warmup, t))
+    return jobs
+
+
+def peer_jobs(args: argparse.Namespace) -> dict[str, callable]:
+    """The acceptance figure: 2 ranks of this tree (default --dtype) vs an old checkout."""
+    jobs = {"loom (this tree), 2 ranks": lambda: loom_job("new", 2, PEER, args.steps,
+                                                          args.warmup)}
+    if args.old_src:
+        jobs["loom (old, --fp32), 2 ranks"] = lambda: loom_job(
+            "old", 2, [*PEER, "--fp32"], args.steps, args.warmup, src=args.old_src)
+    threads = max(1, cores() // 2)
+    jobs[f"bare loop, {threads} thread(s)"] = lambda: bare_job(PEER, args.steps, args.warmup,
+                                                               threads)
+    return jobs
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer", action="store_true", help="the peer config, 2 ranks")
+    parser.add_argument("--old-src", help="src/ of another checkout to compare (--peer)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--model-flags", type=json.loads, default=None,
+                        help="JSON list of loom train flags for the model (default: debug)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--flags", type=json.loads, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    if args.bare:
+        print(json.dumps(bare_loop(args.flags, args.steps, args.warmup)))
+        return
+    start = time.perf_counter()
+    jobs = peer_jobs(args) if args.peer else layout_jobs(args)
+    rows = with_ratios(interleaved(jobs, args.rounds))
+    print(table(rows))
+    load = os.getloadavg()[0]
+    print(f"\n{time.perf_counter() - start:.0f} s; {cores()} cores, load average {load:.1f} at "
+          f"the end; best of {args.rounds} interleaved rounds, median of steps {args.warmup + 1}.."
+          f"{args.steps} of each run")
+    out = RESULTS / ("throughput_peer.json" if args.peer else "throughput.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "cores": cores(), "load_average_end": load,
+                               "rounds": args.rounds, "steps": args.steps,
+                               "warmup": args.warmup}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
