@@ -1,7 +1,7 @@
 """`loom train --config run.toml` and `--print-config`: the job config as TOML, one table per
 config dataclass (`[train] max_steps = 3`, `[optim] lr = 0.01`).
 
-Read with the standard library's tomllib; written by the small writer below (loom's values
+Read with the standard library's tomllib (tomli, its backport, on Python 3.10); written by the small writer below (loom's values
 are only booleans, numbers and strings), so what `--print-config` prints reads back equal.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,10 @@ def _check(section: str, f: dataclasses.Field, value: Any) -> Any:
 
 def read_config_file(path: str, sections: Mapping[str, Callable]) -> dict[str, Any]:
     """The file's settings as {field name: value}, every name and type checked."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10
-        raise ConfigError("--config needs Python 3.11 or later (tomllib)") from None
+    else:  # the same parser, installed as a dependency on Python 3.10
+        import tomli as tomllib
     try:
         data = tomllib.loads(Path(path).expanduser().read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
