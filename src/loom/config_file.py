@@ -1,8 +1,9 @@
 """`loom train --config run.toml` and `--print-config`: the job config as TOML, one table per
 config dataclass (`[train] max_steps = 3`, `[optim] lr = 0.01`).
 
-Read with the standard library's tomllib (tomli, its backport, on Python 3.10); written by the small writer below (loom's values
-are only booleans, numbers and strings), so what `--print-config` prints reads back equal.
+Read with the standard library's tomllib (its backport tomli on Python 3.10); written by the
+small writer below (loom's values are only booleans, numbers and strings), so what
+`--print-config` prints reads back equal.
 """
 
 from __future__ import annotations
