@@ -212,7 +212,8 @@ class JobConfig:
     warnings: tuple[str, ...] = ()
     """Messages produced while resolving the config, logged once by rank 0."""
     explicit: tuple[str, ...] = ()
-    """Fields set by a flag or an environment knob (a resumed run keeps the others)."""
+    """Fields set by a flag or an environment knob, not by a preset or a --config file (a
+    resumed run keeps the others from its checkpoint)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -453,6 +454,7 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     then validate."""
     environ = os.environ if environ is None else environ
     budget_given = "act_mem_budget" in explicit
+    flagged = set(explicit)  # a file's values are settings, not flags given again on resume
     explicit = {**(from_file or {}), **explicit}
     warnings: list[str] = []
     _resolve_sharding_strategy(explicit, warnings)
@@ -467,7 +469,7 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
         explicit["model"] = canonical
     environment = _environment_overrides(environ)
     values.update(environment)
-    given = {*environment, *explicit, *(["seq_len"] if "SEQ_LEN" in environ else [])}
+    given = {*environment, *flagged, *(["seq_len"] if "SEQ_LEN" in environ else [])}
     if "SEQ_LEN" in environ:
         try:
             values["seq_len"] = int(environ["SEQ_LEN"])

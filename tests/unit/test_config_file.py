@@ -26,12 +26,13 @@ lr = 0.01
 lr_schedule = "cosine"
 
 [parallel]
-fp32 = true
+dtype = "fp32"
 """
 
 
 def settings(cfg: JobConfig) -> dict:
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "warnings"}
+    """What a run does; not which of it came from the command line (`explicit`)."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("warnings", "explicit")}
 
 
 def test_file_values_are_used_except_an_explicit_flag(tmp_path):
@@ -41,7 +42,7 @@ def test_file_values_are_used_except_an_explicit_flag(tmp_path):
     assert cfg.optim.lr == 1e-3  # the flag wins
     assert (cfg.model.model, cfg.model.dim, cfg.train.max_steps, cfg.train.seed) == (
         "debug", 64, 3, 5)
-    assert (cfg.optim.lr_schedule, cfg.parallel.fp32) == ("cosine", True)
+    assert (cfg.optim.lr_schedule, cfg.parallel.dtype) == ("cosine", "fp32")
     assert cfg.model.n_layers == 4  # the file's preset still applies under its values
 
 
