@@ -3,6 +3,7 @@ small vs a large synthetic corpus, shards (memory-mapped) vs the old token cache
 
     python benchmarks/data.py                 # 2 MB vs 20 MB of text (~5-10 min on 2 busy cores)
     python benchmarks/data.py --full          # 20 MB vs 400 MB (the issue's acceptance sizes)
+    python benchmarks/data.py --sizes 20 100  # any other pair (results/data-20-100.json)
 
 - tokenize: `loom tokenize` of the large corpus with -j 1 and -j 2 (MB/s, tokens/s);
 - train: a fresh `loom train --model debug --fp32 --max-steps 2` process per row; start-up
@@ -10,7 +11,7 @@ small vs a large synthetic corpus, shards (memory-mapped) vs the old token cache
   metrics row's train/mem_rss_peak. "shards" trains on the `loom tokenize` output, "cache
   cold" on the jsonl through the old cache (tokenized inside the run), "cache warm" on the
   cache the cold run filled. Ratios are large / small, measured in the same run.
-Writes benchmarks/results/data.json.
+Writes benchmarks/results/data.json (other sizes than the default: data-SMALL-LARGE.json).
 """
 
 from __future__ import annotations
@@ -70,9 +71,13 @@ def train(dataset: Path, outdir: Path, cache: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="20 MB vs 400 MB")
+    parser.add_argument("--sizes", type=int, nargs=2, metavar=("SMALL", "LARGE"),
+                        help="MB of text of the two corpora (default 2 20)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep files here")
     opts = parser.parse_args()
-    small_mb, large_mb = (20, 400) if opts.full else (2, 20)
+    small_mb, large_mb = opts.sizes or ((20, 400) if opts.full else (2, 20))
+    results_path = RESULTS if (small_mb, large_mb) == (2, 20) else \
+        RESULTS.with_name(f"data-{small_mb}-{large_mb}.json")
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="loom-data-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     results: dict = {"sizes_mb": [small_mb, large_mb], "cpus": os.cpu_count(),
@@ -109,9 +114,9 @@ def main() -> None:
         print(f"{kind}: peak RSS x{ratios[kind]['rss_large_over_small']:.2f}, start-up "
               f"x{ratios[kind]['setup_large_over_small']:.2f} ({large_mb} MB / {small_mb} MB)")
     results["ratios"] = ratios
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {results_path}")
     if opts.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
 

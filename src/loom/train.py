@@ -24,12 +24,13 @@ from loom.evaluate import build_evaluator
 from loom.losses import IGNORE_INDEX, build_loss, resolve_loss_impl
 from loom.mesh import ParallelDims
 from loom.metrics import build_metrics, environment_facts
-from loom.models.hf import hf_model_from_config, is_hf, load_hf_model
+from loom.models.hf import hf_model_from_config, is_hf
 from loom.models.llama import ModelArgs, Transformer
 from loom.models.moe import MOE_FIELDS, MoEArgs, MoETransformer
 from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from loom.parallel.expert import update_expert_bias
-from loom.parallel.hf import parallelize_hf, resolve_hf_model
+from loom.parallel.hf import resolve_hf_model
+from loom.parallel.hf_load import build_hf_model
 from loom.parallel.init import init_weights
 from loom.parallel.parallelize import parallelize_llama
 from loom.precision import resolve_precision
@@ -174,9 +175,8 @@ class Trainer:
         return loop
 
     def build_model(self) -> nn.Module:
-        if is_hf(self.cfg.model):  # pretrained weights, loaded on the CPU and sharded by FSDP2
-            model = parallelize_hf(load_hf_model(self.cfg.model), self.dims, self.cfg.parallel,
-                                   backend_for(self.device))
+        if is_hf(self.cfg.model):  # pretrained weights, read on rank 0 and broadcast as shards
+            model = build_hf_model(self.cfg, self.dims, self.device, backend_for(self.device))
         else:
             with torch.device("meta"):
                 model = plain_model(self.cfg)

@@ -98,23 +98,25 @@ class HFCausalLM(nn.Module):
 
 
 def load_hf_model(m: ModelConfig) -> HFCausalLM:
-    """The pretrained model on the CPU in fp32 (whatever dtype it was saved in), in training
+    """The pretrained model on the CPU, read straight into fp32, the dtype of the trained
+    (master) weights whatever dtype it was saved in, so no second copy is made; in training
     mode (dropout as configured)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per rank; loom prints its own setup lines
     hf = _loading(m.model, AutoModelForCausalLM.from_pretrained, hf_source(m.model),
-                  trust_remote_code=m.trust_remote_code)
-    return HFCausalLM(hf.float().train())
+                  trust_remote_code=m.trust_remote_code, dtype=torch.float32)
+    return HFCausalLM(hf.train())
 
 
-def hf_model_from_config(m: ModelConfig) -> HFCausalLM:
-    """The same architecture with fresh weights and no download: for FLOP counting under
-    fake tensors (left in its default dtype: casting fake parameters fails, and the count
-    does not depend on it)."""
+def hf_model_from_config(m: ModelConfig, dtype: torch.dtype | None = None) -> HFCausalLM:
+    """The same architecture with fresh weights and no download: on the meta device, the
+    skeleton that pretrained weights are broadcast into; under fake tensors, for FLOP
+    counting (`dtype` None: the default; casting fake parameters fails)."""
     from transformers import AutoModelForCausalLM
 
+    kwargs = {} if dtype is None else {"dtype": dtype}
     hf = _loading(m.model, AutoModelForCausalLM.from_config, load_hf_config(m, cached=True),
-                  trust_remote_code=m.trust_remote_code)
+                  trust_remote_code=m.trust_remote_code, **kwargs)
     return HFCausalLM(hf)

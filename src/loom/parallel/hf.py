@@ -78,8 +78,9 @@ def apply_hf_fsdp(model: nn.Module, blocks: nn.ModuleList, dims: ParallelDims,
 
 def parallelize_hf(model: HFCausalLM, dims: ParallelDims, cfg: ParallelConfig,
                    backend: str) -> HFCausalLM:
-    """Apply AC, compile and FSDP2/HSDP to a CPU-resident HF model, in place; fully_shard
-    moves each unit to the mesh's device as it shards it."""
+    """Apply AC, compile and FSDP2/HSDP to a HF model, in place: a meta-device one gets
+    meta shards (to be materialised and filled), a CPU-resident one real shards on the
+    mesh's device."""
     if dims.tp_enabled:
         raise ValueError("a Hugging Face model runs at tp 1 (config resolution forces it)")
     blocks = decoder_blocks(model)

@@ -1,0 +1,166 @@
+"""Host memory of loading a pretrained Hugging Face model on one node: every rank reading
+the checkpoint (the old path) vs rank 0 reading it and broadcasting shards (loom's path).
+
+    python benchmarks/hf_load.py        # 4 gloo ranks, a 134M-parameter Llama (~4 min)
+
+The model is a Llama built with `transformers` from a fixed seed and saved with
+`save_pretrained` (safetensors) into a temporary folder, once in fp32 and once in bf16 (as
+most hub checkpoints are; loom trains fp32 master weights, so each reader casts it). Each
+mode is a fresh job of --nproc ranks that resolves the model, builds the mesh (dp_shard =
+nproc) and loads it as `loom train` does, then stops. Node memory is the peak of the ranks'
+summed PSS (proportional set size: pages of a memory-mapped checkpoint shared by several
+ranks count once), sampled from /proc every 20 ms; "above idle" subtracts the ranks' summed
+PSS just before loading (interpreter, torch, process group). The sum of each rank's own
+peak RSS (ru_maxrss) is shown too. Both modes must produce the same shards: each rank's sum
+of squares of its local weights is compared.
+Writes benchmarks/results/hf_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.harness import free_port, rank_env
+
+RESULTS = Path(__file__).parent / "results" / "hf_load.json"
+MODES = ("every rank reads", "rank 0 broadcasts")
+SAVED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+             num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
+             tie_word_embeddings=False)
+
+
+def save_models(root: Path) -> int:
+    """`save_pretrained` Llama folders root/fp32 and root/bf16; returns the parameter count."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE))
+    for name in SAVED_DTYPES:
+        model.to(SAVED_DTYPES[name]).save_pretrained(root / name)
+    return sum(p.numel() for p in model.parameters())
+
+
+def pss_bytes(pid: int | str = "self") -> int:
+    """The process's proportional set size; 0 once it has exited."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in text.splitlines()
+                 if line.startswith("Pss:")), 0)
+
+
+def load(mode: str, folder: str) -> None:
+    """One rank: load as `mode` does, then print this rank's figures as one JSON line."""
+    import torch.distributed as dist
+
+    from loom.config import parse_args
+    from loom.mesh import ParallelDims
+    from loom.models.hf import load_hf_model
+    from loom.parallel.hf import parallelize_hf, resolve_hf_model
+    from loom.parallel.hf_load import build_hf_model
+    from loom.runtime import init_distributed, rank_info, teardown
+
+    info = rank_info()
+    device = init_distributed(info)
+    torch.set_num_threads(1)
+    cfg = parse_args(["--model", folder, "--fp32", "--dataset", "random", "--seq-len", "128",
+                      "--dp-shard", str(info.world_size)])
+    cfg = resolve_hf_model(cfg, info.local_rank)
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size)
+    dims.build_mesh(device.type)
+    dist.barrier()
+    idle = pss_bytes()
+    dist.barrier()
+    start = time.perf_counter()
+    if mode == MODES[0]:
+        model = parallelize_hf(load_hf_model(cfg.model), dims, cfg.parallel, "gloo")
+    else:
+        model = build_hf_model(cfg, dims, device, "gloo")
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    squares = sum(float(p.to_local().double().square().sum()) for p in model.parameters())
+    print(json.dumps({"rank": info.rank, "idle_pss": idle, "load_s": seconds,
+                      "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "sum_squares": squares}), flush=True)
+    teardown()
+
+
+def run_mode(mode: str, folder: Path, nproc: int) -> dict:
+    """A fresh job of `nproc` ranks; the peak of their summed PSS, sampled every 20 ms."""
+    port = free_port()
+    cmd = [sys.executable, __file__, "--worker", mode, "--folder", str(folder)]
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, env=rank_env(r, nproc, port, env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(nproc)]
+    peak = 0
+    while any(p.poll() is None for p in procs):
+        peak = max(peak, sum(pss_bytes(p.pid) for p in procs))
+        time.sleep(0.02)
+    outputs = [p.communicate() for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{mode} failed:\n{outputs[0][1][-3000:]}")
+    ranks = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    idle = sum(r["idle_pss"] for r in ranks)
+    return {"saved": folder.name, "mode": mode, "nproc": nproc, "peak_sum_pss": peak,
+            "idle_sum_pss": idle,
+            "above_idle": peak - idle, "sum_ru_maxrss": sum(r["ru_maxrss"] for r in ranks),
+            "load_s": max(r["load_s"] for r in ranks),
+            "sum_squares": [r["sum_squares"] for r in ranks]}
+
+
+def table(results: list[dict], model_bytes: int) -> str:
+    gib = 2**30
+    lines = ["| saved | mode | peak PSS GiB | above idle GiB | above idle / model "
+             "| sum of peak RSS GiB | load s |", "| --- | --- |" + " ---: |" * 5]
+    for r in results:
+        lines.append(f"| {r['saved']} | {r['mode']} | {r['peak_sum_pss'] / gib:.2f} | "
+                     f"{r['above_idle'] / gib:.2f} | {r['above_idle'] / model_bytes:.2f} | "
+                     f"{r['sum_ru_maxrss'] / gib:.2f} | {r['load_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return load(args.worker, args.folder)
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = save_models(Path(tmp))
+        results = [run_mode(mode, Path(tmp) / saved, args.nproc)
+                   for saved in SAVED_DTYPES for mode in MODES]
+    ratios = {}
+    for old, new in zip(results[::2], results[1::2], strict=True):
+        if old["sum_squares"] != new["sum_squares"]:
+            raise SystemExit(f"{old['saved']}: the two modes built different shards: "
+                             f"{old['sum_squares']} vs {new['sum_squares']}")
+        ratios[old["saved"]] = new["above_idle"] / old["above_idle"]
+    model_bytes = n_params * 4
+    print(f"Llama, {n_params / 1e6:.1f}M parameters, {model_bytes / 2**30:.2f} GiB in fp32 "
+          f"(trained dtype), {args.nproc} ranks on one node")
+    print(table(results, model_bytes))
+    print("rank 0 broadcasts / every rank reads, above idle: "
+          + ", ".join(f"{saved} {r:.2f}" for saved, r in ratios.items()))
+    summary = {"n_params": n_params, "model_bytes": model_bytes, "shape": SHAPE,
+               "results": results, "above_idle_ratio": ratios}
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

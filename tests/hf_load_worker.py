@@ -1,0 +1,63 @@
+"""One rank of the HF loading test: train each run twice in one process group, through
+loom's loading (rank 0 reads the checkpoint, the others receive their shards) and through
+the old one (every rank reads it), saving rank 0's losses and the initial full weights and
+buffers (initial.pt). On ranks other than 0, loom's loading may not read the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import loom.parallel.hf_load as hf_load
+import loom.train as train
+from loom.cli import setup_logging
+from loom.config import ConfigError, ModelConfig, parse_args
+from loom.mesh import ParallelDims
+from loom.models.hf import HFCausalLM, load_hf_model
+from loom.parallel.hf import parallelize_hf
+from loom.runtime import init_distributed, rank_info, teardown
+from tests.parity_worker import full
+
+LOADERS = {"broadcast": hf_load.build_hf_model,
+           "every-rank": lambda cfg, dims, device, backend: parallelize_hf(
+               load_hf_model(cfg.model), dims, cfg.parallel, backend)}
+
+
+def refuse_to_read(m: ModelConfig) -> HFCausalLM:
+    raise ConfigError(f"rank {dist.get_rank()} read the checkpoint {m.model}")
+
+
+def initial_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (rotary frequencies too), gathered in full."""
+    return {**{n: full(p) for n, p in model.named_parameters()},
+            **{n: full(b) for n, b in model.named_buffers()}}
+
+
+def main(runs: list[tuple[str, list[str]]]) -> None:
+    info = rank_info()
+    setup_logging(info.rank)
+    device = init_distributed(info)
+    if info.rank != 0:
+        hf_load.load_hf_model = refuse_to_read
+    try:
+        for loader, argv in runs:
+            train.build_hf_model = LOADERS[loader]
+            cfg = parse_args(argv)
+            trainer = train.Trainer(cfg, info, ParallelDims.from_config(cfg.parallel,
+                                                                        info.world_size), device)
+            initial = initial_state(trainer.model)
+            try:
+                trainer.fit()
+            finally:
+                trainer.close()
+            if info.rank == 0:
+                torch.save(initial, trainer.metrics.outdir / "initial.pt")
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
