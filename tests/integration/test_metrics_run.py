@@ -29,11 +29,12 @@ FAKE_WANDB = Path(__file__).parent / "fake_wandb"
 
 @pytest.fixture(scope="module")
 def dp2_run(tmp_path_factory) -> tuple[Path, list[str], Path]:
-    """The acceptance run: 2 ranks, debug model, random data, 10 steps (cwd = a fresh dir);
-    fp32, since bf16 matmuls are 10-50x slower on CPUs without native bf16."""
+    """The acceptance run: 2 ranks, debug model, random data, 10 steps (cwd = a fresh dir),
+    at the default --dtype auto (fp32 on CPUs without native bf16, where bf16 is 10-50x
+    slower), so config.json's record of that choice is checked too."""
     cwd = tmp_path_factory.mktemp("dp2")
     job = run_ranks(2, ["-m", "loom", "train", "--model", "debug", "--dataset", "random",
-                        "--max-steps", "10", "--fp32", "--outdir", "run"], timeout=900, cwd=cwd,
+                        "--max-steps", "10", "--outdir", "run"], timeout=900, cwd=cwd,
                     env={"LOOM_CACHE_DIR": str(cwd / "cache")})
     assert job.ok, job.describe()
     assert not job.ranks[1].stdout
@@ -146,5 +147,6 @@ def test_metrics_off_writes_only_the_config(tmp_path):
     job = run_ranks(1, [*SMALL, "--outdir", "run"], timeout=600, cwd=tmp_path,
                     env={"LOOM_METRICS": "0"})
     assert job.ok, job.describe()
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["config.json"]
+    written = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert written == [".lock", "config.json"], written  # .lock: the run folder's flock file
     assert not any(line.startswith("step") for line in job.ranks[0].stdout.splitlines())
