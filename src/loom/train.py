@@ -23,7 +23,7 @@ from loom.data.streaming import data_state, restore_data_state
 from loom.evaluate import build_evaluator
 from loom.losses import IGNORE_INDEX, build_loss, resolve_loss_impl
 from loom.mesh import ParallelDims
-from loom.metrics import build_metrics, environment_facts
+from loom.metrics import RunPlace, build_metrics, environment_facts
 from loom.models.hf import hf_model_from_config, is_hf
 from loom.models.llama import ModelArgs, Transformer
 from loom.models.moe import MOE_FIELDS, MoEArgs, MoETransformer
@@ -97,6 +97,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device):
         self.info, self.dims, self.device = info, dims, device
+        self.started = time.perf_counter()  # summary.json's setup_s counts from here
         dims.build_mesh(device.type)
         outdir = agree_on_outdir(cfg.output.outdir)
         self.run_folder = RunFolder(outdir, info.rank, resume=cfg.checkpoint.resume is not None,
@@ -132,8 +133,8 @@ class Trainer:
                                          cfg.checkpoint.async_checkpoint, info.rank,
                                          resume.run_id if resume else new_run_id())
         self.loop = self.maybe_resume(resume)
-        self.metrics = build_metrics(cfg, info, dims, device, outdir, self.model, self.optimizer,
-                                     build_model=lambda: plain_model(cfg))
+        self.metrics = build_metrics(cfg, RunPlace(info.rank, dims, device, outdir, self.started),
+                                     self.model, self.optimizer, plain_model)
         self.metrics.write_config(self.effective_config())
         self.dp_group = dims.get_mesh("dp").get_group()
         self.moe_metrics: dict[str, float] = {}

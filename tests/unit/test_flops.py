@@ -12,8 +12,9 @@ from torch import nn
 from loom import flops
 from loom.config import parse_args
 from loom.mesh import ParallelDims
-from loom.metrics import run_facts
+from loom.metrics import run_facts, step_flops
 from loom.models.llama import ModelArgs, Transformer
+from loom.train import plain_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
 BATCH, SEQ = 2, 256
@@ -200,9 +201,7 @@ def test_per_rank_flops_add_up_to_the_global_step(world, flags, tmp_path):
     p = cfg.parallel
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=256)
-    with torch.device("meta"):
-        model = Transformer(args)
-    facts = run_facts(cfg, dims, torch.device("cpu"), model, lambda: Transformer(args), world)
+    facts = run_facts(cfg, dims, torch.device("cpu"), 1, step_flops(cfg, plain_model))
     one_sample = flops.count_step_flops(lambda: Transformer(args), 1, 64).flops
     assert facts.flops_per_step == pytest.approx(one_sample * 3 * dims.dp_size)
     assert facts.flops_per_rank * world == pytest.approx(facts.flops_per_step)

@@ -44,7 +44,7 @@ def test_step_clock_splits_forward_and_backward():
     clock.forward_done()
     time.sleep(0.03)
     dt, dtf, dtb = clock.stop()
-    assert dtf == pytest.approx(0.05, abs=0.03) and dtb == pytest.approx(0.03, abs=0.03)
+    assert dtf >= 0.05 and dtb >= 0.03, (dtf, dtb)  # each lap holds at least its sleep
     assert dt == pytest.approx(dtf + dtb, rel=1e-9)
 
 

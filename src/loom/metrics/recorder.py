@@ -1,0 +1,249 @@
+"""The loop's metrics object: `Metrics` writes a row per step (rank 0 adds progress, W&B,
+the summary and plots); `NullMetrics` (--no-metrics) costs nothing and is the overhead
+baseline. Both write config.json and answer to the same `RunMetrics` protocol."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from loom import flops
+from loom.config import JobConfig
+from loom.mesh import ParallelDims
+from loom.metrics.facts import (
+    RunFacts,
+    hostnames,
+    peak_cache,
+    run_dtype,
+    run_facts,
+    step_flops,
+)
+from loom.metrics.health import HEALTH_KEYS, memory_stats, tensor_stats
+from loom.metrics.rows import RowWriter, StepClock
+from loom.metrics.summary import write_summary
+from loom.progress import Progress
+from loom.tracking import Histograms, WandbRun
+
+logger = logging.getLogger("loom")
+
+
+@dataclass(frozen=True)
+class RunPlace:
+    """Where this rank's metrics are measured and written."""
+
+    rank: int
+    dims: ParallelDims
+    device: torch.device
+    outdir: Path
+    started: float
+    """perf_counter() when the run's setup began: summary.json's setup_s counts from here."""
+
+
+class RunMetrics(Protocol):
+    outdir: Path
+
+    def write_config(self, config: dict[str, Any]) -> None: ...
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None: ...
+    def forward_done(self) -> None: ...
+    def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
+                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None,
+                 ) -> dict[str, Any] | None: ...
+    def finish(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def write_config(outdir: Path, rank: int, config: dict[str, Any]) -> None:
+    """Collective: every rank adds its hostname; rank 0 writes config.json."""
+    names = hostnames()
+    if rank == 0:
+        text = json.dumps({**config, "hostnames": names}, indent=2, default=str)
+        (outdir / "config.json").write_text(text + "\n")
+
+
+class NullMetrics:
+    """Metrics off: the loop's calls cost nothing; only config.json is written."""
+
+    def __init__(self, outdir: Path, rank: int):
+        self.outdir, self.rank = outdir, rank
+        outdir.mkdir(parents=True, exist_ok=True)
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        write_config(self.outdir, self.rank, config)
+
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None:
+        pass
+
+    def forward_done(self) -> None:
+        pass
+
+    def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
+                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None) -> None:
+        return None
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Metrics:
+    """One rank's per-step rows; rank 0 adds progress, W&B, summary and plots."""
+
+    def __init__(self, place: RunPlace, facts: RunFacts, *, health_every: int,
+                 progress: Progress, wandb: WandbRun | None, histograms: Histograms,
+                 remeasure: Callable[[], flops.Peak]):
+        self.outdir, self.rank, self.device = place.outdir, place.rank, place.device
+        self.outdir.mkdir(parents=True, exist_ok=True)
+        self.facts, self.health_every, self.started = facts, health_every, place.started
+        self.progress, self.wandb, self.histograms = progress, wandb, histograms
+        self.clock = StepClock(self.device)
+        self.mfu = flops.MfuMeter(facts.flops_per_rank, flops.Peak(facts.peak_flops,
+                                  facts.peak_source), remeasure)
+        self.rows_path = self.outdir / f"metrics-{self.rank}.jsonl"
+        self.rows: RowWriter | None = None
+        self.step, self.lr, self.tokens_seen = 0, 0.0, 0
+        self.model: nn.Module | None = None
+        self.grad_stats: torch.Tensor | None = None
+        self.t_begin = time.perf_counter()
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        write_config(self.outdir, self.rank, {**config, "derived": asdict(self.facts)})
+
+    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients are read in an optimizer step pre-hook: after clipping, before the
+        update and zero_grad, without touching train_step."""
+        self.model = model
+        self.hook = optimizer.register_step_pre_hook(self._before_update)
+        self.histograms.attach(model)
+
+    def health_due(self, step: int) -> bool:
+        return self.health_every > 0 and step % self.health_every == 0
+
+    def _before_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        step = self.step + 1
+        self.lr = float(optimizer.param_groups[0]["lr"])
+        if self.health_due(step):
+            grads = (p.grad for g in optimizer.param_groups for p in g["params"])
+            self.grad_stats = tensor_stats((g for g in grads if g is not None), self.device)
+        self.histograms.gradients(step)
+
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None:
+        """`tokens_seen`: the resumed run's count, which later rows continue."""
+        self.rows, self.step = RowWriter(self.rows_path), start_step
+        self.tokens_seen = tokens_seen
+        f = self.facts
+        logger.info("%d steps of %s tokens (global batch %d = %d per dp rank x dp %d), "
+                    "%.4g GFLOP/step", total_steps, f"{f.tokens_per_step:,}",
+                    f.global_batch_size, f.global_batch_size // f.dp_size, f.dp_size,
+                    f.flops_per_step / 1e9)
+        logger.info("MFU = %.4g GFLOP per rank / step time / %.4g TFLOP/s (%s peak); "
+                    "model FLOPs, recompute not counted%s", f.flops_per_rank / 1e9,
+                    f.peak_flops / 1e12, f.peak_source, "" if f.flops_exact else "; a lower bound")
+        self.progress.begin(total_steps, start_step)
+        self.t_begin = time.perf_counter()
+        self.clock.start()
+
+    def forward_done(self) -> None:
+        self.clock.forward_done()
+
+    def _health(self, step: int) -> list[torch.Tensor]:
+        if not self.health_due(step) or self.model is None:
+            return []
+        grads = self.grad_stats if self.grad_stats is not None else torch.full(
+            (3,), float("nan"), device=self.device)
+        self.grad_stats = None
+        return [grads, tensor_stats(self.model.parameters(), self.device)]
+
+    def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
+                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None,
+                 ) -> dict[str, Any]:
+        """`extra`: more columns for the row (the MoE metrics)."""
+        health = self._health(step)
+        scalars = [loss.detach().float().reshape(1), grad_norm.detach().float().reshape(1)]
+        values = torch.cat([*scalars, *health]).tolist()  # the step's one host sync
+        dt, dtf, dtb = self.clock.stop()
+        self.tokens_seen += self.facts.tokens_per_step
+        row = self.row(step, epoch, bidx, values[0], values[1], (dt, dtf, dtb))
+        if health:
+            row.update(zip(HEALTH_KEYS, values[2:], strict=True))
+        row.update(memory_stats(self.device))
+        row.update(extra or {})
+        self.step = step
+        self.rows.write(row)
+        self.progress.update(row)
+        if self.wandb:
+            self.wandb.log(row, step)
+        self.histograms.flush(step, self.wandb)
+        self.clock.start()
+        return row
+
+    def row(self, step: int, epoch: int, bidx: int, loss: float, grad_norm: float,
+            times: tuple[float, float, float]) -> dict[str, Any]:
+        f, (dt, dtf, dtb) = self.facts, times
+        return {"train/iter": step, "train/epoch": epoch, "train/bidx": bidx,
+                "train/loss": loss, "train/dt": dt, "train/dtf": dtf, "train/dtb": dtb,
+                "train/tokens": f.tokens_per_step, "train/tokens_seen": self.tokens_seen,
+                "train/tps": f.tokens_per_step / dt,
+                "train/tps_per_gpu": f.tokens_per_step / dt / f.world_size,
+                "train/tflops": f.flops_per_rank / dt / 1e12,
+                "train/mfu": self.mfu(dt),
+                "grad/norm_preclip": grad_norm, "opt/lr": self.lr}
+
+    def timings(self) -> dict[str, float]:
+        end = time.perf_counter()
+        return {"setup_s": self.t_begin - self.started, "train_s": end - self.t_begin,
+                "total_s": end - self.started}
+
+    def finish(self) -> None:
+        """summary.json, plots and the loss text plot (rank 0), then close W&B."""
+        timings = self.timings()
+        if self.rows is not None:
+            self.rows.close()
+        summary = None
+        if self.rank == 0:
+            facts = {**asdict(self.facts), "peak_flops": self.mfu.peak.flops}
+            summary = write_summary(self.outdir, facts, timings)
+        if self.wandb:
+            self.wandb.finish(summary)
+            self.wandb = None
+
+    def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()
+        self.histograms.close()
+        if self.model is not None:
+            self.hook.remove()
+        if self.wandb:
+            self.wandb.finish(None)
+            self.wandb = None
+
+
+def build_metrics(cfg: JobConfig, place: RunPlace, model: nn.Module,
+                  optimizer: torch.optim.Optimizer,
+                  build_model: Callable[[JobConfig], nn.Module]) -> RunMetrics:
+    """The rank's metrics (or the no-op when metrics are off), watching model and optimizer.
+    FLOPs are counted on `build_model(cfg)`, the unparallelized model, only when metrics
+    are on. W&B's run is created here, before training starts."""
+    out, main, device = cfg.output, place.rank == 0, place.device
+    if not out.metrics:
+        return NullMetrics(place.outdir, place.rank)
+    facts = run_facts(cfg, place.dims, device, sum(p.numel() for p in model.parameters()),
+                      step_flops(cfg, build_model))
+    wandb = WandbRun(place.outdir, cfg.to_dict() | {"derived": asdict(facts)}) \
+        if out.wandb and main else None
+    metrics = Metrics(place, facts, health_every=out.health_every,
+                      progress=Progress(out.log_every, enabled=main), wandb=wandb,
+                      histograms=Histograms(place.outdir, place.rank, out.hist_every, out.hist),
+                      remeasure=lambda: flops.peak_flops(device, run_dtype(cfg, device),
+                                                         peak_cache(cfg), remeasure=True))
+    metrics.watch(model, optimizer)
+    return metrics
