@@ -35,7 +35,7 @@ def main(source: str, outdir: Path) -> None:
         dims = ParallelDims(1, -1, 2, info.world_size)
         dims.build_mesh("cpu")
         dataset, cfg = build_dataset(cfg, info.local_rank)
-        record = {"dp_rank": dims.dp_rank, "tp_rank": dims.tp_rank,
+        record = {"dp_rank": dims.dp_rank, "tp_rank": dims.get_mesh("tp").get_local_rank(),
                   "batches": first_batches(dataset, BATCH, dims.dp_rank, dims.dp_size),
                   "one_process": first_batches(dataset, BATCH * dims.dp_size, 0, 1),
                   "imported_datasets": "datasets" in sys.modules,

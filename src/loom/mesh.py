@@ -83,10 +83,6 @@ class ParallelDims:
         return self.dp_shard > 1
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp_size > 1
-
-    @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
@@ -148,7 +144,3 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.get_mesh("dp").get_local_rank()
-
-    @property
-    def tp_rank(self) -> int:
-        return self.get_mesh("tp").get_local_rank()

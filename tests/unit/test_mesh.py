@@ -22,4 +22,4 @@ def test_product_must_equal_world_size():
 
 def test_enabled_flags():
     dims = ParallelDims(1, -1, 2, world_size=2)
-    assert dims.tp_enabled and not dims.dp_enabled and not dims.dp_replicate_enabled
+    assert dims.tp_enabled and dims.dp_size == 1 and not dims.dp_replicate_enabled

@@ -71,9 +71,6 @@ class RMSNorm(nn.Module):
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -163,8 +160,3 @@ class Transformer(nn.Module):
         args = self.args
         self.rope = rope_table(args.head_dim, args.max_seq_len, args.rope_theta).to(device)
 
-
-def param_count(args: ModelArgs) -> int:
-    with torch.device("meta"):
-        model = Transformer(args)
-    return sum(p.numel() for p in model.parameters())
