@@ -12,12 +12,18 @@ from loom.metrics import read_rows
 
 
 def rows(folder: Path, rank: int = 0) -> list[dict]:
+    """The metric rows one rank wrote into a run folder."""
     return read_rows(folder / f"metrics-{rank}.jsonl")
 
 
-def column(folder: Path, key: str = "train/loss") -> dict[int, float]:
-    """{step: value} of one metric logged by rank 0."""
-    return {r["train/iter"]: r[key] for r in rows(folder) if key in r}
+def column(folder: Path, key: str = "train/loss", rank: int = 0) -> dict[int, float]:
+    """{step: value} of one metric logged by one rank (rank 0 by default)."""
+    return {r["train/iter"]: r[key] for r in rows(folder, rank) if key in r}
+
+
+def losses(folder: Path) -> torch.Tensor:
+    """Rank 0's per-step losses in step order, as float64 for comparing."""
+    return torch.tensor(list(column(folder).values()), dtype=torch.float64)
 
 
 def worst(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple[int, ...]]:

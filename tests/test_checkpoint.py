@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from loom.checkpoint import complete_checkpoints
-from tests.compare import column as losses
+from tests.compare import column, rows
 from tests.harness import REPO, rank_env, run_ranks
 
 COMMON = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64",
@@ -64,8 +64,8 @@ def resume_runs(tmp_path_factory) -> Path:
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["dp2", "tp2"])
 def test_resume_continues_exactly(resume_runs: Path, layout: str) -> None:
-    straight = losses(resume_runs / f"{layout}-straight")
-    resumed = losses(resume_runs / f"{layout}-resumed")
+    straight = column(resume_runs / f"{layout}-straight")
+    resumed = column(resume_runs / f"{layout}-resumed")
     assert sorted(resumed) == list(range(1, 21))
     for step in range(11, 21):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-6, abs=0), step
@@ -77,7 +77,7 @@ def test_resume_continues_exactly(resume_runs: Path, layout: str) -> None:
 @pytest.mark.multirank
 def test_resume_on_a_different_dp_degree(resume_runs: Path) -> None:
     assert_same_state(resume_runs / "dp2-10", resume_runs / "dp4-loaded")
-    straight, resharded = losses(resume_runs / "dp2-straight"), losses(resume_runs / "dp4")
+    straight, resharded = column(resume_runs / "dp2-straight"), column(resume_runs / "dp4")
     assert sorted(resharded) == list(range(11, 21))
     for step in range(11, 21):
         assert resharded[step] == pytest.approx(straight[step], rel=1e-5, abs=0), step
@@ -89,9 +89,8 @@ def test_resume_with_another_global_batch_continues_the_counts_and_settings(
     """2 ranks x 2 samples saved step 10; 4 ranks x 2 samples continue: tokens_seen goes on
     from the saved count, and the saved --checkpoint-interval 5 / --keep-checkpoints 3 hold."""
     folder = resume_runs / "dp4-batch8"
-    rows = [json.loads(line) for line in (folder / "metrics-0.jsonl").read_text().splitlines()]
     saved = 10 * 4 * 64
-    assert [(r["train/iter"], r["train/tokens_seen"]) for r in rows] == [
+    assert [(r["train/iter"], r["train/tokens_seen"]) for r in rows(folder)] == [
         (11, saved + 8 * 64), (12, saved + 2 * 8 * 64)]
     (latest,) = complete_checkpoints(folder)
     loop = json.loads((latest / "loop.json").read_text())
@@ -108,7 +107,7 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path: Path) -> None:
     job(2, [[*base, "--batch-size", "4", "--outdir", str(tmp_path / "big")],
             [*base, "--batch-size", "1", "--grad-accum-steps", "4",
              "--outdir", str(tmp_path / "accum")]])
-    big, accum = losses(tmp_path / "big"), losses(tmp_path / "accum")
+    big, accum = column(tmp_path / "big"), column(tmp_path / "accum")
     assert big.keys() == accum.keys() == set(range(1, 6))
     for step, value in big.items():
         assert accum[step] == pytest.approx(value, rel=1e-5, abs=0)
@@ -143,7 +142,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     resumed = train_process(tmp_path, "--max-steps", str(step + 1), "--resume")
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
-    assert max(losses(tmp_path)) == step + 1
+    assert max(column(tmp_path)) == step + 1
 
 
 @pytest.mark.multirank
@@ -158,7 +157,7 @@ def test_sigterm_saves_a_final_checkpoint(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err
     (latest,) = complete_checkpoints(tmp_path)
-    assert int(latest.name.split("-")[1]) == max(losses(tmp_path))
+    assert int(latest.name.split("-")[1]) == max(column(tmp_path))
 
 
 @pytest.mark.multirank

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.compare import assert_norms_close, assert_tensors_close, column
+from tests.compare import assert_norms_close, assert_tensors_close, losses
 from tests.harness import run_ranks
 from tests.hf_models import corpus_sample, save_tiny_model
 
@@ -66,10 +66,6 @@ def hf_runs(tmp_path_factory) -> tuple[Path, str]:
                      for name, flags in KNOBS.items()]
         stdout += launch(world, runs, root)
     return root / "runs", stdout
-
-
-def losses(folder: Path) -> torch.Tensor:
-    return torch.tensor(list(column(folder).values()), dtype=torch.float64)
 
 
 @pytest.mark.multirank

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.compare import assert_tensors_close, column
+from tests.compare import assert_tensors_close, losses
 from tests.harness import REPO, run_ranks
 
 COMMON = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64",
@@ -24,10 +24,6 @@ KNOBS = {"none": [], "block": ["--ac", "block"], "selective": ["--ac", "selectiv
          "compile": ["--compile"], "compile_budget": ["--compile", "--act-mem-budget", "0.5"]}
 AC_ATOL = 1e-6
 COMPILE_ATOL = 1e-4
-
-
-def losses(folder: Path) -> torch.Tensor:
-    return torch.tensor(list(column(folder).values()), dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")

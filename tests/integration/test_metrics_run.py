@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.metrics import read_rows as rows
+from loom.metrics import read_rows
 from loom.precision import resolve_precision
+from tests.compare import rows
 from tests.harness import REPO, run_ranks
 
 SPEC_KEYS = (
@@ -47,7 +48,7 @@ def test_every_row_has_the_spec_keys_with_finite_values(dp2_run):
     config = json.loads((outdir / "config.json").read_text())
     per_rank = config["derived"]["flops_per_rank"]
     for rank in (0, 1):
-        table = rows(outdir / f"metrics-{rank}.jsonl")
+        table = rows(outdir, rank)
         assert [r["train/iter"] for r in table] == list(range(1, 11))
         for r in table:
             missing = [k for k in SPEC_KEYS if k not in r]
@@ -58,7 +59,7 @@ def test_every_row_has_the_spec_keys_with_finite_values(dp2_run):
             assert r["train/dt"] == pytest.approx(r["train/dtf"] + r["train/dtb"])
             assert r["train/tflops"] * 1e12 * r["train/dt"] == pytest.approx(per_rank)
             assert r["grad/nonfinite"] == 0 and r["param/nonfinite"] == 0
-    losses = [[r["train/loss"] for r in rows(outdir / f"metrics-{k}.jsonl")] for k in (0, 1)]
+    losses = [[r["train/loss"] for r in rows(outdir, k)] for k in (0, 1)]
     assert losses[0] == losses[1], "the reported loss is the dp average on every rank"
 
 
@@ -77,7 +78,7 @@ def test_run_folder_config_summary_and_plots(dp2_run):
     expected = resolve_precision("auto", torch.device("cpu"))
     assert config["precision"] == vars(expected) and config["parallel"]["dtype"] == expected.dtype
     summary = json.loads((outdir / "summary.json").read_text())
-    table = rows(outdir / "metrics-0.jsonl")
+    table = rows(outdir)
     assert summary["steps"] == 10 and summary["tokens"] == 5120
     loss = summary["metrics"]["train/loss"]
     assert loss["last"] == table[-1]["train/loss"] and loss["max"] >= loss["steady_mean"]
@@ -118,14 +119,14 @@ def test_profilers_histograms_wandb_and_health_cadence(tmp_path):
     assert "fit" in (run / "pyinstrument-rank0.txt").read_text()
     assert (run / "pyinstrument-rank0.html").stat().st_size > 0
 
-    table = rows(run / "metrics-0.jsonl")
+    table = rows(run)
     assert [r["train/iter"] for r in table if "grad/norm" in r] == [3, 6]
     assert all(all(k in r for k in HEALTH_KEYS) == (r["train/iter"] % 3 == 0) for r in table)
     stdout = job.ranks[0].stdout.splitlines()
     shown = [line.split()[1] for line in stdout if line.startswith("step")]
     assert shown == ["1/8", "4/8", "8/8"]
 
-    hist = rows(run / "histograms-0.jsonl")
+    hist = read_rows(run / "histograms-0.jsonl")
     assert [h["step"] for h in hist] == [2, 4, 6, 8]
     for h in hist:
         assert set(h["histograms"]) == {"logits", *(f"acts/layer{i}" for i in range(4))}
@@ -133,7 +134,7 @@ def test_profilers_histograms_wandb_and_health_cadence(tmp_path):
         assert set(h["grad_norms"]) == {"tok_embeddings", "norm", "output",
                                         *(f"layer{i}" for i in range(4))}
 
-    calls = rows(log)
+    calls = read_rows(log)
     assert calls[0][0] == "init" and "derived" in calls[0][4]
     assert (tmp_path / calls[0][3]).resolve() == run.resolve()  # W&B files in the run folder
     logged = [c for c in calls if c[0] == "log"]

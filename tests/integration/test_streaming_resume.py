@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
+from tests.compare import column
 from tests.harness import run_ranks
 
 ATOL = 1e-6
-
-
-def losses(path: Path) -> dict[int, float]:
-    return {r["train/iter"]: r["train/loss"] for r in map(json.loads,
-                                                         path.read_text().splitlines())}
 
 
 @pytest.mark.multirank
@@ -39,7 +34,6 @@ def test_streaming_resume_continues_exactly(tmp_path):
     resumed = run_ranks(2, [*flags, "--resume", str(ckpt), "--outdir", str(tmp_path / "res")],
                         timeout=300, env=env)
     assert resumed.ok, resumed.describe()
-    want, got = losses(tmp_path / "full" / "metrics-0.jsonl"), losses(
-        tmp_path / "res" / "metrics-0.jsonl")
+    want, got = column(tmp_path / "full"), column(tmp_path / "res")
     diffs = {step: abs(got[step] - want[step]) for step in (3, 4)}
     assert max(diffs.values()) <= ATOL, f"resumed vs uninterrupted loss diffs {diffs}"

@@ -11,14 +11,11 @@ from pathlib import Path
 import pytest
 
 from loom.tokenize import tokenize
+from tests.compare import column
 from tests.harness import run_ranks
 
 RTOL = 1e-5
 """fp32; the dp run reduces gradients in another order (the parity tests' tolerance)."""
-
-
-def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +37,6 @@ def train_flags(shards: Path, outdir: Path, batch: int) -> list[str]:
             "--checkpoint-interval", "2", "--outdir", str(outdir)]
 
 
-def val_losses(path: Path) -> list[float]:
-    return [r["val/loss"] for r in rows(path)]
-
-
 def assert_close(got: list[float], want: list[float], what: str) -> None:
     worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
     assert len(got) == len(want) and worst <= RTOL, f"{what}: {got} vs {want}, rel {worst:.2e}"
@@ -57,10 +50,10 @@ def test_val_loss_is_the_same_on_1_and_2_dp_ranks_and_loom_eval_reproduces_it(tm
     assert one.ok, one.describe()
     two = run_ranks(2, train_flags(shards, tmp_path / "two", batch=1), timeout=240, env=env)
     assert two.ok, two.describe()
-    reference = val_losses(tmp_path / "one" / "metrics-0.jsonl")
+    reference = list(column(tmp_path / "one", "val/loss").values())
     assert len(reference) == 2 and all(0 < x < 12 for x in reference), reference
     for rank in (0, 1):
-        assert_close(val_losses(tmp_path / "two" / f"metrics-{rank}.jsonl"), reference,
+        assert_close(list(column(tmp_path / "two", "val/loss", rank).values()), reference,
                      f"2-rank val/loss, rank {rank}")
     assert "val " in one.ranks[0].stdout  # the console line shows it
 

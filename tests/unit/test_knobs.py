@@ -14,22 +14,14 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from loom.config import ConfigError, config_from_flags
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama import ModelArgs
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile
 from loom.parallel.init import clean_name
+from tests.tiny import tiny_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
                  max_seq_len=32)
-
-
-def tiny_model() -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
-    for name, param in model.named_parameters():
-        std = model.init_std(name)
-        nn.init.ones_(param) if std is None else nn.init.normal_(param, std=std)
-    return model
 
 
 def tokens() -> torch.Tensor:
@@ -70,7 +62,7 @@ def assert_same_numerics(model: nn.Module, reference: nn.Module, atol: float) ->
     ("block", 2, 2), ("selective", 2, 1)])
 def test_checkpointing_recomputes_in_backward_with_equal_gradients(mode, attention_calls,
                                                                    ffn_calls):
-    model, reference = tiny_model(), tiny_model()
+    model, reference = tiny_model(ARGS), tiny_model(ARGS)
     assert apply_ac(model, mode) == ARGS.n_layers
     attention, ffn = count_calls(model, "attention.wq"), count_calls(model, "feed_forward.w1")
     assert_same_numerics(model, reference, atol=1e-6)
@@ -80,7 +72,7 @@ def test_checkpointing_recomputes_in_backward_with_equal_gradients(mode, attenti
 
 @pytest.mark.parametrize("mode", ["block", "selective"])
 def test_checkpointing_keeps_state_dict_keys_and_logs_the_count(mode, caplog):
-    model = tiny_model()
+    model = tiny_model(ARGS)
     keys = list(model.state_dict())
     with caplog.at_level(logging.INFO, logger="loom"):
         apply_ac(model, mode)
@@ -129,7 +121,7 @@ def test_checkpointing_restores_rng_state_for_recompute():
 
 
 def test_selective_warns_when_no_block_has_attention(caplog):
-    model = tiny_model()
+    model = tiny_model(ARGS)
     for block in model.layers.values():
         del block.attention
     with caplog.at_level(logging.WARNING, logger="loom"):
@@ -138,7 +130,7 @@ def test_selective_warns_when_no_block_has_attention(caplog):
 
 
 def test_compile_in_place_keeps_state_dict_keys_and_numerics():
-    model, reference = tiny_model(), tiny_model()
+    model, reference = tiny_model(ARGS), tiny_model(ARGS)
     keys = list(model.state_dict())
     apply_compile(model, "default", 1.0, backend="aot_eager")
     assert list(model.state_dict()) == keys
@@ -149,8 +141,8 @@ def test_compile_in_place_keeps_state_dict_keys_and_numerics():
 def test_compile_passes_fullgraph_and_inductor_mode_only(monkeypatch):
     seen = []
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: seen.append(kw))
-    apply_compile(tiny_model(), "max-autotune", 1.0, backend="inductor")
-    apply_compile(tiny_model(), "max-autotune", 1.0, backend="aot_eager")
+    apply_compile(tiny_model(ARGS), "max-autotune", 1.0, backend="inductor")
+    apply_compile(tiny_model(ARGS), "max-autotune", 1.0, backend="aot_eager")
     inductor, aot = seen[0], seen[-1]
     assert len(seen) == 2 * ARGS.n_layers
     assert inductor == dict(backend="inductor", fullgraph=True, mode="max-autotune")
@@ -163,7 +155,7 @@ def test_compile_fullgraph_rejects_a_graph_break():
             torch._dynamo.graph_break()
             return x
 
-    model = tiny_model()
+    model = tiny_model(ARGS)
     model.layers["0"] = Breaking()
     apply_compile(model, "default", 1.0, backend="aot_eager")
     with pytest.raises(Exception, match="graph_break|Graph break|graph break"):
@@ -188,7 +180,7 @@ def compiled_saved_bytes(ac: str, budget: float) -> int:
     """Saved bytes of a fresh compile (the budget is read when a graph is compiled); the
     process-wide budget is restored afterwards."""
     torch._dynamo.reset()
-    model = tiny_model()
+    model = tiny_model(ARGS)
     apply_ac(model, ac)
     with functorch_config.patch(activation_memory_budget=1.0):
         apply_compile(model, "default", budget, backend="aot_eager")

@@ -21,7 +21,8 @@ from loom.losses import (
     resolve_loss_impl,
     vocab_parallel_cross_entropy,
 )
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama import ModelArgs
+from tests.tiny import tiny_model
 
 SEQ, DIM, VOCAB, CHUNK = 38, 16, 101, 8  # 8 does not divide the 38 rows
 MODES = ["chunked", "chunked-backward", "compiled", "fused-linear"]
@@ -80,20 +81,10 @@ def test_ignored_tokens_add_nothing(mode: str) -> None:
     assert grad_h[:, ~kept].abs().max() == 0
 
 
-def tiny_model() -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = model.init_std(name)
-            p.fill_(1.0) if std is None else p.normal_(0, std)
-    return model
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_built_loss_through_the_model_matches_eager(mode: str) -> None:
     """build_loss on loom's Transformer: same loss and parameter gradients as eager."""
-    reference = tiny_model()
+    reference = tiny_model(ARGS)
     model = copy.deepcopy(reference)
     tokens = torch.randint(VOCAB, (1, SEQ + 1), generator=torch.Generator().manual_seed(1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
@@ -137,7 +128,7 @@ def test_unknown_modes_are_errors() -> None:
     with pytest.raises(ConfigError, match="unknown --loss-impl"):
         resolve_loss_impl(JobConfig(loss=LossConfig("fast")))
     with pytest.raises(ValueError, match="'fast'"):
-        build_loss(LossConfig("fast"), tiny_model())
+        build_loss(LossConfig("fast"), tiny_model(ARGS))
 
 
 def test_loss_parallel_refuses_unsharded_logits() -> None:
@@ -157,7 +148,7 @@ def test_eager_is_plain_cross_entropy() -> None:
 def test_logits_probe_logs_the_first_step_once(caplog) -> None:
     cfg = config_from_flags({"loss_impl": "fused-linear"}, environ={"LOOM_DEBUG_LOGITS": "1"})
     assert cfg.loss.debug_logits
-    model = tiny_model()
+    model = tiny_model(ARGS)
     tokens = torch.randint(VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2))
     expected = model(tokens).abs().max().item()
     loss_fn = build_loss(cfg.loss, model)

@@ -1,23 +1,14 @@
 import torch
 
-from loom.models.llama import ModelArgs, Transformer, apply_rope, rope_table
+from loom.models.llama import ModelArgs, apply_rope, rope_table
+from tests.tiny import tiny_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32,
                  max_seq_len=64)
 
 
-def build(seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(ARGS)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = model.init_std(name)
-            p.fill_(1.0) if std is None else p.normal_(0, std)
-    return model
-
-
 def test_shapes_and_hidden_states():
-    model = build()
+    model = tiny_model(ARGS)
     tokens = torch.randint(ARGS.vocab_size, (2, 16))
     assert model(tokens).shape == (2, 16, ARGS.vocab_size)
     hidden = model(tokens, return_hidden=True)
@@ -26,7 +17,7 @@ def test_shapes_and_hidden_states():
 
 
 def test_attention_is_causal():
-    model = build()
+    model = tiny_model(ARGS)
     tokens = torch.randint(ARGS.vocab_size, (1, 16))
     changed = tokens.clone()
     changed[0, 10] = (changed[0, 10] + 1) % ARGS.vocab_size
@@ -50,7 +41,7 @@ def test_rope_preserves_norm_and_is_relative():
 
 
 def test_module_names_are_the_contract():
-    names = {n for n, _ in build().named_parameters()}
+    names = {n for n, _ in tiny_model(ARGS).named_parameters()}
     for expected in ("tok_embeddings.weight", "layers.0.attention.wq.weight",
                      "layers.1.feed_forward.w3.weight", "layers.0.ffn_norm.weight",
                      "layers.0.attention_norm.weight", "norm.weight", "output.weight"):
