@@ -23,7 +23,7 @@ COMMON = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--s
 
 
 def job(world: int, runs: list[list[str]]) -> None:
-    result = run_ranks(world, ["tests/checkpoint_worker.py", json.dumps(runs)], timeout=900)
+    result = run_ranks(world, ["tests/workers/checkpoint_worker.py", json.dumps(runs)], timeout=900)
     assert result.ok, result.describe()
 
 
@@ -163,7 +163,8 @@ def test_sigterm_saves_a_final_checkpoint(tmp_path: Path) -> None:
 @pytest.mark.multirank
 def test_rank_failure_ends_the_job_with_its_message(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "loom", "launch", "-n", "2", sys.executable,
-            "tests/failing_worker.py", *COMMON, "--max-steps", "50", "--outdir", str(tmp_path)]
+            "tests/workers/failing_worker.py", *COMMON, "--max-steps", "50", "--outdir",
+            str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
     proc = subprocess.run(argv, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=600)

@@ -46,7 +46,7 @@ SLOW_LAYOUTS = {
 def launch(world: int, layouts: dict, root: Path) -> None:
     runs = [[*COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // dp), "--outdir",
              str(root / name)] for name, (size, dp, flags) in layouts.items() if size == world]
-    job = run_ranks(world, ["tests/parity_worker.py", json.dumps(runs)], timeout=1200)
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs)], timeout=1200)
     assert job.ok, job.describe()
 
 

@@ -48,7 +48,7 @@ def run_layouts(world: int, names: list[str], root: Path) -> None:
         size, flags = LAYOUTS.get(name, (1, []))
         batch = GLOBAL_BATCH // dp_degree(size, flags)
         runs.append([*COMMON, *flags, "--batch-size", str(batch), "--outdir", str(root / name)])
-    job = run_ranks(world, ["tests/parity_worker.py", json.dumps(runs), "--first-grads"],
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs), "--first-grads"],
                     timeout=1200)
     assert job.ok, job.describe()
 

@@ -47,7 +47,7 @@ SLOW = {
 
 
 def job(world: int, runs: list[list[str]]) -> None:
-    result = run_ranks(world, ["tests/parity_worker.py", json.dumps(runs)], timeout=1500)
+    result = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs)], timeout=1500)
     assert result.ok, result.describe()
 
 

@@ -184,7 +184,7 @@ def test_resume_errors_are_one_line_before_the_model_is_built(run: Path,
 @pytest.mark.multirank
 def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     """Rank 1's storage reports ENOSPC on the second save (no small tmpfs in CI)."""
-    result = run_ranks(2, ["tests/faults/enospc_worker.py", *TINY, "--max-steps", "3",
+    result = run_ranks(2, ["tests/workers/enospc_worker.py", *TINY, "--max-steps", "3",
                            "--checkpoint-interval", "1", "--outdir", str(tmp_path)],
                        timeout=HANG_LIMIT * 2, env=CACHE)
     assert [r.returncode for r in result.ranks] == [1, 1], result.describe()

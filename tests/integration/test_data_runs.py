@@ -34,7 +34,7 @@ def parquet(tmp_path_factory) -> Path:
 
 @pytest.mark.multirank
 def test_tp_ranks_share_batches_and_dp_groups_split_one_global_order(tmp_path, parquet):
-    job = run_ranks(4, ["tests/data_worker.py", str(parquet), str(tmp_path)], timeout=600,
+    job = run_ranks(4, ["tests/workers/data_worker.py", str(parquet), str(tmp_path)], timeout=600,
                     env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
     assert job.ok, job.describe()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]

@@ -32,7 +32,7 @@ def runs(tmp_path_factory) -> Path:
                            "--max-steps", str(STEPS), "--seed", "5", "--lr", "3e-3",
                            "--outdir", str(root / "runs" / f"{arch}-{loader}")])
                  for loader in LOADERS]
-    job = run_ranks(2, ["tests/hf_load_worker.py", json.dumps(jobs)], timeout=600,
+    job = run_ranks(2, ["tests/workers/hf_load_worker.py", json.dumps(jobs)], timeout=600,
                     env={"LOOM_CACHE_DIR": str(root / "cache")})
     assert job.ok, job.describe()
     return root / "runs"

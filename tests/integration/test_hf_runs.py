@@ -45,7 +45,7 @@ def run_args(root: Path, arch: str, name: str, flags: list[str], world: int) -> 
 
 def launch(world: int, runs: list[list[str]], root: Path) -> str:
     env = {"LOOM_CACHE_DIR": str(root / "cache"), "LOOM_COMPILE_BACKEND": "aot_eager"}
-    job = run_ranks(world, ["tests/parity_worker.py", json.dumps(runs), "--grads"],
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs), "--grads"],
                     timeout=1200, env=env)
     assert job.ok, job.describe()
     return job.ranks[0].stdout

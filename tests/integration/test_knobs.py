@@ -31,8 +31,8 @@ def knob_runs(tmp_path_factory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("knobs")
     runs = [[*COMMON, *layout, *knob, "--outdir", str(root / f"{name}-{kname}")]
             for name, layout in LAYOUTS.items() for kname, knob in KNOBS.items()]
-    job = run_ranks(2, ["tests/parity_worker.py", json.dumps(runs), "--grads"], timeout=1200,
-                    env={"LOOM_COMPILE_BACKEND": "aot_eager"})
+    job = run_ranks(2, ["tests/workers/parity_worker.py", json.dumps(runs), "--grads"],
+                    timeout=1200, env={"LOOM_COMPILE_BACKEND": "aot_eager"})
     assert job.ok, job.describe()
     return root, job.ranks[0].stdout
 

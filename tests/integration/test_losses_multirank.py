@@ -1,4 +1,4 @@
-"""Loss modes on 2 gloo ranks (one launch, tests/losses_worker.py): the vocab-parallel
+"""Loss modes on 2 gloo ranks (one launch, tests/workers/losses_worker.py): the vocab-parallel
 kernels at tp 2, gradients through FSDP (dp 2) and TP (tp 2) against eager, and 5-step
 training runs per mode whose losses match eager's."""
 
@@ -19,7 +19,7 @@ LOSS_RTOL = 1e-5
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("losses") / "results.json"
-    job = run_ranks(2, ["tests/losses_worker.py", str(out)], timeout=1200)
+    job = run_ranks(2, ["tests/workers/losses_worker.py", str(out)], timeout=1200)
     assert job.ok, job.describe()
     return {**json.loads(out.read_text()), "log": job.ranks[0].stdout}
 

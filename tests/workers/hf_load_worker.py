@@ -19,7 +19,7 @@ from loom.mesh import ParallelDims
 from loom.models.hf import HFCausalLM, load_hf_model
 from loom.parallel.hf import parallelize_hf
 from loom.runtime import init_distributed, rank_info, teardown
-from tests.parity_worker import full
+from tests.workers.parity_worker import full
 
 LOADERS = {"broadcast": hf_load.build_hf_model,
            "every-rank": lambda cfg, dims, device, backend: parallelize_hf(

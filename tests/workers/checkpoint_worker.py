@@ -13,7 +13,7 @@ from loom.cli import setup_logging
 from loom.config import parse_args
 from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import run
-from tests.parity_worker import full_parameters
+from tests.workers.parity_worker import full_parameters
 
 
 def main(runs: list[list[str]]) -> None:
