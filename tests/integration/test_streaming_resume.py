@@ -15,7 +15,10 @@ ATOL = 1e-6
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_streaming_resume_continues_exactly(tmp_path):
+    """Slow (two 2-rank runs); by default tests/unit/test_streaming.py checks that a saved
+    position continues with the next window, and tests/test_checkpoint.py the resume."""
     rng = random.Random(4)
     words = ["wind", "over", "the", "hill", "and", "a", "boat", "of", "grey", "water"]
     src = tmp_path / "docs.jsonl"
