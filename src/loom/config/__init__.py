@@ -2,7 +2,6 @@
 a --config file (parser, sources, file), validated once (validate). `loom.resolve` adds what
 is learned at start-up and gives the trainer the final, frozen config."""
 
-from loom.config.file import read_config_file, to_toml
 from loom.config.parser import HELP_GROUPS, build_parser, parse_args
 from loom.config.schema import (
     SECTIONS,
@@ -16,16 +15,14 @@ from loom.config.schema import (
     OutputConfig,
     ParallelConfig,
     TrainConfig,
-    flag,
 )
-from loom.config.sources import config_from_flags, environment_settings
-from loom.config.validate import check_expert_layout, require_module, validate
+from loom.config.sources import config_from_flags
+from loom.config.validate import check_expert_layout, validate
 from loom.errors import ConfigError
 
 __all__ = [
     "HELP_GROUPS", "SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
     "JobConfig", "LossConfig", "ModelConfig", "OptimConfig", "OutputConfig", "ParallelConfig",
-    "TrainConfig", "build_parser", "check_expert_layout", "config_from_flags",
-    "environment_settings", "flag", "parse_args", "read_config_file", "require_module",
-    "to_toml", "validate",
+    "TrainConfig", "build_parser", "check_expert_layout", "config_from_flags", "parse_args",
+    "validate",
 ]
