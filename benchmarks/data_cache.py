@@ -30,12 +30,12 @@ SCOPES = ("train", "data")
 
 
 def worker_train(argv: list[str]) -> dict[str, float]:
-    from loom import train
+    from loom import resolve, train
     from loom.config import parse_args
     from loom.mesh import ParallelDims
     from loom.runtime import init_distributed, rank_info, teardown
 
-    build_datasets, data_s = train.build_datasets, []
+    build_datasets, data_s = resolve.build_datasets, []
 
     def timed_build(*args, **kwargs):
         start = time.perf_counter()
@@ -43,7 +43,7 @@ def worker_train(argv: list[str]) -> dict[str, float]:
         data_s.append(time.perf_counter() - start)
         return out
 
-    train.build_datasets = timed_build
+    resolve.build_datasets = timed_build
     info, cfg = rank_info(), parse_args(argv)
     trainer = train.Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
                             init_distributed(info))

@@ -37,7 +37,7 @@ from loom.checkpoint_trust import (
     read_json,
     write_manifest,
 )
-from loom.runtime import CheckpointWriteError
+from loom.errors import CheckpointWriteError
 
 logger = logging.getLogger("loom")
 

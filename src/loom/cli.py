@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import logging
 import re
-import signal
 import sys
 import traceback
 import warnings
@@ -13,18 +12,21 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 import loom
-from loom.config import SECTIONS, ConfigError, JobConfig, parse_args
-from loom.config_file import to_toml
-from loom.launch import CONFIG_ERROR_EXIT
-from loom.mesh import ParallelDims
-from loom.preflight import check_outdir
-from loom.runtime import (
+from loom.config import SECTIONS, JobConfig, parse_args
+from loom.config.file import to_toml
+from loom.errors import (
+    BAD_INPUT_EXIT,
     DIVERGED_EXIT,
+    FAILURE_EXIT,
+    SIGINT_EXIT,
     CheckpointWriteError,
+    ConfigError,
     NonFiniteLossError,
     Preempted,
-    rank_info,
 )
+from loom.mesh import ParallelDims
+from loom.preflight import check_outdir
+from loom.runtime import rank_info
 from loom.watchdog import report, watch_launcher, write_error_file
 
 USAGE = """usage: loom {train,launch,export,plan,tokenize,eval,generate} [FLAGS]  |  loom --version
@@ -113,7 +115,7 @@ def run_train(argv: Sequence[str]) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         write_error_file(f"error: {e}")
-        return CONFIG_ERROR_EXIT
+        return BAD_INPUT_EXIT
     except NonFiniteLossError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -121,23 +123,23 @@ def run_train(argv: Sequence[str]) -> int:
     except Preempted as e:
         if rank == 0:
             print(f"loom: {e}", file=sys.stderr, flush=True)
-        return 128 + e.signum
+        return e.exit_code
     except KeyboardInterrupt:
         if rank == 0:
             print("loom: interrupted by Ctrl-C", file=sys.stderr, flush=True)
-        return 128 + signal.SIGINT
+        return SIGINT_EXIT
     except CheckpointWriteError as e:  # raised on every rank alike
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         write_error_file(f"error: {e}")
-        return 1
+        return FAILURE_EXIT
     except Exception as e:
         if is_comm_failure(e):  # the peer that caused it reports the cause
             report(f"error (rank {rank}): lost contact with another rank: {first_sentence(e)}")
-            return 1
+            return FAILURE_EXIT
         traceback.print_exc()
         report(f"error (rank {rank}): {type(e).__name__}: {e}")
-        return 1
+        return FAILURE_EXIT
     return 0
 
 

@@ -23,6 +23,7 @@ from loom.data.tokenizers import SHIPPED_FLAG, load_tokenizer, save_tokenizer, t
 from loom.models.llama import ModelArgs, Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KINDS = {"moe": "a mixture-of-experts model", "hf": "the Hugging Face model"}
 
 
 def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -68,10 +69,11 @@ def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], ModelAr
     """Verify a checkpoint and read its full (unsharded) model in this one process."""
     verify_checkpoint(checkpoint)
     loop = read_json(checkpoint, "loop.json")
-    kind = loop.get("architecture", {}).get("kind")
+    kind, name = loop["architecture"].get("kind"), loop["architecture"].get("model")
     if kind != "dense":
-        raise ConfigError(f"{checkpoint} holds a {kind} model; loom export writes dense loom "
-                          "models only")
+        held = KINDS.get(kind, f"a {kind} model") + (f" {name}" if name else "")
+        raise ConfigError(f"cannot export {checkpoint}: it holds {held}; loom export writes "
+                          "dense loom models only; nothing was written")
     args = ModelArgs(**loop["model_args"])
     state = {"model": Transformer(args).state_dict()}
     dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loom.errors import BAD_INPUT_EXIT, LaunchError
 from loom.watchdog import LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:
@@ -32,10 +33,6 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = "29500"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-class LaunchError(Exception):
-    """A launch that cannot be built from the options and environment given."""
 
 
 @dataclass(frozen=True)
@@ -235,9 +232,6 @@ def _quiet_elastic_logs() -> None:
         logger.propagate = False
 
 
-CONFIG_ERROR_EXIT = 2
-"""`loom train`'s exit code for a configuration error, printed by rank 0 if it got there."""
-
 SECONDARY_ERRORS = ("lost contact with another rank",)
 """Lines of ranks that failed because of another rank: the cause is named elsewhere."""
 
@@ -266,7 +260,7 @@ def _report_failure(err: ChildFailedError) -> int:
     lines = {rank: last_error_line(f) for rank, f in err.failures.items()}
     rank, failure = first_cause(err, lines)
     code, line = failure.exitcode, lines[rank]
-    if code == CONFIG_ERROR_EXIT:
+    if code == BAD_INPUT_EXIT:
         if lines.get(0) != line or not line:  # rank 0 prints the line before leaving it
             print(line or f"loom launch: rank {rank} reported a configuration error",
                   file=sys.stderr)

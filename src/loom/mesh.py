@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from loom.config import ConfigError, ParallelConfig
+from loom.config import ConfigError, ParallelConfig, check_expert_layout
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 """Mesh dimensions, outermost first. Later `pp` goes in front."""
@@ -52,11 +52,7 @@ class ParallelDims:
             raise ConfigError(
                 f"mesh dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp "
                 f"{self.tp} = {product} does not equal world size {self.world_size}")
-        if self.ep < 1 or self.dp_shard % self.ep:
-            raise ConfigError(f"--ep {self.ep} must divide dp_shard {self.dp_shard} "
-                              "(expert parallel borrows data-parallel shard ranks)")
-        if self.etp not in (1, self.tp):
-            raise ConfigError(f"--etp {self.etp} must be 1 or --tp {self.tp}")
+        check_expert_layout(self.ep, self.etp, self.tp, self.dp_shard, "dp_shard")
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from loom.checkpoint import checkpoint_dir, complete_checkpoints, step_of
 from loom.checkpoint_trust import UnusableCheckpoint, read_json, verify_checkpoint
-from loom.config import ConfigError, JobConfig, validate
+from loom.config import ConfigError, JobConfig
 from loom.models.hf import is_hf
 from loom.models.llama import ModelArgs
 
@@ -31,7 +31,10 @@ RUN_SETTINGS = {
 
 _LOOP_KEYS = ("step", "tokens_seen", "samples_seen", "scheduler", "param_groups", "settings",
               "architecture", "model_args")
-_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
+_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
+"""What every model's parameter shapes depend on (an HF model's, as read from its config)."""
+_LOOM_FIELDS = ("ffn_hidden_dim",)
+"""loom's own derivation of the feed-forward width (not an HF model's: not recorded)."""
 _MOE_FIELDS = ("n_experts", "n_shared_experts", "moe_hidden_dim", "n_dense_layers")
 
 
@@ -115,7 +118,7 @@ def run_settings(cfg: JobConfig) -> dict[str, Any]:
 
 def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any]) -> JobConfig:
     """The checkpoint's run settings, except those given again (one info line lists those
-    that differ); the result is validated like flags."""
+    that differ); `loom.resolve` validates the result with the other start-up facts."""
     changed, kept = [], {}
     for section, names in RUN_SETTINGS.items():
         for name in (n for n in names if n in saved):
@@ -128,7 +131,6 @@ def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any]) -> JobConfig:
     cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in kept.items()})
     if changed:
         logger.info("resume: run settings as saved, except %s", ", ".join(changed))
-    validate(cfg)
     return cfg
 
 
@@ -144,13 +146,15 @@ def rescale_lr(optimizer: Any, scheduler: Any, saved_lr: float, lr: float) -> No
 
 
 def architecture(cfg: JobConfig, args: ModelArgs) -> dict[str, Any]:
-    """What the parameters' shapes depend on: the kind of model and its sizes."""
+    """What the parameters' shapes depend on: the kind of model (dense, moe or hf) and its
+    sizes; a resumed run must match it field by field."""
     m = cfg.model
     kind = "hf" if is_hf(m) else "moe" if m.n_experts else "dense"
     arch: dict[str, Any] = {"kind": kind}
     if kind == "hf":
         arch["model"] = m.model
-    arch.update({f: getattr(args, f) for f in _SHAPE_FIELDS})
+    names = _SHAPE_FIELDS if kind == "hf" else (*_SHAPE_FIELDS, *_LOOM_FIELDS)
+    arch.update({f: getattr(args, f) for f in names})
     if kind == "moe":
         arch.update({f: getattr(m, f) for f in _MOE_FIELDS})
     return arch

@@ -24,27 +24,6 @@ _LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID",
                     "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 
-class Preempted(Exception):
-    """SIGTERM or SIGINT arrived: the run stopped after the current step, with a final
-    checkpoint when one could be made; exits 128 + the signal number."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
-
-
-DIVERGED_EXIT = 3
-"""Exit code of a run stopped by a non-finite loss: the flags were valid, training diverged."""
-
-
-class NonFiniteLossError(Exception):
-    """Identical on every rank (the loss is all-reduced), so reported once, by rank 0."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """A save failed on some rank (disk full, permissions); the same line on every rank."""
-
-
 @dataclass(frozen=True)
 class RankInfo:
     rank: int

@@ -7,7 +7,6 @@ import logging
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,69 +17,30 @@ from torch import nn
 
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
-from loom.data.loaders import build_dataloader, build_datasets
+from loom.data.loaders import build_dataloader
 from loom.data.streaming import data_state, restore_data_state
+from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
-from loom.losses import IGNORE_INDEX, build_loss, resolve_loss_impl
+from loom.losses import IGNORE_INDEX, build_loss
 from loom.mesh import ParallelDims
 from loom.metrics import RunPlace, build_metrics, environment_facts
-from loom.models.hf import hf_model_from_config, is_hf
-from loom.models.llama import ModelArgs, Transformer
-from loom.models.moe import MOE_FIELDS, MoEArgs, MoETransformer
+from loom.modeling import model_args, plain_model
+from loom.models.hf import is_hf
 from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from loom.parallel.expert import update_expert_bias
-from loom.parallel.hf import resolve_hf_model
 from loom.parallel.hf_load import build_hf_model
 from loom.parallel.init import init_weights
 from loom.parallel.parallelize import parallelize_llama
-from loom.precision import resolve_precision
-from loom.preflight import available_memory_bytes, check_model_fits
 from loom.profiling import maybe_profile
-from loom.resume import (
-    ResumePoint,
-    apply_saved_settings,
-    architecture,
-    check_architecture,
-    find_resume,
-    new_run_id,
-    rescale_lr,
-    run_settings,
-)
+from loom.resolve import resolve
+from loom.resume import ResumePoint, architecture, new_run_id, rescale_lr, run_settings
 from loom.rundir import RunFolder
-from loom.runtime import (
-    NonFiniteLossError,
-    Preempted,
-    RankInfo,
-    backend_for,
-    init_distributed,
-    seed_everything,
-    teardown,
-)
+from loom.runtime import RankInfo, backend_for, init_distributed, teardown
 from loom.watchdog import StepWatchdog, collective_timeout_s, heartbeat_store
 
 logger = logging.getLogger("loom")
 
 Batch = dict[str, torch.Tensor]
-
-
-def model_args(cfg: JobConfig) -> ModelArgs:
-    m = cfg.model
-    return ModelArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                     vocab_size=m.vocab_size, multiple_of=m.multiple_of,
-                     ffn_dim_multiplier=m.ffn_dim_multiplier, hidden_dim=m.hidden_dim,
-                     rope_theta=m.rope_theta, norm_eps=m.norm_eps, max_seq_len=m.max_seq_len)
-
-
-def plain_model(cfg: JobConfig) -> nn.Module:
-    """The unparallelized model on the current device: dense, or MoE when --n-experts > 0
-    (a Hugging Face --model: its architecture with fresh weights)."""
-    if is_hf(cfg.model):
-        return hf_model_from_config(cfg.model)
-    args = model_args(cfg)
-    if cfg.model.n_experts == 0:
-        return Transformer(args)
-    moe = {name: getattr(cfg.model, name) for name in MOE_FIELDS}
-    return MoETransformer(MoEArgs(**vars(args), **moe))
 
 
 def agree_on_outdir(outdir: str | None) -> Path:
@@ -95,37 +55,28 @@ def agree_on_outdir(outdir: str | None) -> Path:
 class Trainer:
     """Holds the built components; `fit()` runs the loop."""
 
-    def __init__(self, cfg: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device):
+    def __init__(self, flags: JobConfig, info: RankInfo, dims: ParallelDims,
+                 device: torch.device):
+        """`flags`: the validated command line; everything below uses its resolved form."""
         self.info, self.dims, self.device = info, dims, device
         self.started = time.perf_counter()  # summary.json's setup_s counts from here
         dims.build_mesh(device.type)
-        outdir = agree_on_outdir(cfg.output.outdir)
-        self.run_folder = RunFolder(outdir, info.rank, resume=cfg.checkpoint.resume is not None,
-                                    overwrite=cfg.output.overwrite)
+        outdir = agree_on_outdir(flags.output.outdir)
+        self.run_folder = RunFolder(outdir, info.rank, resume=flags.checkpoint.resume is not None,
+                                    overwrite=flags.output.overwrite)
         if self.run_folder.note:
             logger.info(self.run_folder.note)
-        resume = find_resume(cfg.checkpoint.resume, outdir)
-        if resume is not None:
-            cfg = apply_saved_settings(cfg, resume.saved["settings"])
-        self.seed = cfg.train.seed
-        seed_everything(self.seed)
-        self.precision = resolve_precision(cfg.parallel.dtype, device)
-        logger.info("precision: %s (%s)", self.precision.dtype, self.precision.reason)
-        cfg = replace(cfg, parallel=replace(cfg.parallel, dtype=self.precision.dtype))
-        cfg = resolve_hf_model(cfg, info.local_rank)  # a HF --model: its shape and vocab
-        self.check_model_fits(cfg)
-        dataset, val_dataset, cfg = build_datasets(cfg, info.local_rank)  # vocab sized
-        self.cfg = cfg = resolve_loss_impl(cfg)  # effective --loss-impl, before the tp plan
+        start = resolve(flags, info, dims, device, outdir)
+        self.cfg = cfg = start.cfg
+        self.seed, self.precision, resume = cfg.train.seed, start.precision, start.resume
         self.loader = build_dataloader(
-            dataset, batch_size=cfg.train.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
-            seed=self.seed, num_workers=cfg.data.num_workers)
+            start.dataset, batch_size=cfg.train.batch_size, dp_rank=dims.dp_rank,
+            dp_size=dims.dp_size, seed=self.seed, num_workers=cfg.data.num_workers)
         self.accum = cfg.train.grad_accum_steps
         self.steps_per_epoch = self.optimizer_steps_per_epoch()
-        if resume is not None:  # before the model is built
-            check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)))
         self.model = self.build_model()
         self.loss_fn = build_loss(cfg.loss, self.model, dims.tp)
-        self.evaluator = build_evaluator(val_dataset, cfg, dims, self.loss_fn, device)
+        self.evaluator = build_evaluator(start.val_dataset, cfg, dims, self.loss_fn, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
         self.checkpointer = Checkpointer(outdir, cfg.checkpoint.checkpoint_interval,
@@ -189,19 +140,6 @@ class Trainer:
         logger.info("model: %s, %.2fM parameters", self.cfg.model.model or "custom",
                     n_params / 1e6)
         return model
-
-    def check_model_fits(self, cfg: JobConfig) -> None:
-        """Fail in one line, before the data or the model is allocated, on a model too large
-        for this device (the vocab is the flag's: a tokenizer may replace it with its own)."""
-        if is_hf(cfg.model):
-            return
-        with torch.device("meta"):
-            n_params = sum(p.numel() for p in plain_model(cfg).parameters())
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            free = available_memory_bytes() if self.device.type == "cpu" else None
-        check_model_fits(n_params, self.dims.dp_shard * self.dims.tp, free)
 
     def effective_config(self) -> dict[str, Any]:
         return {**self.cfg.to_dict(), "world_size": self.info.world_size,

@@ -20,11 +20,11 @@ import torch
 from loom.config import DataConfig, JobConfig, ModelConfig
 from loom.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
 from loom.mesh import ParallelDims
-from loom.models.moe import MOE_FIELDS, MoEArgs, active_param_count
+from loom.modeling import model_args, plain_model
+from loom.models.moe import active_param_count
 from loom.plan.memory import traced_depths
 from loom.plan.trace import with_layers
 from loom.precision import torch_dtype
-from loom.train import model_args, plain_model
 
 EFFICIENCY = 0.4
 """Fraction of the matmul peak a training step reaches (assumed; torchtitan's published
@@ -61,7 +61,7 @@ def _moe_flops(cfg: JobConfig) -> float:
     6 x active parameters x tokens, plus attention's 12 x layers x dim x seq per token
     (full T x T, as `count_step_flops` counts it)."""
     m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
-    args = MoEArgs(**vars(model_args(cfg)), **{n: getattr(m, n) for n in MOE_FIELDS})
+    args = model_args(cfg)
     return tokens * (6 * active_param_count(args) + 12 * m.n_layers * m.dim * cfg.data.seq_len)
 
 

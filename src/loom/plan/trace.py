@@ -24,9 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from loom.config import JobConfig
 from loom.losses import LossFn, build_loss
 from loom.mesh import ParallelDims
+from loom.modeling import plain_model
 from loom.optim import build_optimizer, clip_grad_norm
 from loom.parallel.parallelize import parallelize_llama
-from loom.train import plain_model
 
 Breakdown = dict[str, int]
 """Bytes live at the peak, by FSDPMemTracker category ('Total' excluded)."""

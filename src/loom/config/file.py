@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -1,0 +1,227 @@
+"""The job configuration's schema: one frozen dataclass per group of flags.
+
+Every training flag is a dataclass field whose metadata holds its help text, aliases and
+environment variable; the parser and the environment source are generated from these
+declarations, so a flag or knob cannot exist without a documented field behind it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def flag(default: Any, help: str, *, aliases: Sequence[str] = (), type: Callable | None = None,
+         choices: Sequence[str] | None = None, hidden: bool = False,
+         const: Any = None, env: str | None = None) -> Any:
+    """Declare a dataclass field that is also a command-line flag (and, with `env`, an
+    environment variable read by `loom.config.sources`)."""
+    meta = dict(help=help, aliases=tuple(aliases), type=type, choices=choices,
+                hidden=hidden, const=const, env=env)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = flag(None, "preset, alias, Hugging Face repo id or local HF folder",
+                             type=str)
+    dim: int = flag(256, "model width")
+    n_layers: int = flag(32, "number of transformer blocks")
+    n_heads: int = flag(32, "attention heads")
+    n_kv_heads: int = flag(4, "key/value heads (grouped-query attention); divides n-heads")
+    multiple_of: int = flag(360, "round the SwiGLU hidden dim up to a multiple of this")
+    ffn_dim_multiplier: float | None = flag(None, "scale the SwiGLU hidden dim", type=float)
+    hidden_dim: int | None = flag(None, "SwiGLU hidden dim; bypasses the derivation", type=int)
+    rope_theta: float = flag(10000.0, "RoPE base frequency")
+    norm_eps: float = flag(1e-5, "RMSNorm epsilon")
+    vocab_size: int = flag(32000, "vocabulary size (replaced by the tokenizer's size)")
+    max_seq_len: int = flag(32768, "RoPE table size; seq-len must not exceed it")
+    n_experts: int = flag(0, "routed experts per MoE layer (0 = dense model)")
+    top_k: int = flag(2, "MoE: experts each token is routed to")
+    n_shared_experts: int = flag(1, "MoE: always-on shared experts per layer")
+    moe_hidden_dim: int | None = flag(None, "MoE: hidden dim of each expert "
+                                      "(default: the SwiGLU hidden dim)", type=int)
+    n_dense_layers: int = flag(1, "MoE: leading blocks that keep a dense feed-forward")
+    score_func: str = flag("sigmoid", "MoE: router score function (computed in fp32)",
+                           choices=("sigmoid", "softmax"))
+    route_norm: bool = flag(True, "MoE: normalise the chosen experts' scores to sum to 1")
+    route_scale: float = flag(1.0, "MoE: multiply the routed experts' weights by this")
+    load_balance_coeff: float = flag(1e-3, "MoE: expert-bias step per optimizer step "
+                                     "(aux-loss-free balancing; 0 disables)")
+    aux_loss_coeff: float = flag(0.0, "MoE: weight of the sequence-wise balance loss (0 = off)")
+    trust_remote_code: bool = flag(False, "Hugging Face --model: run the modelling code the "
+                                   "repo ships (only for repos you trust)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = flag(1, "tensor (+ sequence) parallel degree")
+    dp_replicate: int = flag(1, "replicated data-parallel degree (HSDP's outer dim)")
+    dp_shard: int = flag(-1, "sharded data-parallel degree; -1 = all remaining ranks")
+    reshard_after_forward: str = flag(
+        "always", "free gathered parameters after forward (always = ZeRO-3, never = ZeRO-2)",
+        choices=("always", "never"), const="always")
+    sharding_strategy: str | None = flag(None, "deprecated; use --reshard-after-forward",
+                                         type=str, hidden=True)
+    activation_checkpoint: str = flag(
+        "none", "recompute activations in backward", aliases=("--ac",),
+        choices=("none", "block", "full", "selective"))
+    compile: bool = flag(False, "torch.compile each transformer block")
+    compile_mode: str = flag("default", "torch.compile mode",
+                             choices=("default", "reduce-overhead", "max-autotune"))
+    act_mem_budget: float = flag(1.0, "activation memory budget of the partitioner (--compile)")
+    compile_backend: str = flag(
+        "inductor", "torch.compile backend; aot_eager skips code generation (cheap, for tests) "
+        "($LOOM_COMPILE_BACKEND)", choices=("inductor", "aot_eager"),
+        env="LOOM_COMPILE_BACKEND")
+    dtype: str = flag("auto", "compute dtype: bf16 mixed precision (fp32 master weights), fp32, "
+                      "or auto (bf16 on GPUs and native-bf16 CPUs, else fp32)",
+                      choices=("auto", "bf16", "fp32"))
+    reduce_dtype: str = flag("fp32", "gradient reduction dtype under mixed precision "
+                             "($LOOM_REDUCE_DTYPE)", choices=("fp32", "bf16"),
+                             env="LOOM_REDUCE_DTYPE")
+    grad_divide_factor: bool = flag(
+        True, "sum gradients in the collective and divide once by the dp size "
+        "($LOOM_FSDP_DIVIDE_FACTOR=0 turns it off)", hidden=True,
+        env="LOOM_FSDP_DIVIDE_FACTOR")
+    data_parallel: str = flag(
+        "fsdp2", "data-parallel wrapper: FSDP2 units, or SimpleFSDP (parameters gathered by "
+        "DTensor redistribution on access; with --compile the whole model is one graph)",
+        choices=("fsdp2", "simple-fsdp"))
+    ep: int = flag(1, "expert-parallel degree, borrowed from dp_shard (must divide it)")
+    etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
+                    "(experts split across tp too)")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = flag(3e-3, "AdamW learning rate")
+    max_grad_norm: float = flag(1.0, "clip the global gradient norm; <= 0 disables")
+    lr_schedule: str = flag("constant", "learning-rate schedule after warmup",
+                            choices=("constant", "cosine", "linear", "wsd"))
+    warmup_steps: int = flag(0, "linear warmup from 0 to --lr over this many steps")
+    min_lr_ratio: float = flag(0.0, "floor of the decaying schedules, as a fraction of --lr")
+    decay_fraction: float = flag(0.2, "wsd: fraction of the steps spent decaying at the end")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = flag(5, "passes over the dataset")
+    batch_size: int = flag(1, "samples per data-parallel rank per step")
+    seed: int = flag(0, "seed for weights and data order (identical commands reproduce)")
+    max_steps: int | None = flag(None, "stop after this many optimizer steps", type=int)
+    grad_accum_steps: int = flag(1, "micro-batches accumulated per optimizer step")
+    skip_nonfinite: bool = flag(False, "skip a step whose loss or gradient is not finite "
+                                "(default: stop the run)")
+    max_skipped_steps: int = flag(10, "--skip-nonfinite: stop after this many consecutive "
+                                  "skipped steps")
+    comm_timeout_s: float = flag(600.0, "end the job when a collective or a whole step "
+                                 "makes no progress for this long (a stalled or dead rank)")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    loss_impl: str = flag("eager", "cross-entropy implementation", choices=(
+        "eager", "chunked", "chunked-backward", "compiled", "fused-linear", "loss-parallel"))
+    loss_chunk_size: int = flag(1024, "row chunk of the chunked and fused-linear losses")
+    debug_logits: bool = flag(False, "log the first step's finite-logit count and max |logit| "
+                              "(materialises the full logits; $LOOM_DEBUG_LOGITS=1)", hidden=True,
+                              env="LOOM_DEBUG_LOGITS")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str | None = flag(None, "hub id, local file/folder, or 'random' "
+                               "(default: the embedded corpus)", type=str)
+    tokenizer_name: str | None = flag(None, "hub id or local folder of a tokenizer", type=str)
+    hf_split: str = flag("train", "dataset split")
+    hf_text_column: str = flag("text", "column holding the text")
+    hf_limit: int = flag(0, "keep this many rows, chosen deterministically (0 = all)")
+    seq_len: int = flag(1024, "tokens per sample ($SEQ_LEN)", env="SEQ_LEN")
+    num_workers: int = flag(0, "data loader worker processes")
+    hf_limit_seed: int = flag(0, "seed of the --hf-limit subsample ($LOOM_HF_LIMIT_SEED)",
+                              hidden=True, env="LOOM_HF_LIMIT_SEED")
+    streaming: bool = flag(False, "read, tokenize and pack documents on the fly, dealt to dp "
+                           "ranks (needs --max-steps; resumes at the exact token)")
+    cache_dir: str | None = flag(None, "tokenization cache folder ($LOOM_CACHE_DIR; "
+                                 "default ~/.cache/loom)", type=str, hidden=True,
+                                 env="LOOM_CACHE_DIR")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    val_dataset: str | None = flag(None, "validation data: hub id, local file/folder or shard "
+                                   "folder (same tokenizer as --dataset)", type=str)
+    val_fraction: float = flag(0.0, "hold out this fraction of --dataset's tokens for "
+                               "validation, cut between documents")
+    eval_every: int = flag(0, "validation loss every N steps (0 = only after the last step)")
+    eval_steps: int = flag(8, "global batches per validation (at most the whole set)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    checkpoint_interval: int = flag(0, "save a checkpoint every N steps and at the end "
+                                    "(0 = no checkpoints)")
+    keep_checkpoints: int = flag(2, "keep the newest K complete checkpoints")
+    async_checkpoint: bool = flag(False, "write checkpoints in a background thread")
+    resume: str | None = flag(None, "continue from the latest checkpoint in --outdir (bare "
+                              "flag: there must be one; 'auto': if there is one) or from a "
+                              "checkpoint folder", type=str, const="latest")
+    sigterm_grace_s: float = flag(25.0, "on SIGTERM, save a final checkpoint only if the last "
+                                  "save took at most this long (schedulers kill ~30 s later)")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    outdir: str | None = flag(None, "run folder (default: outputs/<timestamp>)", type=str)
+    overwrite: bool = flag(False, "move a previous run in --outdir aside and start anew")
+    profile: bool = flag(False, "torch profiler trace in the run folder")
+    pyinstrument_profiler: bool = flag(False, "pyinstrument profile of the run "
+                                       "(pip install 'loom[profile]')")
+    wandb: bool = flag(False, "log to Weights & Biases (pip install 'loom[wandb]'; "
+                       "WANDB_MODE=offline works without an account)")
+    log_every: int = flag(0, "progress line every N steps (0 = auto, ~20 lines) ($LOOM_LOG_EVERY)",
+                          env="LOOM_LOG_EVERY")
+    verbose: bool = flag(False, "show the upstream notices loom hides (README: Quiet output)")
+    metrics: bool = flag(True, "per-step metrics ($LOOM_METRICS=0 turns them off: the "
+                         "overhead baseline)", hidden=True, env="LOOM_METRICS")
+    health_every: int = flag(1, "gradient/parameter health statistics every K steps, 0 = off "
+                             "($LOOM_HEALTH_EVERY)", hidden=True, env="LOOM_HEALTH_EVERY")
+    hist_every: int = flag(0, "histograms every N steps, 0 = off ($LOOM_HIST_EVERY)",
+                           hidden=True, env="LOOM_HIST_EVERY")
+    hist: str = flag("logits,grads,acts", "which histograms, comma-separated ($LOOM_HIST)",
+                     hidden=True, env="LOOM_HIST")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    warnings: tuple[str, ...] = ()
+    """Messages produced while resolving the config, logged once by rank 0."""
+    explicit: tuple[str, ...] = ()
+    """Fields set by a flag or an environment knob, not by a preset or a --config file (a
+    resumed run keeps the others from its checkpoint)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.default_factory for f in fields(JobConfig)
+            if f.name not in ("warnings", "explicit")}
+"""The flag groups of `JobConfig`, by attribute name."""
+
+
+def flag_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every flag's field and its section, by field name (names are unique across sections)."""
+    return {f.name: (section, f) for section, factory in SECTIONS.items()
+            for f in fields(factory)}

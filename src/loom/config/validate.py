@@ -1,0 +1,180 @@
+"""Validation, in one place: checks that need no process group (shapes, divisibility by
+tp, ranges, combinations), run on the final config."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from loom.config.schema import EvalConfig, JobConfig, ModelConfig, OutputConfig, ParallelConfig
+from loom.errors import ConfigError
+from loom.presets import is_hf_model
+
+
+def _validate_output(o: OutputConfig) -> None:
+    for name in ("log_every", "health_every", "hist_every"):
+        if getattr(o, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(o, name)}")
+    unknown = set(o.hist.split(",")) - {"logits", "grads", "acts"}
+    if unknown:
+        raise ConfigError(f"unknown histogram kind(s) {', '.join(sorted(unknown))} in --hist "
+                          "($LOOM_HIST); choose from logits, grads, acts")
+    if o.pyinstrument_profiler:
+        require_module("pyinstrument", "--pyinstrument-profiler", "profile")
+    if o.wandb:
+        require_module("wandb", "--wandb", "wandb")
+
+
+def require_module(module: str, flag_name: str, extra: str) -> None:
+    """A flag that needs an optional package fails early, in one line, when it is missing."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules[module] is None: deliberately unavailable
+        found = False
+    if not found:
+        raise ConfigError(f"{flag_name} needs the {module} package: pip install 'loom[{extra}]'")
+
+
+def knob_warnings(p: ParallelConfig, budget_given: bool) -> list[str]:
+    """Accepted settings that will not do what the user probably expects."""
+    warnings = []
+    if budget_given and not p.compile:
+        warnings.append("--act-mem-budget has no effect without --compile "
+                        "(it sets the compiler's partitioner budget)")
+    if p.compile and p.activation_checkpoint != "none" and (
+            p.tp > 1 or p.data_parallel == "simple-fsdp"):
+        warnings.append(
+            f"--compile with --ac {p.activation_checkpoint} at --tp {p.tp} (--data-parallel "
+            f"{p.data_parallel}) is known to fail "
+            "upstream in AOTAutograd ('expected all tensors_saved_with_vc_check to be "
+            "Tensors'); drop --ac (use --act-mem-budget) or --compile")
+    return warnings
+
+
+def check_expert_layout(ep: int, etp: int, tp: int, dp_shard: int | None,
+                        dp_shard_name: str = "--dp-shard") -> None:
+    """Expert parallel borrows `ep` of the dp_shard ranks; expert TP is off or all of tp.
+    Checked on the flags (an explicit --dp-shard) and again by the mesh (the resolved one)."""
+    if ep < 1 or (dp_shard is not None and dp_shard % ep):
+        raise ConfigError(f"--ep {ep} must divide {dp_shard_name} {dp_shard} "
+                          "(expert parallel borrows data-parallel shard ranks)")
+    if etp not in (1, tp):
+        raise ConfigError(f"--etp {etp} must be 1 or --tp {tp}")
+
+
+def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    """Mixture-of-experts shapes and the expert-parallel degrees they allow."""
+    if m.n_experts == 0:
+        if p.ep != 1 or p.etp != 1:
+            raise ConfigError(f"--ep {p.ep} / --etp {p.etp} need a mixture-of-experts model "
+                              "(--n-experts > 0, e.g. --model moe-debug)")
+        return
+    if m.n_experts < 0:
+        raise ConfigError(f"--n-experts must be >= 0 (0 = dense model), got {m.n_experts}")
+    if not 1 <= m.top_k <= m.n_experts:
+        raise ConfigError(f"--top-k {m.top_k} must be in [1, --n-experts {m.n_experts}]")
+    if p.ep < 1 or m.n_experts % p.ep:
+        raise ConfigError(f"--n-experts {m.n_experts} is not divisible by --ep {p.ep}")
+    check_expert_layout(p.ep, p.etp, p.tp, p.dp_shard if p.dp_shard > 0 else None)
+    hidden = m.moe_hidden_dim or 0
+    if hidden < 0 or hidden % p.tp or not 0 <= m.n_dense_layers <= m.n_layers:
+        raise ConfigError(f"--moe-hidden-dim {m.moe_hidden_dim} must be >= 0 and divisible "
+                          f"by --tp {p.tp}; --n-dense-layers {m.n_dense_layers} must be in "
+                          f"[0, --n-layers {m.n_layers}]")
+    if min(m.n_shared_experts, m.load_balance_coeff, m.aux_loss_coeff) < 0:
+        raise ConfigError("--n-shared-experts, --load-balance-coeff and --aux-loss-coeff "
+                          "must be >= 0")
+
+
+def _validate_numbers(cfg: JobConfig) -> None:
+    """Values that argparse accepts (nan, negatives, empty strings) but no run can use."""
+    o, d, c = cfg.optim, cfg.data, cfg.checkpoint
+    if not (math.isfinite(o.lr) and o.lr > 0):
+        raise ConfigError(f"--lr must be a finite number > 0, got {o.lr}")
+    if math.isnan(o.max_grad_norm):
+        raise ConfigError("--max-grad-norm must be a number (<= 0 disables clipping), got nan")
+    if not c.sigterm_grace_s >= 0:  # also rejects nan
+        raise ConfigError(f"--sigterm-grace-s must be >= 0, got {c.sigterm_grace_s}")
+    if d.hf_limit < 0:
+        raise ConfigError(f"--hf-limit must be >= 0 (0 = all rows), got {d.hf_limit}")
+    for name, value in (("--dataset", d.dataset), ("--tokenizer-name", d.tokenizer_name),
+                        ("--outdir", cfg.output.outdir), ("--resume", c.resume)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{name} must not be empty")
+
+
+def _validate_eval(e: EvalConfig) -> None:
+    if not 0.0 <= e.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {e.val_fraction}")
+    if e.val_fraction and e.val_dataset is not None:
+        raise ConfigError("--val-dataset and --val-fraction exclude each other; pick one")
+    if e.eval_every < 0 or e.eval_steps < 1:
+        raise ConfigError(f"--eval-every must be >= 0 and --eval-steps >= 1, got "
+                          f"{e.eval_every} and {e.eval_steps}")
+    if e.eval_every and not (e.val_fraction or e.val_dataset):
+        raise ConfigError("--eval-every needs validation data: --val-dataset or --val-fraction")
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
+    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
+    hf = m.model is not None and is_hf_model(m.model)
+    positive = {"--dim": m.dim, "--n-layers": m.n_layers, "--n-heads": m.n_heads,
+                "--n-kv-heads": m.n_kv_heads, "--tp": p.tp, "--dp-replicate": p.dp_replicate,
+                "--batch-size": t.batch_size, "--seq-len": d.seq_len,
+                "--loss-chunk-size": cfg.loss.loss_chunk_size,
+                "--grad-accum-steps": t.grad_accum_steps,
+                "--keep-checkpoints": cfg.checkpoint.keep_checkpoints,
+                "--multiple-of": m.multiple_of, "--vocab-size": m.vocab_size,
+                "--epochs": t.epochs, "--max-skipped-steps": t.max_skipped_steps}
+    if m.hidden_dim is not None:
+        positive["--hidden-dim"] = m.hidden_dim
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    _validate_numbers(cfg)
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise ConfigError(f"--dp-shard must be >= 1 or -1 (auto), got {p.dp_shard}")
+    if t.max_steps is not None and t.max_steps < 1:
+        raise ConfigError(f"--max-steps must be >= 1, got {t.max_steps}")
+    if d.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0, got {d.num_workers}")
+    if not t.comm_timeout_s > 0:
+        raise ConfigError(f"--comm-timeout-s must be > 0, got {t.comm_timeout_s}")
+    if not 0.0 < p.act_mem_budget <= 1.0:
+        raise ConfigError(f"--act-mem-budget must be in (0, 1], got {p.act_mem_budget}")
+    o = cfg.optim
+    if o.warmup_steps < 0 or cfg.checkpoint.checkpoint_interval < 0:
+        raise ConfigError("--warmup-steps and --checkpoint-interval must be >= 0")
+    if not 0.0 <= o.min_lr_ratio <= 1.0 or not 0.0 < o.decay_fraction <= 1.0:
+        raise ConfigError(f"--min-lr-ratio must be in [0, 1] and --decay-fraction in (0, 1], "
+                          f"got {o.min_lr_ratio} and {o.decay_fraction}")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
+    _validate_output(cfg.output)
+    _validate_eval(cfg.eval)
+    if d.streaming and (t.max_steps is None or cfg.eval.val_fraction
+                        or d.dataset == "random" or d.num_workers):
+        raise ConfigError("--streaming needs --max-steps (a stream has no epoch length) and "
+                          "text data; it excludes --val-fraction (use --val-dataset) and "
+                          "--num-workers")
+    if d.dataset == "random" and cfg.eval.val_dataset is not None:
+        raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
+                          "use --val-fraction)")
+    _validate_moe(m, p)
+    if hf and p.data_parallel != "fsdp2":
+        raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "
+                          f"Hugging Face model {m.model} (use fsdp2)")
+    if hf:
+        return
+    if m.dim % m.n_heads:
+        raise ConfigError(f"--dim {m.dim} is not divisible by --n-heads {m.n_heads}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"--n-kv-heads {m.n_kv_heads} does not divide --n-heads {m.n_heads}")
+    if m.n_heads % p.tp:
+        raise ConfigError(f"--n-heads {m.n_heads} is not divisible by --tp {p.tp}")
+    if m.n_kv_heads % p.tp:
+        raise ConfigError(f"--n-kv-heads {m.n_kv_heads} is not divisible by --tp {p.tp}")
+    if d.seq_len % p.tp:
+        raise ConfigError(f"--seq-len {d.seq_len} is not divisible by --tp {p.tp} "
+                          "(sequence parallel splits the sequence across tp ranks)")

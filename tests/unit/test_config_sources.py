@@ -1,0 +1,96 @@
+"""The config package's seams: environment variables come only from the fields that declare
+them, model arguments are derived from the config, errors have distinct exit codes."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import fields
+
+import pytest
+
+from loom.config import SECTIONS, ConfigError, JobConfig, config_from_flags, parse_args
+from loom.config.schema import DataConfig, ModelConfig, flag_fields
+from loom.errors import (
+    BAD_INPUT_EXIT,
+    DIVERGED_EXIT,
+    SIGINT_EXIT,
+    SIGTERM_EXIT,
+    NonFiniteLossError,
+    Preempted,
+)
+from loom.modeling import model_args
+from loom.models.llama import ModelArgs
+from loom.models.moe import MoEArgs
+from loom.resume import architecture
+
+ENV_FIELDS = {f.metadata["env"]: name for name, (_, f) in flag_fields().items()
+              if f.metadata["env"]}
+
+
+def test_an_empty_environment_gives_the_defaults(monkeypatch):
+    for name in ENV_FIELDS:
+        monkeypatch.setenv(name, "1")
+    assert DataConfig().seq_len == 1024  # no dataclass default reads os.environ
+    cfg = config_from_flags({}, environ={})
+    defaults = JobConfig()
+    for section in SECTIONS:
+        assert getattr(cfg, section) == getattr(defaults, section), section
+    assert cfg.explicit == ()
+
+
+def test_every_declared_variable_sets_its_field_and_counts_as_given():
+    values = {"SEQ_LEN": ("512", 512), "LOOM_METRICS": ("0", False),
+              "LOOM_FSDP_DIVIDE_FACTOR": (" False ", False), "LOOM_DEBUG_LOGITS": ("true", True),
+              "LOOM_REDUCE_DTYPE": ("bfloat16", "bf16"), "LOOM_COMPILE_BACKEND": ("AOT_EAGER",
+                                                                                 "aot_eager"),
+              "LOOM_HF_LIMIT_SEED": ("7", 7), "LOOM_CACHE_DIR": ("/tmp/c", "/tmp/c"),
+              "LOOM_LOG_EVERY": ("3", 3), "LOOM_HEALTH_EVERY": ("2", 2),
+              "LOOM_HIST_EVERY": ("4", 4), "LOOM_HIST": ("grads, acts", "grads,acts")}
+    assert set(values) == set(ENV_FIELDS), set(values) ^ set(ENV_FIELDS)
+    cfg = config_from_flags({}, environ={name: raw for name, (raw, _) in values.items()})
+    for name, (raw, expected) in values.items():
+        section, _ = flag_fields()[ENV_FIELDS[name]]
+        got = getattr(getattr(cfg, section), ENV_FIELDS[name])
+        assert got == expected, (name, raw, got)
+    assert set(cfg.explicit) == set(ENV_FIELDS.values())
+
+
+@pytest.mark.parametrize(("environ", "message"), [
+    ({"LOOM_METRICS": "yes"}, "LOOM_METRICS must be 0 or 1, got 'yes'"),
+    ({"LOOM_HIST_EVERY": "x"}, "LOOM_HIST_EVERY must be an integer, got 'x'"),
+    ({"LOOM_REDUCE_DTYPE": "fp16"}, "LOOM_REDUCE_DTYPE must be fp32 or bf16, got 'fp16'"),
+])
+def test_a_bad_variable_is_one_line_naming_it(environ, message):
+    with pytest.raises(ConfigError) as err:
+        config_from_flags({}, environ=environ)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("flags", [["--model", "debug"], ["--model", "moe-debug"],
+                                   ["--model", "moe-debug", "--top-k", "3", "--route-scale", "2"]])
+def test_model_arguments_are_the_config_fields_of_the_same_name(flags):
+    cfg = parse_args(flags)
+    args = model_args(cfg)
+    assert type(args) is (MoEArgs if cfg.model.n_experts else ModelArgs)
+    names = {f.name for f in fields(args)}
+    assert names <= {f.name for f in fields(ModelConfig)}, names
+    wrong = {n: (getattr(args, n), getattr(cfg.model, n)) for n in names
+             if getattr(args, n) != getattr(cfg.model, n)}
+    assert not wrong, wrong
+
+
+def test_architecture_records_the_kind_of_model():
+    moe = parse_args(["--model", "moe-debug"])
+    arch = architecture(moe, model_args(moe))
+    assert (arch["kind"], arch["n_experts"], arch["moe_hidden_dim"]) == ("moe", 8, 128), arch
+    hf = parse_args(["--model", "owner/repo"])
+    arch = architecture(hf, model_args(hf))
+    assert (arch["kind"], arch["model"]) == ("hf", "owner/repo") and \
+        "ffn_hidden_dim" not in arch, arch
+
+
+def test_exit_codes_are_distinct_and_divergence_is_not_bad_input():
+    assert not issubclass(NonFiniteLossError, ConfigError)
+    assert (BAD_INPUT_EXIT, DIVERGED_EXIT, SIGTERM_EXIT, SIGINT_EXIT) == (2, 3, 143, 130)
+    assert Preempted("stopped", signal.SIGTERM).exit_code == SIGTERM_EXIT
+    assert Preempted("stopped", signal.SIGINT).exit_code == SIGINT_EXIT
