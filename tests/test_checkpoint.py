@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from loom.checkpoint import complete_checkpoints
+from loom.checkpoint import complete_checkpoints, storage_writer
+from loom.checkpoint_format import METADATA, TensorReader
 from tests.compare import column, rows
 from tests.harness import REPO, rank_env, run_ranks
 
@@ -43,6 +46,23 @@ def assert_same_state(a: Path, b: Path) -> None:
     optim_a, optim_b = torch.load(a / "optim.pt"), torch.load(b / "optim.pt")
     assert optim_a["state"].keys() == optim_b["state"].keys() != set()
     torch.testing.assert_close(optim_a["state"], optim_b["state"], rtol=0, atol=0)
+
+
+def test_the_pickle_free_format_round_trips_and_refuses_objects(tmp_path: Path) -> None:
+    """Raw tensor bytes and JSON metadata: every dtype and shape loom saves comes back bit
+    for bit; no `.metadata` pickle is written; a non-tensor entry is refused on save."""
+    state = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).bfloat16(),
+             "step": torch.tensor(7.0), "ids": torch.arange(6).view(2, 3),
+             "mask": torch.tensor([True, False]), "empty": torch.empty(0, 3)}
+    dcp.save(state, storage_writer=storage_writer(tmp_path / "ok"), no_dist=True)
+    assert sorted(p.name for p in (tmp_path / "ok").iterdir()) == ["__0_0.distcp", METADATA]
+    loaded = {name: torch.zeros_like(value) for name, value in state.items()}
+    dcp.load(loaded, storage_reader=TensorReader(tmp_path / "ok"), no_dist=True)
+    for name, value in state.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
+    with pytest.raises(CheckpointException, match="state entry lr is not a tensor"):
+        dcp.save({"w": torch.ones(2), "lr": 0.1}, storage_writer=storage_writer(
+            tmp_path / "object"), no_dist=True)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +158,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
         proc.communicate()
     latest = complete_checkpoints(tmp_path)[-1]
     step = int(latest.name.split("-")[1])
-    assert step >= 2 and (latest / ".metadata").is_file()
+    assert step >= 2 and (latest / "metadata.json").is_file()
     resumed = train_process(tmp_path, "--max-steps", str(step + 1), "--resume")
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err

@@ -3,9 +3,9 @@
 A save writes `checkpoints/.step-N.tmp/` on every rank, seals it with a manifest of
 checksums and then rank 0 renames it to `step-N`, so a job killed mid-save leaves the
 previous checkpoint as the latest. Model tensors and optimizer state tensors go through
-torch.distributed.checkpoint (resharded on load to any mesh); loop state, scheduler state,
-optimizer hyperparameters and RNG states are JSON. What loading trusts is in
-`loom.checkpoint_trust`.
+torch.distributed.checkpoint (resharded on load to any mesh) in loom's pickle-free layout,
+`loom.checkpoint_format`; loop state, scheduler state, optimizer hyperparameters and RNG
+states are JSON. What loading trusts is in `loom.checkpoint_trust`.
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from loom.checkpoint_format import METADATA, TensorReader, TensorWriter
 from loom.checkpoint_trust import (
     MANIFEST,
     HashingFileSystem,
-    SafeFileSystemReader,
     file_record,
     read_json,
     write_manifest,
@@ -120,10 +119,10 @@ def _local_bytes(state: dict[str, Any]) -> int:
     return total
 
 
-def storage_writer(path: Path) -> FileSystemWriter:
-    """DCP's file writer, hashing data files as it writes them (a seam for tests that
-    simulate a full disk)."""
-    writer = FileSystemWriter(path)
+def storage_writer(path: Path) -> TensorWriter:
+    """loom's DCP writer (raw tensors, JSON metadata), hashing files as it writes them (a
+    seam for tests that simulate a full disk)."""
+    writer = TensorWriter(path)
     writer.fs = HashingFileSystem()
     return writer
 
@@ -239,7 +238,7 @@ class Checkpointer:
         """What this rank wrote (DCP names rank r's data files `__r_*.distcp`); rank 0 also
         wrote the metadata and loop state."""
         own = re.compile(rf"^(__{self.rank}_\d+\.distcp|rng-{self.rank}\.json)$")
-        shared = (".metadata", "loop.json") if self.rank == 0 else ()
+        shared = (METADATA, "loop.json") if self.rank == 0 else ()
         return [p for p in tmp.iterdir() if own.match(p.name) or p.name in shared]
 
     def _commit(self, tmp: Path, final: Path, step: int, written: dict[str, Any]) -> None:
@@ -272,7 +271,7 @@ class Checkpointer:
         rank's RNG state; `saved` is its loop.json."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
-        dcp.load(state, storage_reader=SafeFileSystemReader(path))
+        dcp.load(state, storage_reader=TensorReader(path))
         optim_sd = {"state": state["optim"]["state"],
                     "param_groups": _groups_from_json(saved["param_groups"])}
         set_state_dict(model, optimizer, model_state_dict=state["model"],

@@ -1,11 +1,11 @@
-"""What loading a checkpoint trusts: a manifest of hashes, JSON, and exact metadata classes.
+"""What loading a checkpoint trusts: a manifest of hashes, and JSON only.
 
 Saves are sealed with the size and xxh3-64 hash of every file (data files are hashed as they
-are written). Every load path (`--resume`, `loom export`) goes through `verify_checkpoint` and
-`SafeFileSystemReader`. A checkpoint holds only tensors in DCP files (read with
-`weights_only=True` by DCP); everything else is JSON. DCP's `.metadata` is a pickle, so it
-is read by an unpickler that admits an exact list of classes, then checked for shape: only
-tensor entries, stored in this folder's own `__R_I.distcp` files.
+are written). Every load path (`--resume`, `loom eval`, `loom export`, `loom generate`) goes
+through `verify_checkpoint` and `loom.checkpoint_format.TensorReader`. Nothing is unpickled:
+DCP data files hold raw tensor bytes, their layout is `metadata.json` (checked here: only
+tensor entries, stored within this folder's own `__R_0.distcp` files listed in the
+manifest), and loop, optimizer hyperparameters and RNG states are JSON.
 """
 
 from __future__ import annotations
@@ -13,92 +13,33 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
 
+from loom.checkpoint_format import METADATA, load_metadata
 from loom.config import ConfigError
 
 MANIFEST = "manifest.json"
-_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _CHUNK = 1 << 22
-_ALLOWED_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-        "TensorProperties", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-}
 
 
 class UnusableCheckpoint(ConfigError):
     """A checkpoint that is incomplete, corrupt or crafted; the same on every rank."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if is_dtype or name in _ALLOWED_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refers to {module}.{name}, which is not a checkpoint "
-                                     "metadata class")
-
-
 def read_metadata(path: Path) -> Metadata:
-    """Unpickle `.metadata` with exact classes only and check that it describes tensors in
-    this folder's data files; anything else is an UnusableCheckpoint naming the file."""
+    """The checkpoint's DCP metadata from its JSON; anything malformed, or not a tensor
+    stored in this folder's data files, is an UnusableCheckpoint naming the file."""
     try:
-        with open(path / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except Exception as e:  # any malformed pickle: one line, never a traceback
-        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: .metadata {e}") from None
-    problem = _metadata_problem(metadata)
-    if problem:
-        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: .metadata {problem}")
-    return metadata
-
-
-def _metadata_problem(metadata: Any) -> str | None:
-    if type(metadata) is not Metadata:
-        return f"holds a {type(metadata).__name__}, not DCP metadata"
-    for key, entry in metadata.state_dict_metadata.items():
-        if type(entry) is not TensorStorageMetadata:
-            return f"entry {key} is not a tensor (loom checkpoints hold only tensors in DCP)"
-    for info in (metadata.storage_data or {}).values():
-        if type(info) is not _StorageInfo or not isinstance(info.relative_path, str) \
-                or not _DATA_FILE.match(info.relative_path):
-            name = getattr(info, "relative_path", info)
-            return f"points at {name!r}, which is not a data file of this checkpoint"
-        if info.transform_descriptors:
-            return f"asks for storage transforms {list(info.transform_descriptors)}"
-    return None
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with `read_metadata` above; refuses byte (pickled object) entries."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(self.path))
-        if metadata.storage_meta is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
-            raise UnusableCheckpoint(f"checkpoint {self.path} asks to unpickle an object")
-        return super().read_data(plan, planner)
+        return load_metadata(path)
+    except (OSError, ValueError, RecursionError) as e:
+        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: {METADATA} {e}") from None
 
 
 def file_record(path: Path) -> dict[str, int]:
@@ -206,14 +147,17 @@ def verify_checkpoint(path: Path, rank: int = 0, world: int = 1,
         problems = gather(problems)
     if problems:
         raise UnusableCheckpoint(f"checkpoint {path.name} is corrupt: {problems[0]}")
-    for name in [".metadata", "loop.json"]:
+    for name in [METADATA, "loop.json"]:
         if name not in manifest["files"]:
             raise UnusableCheckpoint(f"checkpoint {path} is corrupt: {name} not in {MANIFEST}")
-    metadata = read_metadata(path)
-    unlisted = {i.relative_path for i in metadata.storage_data.values()} - set(names)
-    if unlisted:
-        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: .metadata points at "
-                                 f"{sorted(unlisted)[0]}, which is not in {MANIFEST}")
+    for stored in read_metadata(path).storage_data.values():
+        record = manifest["files"].get(stored.file)
+        if record is None:
+            raise UnusableCheckpoint(f"checkpoint {path} is unsafe: {METADATA} points at "
+                                     f"{stored.file}, which is not in {MANIFEST}")
+        if stored.offset + stored.length > record["bytes"]:
+            raise UnusableCheckpoint(f"checkpoint {path} is unsafe: {METADATA} reads past "
+                                     f"the end of {stored.file}")
     return manifest
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from loom.checkpoint_trust import SafeFileSystemReader, read_json, verify_checkpoint
+from loom.checkpoint_format import TensorReader
+from loom.checkpoint_trust import read_json, verify_checkpoint
 from loom.config import ConfigError
 from loom.data.tokenizers import SHIPPED_FLAG, load_tokenizer, save_tokenizer, tokenizer_name
 from loom.models.llama import ModelArgs, Transformer
@@ -76,7 +77,7 @@ def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], ModelAr
                           "dense loom models only; nothing was written")
     args = ModelArgs(**loop["model_args"])
     state = {"model": Transformer(args).state_dict()}
-    dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
+    dcp.load(state, storage_reader=TensorReader(checkpoint), no_dist=True)
     return state["model"], args
 
 

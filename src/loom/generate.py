@@ -1,8 +1,8 @@
 """`loom generate CHECKPOINT --prompt TEXT`: continue a prompt with a trained model, in one
 process, so a user can see what training produced.
 
-A loom checkpoint is read through `loom.export.load_model_state` (DCP with the restricted
-metadata reader); a Hugging Face folder (e.g. from `loom export`) through transformers.
+A loom checkpoint is read through `loom.export.load_model_state` (DCP with loom's
+pickle-free reader); a Hugging Face folder (e.g. from `loom export`) through transformers.
 Greedy by default; --temperature and --top-k sample. No KV cache: each new token runs the
 whole window again, which is fine for the short samples this is meant for.
 """

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+import torch
+import torch.distributed.checkpoint as dcp
 
 from loom.checkpoint import complete_checkpoints
-from loom.checkpoint_trust import file_record, verify_checkpoint
+from loom.checkpoint_format import METADATA, TensorReader
+from loom.checkpoint_trust import UnusableCheckpoint, file_record, read_metadata, verify_checkpoint
 from tests.harness import REPO, free_port, rank_env, run_ranks
 
 TINY = ["--model", "debug", "--dim", "32", "--n-layers", "1", "--n-heads", "2",
@@ -45,9 +46,9 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """A run folder with checkpoints step-1 and step-2."""
+    """A run folder with checkpoints step-2 and step-3 (the default keeps two)."""
     outdir = tmp_path_factory.mktemp("trust") / "run"
-    proc, _ = loom("train", *TINY, "--max-steps", "2", "--checkpoint-interval", "1",
+    proc, _ = loom("train", *TINY, "--max-steps", "3", "--checkpoint-interval", "1",
                    "--outdir", str(outdir))
     assert proc.returncode == 0, proc.stderr
     return outdir
@@ -81,38 +82,81 @@ def global_route(checkpoint: Path, marker: Path) -> bytes:
             + f"touch {marker}".encode() + b"\ntR.")
 
 
-def craft_global(checkpoint: Path, marker: Path) -> None:
+def plant_metadata_pickle(checkpoint: Path, marker: Path) -> None:
+    """A `.metadata` (DCP's own metadata file name) that runs `touch` when unpickled."""
     (checkpoint / ".metadata").write_bytes(global_route(checkpoint, marker))
 
 
-def _metadata(checkpoint: Path):
-    with open(checkpoint / ".metadata", "rb") as f:
-        return pickle.load(f)  # our own checkpoint, written a moment ago by the fixture
+def edit_metadata(checkpoint: Path, change) -> None:
+    metadata = json.loads((checkpoint / METADATA).read_text())
+    change(metadata["tensors"])
+    (checkpoint / METADATA).write_text(json.dumps(metadata))
 
 
 def craft_object_entry(checkpoint: Path, marker: Path) -> None:
-    """An entry declared as a pickled object, appended to a data file: torch's default
-    planner reads such entries with weights_only=False."""
-    metadata, data = _metadata(checkpoint), checkpoint / "__0_0.distcp"
+    """A pickled object appended to a data file and declared as an entry in place of a
+    tensor."""
+    data = checkpoint / "__0_0.distcp"
     payload = pickle.dumps(Touch(marker))
     offset = data.stat().st_size
     data.write_bytes(data.read_bytes() + payload)
-    key = "model.tok_embeddings.weight"
-    metadata.state_dict_metadata[key] = BytesStorageMetadata()
-    metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn != key}
-    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__0_0.distcp", offset,
-                                                             len(payload))
-    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    edit_metadata(checkpoint, lambda tensors: tensors.update({"model.tok_embeddings.weight": {
+        "bytes": {"file": "__0_0.distcp", "offset": offset, "length": len(payload)}}}))
 
 
 def craft_outside_file(checkpoint: Path, marker: Path) -> None:
-    """A data file outside the checkpoint folder (path traversal) holding a pickle."""
-    metadata = _metadata(checkpoint)
+    """A chunk stored outside the checkpoint folder (path traversal)."""
     outside = checkpoint.parent.parent / "outside.distcp"
     outside.write_bytes(pickle.dumps(Touch(marker)))
-    metadata.storage_data = {i: _StorageInfo("../../outside.distcp", 0, outside.stat().st_size)
-                             for i in metadata.storage_data}
-    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    edit_metadata(checkpoint, lambda tensors: tensors["model.norm.weight"]["chunks"][0].update(
+        file="../../outside.distcp"))
+
+
+def craft_past_the_end(checkpoint: Path, marker: Path) -> None:
+    size = (checkpoint / "__0_0.distcp").stat().st_size
+    edit_metadata(checkpoint, lambda tensors: tensors["model.norm.weight"]["chunks"][0].update(
+        offset=size))
+
+
+def craft_wrong_length(checkpoint: Path, marker: Path) -> None:
+    edit_metadata(checkpoint, lambda tensors: tensors["model.norm.weight"]["chunks"][0].update(
+        length=3))
+
+
+def craft_garbage(checkpoint: Path, marker: Path) -> None:
+    (checkpoint / METADATA).write_text("{not json")
+
+
+def craft_missing(checkpoint: Path, marker: Path) -> None:
+    (checkpoint / METADATA).unlink()
+
+
+CRAFTS = {
+    craft_object_entry: "unsafe: metadata.json entry model.tok_embeddings.weight is not a "
+                        "tensor",
+    craft_outside_file: "unsafe: metadata.json a chunk of model.norm.weight points at "
+                        "'../../outside.distcp', which is not a data file",
+    craft_past_the_end: "unsafe: metadata.json reads past the end of __0_0.distcp",
+    craft_wrong_length: "unsafe: metadata.json a chunk of model.norm.weight has 3 bytes, its "
+                        "sizes need 128",
+    craft_garbage: "unsafe: metadata.json Expecting property name",
+    craft_missing: "corrupt: metadata.json not in manifest.json",
+}
+
+
+def saved_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a one-rank checkpoint, read through loom's reader."""
+    metadata = read_metadata(checkpoint)
+    state = {fqn: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for fqn, entry in metadata.state_dict_metadata.items()}
+    dcp.load(state, storage_reader=TensorReader(checkpoint), no_dist=True)
+    return state
+
+
+def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    worst = max(((a[k].double() - b[k].double()).abs().max().item(), k) for k in a)
+    assert worst[0] == 0, f"worst difference {worst[0]} in {worst[1]}"
 
 
 def test_the_crafted_payloads_run_code_when_unpickled_plainly(tmp_path: Path) -> None:
@@ -123,11 +167,45 @@ def test_the_crafted_payloads_run_code_when_unpickled_plainly(tmp_path: Path) ->
         assert (tmp_path / f"m{i}").exists()
 
 
+@pytest.mark.parametrize("craft", list(CRAFTS), ids=lambda craft: craft.__name__)
+def test_crafted_metadata_is_refused_naming_the_problem(run: Path, tmp_path: Path,
+                                                        craft) -> None:
+    checkpoint = copy_run(run, tmp_path) / "checkpoints" / "step-2"
+    craft(checkpoint, tmp_path / "marker")
+    reseal(checkpoint)
+    with pytest.raises(UnusableCheckpoint) as error:
+        verify_checkpoint(checkpoint)
+    assert CRAFTS[craft] in str(error.value), error.value
+    assert not (tmp_path / "marker").exists()
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("craft", [craft_global, craft_object_entry, craft_outside_file])
-@pytest.mark.parametrize("command", ["train", "export"])
-def test_a_crafted_checkpoint_never_runs_code(run: Path, tmp_path: Path, craft,
-                                              command: str) -> None:
+def test_a_planted_metadata_pickle_is_never_opened(run: Path, tmp_path: Path) -> None:
+    """A `.metadata` that would run code sits in step-2, even listed in the manifest:
+    resume and export ignore it, and the resumed step 3 equals the original bit for bit."""
+    outdir = copy_run(run, tmp_path)
+    step2, step3 = outdir / "checkpoints" / "step-2", outdir / "checkpoints" / "step-3"
+    original = saved_tensors(step3)
+    shutil.rmtree(step3)
+    marker = tmp_path / "marker"
+    plant_metadata_pickle(step2, marker)
+    reseal(step2)
+    proc, _ = loom("train", *TINY, "--max-steps", "3", "--checkpoint-interval", "1",
+                   "--outdir", str(outdir), "--resume", str(step2))
+    assert proc.returncode == 0, proc.stderr
+    proc, _ = loom("export", str(step2), str(tmp_path / "exported"))
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists(), "the planted .metadata was unpickled"
+    assert_bit_equal(saved_tensors(step3), original)
+    assert not (step3 / ".metadata").exists()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("craft", "command"), [(craft_object_entry, "train"),
+                                                (craft_outside_file, "export"),
+                                                (craft_missing, "export")])
+def test_a_crafted_checkpoint_is_one_line_and_never_runs_code(run: Path, tmp_path: Path,
+                                                              craft, command: str) -> None:
     outdir = copy_run(run, tmp_path)
     checkpoint, marker = outdir / "checkpoints" / "step-2", tmp_path / "marker"
     craft(checkpoint, marker)
@@ -137,10 +215,22 @@ def test_a_crafted_checkpoint_never_runs_code(run: Path, tmp_path: Path, craft,
             ["export", str(checkpoint), str(tmp_path / "exported")])
     proc, seconds = loom(*argv)
     line = one_line(proc)
-    assert proc.returncode != 0 and "unsafe: .metadata" in line and str(checkpoint) in line, line
+    assert proc.returncode == 2 and CRAFTS[craft] in line and str(checkpoint) in line, line
     assert not marker.exists(), f"the crafted command ran ({line})"
     assert seconds <= HANG_LIMIT
     assert not (tmp_path / "exported").exists()
+
+
+@pytest.mark.multirank
+def test_tampered_metadata_is_one_line_naming_it(run: Path, tmp_path: Path) -> None:
+    outdir = copy_run(run, tmp_path)
+    checkpoint = outdir / "checkpoints" / "step-3"
+    edit_metadata(checkpoint, lambda tensors: tensors.pop("model.norm.weight"))
+    proc, _ = loom("train", *TINY, "--outdir", str(outdir), "--resume", str(checkpoint))
+    assert proc.returncode == 2
+    line = one_line(proc)
+    assert line.startswith("error: checkpoint step-3 is corrupt: metadata.json has ") and \
+        line.endswith(f"; resume from step-2 with --resume {outdir}/checkpoints/step-2"), line
 
 
 def flip_a_byte(path: Path) -> None:
@@ -153,18 +243,18 @@ def flip_a_byte(path: Path) -> None:
 def test_corrupt_bytes_are_named_and_auto_resume_takes_the_previous(run: Path,
                                                                     tmp_path: Path) -> None:
     outdir = copy_run(run, tmp_path)
-    step1, step2 = complete_checkpoints(outdir)
-    flip_a_byte(step2 / "__0_0.distcp")
-    proc, _ = loom("train", *TINY, "--outdir", str(outdir), "--resume", str(step2))
+    step2, step3 = complete_checkpoints(outdir)
+    flip_a_byte(step3 / "__0_0.distcp")
+    proc, _ = loom("train", *TINY, "--outdir", str(outdir), "--resume", str(step3))
     assert proc.returncode == 2
-    assert one_line(proc) == (f"error: checkpoint step-2 is corrupt: __0_0.distcp checksum "
-                              f"mismatch; resume from step-1 with --resume {step1}")
+    assert one_line(proc) == (f"error: checkpoint step-3 is corrupt: __0_0.distcp checksum "
+                              f"mismatch; resume from step-2 with --resume {step2}")
     proc, _ = loom("train", *TINY, "--outdir", str(outdir), "--resume", "auto",
-                   "--max-steps", "2")
+                   "--max-steps", "3")
     assert proc.returncode == 0, proc.stderr
-    assert "skipping step-2 (checkpoint step-2 is corrupt" in proc.stdout
-    assert f"resumed from {step1} at step 1" in proc.stdout
-    verify_checkpoint(step1)
+    assert "skipping step-3 (checkpoint step-3 is corrupt" in proc.stdout
+    assert f"resumed from {step2} at step 2" in proc.stdout
+    verify_checkpoint(step2)
 
 
 @pytest.mark.multirank

@@ -6,20 +6,19 @@ import errno
 import sys
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemWriter
-
 import loom.checkpoint
 from loom import cli
+from loom.checkpoint_format import TensorWriter
 
 
-class FullDiskWriter(FileSystemWriter):
+class FullDiskWriter(TensorWriter):
     def write_data(self, plan: object, planner: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
 
 
-def storage_writer(path: Path) -> FileSystemWriter:
+def storage_writer(path: Path) -> TensorWriter:
     full = "step-2" in str(path) and cli.rank_info().rank == 1
-    return FullDiskWriter(path) if full else FileSystemWriter(path)
+    return FullDiskWriter(path) if full else TensorWriter(path)
 
 
 if __name__ == "__main__":
