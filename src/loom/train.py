@@ -32,7 +32,7 @@ from loom.parallel.expert import update_expert_bias
 from loom.parallel.hf import resolve_hf_model
 from loom.parallel.hf_load import build_hf_model
 from loom.parallel.init import init_weights
-from loom.parallel.parallelize import parallelize_llama
+from loom.parallel.parallelize import parallelize
 from loom.precision import resolve_precision
 from loom.preflight import available_memory_bytes, check_model_fits
 from loom.profiling import maybe_profile
@@ -180,9 +180,9 @@ class Trainer:
         else:
             with torch.device("meta"):
                 model = plain_model(self.cfg)
-            parallelize_llama(model, self.dims, self.cfg.parallel,
-                              loss_parallel=self.cfg.loss.loss_impl == "loss-parallel",
-                              backend=backend_for(self.device))
+            parallelize(model, self.dims, self.cfg.parallel,
+                        loss_parallel=self.cfg.loss.loss_impl == "loss-parallel",
+                        backend=backend_for(self.device))
             init_weights(model, self.seed, self.device)
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("model: %s, %.2fM parameters", self.cfg.model.model or "custom",
