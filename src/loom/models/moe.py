@@ -87,8 +87,8 @@ class ExpertWeights(nn.Module):
     """How the experts read their stacked weights: as stored. Expert parallelism registers
     a subclass that unwraps the sharded weights into this rank's local tensors."""
 
-    def forward(self, experts: GroupedExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return experts.w1, experts.w2, experts.w3
+    def forward(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return weights
 
 
 class GroupedExperts(nn.Module):
@@ -103,7 +103,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, dim), rows grouped by (local) expert; counts (E_local,) rows per expert."""
-        w1, w2, w3 = self.weights(self)
+        w1, w2, w3 = self.weights(self.w1, self.w2, self.w3)
         h = F.silu(expert_matmul(x, w1, counts)) * expert_matmul(x, w3, counts)
         return expert_matmul(h, w2, counts)
 

@@ -146,13 +146,13 @@ class LocalExpertWeights(ExpertWeights):
     """The sharded (DTensor) expert weights as this rank's local tensors; `grad_placements`
     says how each local gradient relates to the whole."""
 
-    def __init__(self, grad_placements: dict[str, list[Placement]]):
+    def __init__(self, grad_placements: list[list[Placement]]):
         super().__init__()
         self.grad_placements = grad_placements
 
-    def forward(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(getattr(experts, w).to_local(grad_placements=self.grad_placements[w])
-                     for w in WEIGHTS)
+    def forward(self, *weights: DTensor) -> tuple[torch.Tensor, ...]:
+        return tuple(w.to_local(grad_placements=p)
+                     for w, p in zip(weights, self.grad_placements, strict=True))
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh,
@@ -164,8 +164,7 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh,
         experts.register_parameter(w, nn.Parameter(
             distribute_tensor(full, mesh, placements[w], src_data_rank=None)))
     experts.weights = LocalExpertWeights(
-        {w: [Partial() if isinstance(p, Replicate) else p for p in placements[w]]
-         for w in WEIGHTS})
+        [[Partial() if isinstance(p, Replicate) else p for p in placements[w]] for w in WEIGHTS])
 
 
 def moe_tp_plan(moe: MoE) -> dict:
