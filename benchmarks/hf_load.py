@@ -68,8 +68,9 @@ def load(mode: str, folder: str) -> None:
     from loom.config import parse_args
     from loom.mesh import ParallelDims
     from loom.models.hf import load_hf_model
-    from loom.parallel.hf import parallelize_hf, resolve_hf_model
+    from loom.parallel.hf import resolve_hf_model
     from loom.parallel.hf_load import build_hf_model
+    from loom.parallel.parallelize import parallelize
     from loom.runtime import init_distributed, rank_info, teardown
 
     info = rank_info()
@@ -85,7 +86,8 @@ def load(mode: str, folder: str) -> None:
     dist.barrier()
     start = time.perf_counter()
     if mode == MODES[0]:
-        model = parallelize_hf(load_hf_model(cfg.model), dims, cfg.parallel, "gloo")
+        model = parallelize(load_hf_model(cfg.model), dims, cfg.parallel, loss_parallel=False,
+                            backend="gloo")
     else:
         model = build_hf_model(cfg, dims, device, "gloo")
     dist.barrier()

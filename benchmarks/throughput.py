@@ -89,9 +89,9 @@ def bare_loop(flags: list[str], steps: int, warmup: int) -> dict:
     import torch.nn.functional as F
 
     from loom.config import parse_args
+    from loom.modeling import model_args
     from loom.models.llama import Transformer
     from loom.parallel.init import init_weights
-    from loom.train import model_args
 
     cfg = parse_args([*flags, "--fp32"])
     torch.manual_seed(0)

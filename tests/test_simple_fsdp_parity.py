@@ -1,5 +1,6 @@
 """SimpleFSDP (fp32, gloo): the same losses as one process and as FSDP2 on every data-parallel
-mode and with TP, eager and compiled; checkpoints move between SimpleFSDP and FSDP2.
+mode and with TP, eager and compiled, and with gradient accumulation; checkpoints move
+between SimpleFSDP and FSDP2; accumulated micro-batches are reduced once per step.
 
 FSDP2 references: dp 2 x tp 2 (dense) and ep 2 (MoE), same seed and global batch. One
 4-rank launch runs every default case; each slow one (more compiled layouts, inductor, more
@@ -35,6 +36,7 @@ ACCEPTANCE = {  # case: (layout, extra flags)
     "moe_ep2-fsdp2": ("moe_ep2", ["--data-parallel", "fsdp2"]),
     "dp_shard4-ac": ("dp_shard4", ["--ac", "block"]),
     "dp_shard4-compiled": ("dp_shard4", AOT_EAGER),
+    "dp2_tp2-accum": ("dp2_tp2", ["--batch-size", "1", "--grad-accum-steps", "2"]),
 }
 SLOW = {
     "hsdp2x2-compiled": ("hsdp2x2", AOT_EAGER),
@@ -124,3 +126,26 @@ def test_slow_cases_match_one_process(tmp_path_factory, case: str) -> None:
     job(1, single_runs(root))
     job(4, case_runs(root, {case: SLOW[case]}))
     assert_close(column(root / case), column(root / reference(case)))
+
+
+@pytest.fixture(scope="module")
+def accumulation() -> dict:
+    result = run_ranks(2, ["tests/simple_fsdp_accum_worker.py"], timeout=600)
+    assert result.ok, result.describe()
+    return json.loads(result.ranks[0].stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("dtype", "rtol"), [("fp32", 1e-5), ("bf16", 1e-2)])
+def test_accumulation_reduces_once_per_step_with_the_same_gradients(
+        accumulation: dict, dtype: str, rtol: float) -> None:
+    """Sync off until the last of 3 micro-batches (FSDP2's contract): one reduce-scatter per
+    parameter tensor instead of 3, the same gradients, and nothing left over for the next step."""
+    tensors = accumulation[f"{dtype}/tensors"]
+    assert accumulation[f"{dtype}/every"]["reduce_scatter_tensor"] == 3 * tensors
+    for n in (1, 2):
+        counts = accumulation[f"{dtype}/deferred{n}"]
+        assert counts["reduce_scatter_tensor"] == tensors, counts
+        assert counts["all_gather_into_tensor"] == 3 * tensors, counts
+        error, where = accumulation[f"{dtype}/error{n}"]
+        assert error <= rtol, f"step {n}: worst relative difference {error:.2e} at {where}"

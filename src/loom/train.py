@@ -30,7 +30,7 @@ from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from loom.parallel.expert import update_expert_bias
 from loom.parallel.hf_load import build_hf_model
 from loom.parallel.init import init_weights
-from loom.parallel.parallelize import parallelize_llama
+from loom.parallel.parallelize import parallelize
 from loom.profiling import maybe_profile
 from loom.resolve import resolve
 from loom.resume import ResumePoint, architecture, new_run_id, rescale_lr, run_settings
@@ -132,9 +132,9 @@ class Trainer:
         else:
             with torch.device("meta"):
                 model = plain_model(self.cfg)
-            parallelize_llama(model, self.dims, self.cfg.parallel,
-                              loss_parallel=self.cfg.loss.loss_impl == "loss-parallel",
-                              backend=backend_for(self.device))
+            parallelize(model, self.dims, self.cfg.parallel,
+                        loss_parallel=self.cfg.loss.loss_impl == "loss-parallel",
+                        backend=backend_for(self.device))
             init_weights(model, self.seed, self.device)
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("model: %s, %.2fM parameters", self.cfg.model.model or "custom",

@@ -18,6 +18,7 @@ from loom.models.llama import ModelArgs
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile
 from loom.parallel.init import clean_name
+from loom.parallel.model_plan import ModelPlan, loom_plan
 from tests.tiny import tiny_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
@@ -63,7 +64,7 @@ def assert_same_numerics(model: nn.Module, reference: nn.Module, atol: float) ->
 def test_checkpointing_recomputes_in_backward_with_equal_gradients(mode, attention_calls,
                                                                    ffn_calls):
     model, reference = tiny_model(ARGS), tiny_model(ARGS)
-    assert apply_ac(model, mode) == ARGS.n_layers
+    assert apply_ac(loom_plan(model), mode) == ARGS.n_layers
     attention, ffn = count_calls(model, "attention.wq"), count_calls(model, "feed_forward.w1")
     assert_same_numerics(model, reference, atol=1e-6)
     assert attention[0] == attention_calls * ARGS.n_layers
@@ -75,7 +76,7 @@ def test_checkpointing_keeps_state_dict_keys_and_logs_the_count(mode, caplog):
     model = tiny_model(ARGS)
     keys = list(model.state_dict())
     with caplog.at_level(logging.INFO, logger="loom"):
-        apply_ac(model, mode)
+        apply_ac(loom_plan(model), mode)
     assert list(model.state_dict()) == keys
     assert f"wrapped {ARGS.n_layers} " in caplog.text
 
@@ -110,7 +111,7 @@ def test_checkpointing_restores_rng_state_for_recompute():
     torch.manual_seed(0)
     plain = DropoutStack()
     model, unsafe = copy.deepcopy(plain), copy.deepcopy(plain)
-    apply_ac(model, "block")
+    apply_ac(ModelPlan(model, model.layers), "block")
     for name, block in list(unsafe.layers.items()):  # control: recompute draws new masks
         unsafe.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
     expected = dropout_grads(plain)
@@ -125,14 +126,14 @@ def test_selective_warns_when_no_block_has_attention(caplog):
     for block in model.layers.values():
         del block.attention
     with caplog.at_level(logging.WARNING, logger="loom"):
-        assert apply_ac(model, "selective") == 0
+        assert apply_ac(loom_plan(model), "selective") == 0
     assert "found no attention modules to wrap" in caplog.text
 
 
 def test_compile_in_place_keeps_state_dict_keys_and_numerics():
     model, reference = tiny_model(ARGS), tiny_model(ARGS)
     keys = list(model.state_dict())
-    apply_compile(model, "default", 1.0, backend="aot_eager")
+    apply_compile(loom_plan(model), "default", 1.0, backend="aot_eager")
     assert list(model.state_dict()) == keys
     assert all(block._compiled_call_impl is not None for block in model.layers.values())
     assert_same_numerics(model, reference, atol=1e-5)
@@ -141,8 +142,8 @@ def test_compile_in_place_keeps_state_dict_keys_and_numerics():
 def test_compile_passes_fullgraph_and_inductor_mode_only(monkeypatch):
     seen = []
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: seen.append(kw))
-    apply_compile(tiny_model(ARGS), "max-autotune", 1.0, backend="inductor")
-    apply_compile(tiny_model(ARGS), "max-autotune", 1.0, backend="aot_eager")
+    apply_compile(loom_plan(tiny_model(ARGS)), "max-autotune", 1.0, backend="inductor")
+    apply_compile(loom_plan(tiny_model(ARGS)), "max-autotune", 1.0, backend="aot_eager")
     inductor, aot = seen[0], seen[-1]
     assert len(seen) == 2 * ARGS.n_layers
     assert inductor == dict(backend="inductor", fullgraph=True, mode="max-autotune")
@@ -157,7 +158,7 @@ def test_compile_fullgraph_rejects_a_graph_break():
 
     model = tiny_model(ARGS)
     model.layers["0"] = Breaking()
-    apply_compile(model, "default", 1.0, backend="aot_eager")
+    apply_compile(loom_plan(model), "default", 1.0, backend="aot_eager")
     with pytest.raises(Exception, match="graph_break|Graph break|graph break"):
         model(tokens())
 
@@ -181,9 +182,9 @@ def compiled_saved_bytes(ac: str, budget: float) -> int:
     process-wide budget is restored afterwards."""
     torch._dynamo.reset()
     model = tiny_model(ARGS)
-    apply_ac(model, ac)
+    apply_ac(loom_plan(model), ac)
     with functorch_config.patch(activation_memory_budget=1.0):
-        apply_compile(model, "default", budget, backend="aot_eager")
+        apply_compile(loom_plan(model), "default", budget, backend="aot_eager")
         try:
             return saved_activation_bytes(model)
         finally:

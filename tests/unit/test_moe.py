@@ -45,12 +45,18 @@ def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).view_as(x)
 
 
-def test_moe_matches_per_token_reference_and_counts_picks():
+def test_moe_matches_per_token_reference_and_counts_trained_picks():
     moe = build_moe()
     x = torch.randn(2, 5, ARGS.dim)
-    torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=1e-5, atol=1e-5)
+    out = moe(x)
+    torch.testing.assert_close(out, reference_moe(moe, x), rtol=1e-5, atol=1e-5)
+    assert moe.tokens_per_expert.sum() == 0, "counted before the backward"
+    out.sum().backward()
     _, expert_idx, _ = moe.router(x.reshape(-1, ARGS.dim), moe.expert_bias)
     counts = torch.bincount(expert_idx.flatten(), minlength=ARGS.n_experts).float()
+    torch.testing.assert_close(moe.tokens_per_expert, counts)
+    with torch.no_grad():
+        moe(x)  # evaluation trains nothing, so it must not move the expert bias
     torch.testing.assert_close(moe.tokens_per_expert, counts)
 
 

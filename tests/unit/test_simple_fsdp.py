@@ -83,7 +83,7 @@ class Recording:
         return param * 2
 
 
-def test_attribute_reads_gather_unless_disabled_and_state_dict_sees_storage() -> None:
+def test_attribute_reads_gather_and_state_dict_sees_storage() -> None:
     layer = nn.Linear(2, 2, bias=False)
     stored = layer.weight
     recording = Recording()
@@ -92,8 +92,28 @@ def test_attribute_reads_gather_unless_disabled_and_state_dict_sees_storage() ->
     assert isinstance(layer, nn.Linear) and type(layer).__name__ == "SimpleFSDPLinear"
     torch.testing.assert_close(layer.weight, stored * 2)
     assert recording.seen == [stored]
-    with sf.gathers_disabled():
-        assert layer.weight is stored
     assert torch.equal(layer.state_dict()["weight"], stored)  # not the gathered (x2) value
     assert list(layer.parameters()) == [stored]
-    layer.set_requires_gradient_sync(False)  # accepted: every backward reduces
+
+
+def test_deferred_gradients_are_handed_to_the_synced_backward_once() -> None:
+    sync = sf.GradSync(torch.float32)
+    sync.set(False, torch.Size([3]), torch.device("cpu"))
+    assert sync.deferring()
+    for scale in (1.0, 2.0):
+        x = torch.ones(3, requires_grad=True)
+        (sync.defer(x * 1) * scale).sum().backward()
+        assert x.grad is None, "a deferred gradient must not reach the reduction"
+    sync.set(True, torch.Size([3]), torch.device("cpu"))
+    torch.testing.assert_close(sync.pending, torch.full((3,), 3.0))
+    assert not sync.deferring() and sync.buffer is None
+    sync.set(False, torch.Size([3]), torch.device("cpu"))
+    assert sync.pending is None and sync.buffer.grad is None
+
+
+def test_add_grad_is_identity_forward_and_adds_backward() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = sf._AddGrad.apply(x, torch.full((3,), 0.5))
+    torch.testing.assert_close(y, x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 1.5))

@@ -17,13 +17,14 @@ from loom.cli import setup_logging
 from loom.config import ConfigError, ModelConfig, parse_args
 from loom.mesh import ParallelDims
 from loom.models.hf import HFCausalLM, load_hf_model
-from loom.parallel.hf import parallelize_hf
+from loom.parallel.parallelize import parallelize
 from loom.runtime import init_distributed, rank_info, teardown
 from tests.workers.parity_worker import full
 
 LOADERS = {"broadcast": hf_load.build_hf_model,
-           "every-rank": lambda cfg, dims, device, backend: parallelize_hf(
-               load_hf_model(cfg.model), dims, cfg.parallel, backend)}
+           "every-rank": lambda cfg, dims, device, backend: parallelize(
+               load_hf_model(cfg.model), dims, cfg.parallel, loss_parallel=False,
+               backend=backend)}
 
 
 def refuse_to_read(m: ModelConfig) -> HFCausalLM:

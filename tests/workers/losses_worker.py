@@ -29,7 +29,7 @@ from loom.mesh import ParallelDims
 from loom.metrics import read_rows
 from loom.models.llama import ModelArgs, Transformer
 from loom.parallel.init import clean_name, init_weights
-from loom.parallel.parallelize import parallelize_llama
+from loom.parallel.parallelize import parallelize
 from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import run
 
@@ -93,8 +93,7 @@ def build_model(dims: ParallelDims, mode: str, fp32: bool) -> Transformer:
     with torch.device("meta"):
         model = Transformer(ARGS)
     cfg = ParallelConfig(dtype="fp32" if fp32 else "bf16")
-    parallelize_llama(model, dims, cfg, loss_parallel=mode == "loss-parallel",
-                      backend="gloo")
+    parallelize(model, dims, cfg, loss_parallel=mode == "loss-parallel", backend="gloo")
     init_weights(model, seed=3, device=torch.device("cpu"))
     return model
 
@@ -117,7 +116,7 @@ def step_gradients(dims: ParallelDims, mode: str, fp32: bool) -> tuple[float, di
 
 
 def model_checks(world: int) -> dict[str, float]:
-    """Each mode vs eager through parallelize_llama: loss and every parameter's gradient,
+    """Each mode vs eager through parallelize: loss and every parameter's gradient,
     reported as max |diff| (fp32) or relative norm error (bf16 parameters)."""
     out: dict[str, float] = {}
     for layout, (dp_shard, tp) in LAYOUTS.items():

@@ -1,8 +1,8 @@
 """A DeepSeek-V3-style mixture-of-experts Transformer built from the Llama blocks.
 
 Pure PyTorch. Expert and tensor parallelism are applied from outside through two seams:
-forward hooks around `MoE.router` and `MoE.experts` (token dispatch and combine), and
-`GroupedExperts.local_weights` (turning sharded weights into the local tensors used here).
+forward hooks around `MoE.router` and `MoE.experts` (token dispatch and combine), and the
+experts' `weights` module (replaced by one that turns sharded weights into local tensors).
 """
 
 from __future__ import annotations
@@ -83,6 +83,14 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> tor
     return torch.cat([chunk @ w_e.T for chunk, w_e in zip(chunks, w, strict=True)])
 
 
+class ExpertWeights(nn.Module):
+    """How the experts read their stacked weights: as stored. Expert parallelism registers
+    a subclass that unwraps the sharded weights into this rank's local tensors."""
+
+    def forward(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return weights
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked weights: w1, w3 (E, hidden, dim), w2 (E, dim, hidden)."""
 
@@ -91,16 +99,30 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
-
-    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The weights as plain tensors; expert parallelism replaces this to unwrap shards."""
-        return self.w1, self.w2, self.w3
+        self.weights = ExpertWeights()
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, dim), rows grouped by (local) expert; counts (E_local,) rows per expert."""
-        w1, w2, w3 = self.local_weights()
+        w1, w2, w3 = self.weights(self.w1, self.w2, self.w3)
         h = F.silu(expert_matmul(x, w1, counts)) * expert_matmul(x, w3, counts)
         return expert_matmul(h, w2, counts)
+
+
+class _CountInBackward(torch.autograd.Function):
+    """Identity on x whose backward adds `counts` to `total`: picks are counted once per
+    trained forward, also when activation checkpointing recomputes it (that recomputed
+    forward's output is the one whose gradient is computed); forwards that train nothing
+    (evaluation) are not counted, so they never move the expert bias."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        ctx.counts, ctx.total = counts, total
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.total.add_(ctx.counts)
+        return grad, None, None
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -154,7 +176,6 @@ class MoE(nn.Module):
         flat_idx = expert_idx.flatten()  # (N*k,) token-major
         counts = flat_idx.new_zeros(self.expert_bias.numel()).scatter_add_(
             0, flat_idx, torch.ones_like(flat_idx))  # (E,), a static shape for compile
-        self._record(counts)
         order = flat_idx.argsort(stable=True)  # slots grouped by expert
         token_ids = order // self.top_k
         routed = self.experts(x[token_ids], counts)  # (N*k, dim)
@@ -162,6 +183,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add(0, token_ids, routed)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if out.requires_grad:
+            out = _CountInBackward.apply(out, counts, self.tokens_per_expert)
         if self.aux_loss_coeff > 0 and self.training:
             aux = self.aux_loss_coeff * sequence_balance_loss(scores, expert_idx, bsz)
             with torch.no_grad():
@@ -174,14 +197,6 @@ class MoE(nn.Module):
         """Zero the bias and counters that `to_empty` left uninitialised."""
         for buf in (self.expert_bias, self.tokens_per_expert, self.aux_loss):
             buf.zero_()
-
-    @torch.no_grad()
-    def _record(self, counts: torch.Tensor) -> None:
-        """Count picks once per forward: activation-checkpoint recomputation (in backward) is
-        skipped. A compiled caller cannot ask, so it counts every call (loom compiles MoE
-        blocks piecewise and runs this eagerly)."""
-        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
-            self.tokens_per_expert.add_(counts)
 
 
 class MoETransformerBlock(nn.Module):

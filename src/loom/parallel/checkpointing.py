@@ -9,9 +9,13 @@ The wrapper strips its `_checkpoint_wrapped_module.` prefix from state-dict keys
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+if TYPE_CHECKING:
+    from loom.parallel.model_plan import ModelPlan
 
 logger = logging.getLogger("loom")
 
@@ -22,19 +26,25 @@ def checkpointed(module: nn.Module) -> nn.Module:
     return checkpoint_wrapper(module, preserve_rng_state=True)
 
 
-def apply_ac(model: nn.Module, mode: str) -> int:
-    """'block': wrap every block of `model.layers`; 'selective': wrap every block's `attention`
-    child. Returns how many modules were wrapped."""
+def apply_ac(plan: ModelPlan, mode: str) -> int:
+    """'block': wrap every block; 'selective': wrap every block's attention child; a model
+    with checkpointing of its own (Hugging Face) uses that for either. Returns how many
+    modules were wrapped (or, for the model's own, recompute)."""
     if mode == "none":
         return 0
     if mode not in ("block", "selective"):
         raise ValueError(f"unknown activation checkpoint mode {mode!r}")
+    if plan.own_ac is not None:
+        plan.own_ac()
+        logger.info("activation checkpointing: the model's own, %d blocks recomputed",
+                    len(plan.blocks()))
+        return len(plan.blocks())
     wrapped = 0
-    for name, block in list(model.layers.named_children()):
+    for name, block in list(plan.layers.named_children()):
         if mode == "block":
-            model.layers.register_module(name, checkpointed(block))
-        elif isinstance(getattr(block, "attention", None), nn.Module):
-            block.attention = checkpointed(block.attention)
+            plan.layers.register_module(name, checkpointed(block))
+        elif plan.attention and isinstance(getattr(block, plan.attention, None), nn.Module):
+            block.register_module(plan.attention, checkpointed(getattr(block, plan.attention)))
         else:
             continue
         wrapped += 1

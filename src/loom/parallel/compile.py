@@ -2,17 +2,22 @@
 
 Blocks are compiled one by one rather than the whole model: the TP embedding's output
 redistribution breaks Dynamo, and identical blocks share one graph, so compile cost does
-not grow with depth.
+not grow with depth. Routed experts stay eager: their row counts are data-dependent
+(host-side splits for the all-to-all and the fp32 loop) and under EP they are an FSDP unit
+of their own, none of which a full graph can capture.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._functorch.config as functorch_config  # the attribute exists only once imported
 from torch import nn
+
+if TYPE_CHECKING:
+    from loom.parallel.model_plan import ModelPlan
 
 logger = logging.getLogger("loom")
 
@@ -48,13 +53,30 @@ def prepare_compile(model: nn.Module, act_mem_budget: float) -> None:
         model.tok_embeddings.register_forward_hook(_own_storage)
 
 
-def apply_compile(model: nn.Module, mode: str, act_mem_budget: float,
-                  backend: str = "inductor") -> None:
+def compile_targets(module: nn.Module, eager: set[nn.Module]) -> list[nn.Module]:
+    """`module` itself if nothing inside it must stay eager, else its children's targets."""
+    if module in eager:
+        return []
+    if not any(m in eager for m in module.modules()):
+        return [module]
+    return [t for child in module.children() for t in compile_targets(child, eager)]
+
+
+def apply_compile(plan: ModelPlan, mode: str, act_mem_budget: float, backend: str = "inductor",
+                  whole_model: bool = False) -> None:
     """Compile each block in place, so state-dict keys do not change (wrapping would add
-    `_orig_mod.`); fullgraph, so a graph break is an error rather than a silent slowdown."""
-    prepare_compile(model, act_mem_budget)
-    kwargs = compile_kwargs(mode, backend)
-    for block in model.layers.values():
-        block.compile(**kwargs)
-    logger.info("compiled %d blocks (%s, mode %s, activation memory budget %.2f)",
-                len(model.layers), backend, kwargs["mode"] or "default", act_mem_budget)
+    `_orig_mod.`): of a block holding routed experts, everything around them. `whole_model`
+    (SimpleFSDP): one graph for the model where no module must stay eager."""
+    prepare_compile(plan.model, act_mem_budget)
+    kwargs = {**compile_kwargs(mode, backend), "fullgraph": plan.fullgraph}
+    eager = set(plan.experts)
+    roots = [plan.model] if whole_model and not eager else plan.blocks()
+    targets = [t for root in roots for t in compile_targets(root, eager)]
+    for target in targets:
+        target.compile(**kwargs)
+    logger.info("compiled %s (%s, mode %s, activation memory budget %.2f)",
+                "the whole model" if roots == [plan.model] else f"{len(targets)} modules",
+                backend, kwargs["mode"] or "default", act_mem_budget)
+    if eager:
+        logger.warning("--compile on a MoE model: routed experts (and their all-to-all) run "
+                       "eagerly, data-dependent splits cannot be captured; the rest is compiled")

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import (
     DTensor,
     Partial,
@@ -37,9 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from loom.mesh import ParallelDims
-from loom.models.moe import MoE
-from loom.parallel.compile import compile_kwargs, prepare_compile
-from loom.parallel.fsdp import set_gradient_division
+from loom.models.moe import ExpertWeights, MoE
 
 logger = logging.getLogger("loom")
 
@@ -145,10 +142,17 @@ def expert_placements(dims: ParallelDims) -> tuple[tuple[str, ...], dict[str, li
     return tuple(names), placements
 
 
-def _local_weights(experts: nn.Module, grad_placements: dict[str, list[Placement]],
-                   ) -> tuple[torch.Tensor, ...]:
-    return tuple(getattr(experts, w).to_local(grad_placements=grad_placements[w])
-                 for w in WEIGHTS)
+class LocalExpertWeights(ExpertWeights):
+    """The sharded (DTensor) expert weights as this rank's local tensors; `grad_placements`
+    says how each local gradient relates to the whole."""
+
+    def __init__(self, grad_placements: list[list[Placement]]):
+        super().__init__()
+        self.grad_placements = grad_placements
+
+    def forward(self, *weights: DTensor) -> tuple[torch.Tensor, ...]:
+        return tuple(w.to_local(grad_placements=p)
+                     for w, p in zip(weights, self.grad_placements, strict=True))
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh,
@@ -159,9 +163,8 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh,
         full = getattr(experts, w)
         experts.register_parameter(w, nn.Parameter(
             distribute_tensor(full, mesh, placements[w], src_data_rank=None)))
-    grads = {w: [Partial() if isinstance(p, Replicate) else p for p in placements[w]]
-             for w in WEIGHTS}
-    experts.local_weights = partial(_local_weights, experts, grads)
+    experts.weights = LocalExpertWeights(
+        [[Partial() if isinstance(p, Replicate) else p for p in placements[w]] for w in WEIGHTS])
 
 
 def moe_tp_plan(moe: MoE) -> dict:
@@ -205,45 +208,6 @@ def apply_moe_parallel(model: nn.Module, dims: ParallelDims) -> None:
         block.moe.experts.register_forward_hook(dispatcher.after)
     logger.info("MoE: experts on mesh %s (ep=%d, etp=%d)%s", names, dims.ep, dims.etp,
                 ", tp ranks split the tokens" if tp_mesh is not None and dims.etp == 1 else "")
-
-
-def apply_expert_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: bool,
-                      mp_policy: MixedPrecisionPolicy, backend: str) -> list[FSDPModule]:
-    """Under EP, routed experts are their own FSDP units over dp_shard_mod_ep (even at size
-    1, so mixed precision applies). Their gradients are summed over fewer ranks than the
-    dense ones but must still be divided by the full dp size, or EP changes the numbers."""
-    if not dims.ep_enabled:
-        return []
-    units = [fully_shard(moe.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp_policy,
-                         reshard_after_forward=reshard_after_forward)
-             for moe in moe_layers(model)]
-    set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard_mod_ep)
-    logger.info("FSDP2: %d expert units over mesh %s, gradients divided by dp %d", len(units),
-                tuple(dims.expert_fsdp_mesh.shape), dims.dp_size)
-    return units
-
-
-def apply_moe_compile(model: nn.Module, mode: str, act_mem_budget: float,
-                      backend: str) -> None:
-    """Per-block compile that leaves each MoE block's routed experts eager: their row counts
-    are data-dependent (host-side splits for the all-to-all and the fp32 loop) and under EP
-    they are an FSDP unit of their own, none of which a full graph can capture. Everything
-    else in the block is compiled (fullgraph)."""
-    prepare_compile(model, act_mem_budget)
-    kwargs = compile_kwargs(mode, backend)
-    for block in model.layers.values():
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
-        if not isinstance(getattr(inner, "moe", None), MoE):
-            block.compile(**kwargs)
-            continue
-        for name, child in inner.named_children():
-            if name != "moe":
-                child.compile(**kwargs)
-        for name, child in inner.moe.named_children():
-            if name != "experts":
-                child.compile(**kwargs)
-    logger.warning("--compile on a MoE model: routed experts (and their all-to-all) run "
-                   "eagerly, data-dependent splits cannot be captured; the rest is compiled")
 
 
 @torch.no_grad()

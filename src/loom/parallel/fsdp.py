@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from loom.config import ParallelConfig
+from loom.mesh import ParallelDims
 from loom.precision import torch_dtype
+
+if TYPE_CHECKING:
+    from loom.parallel.model_plan import ModelPlan
+
+logger = logging.getLogger("loom")
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -20,16 +29,34 @@ def mixed_precision(dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
                                 reduce_dtype=REDUCE_DTYPES[reduce_dtype])
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
-               mp_policy: MixedPrecisionPolicy) -> list[FSDPModule]:
-    """One unit each: embedding, every block, [norm + output], then the root."""
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    units = [fully_shard(model.tok_embeddings, **kwargs)]
-    units += [fully_shard(block, **kwargs) for block in model.layers.values()]
-    fully_shard([model.norm, model.output], **kwargs)
-    units.append(model.norm)
-    units.append(fully_shard(model, **kwargs))
-    return units
+def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend: str) -> str:
+    """The FSDP2 strategy: routed experts first (under EP), then one unit per plan unit, then
+    the root; returns what it did, for the recipe's log line."""
+    kwargs = dict(reshard_after_forward=cfg.reshard_after_forward == "always",
+                  mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
+    if dims.ep_enabled:
+        shard_experts(plan.experts, dims, backend, **kwargs)
+    units = []
+    for unit in plan.fsdp_units():
+        sharded = fully_shard(unit, mesh=dims.fsdp_mesh, **kwargs)
+        units.append(unit[0] if isinstance(unit, list) else sharded)
+    units.append(fully_shard(plan.model, mesh=dims.fsdp_mesh, **kwargs))
+    if cfg.grad_divide_factor:
+        set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard)
+    return (f"FSDP2 {len(units)} units over "
+            f"{'HSDP' if dims.dp_replicate_enabled else 'dp_shard'} mesh "
+            f"{tuple(dims.fsdp_mesh.shape)}, reshard after forward: {cfg.reshard_after_forward}")
+
+
+def shard_experts(experts: list[nn.Module], dims: ParallelDims, backend: str,
+                  **kwargs: Any) -> None:
+    """Under EP, routed experts are their own FSDP units over dp_shard_mod_ep (even at size
+    1, so mixed precision applies). Their gradients are summed over fewer ranks than the
+    dense ones but must still be divided by the full dp size, or EP changes the numbers."""
+    units = [fully_shard(e, mesh=dims.expert_fsdp_mesh, **kwargs) for e in experts]
+    set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard_mod_ep)
+    logger.info("FSDP2: %d expert units over mesh %s, gradients divided by dp %d", len(units),
+                tuple(dims.expert_fsdp_mesh.shape), dims.dp_size)
 
 
 def set_gradient_division(units: list[FSDPModule], dp_size: int, backend: str, *,

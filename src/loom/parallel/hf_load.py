@@ -19,7 +19,7 @@ from loom.config import JobConfig
 from loom.data.loaders import on_node_leaders
 from loom.mesh import ParallelDims
 from loom.models.hf import HFCausalLM, hf_model_from_config, load_hf_model
-from loom.parallel.hf import parallelize_hf
+from loom.parallel.parallelize import parallelize
 
 
 def non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -49,7 +49,7 @@ def build_hf_model(cfg: JobConfig, dims: ParallelDims, device: torch.device,
     on_node_leaders(lambda: loaded.append(load_hf_model(cfg.model)), leader=dist.get_rank() == 0)
     with torch.device("meta"):
         model = hf_model_from_config(cfg.model, dtype=torch.float32).train()
-    parallelize_hf(model, dims, cfg.parallel, backend)
+    parallelize(model, dims, cfg.parallel, loss_parallel=False, backend=backend)
     model.to_empty(device=device)
     with torch.no_grad():
         receive_weights(model, loaded[0] if loaded else None)

@@ -1,9 +1,11 @@
-"""The one ordered recipe: TP -> EP/ETP -> activation checkpointing -> compile -> FSDP2
-(or SimpleFSDP, which compiles after wrapping)."""
+"""The one ordered recipe for every model: TP (and EP) -> activation checkpointing ->
+compile -> the data-parallel wrapper, each step driven by the model's plan."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -11,42 +13,45 @@ from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile
-from loom.parallel.expert import (
-    apply_expert_fsdp,
-    apply_moe_compile,
-    apply_moe_parallel,
-    moe_layers,
-)
-from loom.parallel.fsdp import apply_fsdp, mixed_precision, set_gradient_division
+from loom.parallel.fsdp import apply_fsdp
+from loom.parallel.model_plan import ModelPlan, model_plan
 from loom.parallel.simple_fsdp import apply_simple_fsdp
-from loom.parallel.tensor import apply_tp
 from loom.precision import describe
 
 logger = logging.getLogger("loom")
 
 
-def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
-                      loss_parallel: bool, backend: str) -> nn.Module:
-    """Apply every enabled parallelism to a meta-device Transformer, in place."""
+@dataclass(frozen=True)
+class DataParallelStrategy:
+    wrap: Callable[[ModelPlan, ParallelDims, ParallelConfig, str], str]
+    """Shards the planned model in place; returns what it did, for the log line."""
+    whole_graph: bool
+    """Whether compile may take the whole model as one graph (the gathers are in it)."""
+
+
+STRATEGIES = {"fsdp2": DataParallelStrategy(apply_fsdp, whole_graph=False),
+              "simple-fsdp": DataParallelStrategy(apply_simple_fsdp, whole_graph=True)}
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
+                loss_parallel: bool, backend: str) -> nn.Module:
+    """Apply every enabled parallelism to a model, in place: a meta-device one gets meta
+    shards (to be materialised and filled), a CPU-resident one real shards."""
+    plan = model_plan(model)
+    if plan.tensor_parallel is not None:
+        plan.tensor_parallel(dims, loss_parallel)
+    elif dims.tp_enabled:
+        raise ValueError(f"{type(model).__name__} runs at tp 1 (config resolution forces it)")
     if dims.tp_enabled:
-        apply_tp(model, dims.get_mesh("tp"), loss_parallel=loss_parallel)
         logger.info("tensor parallel: tp=%d, sequence parallel, %s logits", dims.tp,
                     "vocab-sharded" if loss_parallel else "replicated")
-    apply_moe_parallel(model, dims)
-    apply_ac(model, cfg.activation_checkpoint)
-    if cfg.data_parallel == "simple-fsdp":
-        return apply_simple_fsdp(model, dims, cfg)
+    apply_ac(plan, cfg.activation_checkpoint)
+    strategy = STRATEGIES[cfg.data_parallel]
     if cfg.compile:
-        compile_fn = apply_moe_compile if moe_layers(model) else apply_compile
-        compile_fn(model, cfg.compile_mode, cfg.act_mem_budget, cfg.compile_backend)
-    fsdp_kwargs = dict(reshard_after_forward=cfg.reshard_after_forward == "always",
-                       mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
-    apply_expert_fsdp(model, dims, backend=backend, **fsdp_kwargs)
-    units = apply_fsdp(model, dims.fsdp_mesh, **fsdp_kwargs)
-    if cfg.grad_divide_factor:
-        set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard)
-    logger.info("FSDP2: %d units over %s mesh %s, reshard after forward: %s, %s",
-                len(units), "HSDP" if dims.dp_replicate_enabled else "dp_shard",
-                tuple(dims.fsdp_mesh.shape), cfg.reshard_after_forward,
+        apply_compile(plan, cfg.compile_mode, cfg.act_mem_budget, cfg.compile_backend,
+                      whole_model=strategy.whole_graph)
+    done = strategy.wrap(plan, dims, cfg, backend)
+    logger.info("%s: %d blocks, AC %s, compile %s; %s, %s", plan.name, len(plan.blocks()),
+                cfg.activation_checkpoint, cfg.compile_backend if cfg.compile else "off", done,
                 describe(cfg.dtype, cfg.reduce_dtype))
     return model

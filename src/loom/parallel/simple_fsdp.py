@@ -12,12 +12,10 @@ backward (reshard after forward) and inductor may bucket them.
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch._inductor.config as inductor_config
@@ -40,26 +38,11 @@ from torch.utils.checkpoint import (
 
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
-from loom.parallel.compile import compile_kwargs, prepare_compile
-from loom.parallel.expert import apply_moe_compile, moe_layers
 from loom.parallel.fsdp import REDUCE_DTYPES
-from loom.precision import describe, torch_dtype
+from loom.precision import torch_dtype
 
-logger = logging.getLogger("loom")
-
-_gathers_enabled = True
-
-
-@contextmanager
-def gathers_disabled() -> Iterator[None]:
-    """Attribute reads return the stored (sharded) parameters, e.g. while initialising."""
-    global _gathers_enabled
-    previous, _gathers_enabled = _gathers_enabled, False
-    try:
-        yield
-    finally:
-        _gathers_enabled = previous
-
+if TYPE_CHECKING:
+    from loom.parallel.model_plan import ModelPlan
 
 class _ScaleGrad(torch.autograd.Function):
     """Identity in forward; multiplies the gradient by `factor` in backward."""
@@ -74,8 +57,51 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+class _AddGrad(torch.autograd.Function):
+    """Identity in forward; adds `pending` to the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        ctx.pending = pending
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad + ctx.pending, None
+
+
 def _recompute_everything(ctx: object, op: object, *args: object, **kwargs: object):
     return CheckpointPolicy.MUST_RECOMPUTE
+
+
+class GradSync:
+    """Whether a parameter's gradient is reduced in this backward (FSDP2's contract).
+
+    Between synced backwards the gathered parameter's gradient accumulates unreduced in
+    `buffer` (a full-size leaf, like FSDP2's unsharded gradient); the synced backward adds
+    it to its own before the one reduction. Reduction is linear, so the result is exact.
+    """
+
+    def __init__(self, dtype: torch.dtype | None):
+        self.dtype = dtype
+        self.sync = True
+        self.buffer: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
+
+    def set(self, sync: bool, shape: torch.Size, device: torch.device) -> None:
+        """Called before each forward, outside any compiled region."""
+        self.sync, self.pending = sync, None
+        if sync and self.buffer is not None:
+            self.pending, self.buffer = self.buffer.grad, None
+        elif not sync and self.buffer is None:
+            self.buffer = torch.zeros(shape, dtype=self.dtype, device=device, requires_grad=True)
+
+    def deferring(self) -> bool:
+        return not self.sync and self.buffer is not None and torch.is_grad_enabled()
+
+    def defer(self, local: torch.Tensor) -> torch.Tensor:
+        """`local` whose gradient goes to the buffer instead of the reduction."""
+        return local.detach() + (self.buffer - self.buffer.detach()).to(local.dtype)
 
 
 @dataclass(frozen=True)
@@ -85,7 +111,8 @@ class Gather:
     `inner_mesh`/`inner_placements` are the TP/EP placements it had before (None for a
     plain parameter); `inner_shape` is its shape on that mesh's local rank, i.e. the global
     shape over the dp mesh. The gradient is summed over dp and multiplied by `grad_scale`
-    (1 / the full dp size, also for experts reduced over a smaller mesh).
+    (1 / the full dp size, also for experts reduced over a smaller mesh), in the backward
+    `grad_sync` allows.
     """
 
     dp_mesh: DeviceMesh
@@ -98,23 +125,42 @@ class Gather:
     reduce_dtype: torch.dtype | None
     grad_scale: float
     recompute: bool
+    grad_sync: GradSync
 
     def __call__(self, param: DTensor) -> torch.Tensor:
+        if self.grad_sync.deferring():  # no reduction, so nothing to recompute either
+            with torch.no_grad():
+                local = self.replicate(param, self.param_dtype)
+            return self.rewrap(self.grad_sync.defer(local))
+        gather = partial(self.gather, pending=self.grad_sync.pending
+                         if torch.is_grad_enabled() else None)
         if self.recompute:  # under compile: re-gathered in backward instead of saved
-            return checkpoint(self.gather, param, use_reentrant=False,
+            return checkpoint(gather, param, use_reentrant=False,
                               context_fn=partial(create_selective_checkpoint_contexts,
                                                  _recompute_everything))
-        return self.gather(param)
+        return gather(param)
 
-    def gather(self, param: DTensor) -> torch.Tensor:
+    def gather(self, param: DTensor, pending: torch.Tensor | None) -> torch.Tensor:
+        """All-gathered in forward; in backward the gradient (plus the `pending` one, which
+        needs the gather uncast so the sum is taken in its dtype) is reduced and scaled."""
         x = _ScaleGrad.apply(param, self.grad_scale)
+        if pending is None:
+            return self.rewrap(self.replicate(x, self.param_dtype))
+        local = _AddGrad.apply(self.replicate(x, None), pending)
+        return self.rewrap(local if self.param_dtype is None else local.to(self.param_dtype))
+
+    def replicate(self, x: DTensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """The full (over dp) local tensor, cast to `dtype` before the all-gather; backward
+        reduces its gradient, declared partial, in the reduce dtype."""
         if self.inner_mesh is not None:  # view the local TP/EP shard as a dp-only DTensor
             x = DTensor.from_local(x.to_local(), self.dp_mesh, self.dp_placements,
                                    shape=self.inner_shape, stride=_contiguous(self.inner_shape))
         n = self.dp_mesh.ndim
-        local = x.redistribute(self.dp_mesh, [Replicate()] * n, forward_dtype=self.param_dtype,
-                               backward_dtype=self.reduce_dtype,
-                               ).to_local(grad_placements=[Partial()] * n)
+        return x.redistribute(self.dp_mesh, [Replicate()] * n, forward_dtype=dtype,
+                              backward_dtype=self.reduce_dtype,
+                              ).to_local(grad_placements=[Partial()] * n)
+
+    def rewrap(self, local: torch.Tensor) -> torch.Tensor:
         if self.inner_mesh is None:
             return local
         return DTensor.from_local(local, self.inner_mesh, self.inner_placements,
@@ -126,17 +172,20 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
 
 
 class SimpleFSDPModule:
-    """Mixed into the root: gradients are reduced in every backward, so skipping the sync
-    between accumulated micro-batches is not offered (reduction is linear: still exact)."""
+    """Mixed into the root: FSDP2's switch for gradient accumulation."""
 
     def set_requires_gradient_sync(self, requires_sync: bool) -> None:
-        del requires_sync
+        """Reduce gradients in the next backward, or keep them local until a synced one."""
+        for module in self.modules():
+            for name, gather in getattr(module, "_simple_fsdp_gathers", {}).items():
+                param = module._parameters[name]
+                gather.grad_sync.set(requires_sync, gather.inner_shape, param.device)
 
 
 def _gathered(name: str) -> property:
     def read(module: nn.Module) -> torch.Tensor:
         param = module._parameters[name]
-        return module._simple_fsdp_gathers[name](param) if _gathers_enabled else param
+        return module._simple_fsdp_gathers[name](param)
     return property(read)
 
 
@@ -196,7 +245,8 @@ class DataParallel:
         stored = distribute_tensor(full, mesh, placements, src_data_rank=None)
         inner_shape = param.to_local().shape if inner_mesh is not None else param.shape
         gather = Gather(dp_mesh, dp, inner_mesh, inner, inner_shape, param.shape,
-                        self.param_dtype, self.reduce_dtype, self.grad_scale, self.recompute)
+                        self.param_dtype, self.reduce_dtype, self.grad_scale, self.recompute,
+                        GradSync(self.reduce_dtype or param.dtype))
         return nn.Parameter(stored, requires_grad=param.requires_grad), gather
 
     def wrap(self, module: nn.Module, root: bool = False) -> int:
@@ -244,44 +294,24 @@ def recompute_gathers(cfg: ParallelConfig) -> bool:
             and cfg.activation_checkpoint == "none")
 
 
-def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """Routed experts under expert parallel: they get their own, smaller dp mesh."""
-    return [moe.experts for moe in moe_layers(model)]
-
-
-def apply_simple_fsdp(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:
-    """Shard every parameter (experts first, over dp_shard_mod_ep), then compile: the whole
-    model as one graph, or, with MoE layers, everything but the data-dependent experts."""
-    experts = expert_modules(model)
+def apply_simple_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig,
+                      backend: str) -> str:
+    """The SimpleFSDP strategy: shard every parameter (routed experts first, over
+    dp_shard_mod_ep under EP); returns what it did, for the recipe's log line."""
+    del backend  # the collectives are DTensor's, on the mesh's own backend
     if dims.ep_enabled:
         expert_dims = (("dp_replicate",) if dims.dp_replicate_enabled else ()) + (
             "dp_shard_mod_ep",)
         expert_dp = data_parallel(dims, cfg, expert_dims)
-        for module in experts:
+        for module in plan.experts:
             for child in module.modules():
                 expert_dp.wrap(child)
     dp_dims = dense_dp_dims(dims)
     dense = data_parallel(dims, cfg, dp_dims)
-    count = sum(dense.wrap(m) for m in model.modules() if m is not model)
-    count += dense.wrap(model, root=True)
-    logger.info("SimpleFSDP: %s over %s, %d parameter tensors, %s", mode_name(dp_dims),
-                dp_dims, count, describe(cfg.dtype, cfg.reduce_dtype))
-    if cfg.compile:
-        maybe_compile(model, cfg, moe=bool(experts))
-    return model
-
-
-def maybe_compile(model: nn.Module, cfg: ParallelConfig, moe: bool) -> None:
-    """Whole-model fullgraph compile (gathers recomputed in backward, bucketed by inductor);
-    MoE models keep the per-piece compile that leaves the routed experts eager."""
-    if moe:
-        apply_moe_compile(model, cfg.compile_mode, cfg.act_mem_budget, cfg.compile_backend)
-        return
-    prepare_compile(model, cfg.act_mem_budget)
-    if cfg.compile_backend == "inductor" and torch.cuda.is_available():
+    count = sum(dense.wrap(m) for m in plan.model.modules() if m is not plan.model)
+    count += dense.wrap(plan.model, root=True)
+    if cfg.compile and cfg.compile_backend == "inductor" and torch.cuda.is_available():
         inductor_config.bucket_all_gathers_fx = "only_fsdp"
         inductor_config.bucket_reduce_scatters_fx = "all"
-    model.compile(**compile_kwargs(cfg.compile_mode, cfg.compile_backend))
-    logger.info("SimpleFSDP: compiled the whole model (%s, fullgraph, gathers %s)",
-                cfg.compile_backend, "recomputed in backward"
-                if cfg.reshard_after_forward == "always" else "kept for backward")
+    return (f"SimpleFSDP {mode_name(dp_dims)} over {dp_dims}, {count} parameter tensors, "
+            f"gathers {'recomputed in backward' if recompute_gathers(cfg) else 'kept'}")

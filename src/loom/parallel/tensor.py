@@ -13,11 +13,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from loom.models.llama import TransformerBlock
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Shard matmuls across tp and keep activations between them sequence-sharded.
 
     The logits come out replicated, or vocab-sharded (a DTensor) for the loss-parallel mode.
+    A MoE block's feed-forward gets its plan from parallel/expert.py.
     """
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -39,7 +42,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
         }
-        if hasattr(block, "feed_forward"):  # MoE blocks get theirs from parallel/expert.py
+        if isinstance(block, TransformerBlock):
             plan.update({
                 "feed_forward": PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),

@@ -26,7 +26,7 @@ from loom.losses import LossFn, build_loss
 from loom.mesh import ParallelDims
 from loom.modeling import plain_model
 from loom.optim import build_optimizer, clip_grad_norm
-from loom.parallel.parallelize import parallelize_llama
+from loom.parallel.parallelize import parallelize
 
 Breakdown = dict[str, int]
 """Bytes live at the peak, by FSDPMemTracker category ('Total' excluded)."""
@@ -114,8 +114,8 @@ def trace_step(cfg: JobConfig, world_size: int) -> dict[str, Breakdown]:
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = plain_model(cfg)
-    parallelize_llama(model, dims, cfg.parallel,
-                      loss_parallel=cfg.loss.loss_impl == "loss-parallel", backend="gloo")
+    parallelize(model, dims, cfg.parallel,
+                loss_parallel=cfg.loss.loss_impl == "loss-parallel", backend="gloo")
     with FakeTensorMode(allow_non_fake_inputs=True), WorstCaseNonzero():
         model.to_empty(device="cpu")
         model.init_buffers(torch.device("cpu"))
