@@ -74,9 +74,10 @@ def apply_compile(plan: ModelPlan, mode: str, act_mem_budget: float, backend: st
     targets = [t for root in roots for t in compile_targets(root, eager)]
     for target in targets:
         target.compile(**kwargs)
-    logger.info("compiled %s (%s, mode %s, activation memory budget %.2f)",
-                "the whole model" if roots == [plan.model] else f"{len(targets)} modules",
-                backend, kwargs["mode"] or "default", act_mem_budget)
+    what = ("the whole model" if roots == [plan.model] else f"{len(roots)} blocks"
+            if targets == roots else f"{len(targets)} modules of {len(roots)} blocks")
+    logger.info("compiled %s (%s, mode %s, activation memory budget %.2f)", what, backend,
+                kwargs["mode"] or "default", act_mem_budget)
     if eager:
         logger.warning("--compile on a MoE model: routed experts (and their all-to-all) run "
                        "eagerly, data-dependent splits cannot be captured; the rest is compiled")
