@@ -7,7 +7,7 @@ small vs a large synthetic corpus, shards (memory-mapped) vs the old token cache
 
 - tokenize: `loom tokenize` of the large corpus with -j 1 and -j 2 (MB/s, tokens/s);
 - train: a fresh `loom train --model debug --fp32 --max-steps 2` process per row; start-up
-  is summary.json's setup_s (interpreter start to the first step), peak RSS the last
+  is summary.json's setup_s (the trainer's start to the first step), peak RSS the last
   metrics row's train/mem_rss_peak. "shards" trains on the `loom tokenize` output, "cache
   cold" on the jsonl through the old cache (tokenized inside the run), "cache warm" on the
   cache the cold run filled. Ratios are large / small, measured in the same run.

@@ -2,19 +2,19 @@
 
 Every multi-rank test goes through `run_ranks`, so no test can hang CI: on timeout every
 rank is killed and the test fails with what the ranks printed. Each rank writes its stdout
-and stderr to files, read after the job ends: a chatty rank cannot fill a pipe and block
-while another rank is waited on.
+and stderr to files (`LoggedProcess`), read after the job ends: a chatty rank cannot fill a
+pipe and block while another rank is waited on.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +32,6 @@ class RankResult:
 @dataclass
 class JobResult:
     ranks: list[RankResult]
-    elapsed: float
 
     @property
     def ok(self) -> bool:
@@ -41,6 +40,27 @@ class JobResult:
     def describe(self) -> str:
         return "\n".join(f"--- rank {r.rank} exit {r.returncode}\n{r.stdout[-3000:]}\n"
                          f"{r.stderr[-3000:]}" for r in self.ranks)
+
+
+class LoggedProcess(subprocess.Popen):
+    """A process whose stdout and stderr go to files, read when it has ended: a chatty
+    process cannot fill a pipe and block while the test waits for something else."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path | None = REPO):
+        self.logs = Path(tempfile.mkdtemp(prefix="loom-proc-"))
+        self.output: tuple[str, str] | None = None
+        with open(self.logs / "out", "w") as out, open(self.logs / "err", "w") as err:
+            super().__init__(argv, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
+
+    def communicate(self, input: str | None = None, timeout: float | None = None
+                    ) -> tuple[str, str]:
+        """Wait (TimeoutExpired past `timeout`, as Popen's), then (stdout, stderr)."""
+        self.wait(timeout)
+        if self.output is None:
+            self.output = ((self.logs / "out").read_text(errors="replace"),
+                           (self.logs / "err").read_text(errors="replace"))
+            shutil.rmtree(self.logs)
+        return self.output
 
 
 def free_port() -> int:
@@ -63,30 +83,21 @@ def run_ranks(nproc: int, argv: list[str], timeout: float = 300.0,
     """Run `python <argv>` as ranks 0..nproc-1; kill them all if the job outlives `timeout`
     (a hang limit, not a speed check: keep it >= 5x the idle time)."""
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="loom-ranks-") as tmp, ExitStack() as files:
-        logs = Path(tmp)
-        procs = [subprocess.Popen([sys.executable, *argv], env=rank_env(r, nproc, port, env),
-                                  stdout=files.enter_context(open(logs / f"{r}.out", "w")),
-                                  stderr=files.enter_context(open(logs / f"{r}.err", "w")),
-                                  cwd=cwd)
-                 for r in range(nproc)]
-        start = time.monotonic()
-        timed_out = False
-        try:
-            for proc in procs:
-                proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for proc in procs:
-                proc.kill()
-                proc.wait()
-        elapsed = time.monotonic() - start
-        texts = [((logs / f"{r}.out").read_text(errors="replace"),
-                  (logs / f"{r}.err").read_text(errors="replace")) for r in range(nproc)]
+    procs = [LoggedProcess([sys.executable, *argv], rank_env(r, nproc, port, env), cwd)
+             for r in range(nproc)]
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for proc in procs:
+            proc.kill()
+    texts = [proc.communicate() for proc in procs]
     if timed_out:
         dump = "\n".join(f"--- rank {i}\n{o[-2000:]}\n{e[-2000:]}" for i, (o, e) in
                          enumerate(texts))
         raise TimeoutError(f"{nproc}-rank job {argv} exceeded {timeout}s\n{dump}")
     return JobResult([RankResult(r, p.returncode, o, e)
-                      for r, (p, (o, e)) in enumerate(zip(procs, texts, strict=True))],
-                     elapsed)
+                      for r, (p, (o, e)) in enumerate(zip(procs, texts, strict=True))])

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from loom.checkpoint import complete_checkpoints, storage_writer
 from loom.checkpoint_format import METADATA, TensorReader
 from tests.compare import column, rows
-from tests.harness import REPO, rank_env, run_ranks
+from tests.harness import REPO, LoggedProcess, rank_env, run_ranks
 
 COMMON = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64",
           "--fp32", "--seed", "11", "--lr", "1e-3", "--warmup-steps", "15"]
@@ -136,11 +136,10 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path: Path) -> None:
                                    rtol=0, atol=1e-5)
 
 
-def train_process(outdir: Path, *flags: str) -> subprocess.Popen:
+def train_process(outdir: Path, *flags: str) -> LoggedProcess:
     argv = [sys.executable, "-m", "loom", "train", *COMMON, "--batch-size", "1",
             "--outdir", str(outdir), *flags]
-    return subprocess.Popen(argv, env=rank_env(0, 1, 29400, None), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return LoggedProcess(argv, rank_env(0, 1, 29400, None))
 
 
 @pytest.mark.multirank

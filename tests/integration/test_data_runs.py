@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from loom.metrics import read_rows as rows
+from tests.compare import column, rows
 from tests.harness import free_port, run_ranks
 
 
@@ -61,7 +61,7 @@ def test_loom_train_on_a_local_parquet_with_tp(tmp_path, parquet):
     job = run_ranks(4, ["-m", "loom", "train", *flags], timeout=900,
                     env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
     assert job.ok, job.describe()
-    losses = [r["train/loss"] for r in rows(tmp_path / "run" / "metrics-0.jsonl")]
+    losses = list(column(tmp_path / "run").values())
     assert len(losses) == 3 and all(0 < x < 12 for x in losses)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["model"]["vocab_size"] == 50257
@@ -75,14 +75,14 @@ def test_default_run_trains_on_the_embedded_corpus_offline(tmp_path):
     job = run_ranks(1, ["-m", "loom", "train", *flags], timeout=900,
                     env={"LOOM_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
     assert job.ok, job.describe()
-    assert len(rows(tmp_path / "run" / "metrics-0.jsonl")) == 2
+    assert len(rows(tmp_path / "run")) == 2
     (entry,) = (tmp_path / "cache" / "tokens").iterdir()
     meta = json.loads((entry / "meta.json").read_text())
     assert meta["source"] == "embedded corpus" and meta["documents"] == 2
     assert meta["n_tokens"] > 1_000_000 and meta["vocab_size"] == 50257
 
 
-def fail_at_data(tmp_path: Path, dataset: str, env: dict[str, str]):
+def fail_at_data(tmp_path: Path, dataset: str, env: dict[str, str]) -> str:
     """`loom train` on one rank that must stop with a ConfigError while building the data."""
     job = run_ranks(1, ["-m", "loom", "train", "--model", "debug", "--dataset", dataset,
                         "--outdir", str(tmp_path / "run")], timeout=300,
@@ -90,29 +90,16 @@ def fail_at_data(tmp_path: Path, dataset: str, env: dict[str, str]):
     (rank,) = job.ranks
     errors = [line for line in rank.stderr.splitlines() if line.strip()]
     assert rank.returncode == 2 and len(errors) == 1, job.describe()
-    return job, errors[0]
-
-
-@pytest.fixture(scope="module")
-def local_failure_s(tmp_path_factory) -> float:
-    """Time of a failure at the same point without any network access: imports, process
-    group and the first data check. The hub errors may add seconds, not minutes of
-    retries."""
-    job, line = fail_at_data(tmp_path_factory.mktemp("local"), "/no/such/file.jsonl", {})
-    assert "no such file or folder" in line
-    return job.elapsed
+    return errors[0]
 
 
 @pytest.mark.parametrize("network", ["offline", "unreachable"])
-def test_hub_dataset_without_network_is_a_fast_one_line_error(tmp_path, local_failure_s,
-                                                              network):
+def test_hub_dataset_without_network_is_a_one_line_error(tmp_path, network):
+    """A retry loop would hit run_ranks' hang limit; benchmarks/fail_fast.py times these."""
     if network == "offline":
         env = {"HF_HUB_OFFLINE": "1"}
     else:  # a closed local port stands in for a machine without a network
         env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
-    job, line = fail_at_data(tmp_path, "eliplutchok/fineweb-small-sample", env)
+    line = fail_at_data(tmp_path, "eliplutchok/fineweb-small-sample", env)
     assert line.startswith("error: --dataset eliplutchok/fineweb-small-sample")
     assert "pass local files instead" in line
-    # A hang bound for retry loops (>= 5x the same failure without network), not a speed
-    # check: benchmarks/fail_fast.py measures speed.
-    assert job.elapsed < 5 * local_failure_s + 60, (job.elapsed, local_failure_s)

@@ -84,10 +84,11 @@ def test_layout_matches_single_process(hf_runs, arch: str, layout: str) -> None:
 
 @pytest.mark.multirank
 def test_reshard_policy_is_honoured_and_keeps_losses(hf_runs) -> None:
-    runs, stdout = hf_runs
+    runs, _ = hf_runs
     torch.testing.assert_close(losses(runs / "llama-reshard_never"), losses(runs / "llama-single"),
                                rtol=LOSS_RTOL, atol=0)
-    assert "reshard after forward: never" in stdout
+    config = json.loads((runs / "llama-reshard_never" / "config.json").read_text())
+    assert config["parallel"]["reshard_after_forward"] == "never", config["parallel"]
 
 
 @pytest.mark.multirank

@@ -66,5 +66,4 @@ def test_effective_mode_is_recorded(results: dict) -> None:
     assert runs["tp2/loss-parallel"]["loss_impl"] == "loss-parallel"
     assert runs["tp2/fused-linear"]["loss_impl"] == "fused-linear"
     assert "loss: fused-linear, 16-row chunks, vocab-parallel over tp 2" in results["log"]
-    assert "--loss-impl loss-parallel needs --tp > 1; using compiled" in results["log"]
 

@@ -48,6 +48,8 @@ class RunPlace:
 
 
 class RunMetrics(Protocol):
+    """What the trainer calls on its metrics, whether they are on or off."""
+
     outdir: Path
 
     def write_config(self, config: dict[str, Any]) -> None: ...
