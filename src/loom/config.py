@@ -99,6 +99,8 @@ class ParallelConfig:
     ep: int = flag(1, "expert-parallel degree, borrowed from dp_shard (must divide it)")
     etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
                     "(experts split across tp too)")
+    cp: int = flag(1, "context-parallel degree: each sequence is split across this many ranks "
+                   "(two mirrored chunks each, so causal attention work is even)")
 
 
 @dataclass(frozen=True)
@@ -607,6 +609,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
                           "use --val-fraction)")
     _validate_moe(m, p)
+    from loom.parallel.context import validate_cp  # the lead moves it with the config split
+
+    validate_cp(cfg)
     if hf and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "
                           f"Hugging Face model {m.model} (use fsdp2)")

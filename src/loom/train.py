@@ -28,6 +28,7 @@ from loom.models.hf import hf_model_from_config, is_hf
 from loom.models.llama import ModelArgs, Transformer
 from loom.models.moe import MOE_FIELDS, MoEArgs, MoETransformer
 from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from loom.parallel.context import shard_batch
 from loom.parallel.expert import update_expert_bias
 from loom.parallel.hf import resolve_hf_model
 from loom.parallel.hf_load import build_hf_model
@@ -200,7 +201,7 @@ class Trainer:
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
             free = available_memory_bytes() if self.device.type == "cpu" else None
-        check_model_fits(n_params, self.dims.dp_shard * self.dims.tp, free)
+        check_model_fits(n_params, self.dims.dp_shard * self.dims.cp * self.dims.tp, free)
 
     def effective_config(self) -> dict[str, Any]:
         return {**self.cfg.to_dict(), "world_size": self.info.world_size,
@@ -212,12 +213,13 @@ class Trainer:
         """Accumulate the micro-batches, clip, step; returns the step's loss (mean over every
         valid token of the global batch) and the pre-clip gradient norm. One host read
         (`step_state`) decides the update; the valid-token count stays on the device."""
+        micro_batches = [shard_batch(b, self.dims) for b in micro_batches]  # cp rank's part
         valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches])
         valid = valid.to(self.device)  # int64 counts: exact at any batch size
         total_valid = valid.sum()
-        dist.all_reduce(total_valid, group=self.dp_group)
-        # FSDP averages over dp ranks, so weigh by this rank's share of the valid tokens.
-        weights = valid * self.dims.dp_size / total_valid
+        dist.all_reduce(total_valid, group=self.dims.loss_mesh.get_group())
+        # FSDP averages over dp x cp ranks, so weigh by this rank's share of the valid tokens.
+        weights = valid * self.dims.loss_size / total_valid
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             if self.accum > 1:

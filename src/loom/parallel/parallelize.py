@@ -1,4 +1,4 @@
-"""The one ordered recipe: TP -> EP/ETP -> activation checkpointing -> compile -> FSDP2
+"""The one ordered recipe: TP -> CP -> EP/ETP -> activation checkpointing -> compile -> FSDP2
 (or SimpleFSDP, which compiles after wrapping)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile
+from loom.parallel.context import apply_cp
 from loom.parallel.expert import (
     apply_expert_fsdp,
     apply_moe_compile,
@@ -32,6 +33,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
         apply_tp(model, dims.get_mesh("tp"), loss_parallel=loss_parallel)
         logger.info("tensor parallel: tp=%d, sequence parallel, %s logits", dims.tp,
                     "vocab-sharded" if loss_parallel else "replicated")
+    if dims.cp_enabled:  # context parallel: attention cores swapped, RoPE by global position
+        apply_cp(model, dims.get_mesh("cp"))
     apply_moe_parallel(model, dims)
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.data_parallel == "simple-fsdp":
@@ -44,7 +47,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
     apply_expert_fsdp(model, dims, backend=backend, **fsdp_kwargs)
     units = apply_fsdp(model, dims.fsdp_mesh, **fsdp_kwargs)
     if cfg.grad_divide_factor:
-        set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard)
+        set_gradient_division(units, dims.loss_size, backend, shard_size=dims.dp_shard * dims.cp)
     logger.info("FSDP2: %d units over %s mesh %s, reshard after forward: %s, %s",
                 len(units), "HSDP" if dims.dp_replicate_enabled else "dp_shard",
                 tuple(dims.fsdp_mesh.shape), cfg.reshard_after_forward,
