@@ -14,6 +14,7 @@ from loom.mesh import MESH_DIMS, ParallelDims
 from loom.models.llama import CausalAttention
 from loom.parallel.context import (
     causal_offset_mask,
+    prefix_causal_attention,
     shard_positions,
     shard_sequence,
     sharded_causal_attention,
@@ -60,17 +61,48 @@ def test_causal_offset_mask():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_each_rank_attention_equals_its_shard_of_full_attention(cp):
     """Every rank's queries against the gathered K/V (GQA width) give exactly its shard of
-    the full causal attention: the mask offsets are the global ones."""
+    the full causal attention, and the summed gradients equal the full ones: the mask
+    offsets are the global ones."""
     torch.manual_seed(0)
     bsz, seq, heads, kv_heads, dim = 2, 16 * cp, 4, 2, 8
-    q = torch.randn(bsz, seq, heads, dim)
-    k, v = torch.randn(bsz, seq, kv_heads, dim), torch.randn(bsz, seq, kv_heads, dim)
+    q = torch.randn(bsz, seq, heads, dim, requires_grad=True)
+    k = torch.randn(bsz, seq, kv_heads, dim, requires_grad=True)
+    v = torch.randn(bsz, seq, kv_heads, dim, requires_grad=True)
+    weight = torch.randn(bsz, seq, heads, dim)
     full = CausalAttention()(q, k, v)
+    expected = torch.autograd.grad((full * weight).sum(), (q, k, v))
+    loss = 0
     for rank in range(cp):
         out = sharded_causal_attention(shard_sequence(q, cp, rank), k, v, cp, rank)
-        expected = shard_sequence(full, cp, rank)
-        diff, where = worst(out, expected)
+        diff, where = worst(out.detach(), shard_sequence(full, cp, rank).detach())
         assert diff < 1e-5, f"cp {cp} rank {rank}: worst difference {diff:.3g} at {where}"
+        loss = loss + (out * shard_sequence(weight, cp, rank)).sum()
+    for name, grad, ref in zip("qkv", torch.autograd.grad(loss, (q, k, v)), expected,
+                               strict=True):
+        diff, where = worst(grad, ref)
+        assert diff < 1e-4, f"cp {cp}: gradient of {name} off by {diff:.3g} at {where}"
+
+
+@pytest.mark.parametrize("merged", [True, False], ids=["merged-lse", "mask"])
+def test_prefix_causal_attention_values_and_gradients(merged):
+    """Both ways of attending the last L positions to a longer prefix (CPU: two flash
+    attentions merged by log-sum-exp with a hand-written backward; else a mask) against
+    an explicit masked softmax, values and gradients."""
+    torch.manual_seed(2)
+    q = torch.randn(2, 4, 8, 16, requires_grad=True)
+    k, v = (torch.randn(2, 4, 24, 16, requires_grad=True) for _ in range(2))
+    weight = torch.randn(2, 4, 8, 16)
+    scores = (q @ k.transpose(-1, -2)) / 4.0
+    allowed = torch.ones(8, 24, dtype=torch.bool).tril(diagonal=16)
+    reference = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+    out = prefix_causal_attention(q, k, v, merged=merged)
+    diff, where = worst(out.detach(), reference.detach())
+    assert diff < 1e-5, f"output off by {diff:.3g} at {where}"
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    expected = torch.autograd.grad((reference * weight).sum(), (q, k, v))
+    for name, grad, ref in zip("qkv", grads, expected, strict=True):
+        diff, where = worst(grad, ref)
+        assert diff < 1e-5, f"gradient of {name} off by {diff:.3g} at {where}"
 
 
 def test_sdpa_reference_is_causal():

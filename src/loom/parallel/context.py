@@ -94,6 +94,48 @@ def shard_batch(batch: Batch, dims: ParallelDims) -> Batch:
     return {k: shard_sequence(v, dims.cp, rank) for k, v in batch.items()}
 
 
+class _PrefixCausalCPU(torch.autograd.Function):
+    """Queries that see every `prefix` key and the `diag` keys causally, on the CPU: two
+    flash attentions (no mask tensor) merged by their log-sum-exp. The backward runs each
+    with the merged output and log-sum-exp, which gives the exact gradients (as ring
+    attention does). Tensors are (B, H, L, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k_prefix, v_prefix, k_diag, v_diag):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out1, lse1 = flash(q, k_prefix, v_prefix, 0.0, False)
+        out2, lse2 = flash(q, k_diag, v_diag, 0.0, True)
+        lse = torch.logaddexp(lse1, lse2)
+        out = (out1 * (lse1 - lse).exp().unsqueeze(-1)
+               + out2 * (lse2 - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_prefix, v_prefix, k_diag, v_diag, out, lse = ctx.saved_tensors
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dq1, dk_prefix, dv_prefix = flash_backward(grad, q, k_prefix, v_prefix, out, lse,
+                                                   0.0, False)
+        dq2, dk_diag, dv_diag = flash_backward(grad, q, k_diag, v_diag, out, lse, 0.0, True)
+        return dq1 + dq2, dk_prefix, dv_prefix, dk_diag, dv_diag
+
+
+def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            merged: bool | None = None) -> torch.Tensor:
+    """Attention of the last L positions q (B, H, L, D) over keys k, v (B, H, S, D): query i
+    sees keys 0 ... S-L+i. On the CPU (`merged`) without a mask tensor, which would cost
+    L x S floats per layer; elsewhere with an explicit mask."""
+    size, prefix = q.shape[2], k.shape[2] - q.shape[2]
+    if prefix == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.device.type == "cpu" if merged is None else merged:
+        return _PrefixCausalCPU.apply(q, k[:, :, :prefix], v[:, :, :prefix],
+                                      k[:, :, prefix:], v[:, :, prefix:])
+    mask = causal_offset_mask(size, k.shape[2], prefix, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def sharded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
                              rank: int) -> torch.Tensor:
     """Causal attention of cp rank `rank`'s queries q (B, T/cp, H, D), in load-balanced
@@ -104,13 +146,10 @@ def sharded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     outs = []
     for local, chunk in enumerate(chunk_ids(cp, rank)):
         end = (chunk + 1) * size
-        keys = k[:, :end].repeat_interleave(n_rep, dim=2)
-        values = v[:, :end].repeat_interleave(n_rep, dim=2)
-        queries = q[:, local * size:(local + 1) * size]
-        mask = causal_offset_mask(size, end, chunk * size, device=q.device)
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2),
-                                             values.transpose(1, 2), attn_mask=mask)
-        outs.append(out.transpose(1, 2))
+        keys = k[:, :end].repeat_interleave(n_rep, dim=2).transpose(1, 2)
+        values = v[:, :end].repeat_interleave(n_rep, dim=2).transpose(1, 2)
+        queries = q[:, local * size:(local + 1) * size].transpose(1, 2)
+        outs.append(prefix_causal_attention(queries, keys, values).transpose(1, 2))
     return torch.cat(outs, dim=1)
 
 
