@@ -12,6 +12,7 @@ it works on every device (torch's own ring attention does not run on CPU).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -174,7 +175,7 @@ class ContextParallelAttention(nn.Module):
         return sharded_causal_attention(q, self.gather(k), self.gather(v), self.cp, self.rank)
 
 
-def _add_positions(mesh: DeviceMesh):
+def _add_positions(mesh: DeviceMesh) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
     """Forward pre-hook of the model: pass the global RoPE positions of this rank's tokens."""
     cp, rank = mesh.size(), mesh.get_local_rank()
 
