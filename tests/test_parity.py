@@ -38,14 +38,16 @@ LAYOUTS = {  # name: (world size, flags); batch per dp rank keeps the global bat
 
 
 def dp_degree(world: int, flags: list[str]) -> int:
-    tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
-    return world // tp
+    """Ranks with different samples: tp and cp ranks share theirs."""
+    tp, cp = (int(flags[flags.index(f) + 1]) if f in flags else 1 for f in ("--tp", "--cp"))
+    return world // (tp * cp)
 
 
-def run_layouts(world: int, names: list[str], root: Path) -> None:
+def run_layouts(world: int, names: list[str], root: Path,
+                layouts: dict[str, tuple[int, list[str]]] = LAYOUTS) -> None:
     runs = []
     for name in names:
-        size, flags = LAYOUTS.get(name, (1, []))
+        size, flags = layouts.get(name, (1, []))
         batch = GLOBAL_BATCH // dp_degree(size, flags)
         runs.append([*COMMON, *flags, "--batch-size", str(batch), "--outdir", str(root / name)])
     job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs), "--first-grads"],
@@ -65,7 +67,13 @@ def parity_runs(tmp_path_factory) -> Path:
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(parity_runs: Path, layout: str) -> None:
-    single, run = parity_runs / "single", parity_runs / layout
+    assert_matches_single(parity_runs, layout)
+
+
+def assert_matches_single(root: Path, layout: str) -> None:
+    """First-step gradients, losses and final parameters of `root/layout` against
+    `root/single`."""
+    single, run = root / "single", root / layout
     reference = column(single)
     assert len(reference) == 5 and reference[5] < reference[1], "training should make progress"
     grads = torch.load(single / "first-grads.pt")

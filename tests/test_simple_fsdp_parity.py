@@ -130,7 +130,7 @@ def test_slow_cases_match_one_process(tmp_path_factory, case: str) -> None:
 
 @pytest.fixture(scope="module")
 def accumulation() -> dict:
-    result = run_ranks(2, ["tests/simple_fsdp_accum_worker.py"], timeout=600)
+    result = run_ranks(2, ["tests/workers/simple_fsdp_accum_worker.py"], timeout=600)
     assert result.ok, result.describe()
     return json.loads(result.ranks[0].stdout.strip().splitlines()[-1])
 

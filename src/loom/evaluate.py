@@ -25,6 +25,7 @@ from loom.config import ConfigError, JobConfig, parse_args
 from loom.data.loaders import build_dataloader
 from loom.losses import IGNORE_INDEX, LossFn
 from loom.mesh import ParallelDims
+from loom.parallel.context import shard_batch
 
 logger = logging.getLogger("loom")
 
@@ -55,6 +56,7 @@ class Evaluator:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         valid = torch.zeros((), device=self.device, dtype=torch.float64)
         for batch in itertools.islice(self.loader, self.steps):
+            batch = shard_batch(batch, self.dims)  # this cp rank's part of the sequences
             inputs = batch["input"].to(self.device)
             labels = batch["labels"].to(self.device)
             count = (labels != IGNORE_INDEX).sum()

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from loom.config import ConfigError, ParallelConfig, check_expert_layout
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimensions, outermost first. Later `pp` goes in front."""
 EP_DIMS = ("dp_shard_mod_ep", "dp_shard_in_ep")
 """With expert parallel, dp_shard is unflattened into these two; `ep` names the inner one."""
@@ -21,6 +21,7 @@ class ParallelDims:
     Validation happens on construction, before any collective runs, so a bad layout fails
     the same way on every rank. Expert parallel borrows `ep` of the dp_shard ranks
     (dp_shard = dp_shard_mod_ep x ep); `etp` is 1 or tp (experts also split across tp).
+    Context parallel splits each sequence across `cp` ranks that share their samples.
     """
 
     dp_replicate: int
@@ -29,34 +30,36 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     etp: int = 1
+    cp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp"):
+        for name in ("dp_replicate", "cp", "tp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, "
                                   f"got {getattr(self, name)}")
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.tp
+            rest = self.dp_replicate * self.cp * self.tp
             if self.world_size % rest:
+                cp = f" x cp {self.cp}" if self.cp > 1 else ""
                 raise ConfigError(
                     f"--dp-shard -1 (auto) needs world size {self.world_size} divisible by "
-                    f"dp_replicate {self.dp_replicate} x tp {self.tp} = {rest}")
+                    f"dp_replicate {self.dp_replicate}{cp} x tp {self.tp} = {rest}")
             self.dp_shard = self.world_size // rest
         elif self.dp_shard < 1:
             raise ConfigError(f"--dp-shard must be >= 1 or -1 (auto), got {self.dp_shard}")
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
-            raise ConfigError(
-                f"mesh dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp "
-                f"{self.tp} = {product} does not equal world size {self.world_size}")
+            layout = " x ".join(f"{name} {degree}" for name, degree in self.degrees.items())
+            raise ConfigError(f"mesh {layout} = {product} does not equal world size "
+                              f"{self.world_size}")
         check_expert_layout(self.ep, self.etp, self.tp, self.dp_shard, "dp_shard")
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
-        return cls(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp)
+        return cls(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp, cp=p.cp)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -79,6 +82,15 @@ class ParallelDims:
         return self.dp_shard > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def loss_size(self) -> int:
+        """Ranks holding different tokens (dp x cp): FSDP averages gradients over them."""
+        return self.dp_size * self.cp
+
+    @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
@@ -95,9 +107,13 @@ class ParallelDims:
         return batch_size * self.dp_size
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named mesh plus the flattened `dp` dim (used by samplers and reductions)."""
+        """The named mesh plus flattened dims: `dp` (samplers and reductions); with context
+        parallel also `dp_cp` (loss reductions) and `dp_shard_cp` (what FSDP shards over)."""
         mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
         self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp")}
+        if self.cp_enabled:
+            self._flat["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            self._flat["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         self._mesh = mesh
         if self.ep_enabled:
             self._ep_mesh = mesh._unflatten("dp_shard", (self.dp_shard_mod_ep, self.ep), EP_DIMS)
@@ -123,11 +139,18 @@ class ParallelDims:
         return self._ep_mesh[names[0] if len(names) == 1 else names]
 
     @property
+    def loss_mesh(self) -> DeviceMesh:
+        """The ranks whose losses and valid-token counts sum to the step's: dp x cp."""
+        return self.get_mesh("dp_cp" if self.cp_enabled else "dp")
+
+    @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """1-D dp_shard mesh, or the 2-D (replicate, shard) mesh that FSDP2 treats as HSDP."""
+        """1-D dp_shard (x cp) mesh, or the 2-D (replicate, shard) mesh that FSDP2 treats as
+        HSDP: cp ranks hold different tokens of the same samples, so they shard too."""
+        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
         if self.dp_replicate_enabled:
-            return self.get_mesh(("dp_replicate", "dp_shard"))
-        return self.get_mesh("dp_shard")
+            return self.get_mesh(("dp_replicate", shard))
+        return self.get_mesh(shard)
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:

@@ -60,7 +60,7 @@ def check_fits(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = available_memory_bytes() if device.type == "cpu" else None
-    check_model_fits(n_params, dims.dp_shard * dims.tp, free)
+    check_model_fits(n_params, dims.dp_shard * dims.cp * dims.tp, free)
 
 
 def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device,

@@ -27,6 +27,7 @@ from loom.metrics import RunPlace, build_metrics, environment_facts
 from loom.modeling import model_args, plain_model
 from loom.models.hf import is_hf
 from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from loom.parallel.context import shard_batch
 from loom.parallel.expert import update_expert_bias
 from loom.parallel.hf_load import build_hf_model
 from loom.parallel.init import init_weights
@@ -151,12 +152,13 @@ class Trainer:
         """Accumulate the micro-batches, clip, step; returns the step's loss (mean over every
         valid token of the global batch) and the pre-clip gradient norm. One host read
         (`step_state`) decides the update; the valid-token count stays on the device."""
+        micro_batches = [shard_batch(b, self.dims) for b in micro_batches]  # cp rank's part
         valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches])
         valid = valid.to(self.device)  # int64 counts: exact at any batch size
         total_valid = valid.sum()
-        dist.all_reduce(total_valid, group=self.dp_group)
-        # FSDP averages over dp ranks, so weigh by this rank's share of the valid tokens.
-        weights = valid * self.dims.dp_size / total_valid
+        dist.all_reduce(total_valid, group=self.dims.loss_mesh.get_group())
+        # FSDP averages over dp x cp ranks, so weigh by this rank's share of the valid tokens.
+        weights = valid * self.dims.loss_size / total_valid
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             if self.accum > 1:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from loom.cli import setup_logging
 from loom.config import parse_args
 from loom.mesh import ParallelDims
+from loom.parallel.context import shard_batch
 from loom.parallel.init import clean_name
 from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import Trainer
@@ -31,7 +32,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def batch_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Gradients of the loader's first batch under the run's loss, dp-averaged by FSDP like a
     training step; the model's gradients are cleared again."""
-    batch = next(iter(trainer.loader))
+    batch = shard_batch(next(iter(trainer.loader)), trainer.dims)
     inputs, labels = batch["input"].to(trainer.device), batch["labels"].to(trainer.device)
     trainer.loss_fn(trainer.model, inputs, labels).backward()
     grads = {clean_name(n): full(p.grad) for n, p in trainer.model.named_parameters()}

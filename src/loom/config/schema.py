@@ -93,6 +93,8 @@ class ParallelConfig:
     ep: int = flag(1, "expert-parallel degree, borrowed from dp_shard (must divide it)")
     etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
                     "(experts split across tp too)")
+    cp: int = flag(1, "context-parallel degree: each sequence is split across this many ranks "
+                   "(two mirrored chunks each, so causal attention work is even)")
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,30 @@ def _validate_eval(e: EvalConfig) -> None:
         raise ConfigError("--eval-every needs validation data: --val-dataset or --val-fraction")
 
 
+def _validate_cp(cfg: JobConfig) -> None:
+    """Settings --cp cannot run with, as one line each."""
+    p, m, seq = cfg.parallel, cfg.model, cfg.data.seq_len
+    if p.cp < 1:
+        raise ConfigError(f"--cp must be >= 1, got {p.cp}")
+    if p.cp == 1:
+        return
+    if seq % (2 * p.cp):
+        raise ConfigError(f"--seq-len {seq} is not divisible by 2 x --cp {p.cp} = {2 * p.cp} "
+                          "(each cp rank holds two mirrored chunks of the sequence)")
+    if (seq // p.cp) % p.tp:
+        raise ConfigError(f"--seq-len {seq} / --cp {p.cp} = {seq // p.cp} tokens per cp rank "
+                          f"is not divisible by --tp {p.tp} (sequence parallel splits them)")
+    if m.model is not None and is_hf_model(m.model):
+        raise ConfigError(f"--cp {p.cp} needs loom's own model, not the Hugging Face model "
+                          f"{m.model} (context parallel replaces loom's attention)")
+    if m.n_experts:
+        raise ConfigError(f"--cp {p.cp} with a mixture-of-experts model is not supported yet "
+                          "(routing statistics are reduced over dp only)")
+    if p.data_parallel != "fsdp2":
+        raise ConfigError(f"--cp {p.cp} needs --data-parallel fsdp2 (SimpleFSDP does not "
+                          "reduce gradients over cp yet)")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
@@ -162,6 +186,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
                           "use --val-fraction)")
     _validate_moe(m, p)
+    _validate_cp(cfg)
     if hf and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "
                           f"Hugging Face model {m.model} (use fsdp2)")

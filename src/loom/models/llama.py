@@ -52,7 +52,8 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x (B, T, H, D) by the positions' angles."""
+    """Rotate pairs of channels of x (B, T, H, D) by the angles of the table's first T rows
+    (positions 0 ... T-1, or the rows a caller picked for a sequence shard)."""
     seqlen = x.shape[1]
     cos, sin = table[:seqlen, None, :, 0], table[:seqlen, None, :, 1]  # (T, 1, D/2)
     pairs = x.float().unflatten(-1, (-1, 2))
@@ -72,15 +73,28 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(D)) v over the local sequence, causal. K and V come at GQA width
+    and are widened here, so a replacement (context parallel) can exchange them small."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, T, H, D), k and v (B, T, Hkv, D) -> (B, T, H, D)."""
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.n_kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -88,11 +102,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return self.wo(self.core(q, k, v).reshape(bsz, seqlen, -1))
 
 
 class FeedForward(nn.Module):
@@ -139,10 +149,14 @@ class Transformer(nn.Module):
         """Block `layer_id`; variants (the MoE model) override this."""
         return TransformerBlock(self.args)
 
-    def forward(self, tokens: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (T,): the global position of each token when the sequence is a shard
+        of a longer one (context parallel); default 0 ... T-1."""
         h = self.tok_embeddings(tokens)
+        rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         h = self.norm(h)
         return h if return_hidden else self.output(h)
 

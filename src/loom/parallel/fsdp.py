@@ -42,7 +42,7 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
         units.append(unit[0] if isinstance(unit, list) else sharded)
     units.append(fully_shard(plan.model, mesh=dims.fsdp_mesh, **kwargs))
     if cfg.grad_divide_factor:
-        set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard)
+        set_gradient_division(units, dims.loss_size, backend, shard_size=dims.dp_shard * dims.cp)
     return (f"FSDP2 {len(units)} units over "
             f"{'HSDP' if dims.dp_replicate_enabled else 'dp_shard'} mesh "
             f"{tuple(dims.fsdp_mesh.shape)}, reshard after forward: {cfg.reshard_after_forward}")

@@ -1,4 +1,4 @@
-"""The one ordered recipe for every model: TP (and EP) -> activation checkpointing ->
+"""The one ordered recipe for every model: TP (and EP) -> CP -> activation checkpointing ->
 compile -> the data-parallel wrapper, each step driven by the model's plan."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile
+from loom.parallel.context import apply_cp
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.model_plan import ModelPlan, model_plan
 from loom.parallel.simple_fsdp import apply_simple_fsdp
@@ -45,6 +46,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     if dims.tp_enabled:
         logger.info("tensor parallel: tp=%d, sequence parallel, %s logits", dims.tp,
                     "vocab-sharded" if loss_parallel else "replicated")
+    if dims.cp_enabled:  # context parallel: attention cores swapped, RoPE by global position
+        apply_cp(model, dims.get_mesh("cp"))
     apply_ac(plan, cfg.activation_checkpoint)
     strategy = STRATEGIES[cfg.data_parallel]
     if cfg.compile:

@@ -18,7 +18,7 @@ from loom.models.llama import ModelArgs, Transformer
 from loom.parallel.init import clean_name, init_weights
 from loom.parallel.parallelize import parallelize
 from loom.runtime import init_distributed, rank_info, teardown
-from tests.parity_worker import full
+from tests.workers.parity_worker import full
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
                  max_seq_len=16)
