@@ -27,8 +27,10 @@ def set_act_mem_budget(budget: float) -> None:
     below 1 it recomputes the cheapest ops in backward. Process-wide, read at compile time."""
     functorch_config.activation_memory_budget = budget
     # TP graphs carry the DeviceMesh as an opaque object the partitioner cannot size; it holds
-    # no activations, so counting it as zero is exact (the flag only affects size estimates).
-    functorch_config.unsafe_treat_script_objects_as_zero_size = True
+    # no activations, so counting it as zero is exact (the flag only affects size estimates;
+    # torch 2.11 has no such flag).
+    if hasattr(functorch_config, "unsafe_treat_script_objects_as_zero_size"):
+        functorch_config.unsafe_treat_script_objects_as_zero_size = True
 
 
 def compile_kwargs(mode: str, backend: str) -> dict[str, Any]:
