@@ -12,7 +12,8 @@ mode is a fresh job of --nproc ranks that resolves the model, builds the mesh (d
 nproc) and loads it as `loom train` does, then stops. Node memory is the peak of the ranks'
 summed PSS (proportional set size: pages of a memory-mapped checkpoint shared by several
 ranks count once), sampled from /proc every 20 ms; "above idle" subtracts the ranks' summed
-PSS just before loading (interpreter, torch, process group). The sum of each rank's own
+PSS just before loading (interpreter, torch, process group); a last job builds and allocates
+the shards without loading anything (the floor). The sum of each rank's own
 peak RSS (ru_maxrss) is shown too. Every mode must produce the same shards: each rank's sum
 of squares of its local weights is compared.
 Writes benchmarks/results/hf_load.json.
@@ -36,6 +37,9 @@ from tests.harness import free_port, rank_env
 
 RESULTS = Path(__file__).parent / "results" / "hf_load.json"
 MODES = ("every rank reads", "rank 0 broadcasts", "rank 0 streams")
+FLOOR = "shards only, no weights"
+"""The same as streaming without reading or sending anything: what building and allocating
+the sharded model costs, the floor under every mode."""
 SAVED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
@@ -91,6 +95,8 @@ def load(mode: str, folder: str) -> None:
     else:
         if mode == MODES[1]:
             hf_load.safetensors_files = lambda m, model: None
+        if mode == FLOOR:
+            hf_load.stream_weights = lambda model, files: None
         model = hf_load.build_hf_model(cfg, dims, device, "gloo")
     dist.barrier()
     seconds = time.perf_counter() - start
@@ -138,7 +144,7 @@ def table(results: list[dict], model_bytes: int) -> str:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*MODES, FLOOR), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -147,6 +153,7 @@ def main(argv: list[str]) -> None:
         n_params = save_models(Path(tmp))
         results = [run_mode(mode, Path(tmp) / saved, args.nproc)
                    for saved in SAVED_DTYPES for mode in MODES]
+        floor = run_mode(FLOOR, Path(tmp) / "fp32", args.nproc)
     ratios = {}
     for group in (results[i:i + len(MODES)] for i in range(0, len(results), len(MODES))):
         if len({json.dumps(r["sum_squares"]) for r in group}) != 1:
@@ -157,12 +164,12 @@ def main(argv: list[str]) -> None:
     model_bytes = n_params * 4
     print(f"Llama, {n_params / 1e6:.1f}M parameters, {model_bytes / 2**30:.2f} GiB in fp32 "
           f"(trained dtype), {args.nproc} ranks on one node")
-    print(table(results, model_bytes))
+    print(table([*results, floor], model_bytes))
     for saved, by_mode in ratios.items():
         print(f"{saved}, above idle against every rank reads: "
               + ", ".join(f"{mode} {r:.2f}" for mode, r in by_mode.items()))
     summary = {"n_params": n_params, "model_bytes": model_bytes, "shape": SHAPE,
-               "results": results, "above_idle_ratio": ratios}
+               "results": results, "floor": floor, "above_idle_ratio": ratios}
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {RESULTS}")

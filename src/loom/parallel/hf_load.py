@@ -123,10 +123,8 @@ def stream_weights(model: nn.Module, files: dict[str, str]) -> None:
     for i, (name, tensor) in enumerate(tensors):
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if specs is None:
-            if local.numel():
-                piece = torch.empty_like(local)
-                dist.recv(piece, src=0)
-                local.copy_(piece)
+            if local.numel():  # straight into the shard (contiguous in FSDP2): no copy
+                dist.recv(local, src=0)
             continue
         with safe_open(files[name], "pt", device="cpu") as f:
             source = f.get_slice(name)
