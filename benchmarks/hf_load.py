@@ -1,7 +1,9 @@
 """Host memory of loading a pretrained Hugging Face model on one node: every rank reading
-the checkpoint (the old path) vs rank 0 reading it and broadcasting shards (loom's path).
+the checkpoint (the first path), rank 0 loading the whole model and broadcasting it (the
+second, still taken for hub ids and `.bin` checkpoints) and rank 0 streaming each rank its
+slices from safetensors (loom's path for local safetensors folders).
 
-    python benchmarks/hf_load.py        # 4 gloo ranks, a 134M-parameter Llama (~4 min)
+    python benchmarks/hf_load.py        # 4 gloo ranks, a 134M-parameter Llama (~6 min)
 
 The model is a Llama built with `transformers` from a fixed seed and saved with
 `save_pretrained` (safetensors) into a temporary folder, once in fp32 and once in bf16 (as
@@ -10,8 +12,9 @@ mode is a fresh job of --nproc ranks that resolves the model, builds the mesh (d
 nproc) and loads it as `loom train` does, then stops. Node memory is the peak of the ranks'
 summed PSS (proportional set size: pages of a memory-mapped checkpoint shared by several
 ranks count once), sampled from /proc every 20 ms; "above idle" subtracts the ranks' summed
-PSS just before loading (interpreter, torch, process group). The sum of each rank's own
-peak RSS (ru_maxrss) is shown too. Both modes must produce the same shards: each rank's sum
+PSS just before loading (interpreter, torch, process group); a last job builds and allocates
+the shards without loading anything (the floor). The sum of each rank's own
+peak RSS (ru_maxrss) is shown too. Every mode must produce the same shards: each rank's sum
 of squares of its local weights is compared.
 Writes benchmarks/results/hf_load.json.
 """
@@ -33,7 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.harness import free_port, rank_env
 
 RESULTS = Path(__file__).parent / "results" / "hf_load.json"
-MODES = ("every rank reads", "rank 0 broadcasts")
+MODES = ("every rank reads", "rank 0 broadcasts", "rank 0 streams")
+FLOOR = "shards only, no weights"
+"""The same as streaming without reading or sending anything: what building and allocating
+the sharded model costs, the floor under every mode."""
 SAVED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
@@ -68,8 +74,8 @@ def load(mode: str, folder: str) -> None:
     from loom.config import parse_args
     from loom.mesh import ParallelDims
     from loom.models.hf import load_hf_model
+    from loom.parallel import hf_load
     from loom.parallel.hf import resolve_hf_model
-    from loom.parallel.hf_load import build_hf_model
     from loom.parallel.parallelize import parallelize
     from loom.runtime import init_distributed, rank_info, teardown
 
@@ -89,7 +95,11 @@ def load(mode: str, folder: str) -> None:
         model = parallelize(load_hf_model(cfg.model), dims, cfg.parallel, loss_parallel=False,
                             backend="gloo")
     else:
-        model = build_hf_model(cfg, dims, device, "gloo")
+        if mode == MODES[1]:
+            hf_load.safetensors_files = lambda m, model: None
+        if mode == FLOOR:
+            hf_load.stream_weights = lambda model, files: None
+        model = hf_load.build_hf_model(cfg, dims, device, "gloo")
     dist.barrier()
     seconds = time.perf_counter() - start
     squares = sum(float(p.to_local().double().square().sum()) for p in model.parameters())
@@ -136,7 +146,7 @@ def table(results: list[dict], model_bytes: int) -> str:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*MODES, FLOOR), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -145,20 +155,23 @@ def main(argv: list[str]) -> None:
         n_params = save_models(Path(tmp))
         results = [run_mode(mode, Path(tmp) / saved, args.nproc)
                    for saved in SAVED_DTYPES for mode in MODES]
+        floor = run_mode(FLOOR, Path(tmp) / "fp32", args.nproc)
     ratios = {}
-    for old, new in zip(results[::2], results[1::2], strict=True):
-        if old["sum_squares"] != new["sum_squares"]:
-            raise SystemExit(f"{old['saved']}: the two modes built different shards: "
-                             f"{old['sum_squares']} vs {new['sum_squares']}")
-        ratios[old["saved"]] = new["above_idle"] / old["above_idle"]
+    for group in (results[i:i + len(MODES)] for i in range(0, len(results), len(MODES))):
+        if len({json.dumps(r["sum_squares"]) for r in group}) != 1:
+            raise SystemExit(f"{group[0]['saved']}: the modes built different shards: "
+                             f"{[r['sum_squares'] for r in group]}")
+        ratios[group[0]["saved"]] = {r["mode"]: r["above_idle"] / group[0]["above_idle"]
+                                     for r in group[1:]}
     model_bytes = n_params * 4
     print(f"Llama, {n_params / 1e6:.1f}M parameters, {model_bytes / 2**30:.2f} GiB in fp32 "
           f"(trained dtype), {args.nproc} ranks on one node")
-    print(table(results, model_bytes))
-    print("rank 0 broadcasts / every rank reads, above idle: "
-          + ", ".join(f"{saved} {r:.2f}" for saved, r in ratios.items()))
+    print(table([*results, floor], model_bytes))
+    for saved, by_mode in ratios.items():
+        print(f"{saved}, above idle against every rank reads: "
+              + ", ".join(f"{mode} {r:.2f}" for mode, r in by_mode.items()))
     summary = {"n_params": n_params, "model_bytes": model_bytes, "shape": SHAPE,
-               "results": results, "above_idle_ratio": ratios}
+               "results": results, "floor": floor, "above_idle_ratio": ratios}
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {RESULTS}")

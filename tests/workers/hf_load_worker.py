@@ -1,7 +1,8 @@
-"""One rank of the HF loading test: train each run twice in one process group, through
-loom's loading (rank 0 reads the checkpoint, the others receive their shards) and through
-the old one (every rank reads it), saving rank 0's losses and the initial full weights and
-buffers (initial.pt). On ranks other than 0, loom's loading may not read the checkpoint."""
+"""One rank of the HF loading test: train each run in one process group through loom's
+loadings (rank 0 streams each rank its slices, or rank 0 loads the whole model and
+broadcasts it) and through the old one (every rank reads it), saving rank 0's losses and the
+initial full weights and buffers (initial.pt). On ranks other than 0, loom's loadings may
+not read the checkpoint; the streaming one may not load the whole model on any rank."""
 
 from __future__ import annotations
 
@@ -21,14 +22,29 @@ from loom.parallel.parallelize import parallelize
 from loom.runtime import init_distributed, rank_info, teardown
 from tests.workers.parity_worker import full
 
-LOADERS = {"broadcast": hf_load.build_hf_model,
+LOADERS = {"stream": hf_load.build_hf_model, "whole-model": hf_load.build_hf_model,
            "every-rank": lambda cfg, dims, device, backend: parallelize(
                load_hf_model(cfg.model), dims, cfg.parallel, loss_parallel=False,
                backend=backend)}
 
 
-def refuse_to_read(m: ModelConfig) -> HFCausalLM:
+def refuse_to_read(m: ModelConfig, *args: object) -> HFCausalLM:
     raise ConfigError(f"rank {dist.get_rank()} read the checkpoint {m.model}")
+
+
+def never_streamable(m: ModelConfig, model: torch.nn.Module) -> None:
+    return None
+
+
+SAFETENSORS_FILES = hf_load.safetensors_files
+
+
+def set_up_loader(loader: str, rank: int) -> None:
+    """Which reads this loader's path may make on this rank."""
+    hf_load.load_hf_model = refuse_to_read if loader == "stream" or rank != 0 \
+        else load_hf_model
+    hf_load.safetensors_files = refuse_to_read if rank != 0 else \
+        never_streamable if loader == "whole-model" else SAFETENSORS_FILES
 
 
 def initial_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -41,10 +57,9 @@ def main(runs: list[tuple[str, list[str]]]) -> None:
     info = rank_info()
     setup_logging(info.rank)
     device = init_distributed(info)
-    if info.rank != 0:
-        hf_load.load_hf_model = refuse_to_read
     try:
         for loader, argv in runs:
+            set_up_loader(loader, info.rank)
             train.build_hf_model = LOADERS[loader]
             cfg = parse_args(argv)
             trainer = train.Trainer(cfg, info, ParallelDims.from_config(cfg.parallel,

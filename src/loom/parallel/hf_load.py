@@ -1,25 +1,41 @@
-"""Pretrained Hugging Face weights read once per job, not once per rank.
+"""Pretrained Hugging Face weights read once per job, one slice at a time.
 
-Only global rank 0 reads the checkpoint. Every rank (rank 0 too) builds the architecture on
-the meta device, shards it with FSDP2 and allocates just its shards; rank 0 then broadcasts
-the full state dict one tensor at a time and each rank keeps its slice. Host memory per node
-is then one full copy (on the first node only) plus the shards, instead of one per rank.
-Broadcasting from global rank 0, rather than reading on each node's first rank, is what
-`set_model_state_dict` supports and spares the other nodes' file systems any read.
+Every rank builds the architecture on the meta device, shards it with FSDP2 and allocates
+just its shards. When the model is a local folder of safetensors files holding every
+parameter and persistent buffer under the model's own names (what `save_pretrained` and
+`loom export` write), global rank 0 reads each tensor rank by rank, only the slice that
+rank holds (`safe_open(...).get_slice`), casts it to the training dtype and sends it:
+host memory per node is then the shards (one fp32 copy of the model in all) plus one slice
+in flight. Non-persistent buffers (rotary frequencies) are computed on every rank by the
+model's own initializer, as `from_pretrained` does in transformers 5. Other checkpoints
+(hub ids, `.bin`, renamed keys, older transformers) take the whole-model path: rank 0
+loads the model and broadcasts its state dict (`set_model_state_dict(...,
+broadcast_from_rank0=True)`). Either way only global rank 0 reads the checkpoint.
 """
 
 from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from loom.config import JobConfig
+from loom.config import JobConfig, ModelConfig
 from loom.data.loaders import on_node_leaders
 from loom.mesh import ParallelDims
 from loom.models.hf import HFCausalLM, hf_model_from_config, load_hf_model
 from loom.parallel.parallelize import parallelize
+
+logger = logging.getLogger("loom")
+
+Spec = tuple[tuple[int, ...], tuple[int, ...]]
+"""A rank's slice of a tensor: its shape and its offset in the full tensor."""
 
 
 def non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -41,16 +57,119 @@ def receive_weights(model: nn.Module, pretrained: nn.Module | None) -> None:
         dist.broadcast(buf, src=0)
 
 
+def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers under their checkpoint names (a tied weight once),
+    in the same order on every rank."""
+    seen, found = set(), []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            found.append((name.removeprefix("hf."), tensor))
+    return found
+
+
+def safetensors_files(m: ModelConfig, model: nn.Module) -> dict[str, str] | None:
+    """Checkpoint name -> file for every saved tensor of `model`, if a local folder's
+    safetensors hold them all with the same shapes; None: take the whole-model path. Needs
+    transformers 5, whose `initialize_weights` computes just the unsaved buffers."""
+    import transformers
+    from safetensors import safe_open
+
+    folder = Path(m.model).expanduser()
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = {name: str(folder / file)
+                 for name, file in json.loads(index.read_text())["weight_map"].items()}
+    elif (folder / "model.safetensors").is_file():
+        files = dict.fromkeys(_keys(folder / "model.safetensors"),
+                              str(folder / "model.safetensors"))
+    else:
+        return None
+    for name, tensor in saved_tensors(model):
+        if name not in files:
+            return None
+        with safe_open(files[name], "pt") as f:
+            if tuple(f.get_slice(name).get_shape()) != tuple(tensor.shape):
+                return None
+    return files
+
+
+def _keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def local_spec(tensor: torch.Tensor) -> Spec:
+    if isinstance(tensor, DTensor):
+        return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                     tensor.placements)
+    return tuple(tensor.shape), (0,) * tensor.dim()
+
+
+def stream_weights(model: nn.Module, files: dict[str, str]) -> None:
+    """Fill every rank's shards from the safetensors `files` (read on rank 0 only): per
+    tensor, rank 0 reads each rank's slice and sends it. The file is opened per tensor so
+    that no memory-mapped page of it stays resident beyond that tensor."""
+    from safetensors import safe_open
+
+    tensors = saved_tensors(model)
+    specs: list[list[Spec]] | None = [[] for _ in range(dist.get_world_size())] \
+        if dist.get_rank() == 0 else None
+    dist.gather_object([local_spec(t) for _, t in tensors], specs, dst=0)
+    for i, (name, tensor) in enumerate(tensors):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if specs is None:
+            if local.numel():  # straight into the shard (contiguous in FSDP2): no copy
+                dist.recv(local, src=0)
+            continue
+        with safe_open(files[name], "pt", device="cpu") as f:
+            source = f.get_slice(name)
+            for rank, (shape, offset) in enumerate(s[i] for s in specs):
+                if 0 in shape:
+                    continue
+                where = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                piece = (source[where] if shape else f.get_tensor(name)).to(local.dtype)
+                if rank == 0:
+                    local.copy_(piece)
+                else:
+                    dist.send(piece.to(local.device), dst=rank)
+
+
+def compute_non_persistent_buffers(model: HFCausalLM) -> None:
+    """Run the model's initializer for what the checkpoint does not hold, as
+    `from_pretrained` does: every saved tensor is marked initialized, so only the
+    non-persistent buffers are computed."""
+    for _, tensor in saved_tensors(model):
+        tensor._is_hf_initialized = True
+    model.hf.initialize_weights()
+
+
 def build_hf_model(cfg: JobConfig, dims: ParallelDims, device: torch.device,
                    backend: str) -> HFCausalLM:
     """The pretrained model, parallelized, with each rank holding only its shards. A
     checkpoint rank 0 cannot read fails on every rank with rank 0's line."""
-    loaded: list[HFCausalLM] = []
-    on_node_leaders(lambda: loaded.append(load_hf_model(cfg.model)), leader=dist.get_rank() == 0)
     with torch.device("meta"):
         model = hf_model_from_config(cfg.model, dtype=torch.float32).train()
+    leader = dist.get_rank() == 0
+    plan: list[dict[str, str] | None] = [None]
+    on_node_leaders(lambda: plan.__setitem__(0, safetensors_files(cfg.model, model)), leader)
+    dist.broadcast_object_list(plan, src=0)
+    files = plan[0]
+    loaded: list[HFCausalLM] = []
+    if files is None:
+        logger.info("HF weights: not a local safetensors folder under the model's own names; "
+                    "rank 0 loads the whole model and broadcasts it")
+        on_node_leaders(lambda: loaded.append(load_hf_model(cfg.model)), leader)
     parallelize(model, dims, cfg.parallel, loss_parallel=False, backend=backend)
     model.to_empty(device=device)
     with torch.no_grad():
-        receive_weights(model, loaded[0] if loaded else None)
+        if files is None:
+            receive_weights(model, loaded[0] if loaded else None)
+        else:
+            compute_non_persistent_buffers(model)
+            stream_weights(model, files)
     return model
