@@ -99,6 +99,16 @@ class ParallelConfig:
     ep: int = flag(1, "expert-parallel degree, borrowed from dp_shard (must divide it)")
     etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
                     "(experts split across tp too)")
+    pp: int = flag(1, "pipeline-parallel degree (the outermost mesh dim: ranks hold "
+                   "consecutive layers)")
+    pp_schedule: str = flag("1f1b", "pipeline schedule (interleaved-1f1b: looped stages; "
+                            "zero-bubble, dualpipev: two stages per rank in a V)",
+                            choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
+                                     "dualpipev"))
+    pp_microbatches: int = flag(0, "pipeline micro-batches per --batch-size batch (must "
+                                "divide it); 0 = the fewest keeping the bubble <= 25%")
+    pp_stages_per_rank: int = flag(0, "pipeline stages each rank holds; 0 = the schedule's "
+                                   "(1, or 2 for interleaved-1f1b, zero-bubble, dualpipev)")
 
 
 @dataclass(frozen=True)
@@ -607,6 +617,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
                           "use --val-fraction)")
     _validate_moe(m, p)
+    from loom.parallel.pipeline_plan import validate_pipeline  # it imports this module
+
+    validate_pipeline(cfg)
     if hf and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "
                           f"Hugging Face model {m.model} (use fsdp2)")

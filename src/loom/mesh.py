@@ -8,15 +8,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from loom.config import ConfigError, ParallelConfig
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-"""Mesh dimensions, outermost first. Later `pp` goes in front."""
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+"""Mesh dimensions, outermost first."""
 EP_DIMS = ("dp_shard_mod_ep", "dp_shard_in_ep")
 """With expert parallel, dp_shard is unflattened into these two; `ep` names the inner one."""
 
 
 @dataclass
 class ParallelDims:
-    """Degrees of each parallelism; `dp_shard=-1` takes all remaining ranks.
+    """Degrees of each parallelism; `dp_shard=-1` takes all remaining ranks. Pipeline
+    parallel (`pp`) is the outermost dim: its ranks hold different layers of the same batch.
 
     Validation happens on construction, before any collective runs, so a bad layout fails
     the same way on every rank. Expert parallel borrows `ep` of the dp_shard ranks
@@ -29,29 +30,31 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     etp: int = 1
+    pp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp"):
+        for name in ("pp", "dp_replicate", "tp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, "
                                   f"got {getattr(self, name)}")
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.tp
+            rest = self.pp * self.dp_replicate * self.tp
             if self.world_size % rest:
                 raise ConfigError(
                     f"--dp-shard -1 (auto) needs world size {self.world_size} divisible by "
-                    f"dp_replicate {self.dp_replicate} x tp {self.tp} = {rest}")
+                    f"{self._pp_factor}dp_replicate {self.dp_replicate} x tp {self.tp} = {rest}")
             self.dp_shard = self.world_size // rest
         elif self.dp_shard < 1:
             raise ConfigError(f"--dp-shard must be >= 1 or -1 (auto), got {self.dp_shard}")
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ConfigError(
-                f"mesh dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp "
-                f"{self.tp} = {product} does not equal world size {self.world_size}")
+                f"mesh {self._pp_factor}dp_replicate {self.dp_replicate} x dp_shard "
+                f"{self.dp_shard} x tp {self.tp} = {product} does not equal world size "
+                f"{self.world_size}")
         if self.ep < 1 or self.dp_shard % self.ep:
             raise ConfigError(f"--ep {self.ep} must divide dp_shard {self.dp_shard} "
                               "(expert parallel borrows data-parallel shard ranks)")
@@ -60,7 +63,11 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
-        return cls(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp)
+        return cls(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp, pp=p.pp)
+
+    @property
+    def _pp_factor(self) -> str:
+        return f"pp {self.pp} x " if self.pp_enabled else ""
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -69,6 +76,16 @@ class ParallelDims:
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def loss_size(self) -> int:
+        """Ranks over which a step's tokens are split (the `loss` mesh): its loss and its
+        valid-token count are sums over them. dp today; dp x cp once context parallel exists."""
+        return self.dp_size
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -99,13 +116,15 @@ class ParallelDims:
         return self.dp_shard // self.ep
 
     def global_batch_size(self, batch_size: int) -> int:
-        """Samples per optimizer step: tp ranks share their batch, so tp never multiplies."""
+        """Samples per optimizer step: tp and pp ranks share their batch, so never multiply."""
         return batch_size * self.dp_size
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named mesh plus the flattened `dp` dim (used by samplers and reductions)."""
+        """The named mesh plus the flattened `dp` dim (used by samplers) and the `loss` mesh
+        (where the loss is reduced: dp, later dp x cp)."""
         mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
-        self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp")}
+        dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self._flat = {"dp": dp, "loss": dp}
         self._mesh = mesh
         if self.ep_enabled:
             self._ep_mesh = mesh._unflatten("dp_shard", (self.dp_shard_mod_ep, self.ep), EP_DIMS)
@@ -118,7 +137,7 @@ class ParallelDims:
         return self._mesh
 
     def get_mesh(self, name: str | tuple[str, ...]) -> DeviceMesh:
-        """A sub-mesh by name: 'tp', 'dp', 'dp_shard', ('dp_replicate', 'dp_shard'), ...;
+        """A sub-mesh by name: 'tp', 'pp', 'dp', 'loss', ('dp_replicate', 'dp_shard'), ...;
         with expert parallel also 'ep' (= 'dp_shard_in_ep'), 'dp_shard_mod_ep', ('ep', 'tp')."""
         if isinstance(name, str) and name in self._flat:
             return self._flat[name]
@@ -152,3 +171,7 @@ class ParallelDims:
     @property
     def tp_rank(self) -> int:
         return self.get_mesh("tp").get_local_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.get_mesh("pp").get_local_rank()

@@ -387,7 +387,8 @@ def run_facts(cfg: JobConfig, dims: ParallelDims, device: torch.device, model: n
     return RunFacts(
         global_batch_size=global_batch, tokens_per_step=global_batch * seq,
         parameters=sum(p.numel() for p in model.parameters()),
-        flops_per_step=count.flops * dims.dp_size, flops_per_rank=count.flops / dims.tp,
+        flops_per_step=count.flops * dims.dp_size,
+        flops_per_rank=count.flops / (dims.tp * dims.pp),  # a pp rank runs its stages only
         flops_exact=count.exact, peak_flops=peak.flops, peak_source=peak.source,
         world_size=world_size, dp_size=dims.dp_size, tp=dims.tp)
 

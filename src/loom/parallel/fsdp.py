@@ -22,12 +22,14 @@ def mixed_precision(dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
                mp_policy: MixedPrecisionPolicy) -> list[FSDPModule]:
-    """One unit each: embedding, every block, [norm + output], then the root."""
+    """One unit each: embedding, every block, [norm + output], then the root (a pipeline
+    stage lacks the embedding or the head but for its first or last stage)."""
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    units = [fully_shard(model.tok_embeddings, **kwargs)]
+    units = [] if model.tok_embeddings is None else [fully_shard(model.tok_embeddings, **kwargs)]
     units += [fully_shard(block, **kwargs) for block in model.layers.values()]
-    fully_shard([model.norm, model.output], **kwargs)
-    units.append(model.norm)
+    if model.norm is not None:
+        fully_shard([model.norm, model.output], **kwargs)
+        units.append(model.norm)
     units.append(fully_shard(model, **kwargs))
     return units
 
