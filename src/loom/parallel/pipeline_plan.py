@@ -12,6 +12,10 @@ V_SHAPED = {"zero-bubble": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 SCHEDULES = {**SINGLE, **LOOPED, **V_SHAPED}
 """--pp-schedule -> torch.distributed.pipelining class name (without `Schedule`)."""
 MAX_BUBBLE = 0.25
+SPLIT_BACKWARD = ("zero-bubble", "dualpipev")
+"""Schedules that split backward into input and deferred weight gradients: on torch 2.13
+the weight gradients of FSDP2 stages come out incomplete (pp2, one step: gradient norm 3.27
+against 4.75 in one process), so they are refused rather than run wrong."""
 
 
 def stages_per_rank(p: ParallelConfig) -> int:
@@ -38,8 +42,6 @@ def microbatch_problem(schedule: str, pp: int, per_rank: int, microbatches: int)
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
             return f"interleaved-1f1b needs a multiple of {rounds} micro-batches"
-    if schedule == "dualpipev" and microbatches < pp * per_rank:
-        return f"dualpipev needs at least {pp * per_rank} micro-batches (one per stage)"
     return None
 
 
@@ -92,12 +94,14 @@ def validate_pipeline(cfg: JobConfig) -> None:
                               f"{1 if name == 'pp' else 0}, got {getattr(p, name)}")
     if p.pp == 1:
         return
+    if p.pp_schedule in SPLIT_BACKWARD:
+        raise ConfigError(f"--pp-schedule {p.pp_schedule} splits backward into input and "
+                          "weight gradients, which FSDP2 stages do not yet accumulate "
+                          "correctly; use 1f1b, gpipe or interleaved-1f1b")
     per_rank = stages_per_rank(p)
     if p.pp_schedule in SINGLE and per_rank != 1:
         raise ConfigError(f"--pp-schedule {p.pp_schedule} runs one stage per rank; use "
                           "interleaved-1f1b for --pp-stages-per-rank > 1")
-    if p.pp_schedule in V_SHAPED and per_rank != 2:
-        raise ConfigError(f"--pp-schedule {p.pp_schedule} runs exactly 2 stages per rank")
     if p.pp_schedule in LOOPED and per_rank < 2:
         raise ConfigError(f"--pp-schedule {p.pp_schedule} needs --pp-stages-per-rank >= 2")
     units = m.n_layers + 2  # the embedding and the head count as layers
