@@ -29,6 +29,7 @@ from loom.parallel.pipeline_plan import (
     balanced_split,
     bubble_fraction,
     choose_microbatches,
+    effective_schedule,
     stage_indices,
     stages_per_rank,
 )
@@ -137,7 +138,12 @@ class PipelineExecutor(StepExecutor):
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.owns_loss = self.has_last and dims.tp_rank == 0
         self.bubble = bubble_fraction(dims.pp, per_rank, self.microbatches)
-        schedule = get_schedule_class(SCHEDULES[p.pp_schedule])
+        self.schedule_name = effective_schedule(p.pp_schedule, dims.pp, self.microbatches)
+        if self.schedule_name != p.pp_schedule:
+            logger.warning("--pp-schedule %s with %d micro-batch(es) < pp %d runs as %s "
+                           "(the same order); raise --batch-size for 1F1B", p.pp_schedule,
+                           self.microbatches, dims.pp, self.schedule_name)
+        schedule = get_schedule_class(SCHEDULES[self.schedule_name])
         single = issubclass(schedule, PipelineScheduleSingle)
         self.schedule = schedule(stages[0] if single else stages, self.microbatches,
                                  loss_fn=self.loss, scale_grads=False)
@@ -150,14 +156,14 @@ class PipelineExecutor(StepExecutor):
         self.sums: list[torch.Tensor] = []
         logger.info("pipeline: pp %d, %s, %d stage(s) per rank, %d micro-batches per batch "
                     "of %d (bubble %.0f%% in theory; --pp-microbatches)", dims.pp,
-                    p.pp_schedule, per_rank, self.microbatches, cfg.train.batch_size,
+                    self.schedule_name, per_rank, self.microbatches, cfg.train.batch_size,
                     100 * self.bubble)
 
     def layout(self) -> dict[str, object]:
         p = self.cfg.parallel
         per_rank = stages_per_rank(p)
         return {"pipeline": {
-            "schedule": p.pp_schedule, "microbatches": self.microbatches,
+            "schedule": self.schedule_name, "microbatches": self.microbatches,
             "stages_per_rank": per_rank, "bubble_theory": self.bubble,
             "layers_by_stage": self.layers_by_stage,
             "stages_by_pp_rank": [stage_indices(r, self.dims.pp, per_rank, p.pp_schedule)

@@ -36,6 +36,12 @@ def bubble_fraction(pp: int, per_rank: int, microbatches: int) -> float:
     return (pp - 1) / (per_rank * microbatches + pp - 1)
 
 
+def effective_schedule(schedule: str, pp: int, microbatches: int) -> str:
+    """torch's 1F1B refuses fewer micro-batches than stages; with so few, every rank runs
+    all its forwards before its backwards either way (GPipe's order), so GPipe runs."""
+    return "gpipe" if schedule == "1f1b" and microbatches < pp else schedule
+
+
 def microbatch_problem(schedule: str, pp: int, per_rank: int, microbatches: int) -> str | None:
     """Why torch's schedule refuses this micro-batch count, or None."""
     if schedule == "interleaved-1f1b":
