@@ -151,7 +151,8 @@ class PipelineExecutor(StepExecutor):
         dist.all_gather_object(held, {i: held_layers(part, cfg.model.n_layers) for i, part
                                       in zip(self.stage_ids, parts, strict=True)},
                                group=self.norm_group)
-        self.layers_by_stage = {i: layers for stage in held for i, layers in stage.items()}
+        self.layers_by_stage = dict(sorted((i, layers) for stage in held
+                                           for i, layers in stage.items()))
         self.scale: torch.Tensor | float = 1.0
         self.sums: list[torch.Tensor] = []
         logger.info("pipeline: pp %d, %s, %d stage(s) per rank, %d micro-batches per batch "
