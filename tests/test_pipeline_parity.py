@@ -114,3 +114,22 @@ def test_moe_pp2_ep2_matches_single_process(tmp_path: Path) -> None:
         assert_series_close(column(run, key), column(single, key), rtol=LOSS_RTOL, what=key)
     assert_norms_close(torch.load(run / "params.pt"), torch.load(single / "params.pt"),
                        rtol=PARAM_NORM_RTOL, what="parameters after 5 AdamW steps")
+
+
+@pytest.mark.multirank
+def test_checkpoints_move_between_pipeline_and_data_parallel(tmp_path: Path) -> None:
+    """A pp2 checkpoint loads on pp1 x dp2 and a dp2 one on pp2, bit-exact in parameters
+    (stages keep the whole model's names, so DCP reshards across layouts)."""
+    base = [*COMMON, "--checkpoint-interval", "2"]
+    layouts = {"pp2": [*PP2, "--batch-size", "4"], "dp2": ["--dp-shard", "2", "--batch-size", "2"]}
+    runs = [[*base, *layouts[name], "--max-steps", "2", "--outdir", str(tmp_path / name)]
+            for name in layouts]
+    runs += [[*base, *layouts[dst], "--max-steps", "2", "--resume",
+              str(tmp_path / src / "checkpoints" / "step-2"), "--outdir",
+              str(tmp_path / f"{src}-on-{dst}")] for src, dst in (("pp2", "dp2"), ("dp2", "pp2"))]
+    job = run_ranks(2, ["tests/parity_worker.py", json.dumps(runs)], timeout=900)
+    assert job.ok, job.describe()
+    for src, dst in (("pp2", "dp2"), ("dp2", "pp2")):
+        torch.testing.assert_close(torch.load(tmp_path / f"{src}-on-{dst}" / "params.pt"),
+                                   torch.load(tmp_path / src / "params.pt"), rtol=0, atol=0,
+                                   msg=lambda m, s=src, d=dst: f"{s} loaded on {d}: {m}")
