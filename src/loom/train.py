@@ -189,8 +189,8 @@ class Trainer:
                                   backend=backend_for(self.device))
                 init_weights(part, self.seed, self.device)
         n_params = sum(p.numel() for part in parts for p in part.parameters())
-        logger.info("model: %s, %.2fM parameters%s", self.cfg.model.model or "custom",
-                    n_params / 1e6, " on this rank's stages" if self.dims.pp_enabled else "")
+        logger.info("model: %s, %.2fM parameters in this rank's part(s)",
+                    self.cfg.model.model or "custom", n_params / 1e6)
         return parts
 
     def check_model_fits(self, cfg: JobConfig) -> None:
