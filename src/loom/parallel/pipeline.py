@@ -127,11 +127,12 @@ class PipelineExecutor(StepExecutor):
         per_rank = stages_per_rank(p)
         n_stages = dims.pp * per_rank
         self.stage_ids = stage_indices(dims.pp_rank, dims.pp, per_rank, p.pp_schedule)
-        self.norm_group = dims.get_mesh("pp").get_group()
+        pp_group = dims.get_mesh("pp").get_group()
+        self.norm_group = pp_group  # each stage's gradient norm joins the others
         self.microbatches = choose_microbatches(p, cfg.train.batch_size)
         microbatch = cfg.train.batch_size // self.microbatches
         stages = [PipelineStage(part, i, n_stages, device, *stage_io(
-                      part, cfg, dims.tp, microbatch, criterion.hidden), group=self.norm_group)
+                      part, cfg, dims.tp, microbatch, criterion.hidden), group=pp_group)
                   for part, i in zip(parts, self.stage_ids, strict=True)]
         if criterion.hidden:
             parts[-1].hidden_output = True  # the criterion projects through the head
@@ -150,7 +151,7 @@ class PipelineExecutor(StepExecutor):
         held: list[dict[int, list[int]] | None] = [None] * dims.pp
         dist.all_gather_object(held, {i: held_layers(part, cfg.model.n_layers) for i, part
                                       in zip(self.stage_ids, parts, strict=True)},
-                               group=self.norm_group)
+                               group=pp_group)
         self.layers_by_stage = dict(sorted((i, layers) for stage in held
                                            for i, layers in stage.items()))
         self.scale: torch.Tensor | float = 1.0
