@@ -70,7 +70,7 @@ def measure(name: str, timed_steps: int) -> dict:
         times, losses = [], []
         for _ in range(timed_steps):
             start = time.thread_time()
-            loss, _ = trainer.train_step([next(batches)])
+            loss = trainer.train_step([next(batches)]).loss
             times.append(time.thread_time() - start)
             losses.append(loss.item())
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

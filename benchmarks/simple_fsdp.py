@@ -45,7 +45,7 @@ def timed_step(trainer, batch) -> tuple[float, float]:
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter() if cuda else time.thread_time()
-    loss, _ = trainer.train_step(batch)
+    loss = trainer.train_step(batch).loss
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() if cuda else time.thread_time()) - start, loss.item()

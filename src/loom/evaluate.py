@@ -1,5 +1,5 @@
-"""Validation loss: training's model and loss function under the same mesh, without
-gradient state, and `loom eval CHECKPOINT --dataset ...` for a saved model.
+"""Validation loss: training's step executor (model parts and criterion) under the same
+mesh, without gradients, and `loom eval CHECKPOINT --dataset ...` for a saved model.
 
 The loss is summed over valid tokens and divided once by the global count, exactly as
 training reduces it, so a 2-rank dp run and a 1-rank run report the same value.
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils.data import Dataset
 
 from loom.config import ConfigError, JobConfig, parse_args
 from loom.data.loaders import build_dataloader
-from loom.losses import IGNORE_INDEX, LossFn
+from loom.losses import IGNORE_INDEX
 from loom.mesh import ParallelDims
 from loom.parallel.context import shard_batch
+from loom.step import StepExecutor
 
 logger = logging.getLogger("loom")
 
@@ -34,7 +34,7 @@ class Evaluator:
     """The first `steps` global batches of a dataset in a fixed order (the same tokens at
     every evaluation, so the curve compares like with like)."""
 
-    def __init__(self, dataset: Dataset, loss_fn: LossFn, dims: ParallelDims,
+    def __init__(self, dataset: Dataset, executor: StepExecutor, dims: ParallelDims,
                  device: torch.device, batch_size: int, steps: int, every: int):
         try:
             self.loader = build_dataloader(dataset, batch_size=batch_size, dp_rank=dims.dp_rank,
@@ -43,37 +43,34 @@ class Evaluator:
         except ConfigError as e:
             raise ConfigError(f"validation data: {e}") from None
         self.steps = min(steps, self.loader.sampler.steps_per_epoch)
-        self.loss_fn, self.dims, self.device, self.every = loss_fn, dims, device, every
+        self.executor, self.dims, self.device, self.every = executor, dims, device, every
 
-    def maybe_evaluate(self, model: nn.Module, step: int, final: bool) -> dict[str, float]:
+    def maybe_evaluate(self, step: int, final: bool) -> dict[str, float]:
         """`val/loss` and `val/ppl` when due (every `every` steps and after the last)."""
         if not (final or (self.every and step % self.every == 0)):
             return {}
-        return self.evaluate(model)
+        return self.evaluate()
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         valid = torch.zeros((), device=self.device, dtype=torch.float64)
         for batch in itertools.islice(self.loader, self.steps):
             batch = shard_batch(batch, self.dims)  # this cp rank's part of the sequences
-            inputs = batch["input"].to(self.device)
-            labels = batch["labels"].to(self.device)
-            count = (labels != IGNORE_INDEX).sum()
-            loss_sum += self.loss_fn(model, inputs, labels).double() * count
-            valid += count
-        packed = torch.stack([loss_sum, valid]) / self.dims.tp  # tp ranks hold copies
-        dist.all_reduce(packed)
+            loss_sum += self.executor.loss_sum(batch).double()  # this rank's owned share
+            valid += (batch["labels"] != IGNORE_INDEX).sum().to(self.device)
+        packed = torch.stack([loss_sum, valid * self.executor.owns_loss])
+        dist.all_reduce(packed)  # one owner per loss-mesh rank: each token counted once
         loss = float(packed[0] / packed[1])
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 700.0)),
                 "val/tokens": int(packed[1])}
 
 
 def build_evaluator(dataset: Dataset | None, cfg: JobConfig, dims: ParallelDims,
-                    loss_fn: LossFn, device: torch.device) -> Evaluator | None:
+                    executor: StepExecutor, device: torch.device) -> Evaluator | None:
     if dataset is None:
         return None
-    return Evaluator(dataset, loss_fn, dims, device, cfg.train.batch_size,
+    return Evaluator(dataset, executor, dims, device, cfg.train.batch_size,
                      cfg.eval.eval_steps, cfg.eval.eval_every)
 
 
@@ -105,10 +102,10 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     device = init_distributed(info)
     trainer = Trainer(cfg, info, dims, device)
-    evaluator = trainer.evaluator or Evaluator(trainer.loader.dataset, trainer.loss_fn, dims,
+    evaluator = trainer.evaluator or Evaluator(trainer.loader.dataset, trainer.executor, dims,
                                                device, cfg.train.batch_size,
                                                cfg.eval.eval_steps, every=0)
-    result = evaluator.evaluate(trainer.model)
+    result = evaluator.evaluate()
     if info.is_main:
         out = trainer.metrics.outdir / "eval.json"
         out.write_text(json.dumps({"checkpoint": str(checkpoint), "dataset": cfg.data.dataset,

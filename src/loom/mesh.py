@@ -8,8 +8,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from loom.config import ConfigError, ParallelConfig, check_expert_layout
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
-"""Mesh dimensions, outermost first. Later `pp` goes in front."""
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dimensions, outermost first."""
 EP_DIMS = ("dp_shard_mod_ep", "dp_shard_in_ep")
 """With expert parallel, dp_shard is unflattened into these two; `ep` names the inner one."""
 
@@ -21,7 +21,8 @@ class ParallelDims:
     Validation happens on construction, before any collective runs, so a bad layout fails
     the same way on every rank. Expert parallel borrows `ep` of the dp_shard ranks
     (dp_shard = dp_shard_mod_ep x ep); `etp` is 1 or tp (experts also split across tp).
-    Context parallel splits each sequence across `cp` ranks that share their samples.
+    Context parallel splits each sequence across `cp` ranks that share their samples;
+    pipeline parallel splits the layers across `pp` ranks that share theirs.
     """
 
     dp_replicate: int
@@ -31,35 +32,40 @@ class ParallelDims:
     ep: int = 1
     etp: int = 1
     cp: int = 1
+    pp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "cp", "tp"):
+        for name in ("pp", "dp_replicate", "cp", "tp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, "
                                   f"got {getattr(self, name)}")
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.cp * self.tp
+            rest = self.pp * self.dp_replicate * self.cp * self.tp
             if self.world_size % rest:
-                cp = f" x cp {self.cp}" if self.cp > 1 else ""
                 raise ConfigError(
                     f"--dp-shard -1 (auto) needs world size {self.world_size} divisible by "
-                    f"dp_replicate {self.dp_replicate}{cp} x tp {self.tp} = {rest}")
+                    f"{self.layout(skip='dp_shard')} = {rest}")
             self.dp_shard = self.world_size // rest
         elif self.dp_shard < 1:
             raise ConfigError(f"--dp-shard must be >= 1 or -1 (auto), got {self.dp_shard}")
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
-            layout = " x ".join(f"{name} {degree}" for name, degree in self.degrees.items())
-            raise ConfigError(f"mesh {layout} = {product} does not equal world size "
+            raise ConfigError(f"mesh {self.layout()} = {product} does not equal world size "
                               f"{self.world_size}")
         check_expert_layout(self.ep, self.etp, self.tp, self.dp_shard, "dp_shard")
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
-        return cls(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp, cp=p.cp)
+        return cls(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp, cp=p.cp,
+                   pp=p.pp)
+
+    def layout(self, skip: str = "") -> str:
+        """'dp_replicate 1 x dp_shard 2 x tp 2', naming pp and cp only when they are used."""
+        return " x ".join(f"{name} {degree}" for name, degree in self.degrees.items()
+                           if name != skip and (name not in ("pp", "cp") or degree > 1))
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -68,6 +74,10 @@ class ParallelDims:
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -103,16 +113,18 @@ class ParallelDims:
         return self.dp_shard // self.ep
 
     def global_batch_size(self, batch_size: int) -> int:
-        """Samples per optimizer step: tp ranks share their batch, so tp never multiplies."""
+        """Samples per optimizer step: tp, cp and pp ranks share their batch, so never multiply."""
         return batch_size * self.dp_size
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named mesh plus flattened dims: `dp` (samplers and reductions); with context
-        parallel also `dp_cp` (loss reductions) and `dp_shard_cp` (what FSDP shards over)."""
+        """The named mesh plus flattened dims: `dp` (samplers) and `loss` (where the loss and
+        valid-token counts are reduced: dp, or dp x cp); with context parallel also
+        `dp_shard_cp` (what FSDP shards over)."""
         mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
-        self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp")}
+        dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self._flat = {"dp": dp, "loss": dp}
         if self.cp_enabled:
-            self._flat["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            self._flat["loss"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             self._flat["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         self._mesh = mesh
         if self.ep_enabled:
@@ -126,7 +138,7 @@ class ParallelDims:
         return self._mesh
 
     def get_mesh(self, name: str | tuple[str, ...]) -> DeviceMesh:
-        """A sub-mesh by name: 'tp', 'dp', 'dp_shard', ('dp_replicate', 'dp_shard'), ...;
+        """A sub-mesh by name: 'tp', 'pp', 'dp', 'loss', ('dp_replicate', 'dp_shard'), ...
         with expert parallel also 'ep' (= 'dp_shard_in_ep'), 'dp_shard_mod_ep', ('ep', 'tp')."""
         if isinstance(name, str) and name in self._flat:
             return self._flat[name]
@@ -137,11 +149,6 @@ class ParallelDims:
         if self._ep_mesh is None:
             raise RuntimeError(f"mesh {name!r} needs expert parallel (ep > 1) and build_mesh()")
         return self._ep_mesh[names[0] if len(names) == 1 else names]
-
-    @property
-    def loss_mesh(self) -> DeviceMesh:
-        """The ranks whose losses and valid-token counts sum to the step's: dp x cp."""
-        return self.get_mesh("dp_cp" if self.cp_enabled else "dp")
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -163,3 +170,11 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.get_mesh("dp").get_local_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.get_mesh("tp").get_local_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.get_mesh("pp").get_local_rank()

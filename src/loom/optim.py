@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
@@ -31,11 +32,13 @@ def _grouped_by_mesh(grads: Iterable[torch.Tensor]) -> dict[object, list[torch.T
     return groups
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
+                   across: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm over all shards (returned, pre-clip); clip when max_norm > 0.
 
     Gradients on different meshes (e.g. experts later) are normed per mesh and combined,
-    since DTensor cannot stack norms across meshes.
+    since DTensor cannot stack norms across meshes; `across` (the pipeline's ranks) holds
+    the other parameters, whose squares are summed in.
     """
     groups = _grouped_by_mesh(p for p in params if p.grad is not None).values()
     squares = []
@@ -44,7 +47,10 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if across is not None:
+        dist.all_reduce(total, group=across)
+    total = total.sqrt()
     if max_norm > 0:
         for group in groups:  # one foreach per mesh: DTensor cannot mix meshes in one op
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)

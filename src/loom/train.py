@@ -21,7 +21,6 @@ from loom.data.loaders import build_dataloader
 from loom.data.streaming import data_state, restore_data_state
 from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
-from loom.losses import IGNORE_INDEX, build_loss
 from loom.mesh import ParallelDims
 from loom.metrics import RunPlace, build_metrics, environment_facts
 from loom.modeling import model_args, plain_model
@@ -32,16 +31,16 @@ from loom.parallel.expert import update_expert_bias
 from loom.parallel.hf_load import build_hf_model
 from loom.parallel.init import init_weights
 from loom.parallel.parallelize import parallelize
+from loom.parallel.pipeline import split_stages
 from loom.profiling import maybe_profile
 from loom.resolve import resolve
 from loom.resume import ResumePoint, architecture, new_run_id, rescale_lr, run_settings
 from loom.rundir import RunFolder
 from loom.runtime import RankInfo, backend_for, init_distributed, teardown
+from loom.step import Batch, StepResult, build_executor, parts_module
 from loom.watchdog import StepWatchdog, collective_timeout_s, heartbeat_store
 
 logger = logging.getLogger("loom")
-
-Batch = dict[str, torch.Tensor]
 
 
 def agree_on_outdir(outdir: str | None) -> Path:
@@ -75,9 +74,10 @@ class Trainer:
             dp_size=dims.dp_size, seed=self.seed, num_workers=cfg.data.num_workers)
         self.accum = cfg.train.grad_accum_steps
         self.steps_per_epoch = self.optimizer_steps_per_epoch()
-        self.model = self.build_model()
-        self.loss_fn = build_loss(cfg.loss, self.model, dims.tp)
-        self.evaluator = build_evaluator(start.val_dataset, cfg, dims, self.loss_fn, device)
+        self.model_parts = self.build_model_parts()
+        self.model = parts_module(self.model_parts)  # every parameter this rank holds
+        self.executor = build_executor(self.model_parts, cfg, dims, device)
+        self.evaluator = build_evaluator(start.val_dataset, cfg, dims, self.executor, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
         self.checkpointer = Checkpointer(outdir, cfg.checkpoint.checkpoint_interval,
@@ -89,7 +89,7 @@ class Trainer:
                                      self.model, self.optimizer, plain_model)
         self.metrics.write_config(self.effective_config())
         self.dp_group = dims.get_mesh("dp").get_group()
-        self.moe_metrics: dict[str, float] = {}
+        self.moe_metrics: dict[str, float] = {}  # the last update's, kept over skipped steps
         self.skipped_in_a_row = 0
         self.stop_signal = 0  # the signal that asked this job to stop, agreed by all ranks
 
@@ -127,66 +127,53 @@ class Trainer:
         logger.info("resumed from %s at step %d", path, loop.step)
         return loop
 
-    def build_model(self) -> nn.Module:
+    def build_model_parts(self) -> list[nn.Module]:
+        """This rank's model parts: the whole model, or its pipeline stages, each built on
+        the meta device, parallelized, then filled by the name-seeded init."""
         if is_hf(self.cfg.model):  # pretrained weights, read on rank 0 and broadcast as shards
-            model = build_hf_model(self.cfg, self.dims, self.device, backend_for(self.device))
+            parts = [build_hf_model(self.cfg, self.dims, self.device, backend_for(self.device))]
         else:
             with torch.device("meta"):
-                model = plain_model(self.cfg)
-            parallelize(model, self.dims, self.cfg.parallel,
-                        loss_parallel=self.cfg.loss.loss_impl == "loss-parallel",
-                        backend=backend_for(self.device))
-            init_weights(model, self.seed, self.device)
-        n_params = sum(p.numel() for p in model.parameters())
-        logger.info("model: %s, %.2fM parameters", self.cfg.model.model or "custom",
-                    n_params / 1e6)
-        return model
+                parts = split_stages(plain_model(self.cfg), self.cfg.parallel, self.dims)
+            for part in parts:
+                parallelize(part, self.dims, self.cfg.parallel,
+                            loss_parallel=self.cfg.loss.loss_impl == "loss-parallel",
+                            backend=backend_for(self.device))
+                init_weights(part, self.seed, self.device)
+        n_params = sum(p.numel() for part in parts for p in part.parameters())
+        logger.info("model: %s, %.2fM parameters in this rank's part(s)",
+                    self.cfg.model.model or "custom", n_params / 1e6)
+        return parts
 
     def effective_config(self) -> dict[str, Any]:
         return {**self.cfg.to_dict(), "world_size": self.info.world_size,
                 "mesh": self.dims.degrees, "device": str(self.device),
                 "global_batch_size": self.global_batch, "precision": vars(self.precision),
+                **self.executor.layout(),
                 "environment": environment_facts()}
 
-    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulate the micro-batches, clip, step; returns the step's loss (mean over every
-        valid token of the global batch) and the pre-clip gradient norm. One host read
-        (`step_state`) decides the update; the valid-token count stays on the device."""
+    def train_step(self, micro_batches: list[Batch]) -> StepResult:
+        """Forward and backward (the executor), clip, step. One host read (`step_state`)
+        decides the update; the loss and valid-token count stay on the device."""
         micro_batches = [shard_batch(b, self.dims) for b in micro_batches]  # cp rank's part
-        valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches])
-        valid = valid.to(self.device)  # int64 counts: exact at any batch size
-        total_valid = valid.sum()
-        dist.all_reduce(total_valid, group=self.dims.loss_mesh.get_group())
-        # FSDP averages over dp x cp ranks, so weigh by this rank's share of the valid tokens.
-        weights = valid * self.dims.loss_size / total_valid
-        loss_sum = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro_batches):
-            if self.accum > 1:
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            inputs = batch["input"].to(self.device, non_blocking=True)
-            labels = batch["labels"].to(self.device, non_blocking=True)
-            loss = self.loss_fn(self.model, inputs, labels)
-            if i == len(micro_batches) - 1:
-                self.metrics.forward_done()
-            (loss * weights[i]).backward()
-            loss_sum += loss.detach().float() * valid[i]
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.max_grad_norm)
-        step_loss, finite = self.step_state(loss_sum, total_valid, grad_norm)
+        done = self.executor.forward_backward(micro_batches, self.metrics.forward_done)
+        grad_norm = clip_grad_norm(self.executor.parameters(), self.cfg.optim.max_grad_norm,
+                                   across=self.executor.norm_group)
+        step_loss, finite = self.step_state(done.loss_sum, done.valid, grad_norm)
         if self.update_is_finite(finite, step_loss, grad_norm):
             self.optimizer.step()
             self.moe_metrics = update_expert_bias(self.model, self.dp_group)  # {} if dense
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return step_loss, grad_norm
+        return StepResult(step_loss, grad_norm, done.valid, self.moe_metrics)
 
     def step_state(self, loss_sum: torch.Tensor, total_valid: torch.Tensor,
                    grad_norm: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """One all-reduce over every rank (the loss sum, tp ranks holding copies, hence / tp;
-        whether any rank got SIGTERM or SIGINT, SIGTERM winning) and the step's one host read:
-        the stop request and whether loss and gradient norm are finite."""
+        """One all-reduce over every rank (the owned loss shares, so the step's loss sum
+        once; whether any rank got SIGTERM or SIGINT, SIGTERM winning) and the step's one
+        host read: the stop request and whether loss and gradient norm are finite."""
         flags = [float(self.stop_signal == s) for s in (signal.SIGTERM, signal.SIGINT)]
-        packed = torch.cat([(loss_sum / self.dims.tp).reshape(1),
-                            torch.tensor(flags, device=self.device)])
+        packed = torch.cat([loss_sum.float().reshape(1), torch.tensor(flags, device=self.device)])
         dist.all_reduce(packed)
         step_loss = packed[0] / total_valid
         finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.float())
@@ -245,11 +232,11 @@ class Trainer:
                                self.info.rank, total, out.verbose) as profiler:
                 for epoch, bidx, micro in itertools.islice(self.batches(),
                                                            max(0, total - self.loop.step)):
-                    loss, grad_norm = self.train_step(micro)
+                    result = self.train_step(micro)
                     self.advance()
                     val = self.maybe_evaluate(final=self.loop.step == total)
-                    self.metrics.log_step(self.loop.step, epoch, bidx, loss, grad_norm,
-                                          {**self.moe_metrics, **val})
+                    self.metrics.log_step(self.loop.step, epoch, bidx, result.loss,
+                                          result.grad_norm, {**result.moe, **val})
                     profiler.step()
                     self.maybe_checkpoint(final=self.loop.step == total)
                     watchdog.beat(self.loop.step)
@@ -267,7 +254,7 @@ class Trainer:
     def maybe_evaluate(self, final: bool) -> dict[str, float]:
         if self.evaluator is None:
             return {}
-        return self.evaluator.maybe_evaluate(self.model, self.loop.step, final)
+        return self.evaluator.maybe_evaluate(self.loop.step, final)
 
     def advance(self) -> None:
         tokens = self.global_batch * self.cfg.data.seq_len

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from loom.cli import setup_logging
@@ -29,13 +31,26 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {clean_name(n): full(p) for n, p in model.named_parameters()}
 
 
+def whole_model(trainer: Trainer, value: Callable[[torch.Tensor], torch.Tensor],
+                ) -> dict[str, torch.Tensor]:
+    """`value(parameter)` in full for every parameter of the model, by its plain name; each
+    pipeline stage's from the ranks that hold it."""
+    mine = {clean_name(n): full(value(p)) for part in trainer.model_parts
+            for n, p in part.named_parameters()}
+    if not trainer.dims.pp_enabled:
+        return mine
+    stages: list[dict | None] = [None] * trainer.dims.pp
+    dist.all_gather_object(stages, mine, group=trainer.dims.get_mesh("pp").get_group())
+    return {name: t for stage in stages for name, t in stage.items()}
+
+
 def batch_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Gradients of the loader's first batch under the run's loss, dp-averaged by FSDP like a
-    training step; the model's gradients are cleared again."""
+    """Gradients of the loader's first batch through the run's step executor, weighted and
+    dp-averaged like a training step (each cp rank takes its shard of it); the model's
+    gradients are cleared again."""
     batch = shard_batch(next(iter(trainer.loader)), trainer.dims)
-    inputs, labels = batch["input"].to(trainer.device), batch["labels"].to(trainer.device)
-    trainer.loss_fn(trainer.model, inputs, labels).backward()
-    grads = {clean_name(n): full(p.grad) for n, p in trainer.model.named_parameters()}
+    trainer.executor.forward_backward([batch], forward_done=lambda: None)
+    grads = whole_model(trainer, lambda p: p.grad)
     trainer.optimizer.zero_grad(set_to_none=True)
     return grads
 
@@ -57,7 +72,7 @@ def main(runs: list[list[str]], options: list[str]) -> None:
                 trainer.fit()
             finally:
                 trainer.close()
-            saved["params.pt"] = full_parameters(trainer.model)
+            saved["params.pt"] = whole_model(trainer, lambda p: p)
             if "--grads" in options:
                 saved["grads.pt"] = batch_gradients(trainer)
             if info.rank == 0:

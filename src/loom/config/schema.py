@@ -95,6 +95,16 @@ class ParallelConfig:
                     "(experts split across tp too)")
     cp: int = flag(1, "context-parallel degree: each sequence is split across this many ranks "
                    "(two mirrored chunks each, so causal attention work is even)")
+    pp: int = flag(1, "pipeline-parallel degree (the outermost mesh dim: ranks hold "
+                   "consecutive layers)")
+    pp_schedule: str = flag("1f1b", "pipeline schedule (interleaved-1f1b: looped stages; "
+                            "zero-bubble, dualpipev: refused on torch 2.13, see README)",
+                            choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
+                                     "dualpipev"))
+    pp_microbatches: int = flag(0, "pipeline micro-batches per --batch-size batch (must "
+                                "divide it); 0 = the fewest keeping the bubble under a quarter")
+    pp_stages_per_rank: int = flag(0, "pipeline stages each rank holds; 0 = the schedule's "
+                                   "(1, or 2 for interleaved-1f1b)")
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,9 @@ def _validate_cp(cfg: JobConfig) -> None:
         raise ConfigError(f"--cp must be >= 1, got {p.cp}")
     if p.cp == 1:
         return
+    if p.pp > 1:
+        raise ConfigError(f"--cp {p.cp} with --pp {p.pp} is not wired yet (pipeline stages "
+                          "do not shard sequences); use one of them")
     if seq % (2 * p.cp):
         raise ConfigError(f"--seq-len {seq} is not divisible by 2 x --cp {p.cp} = {2 * p.cp} "
                           "(each cp rank holds two mirrored chunks of the sequence)")
@@ -187,6 +190,9 @@ def validate(cfg: JobConfig) -> None:
                           "use --val-fraction)")
     _validate_moe(m, p)
     _validate_cp(cfg)
+    from loom.parallel.pipeline_plan import validate_pipeline  # it imports loom.config
+
+    validate_pipeline(cfg)
     if hf and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "
                           f"Hugging Face model {m.model} (use fsdp2)")

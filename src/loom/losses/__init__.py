@@ -12,7 +12,9 @@ from loom.losses.cross_entropy import (
 )
 from loom.losses.dispatch import (
     MODES,
+    Criterion,
     LossFn,
+    build_criterion,
     build_loss,
     effective_loss_impl,
     logits_criterion,
@@ -23,7 +25,9 @@ from loom.losses.fused_linear import fused_linear_cross_entropy
 __all__ = [
     "IGNORE_INDEX",
     "MODES",
+    "Criterion",
     "LossFn",
+    "build_criterion",
     "build_loss",
     "chunked_backward_cross_entropy",
     "chunked_cross_entropy",

@@ -135,7 +135,7 @@ def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor,
     works on its shard, reducing max, sum-exp and the target logit over the tp group."""
     if not isinstance(logits, DTensor) or VocabShard.of(logits, -1).group is None:
         raise ValueError("loss-parallel needs logits sharded on the vocabulary across tp "
-                         "(parallelize_llama(..., loss_parallel=True))")
+                         "(parallelize(..., loss_parallel=True))")
     local = logits.to_local()
     return _ChunkedCrossEntropy.apply(local.flatten(0, -2), labels.flatten(), chunk_size,
                                       VocabShard.of(logits, -1))

@@ -1,4 +1,4 @@
-"""`--loss-impl`: resolve the effective mode once, then build the one loss function.
+"""`--loss-impl`: resolve the effective mode once, then build the one criterion.
 
 Fallbacks are decided before the model is built (loss-parallel changes the tp plan) and
 written back into the frozen config, so `config.json` records the mode that ran.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -17,13 +17,14 @@ from torch.distributed.tensor import DTensor
 
 from loom.config import ConfigError, JobConfig, LossConfig
 from loom.losses.cross_entropy import (
+    IGNORE_INDEX,
     chunked_backward_cross_entropy,
     chunked_cross_entropy,
     eager_cross_entropy,
     localise,
     vocab_parallel_cross_entropy,
 )
-from loom.losses.fused_linear import apply_fused_head, fused_linear_loss
+from loom.losses.fused_linear import fused_head_loss
 from loom.presets import is_hf_model
 
 logger = logging.getLogger("loom")
@@ -33,7 +34,6 @@ MODES = ("eager", "chunked", "chunked-backward", "compiled", "fused-linear", "lo
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 """(model, inputs (B, T), labels (B, T)) -> mean loss over the non-ignored labels."""
 
-Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def effective_loss_impl(mode: str, tp: int, hf_model: bool) -> tuple[str, str | None]:
@@ -57,14 +57,18 @@ def resolve_loss_impl(cfg: JobConfig) -> JobConfig:
     return replace(cfg, loss=replace(cfg.loss, loss_impl=mode))
 
 
-def _compiled_cross_entropy() -> Criterion:
+LogitsLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(logits, labels) -> mean loss over the non-ignored labels."""
+
+
+def _compiled_cross_entropy() -> LogitsLoss:
     """Eager cross-entropy under torch.compile, so log-softmax, NLL and backward fuse."""
     return torch.compile(eager_cross_entropy)
 
 
-def logits_criterion(mode: str, chunk_size: int) -> Criterion:
+def logits_criterion(mode: str, chunk_size: int) -> LogitsLoss:
     """The cross-entropy over logits of a mode (every mode but fused-linear)."""
-    criteria: dict[str, Callable[[], Criterion]] = {
+    criteria: dict[str, Callable[[], LogitsLoss]] = {
         "eager": lambda: eager_cross_entropy,
         "chunked": lambda: partial(chunked_cross_entropy, chunk_size=chunk_size),
         "chunked-backward": lambda: partial(chunked_backward_cross_entropy,
@@ -77,45 +81,77 @@ def logits_criterion(mode: str, chunk_size: int) -> Criterion:
     return criteria[mode]()
 
 
-def _logits_loss(criterion: Criterion, vocab_parallel: bool, model: nn.Module,
-                 inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = model(inputs)
-    return criterion(logits if vocab_parallel else localise(logits), labels)
+@dataclass(frozen=True)
+class Criterion:
+    """(last stage's output, labels) -> (loss sum over the valid tokens, valid-token count).
+
+    Separate from the model's forward, so a pipeline's last stage can apply it to what it
+    computed. `hidden`: the output it takes is the final hidden states (the fused head
+    projects them), else the logits.
+    """
+
+    mean: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    hidden: bool = False
+
+    def __call__(self, output: torch.Tensor,
+                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = (labels != IGNORE_INDEX).sum()
+        return self.mean(output, labels).float() * count, count
+
+    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """What a whole (unpipelined) model gives this criterion."""
+        return model(inputs, return_hidden=True) if self.hidden else model(inputs)
 
 
 class _LogitsProbe:
-    """Wraps a LossFn to log the first step's logits (finite count, max |logit|). Opt-in:
-    it runs one more forward and materialises the full (tokens x vocab) logits."""
+    """Wraps a criterion's mean to log the first step's logits (finite count, max |logit|).
+    Opt-in: with the fused head it runs one more projection and materialises the full
+    (tokens x vocab) logits."""
 
-    def __init__(self, loss_fn: LossFn):
-        self.loss_fn, self.done = loss_fn, False
+    def __init__(self, mean: LogitsLoss, head: nn.Module | None, hidden: bool):
+        self.mean, self.head, self.hidden, self.done = mean, head, hidden, False
 
-    def __call__(self, model: nn.Module, inputs: torch.Tensor,
-                 labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if not self.done:
             self.done = True
             with torch.no_grad():
-                logits = model(inputs)
+                logits = self.head(output) if self.hidden else output
                 logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
             logger.info("logits probe (first step): %d of %d finite, max |logit| %.4g",
                         logits.isfinite().sum().item(), logits.numel(),
                         logits.abs().max().item())
-        return self.loss_fn(model, inputs, labels)
+        return self.mean(output, labels)
+
+
+def build_criterion(cfg: LossConfig, head: nn.Module | None, tp: int = 1) -> Criterion:
+    """The criterion of the (already resolved) mode; fused-linear projects through `head`,
+    the model's `OutputHead` (None on pipeline stages without it, which never call it)."""
+    if cfg.loss_impl == "fused-linear":
+        mean = fused_head_loss(head, cfg.loss_chunk_size)
+        logger.info("loss: fused-linear, %d-row chunks, %s", cfg.loss_chunk_size,
+                    f"vocab-parallel over tp {tp}" if tp > 1 else "full vocabulary")
+    else:
+        criterion = logits_criterion(cfg.loss_impl, cfg.loss_chunk_size)
+        vocab_parallel = cfg.loss_impl == "loss-parallel"
+        mean = partial(_logits_mean, criterion, vocab_parallel)
+        logger.info("loss: %s", cfg.loss_impl)
+    hidden = cfg.loss_impl == "fused-linear"
+    if cfg.debug_logits:
+        mean = _LogitsProbe(mean, head, hidden)
+    return Criterion(mean, hidden)
+
+
+def _logits_mean(criterion: LogitsLoss, vocab_parallel: bool, logits: torch.Tensor,
+                 labels: torch.Tensor) -> torch.Tensor:
+    return criterion(logits if vocab_parallel else localise(logits), labels)
 
 
 def build_loss(cfg: LossConfig, model: nn.Module, tp: int = 1) -> LossFn:
-    """The loss function of the (already resolved) mode; fused-linear also installs the
-    fused head on `model.output`."""
-    loss_fn = _build_loss(cfg.loss_impl, cfg.loss_chunk_size, model, tp)
-    return _LogitsProbe(loss_fn) if cfg.debug_logits else loss_fn
+    """The mean loss of a whole model: its forward, then the criterion."""
+    return partial(_model_loss, build_criterion(cfg, getattr(model, "output", None), tp))
 
 
-def _build_loss(mode: str, chunk: int, model: nn.Module, tp: int) -> LossFn:
-    if mode == "fused-linear":
-        apply_fused_head(model.output, chunk)
-        logger.info("loss: fused-linear, %d-row chunks, %s", chunk,
-                    f"vocab-parallel over tp {tp}" if tp > 1 else "full vocabulary")
-        return fused_linear_loss
-    criterion = logits_criterion(mode, chunk)
-    logger.info("loss: %s", mode)
-    return partial(_logits_loss, criterion, mode == "loss-parallel")
+def _model_loss(criterion: Criterion, model: nn.Module, inputs: torch.Tensor,
+                labels: torch.Tensor) -> torch.Tensor:
+    loss_sum, count = criterion(criterion.forward(model, inputs), labels)
+    return loss_sum / count

@@ -7,11 +7,14 @@ projection is paid once and backward only scales the stored gradients. Under ten
 parallelism each rank projects onto its vocabulary shard of the weight and the softmax
 statistics are reduced across tp, bounding rows and vocabulary at once.
 
-The loss runs inside the output module's call (`apply_fused_head`), so FSDP gathers the
+The loss runs inside the output head's call (`fused_head_loss`), so FSDP gathers the
 weight it uses and reduce-scatters the weight's gradient as for any other forward.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -88,25 +91,14 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     return DTensor.from_local(loss, weight.device_mesh, [Replicate()], run_check=False)
 
 
-def apply_fused_head(output: nn.Linear, chunk_size: int) -> None:
-    """Make `output(hidden, labels=labels)` return the fused loss instead of logits.
+def fused_head_loss(head: nn.Module, chunk_size: int,
+                    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(hidden states, labels) -> mean loss, projected by `head` (an `OutputHead`) inside its
+    own call: FSDP unshards the weight and routes its gradient, and the tp plan all-gathers
+    the sequence-sharded hidden states and turns the replicated loss into a local tensor."""
 
-    Calling the module (not its weight) keeps every hook around it: FSDP unshards the weight
-    and routes its gradient, and the tp plan all-gathers the sequence-sharded hidden states
-    and turns the returned replicated loss into a local tensor.
-    """
-    project = output.forward
+    def loss(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return head(hidden, apply=partial(fused_linear_cross_entropy, labels=labels,
+                                          chunk_size=chunk_size))
 
-    def forward(hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if labels is None:
-            return project(hidden)
-        return fused_linear_cross_entropy(hidden, output.weight, labels, chunk_size)
-
-    output.forward = forward
-
-
-def fused_linear_loss(model: nn.Module, inputs: torch.Tensor,
-                      labels: torch.Tensor) -> torch.Tensor:
-    """LossFn of fused-linear: hidden states from the model, loss from its fused head."""
-    hidden = model(inputs, return_hidden=True)
-    return model.output(hidden, labels=labels)
+    return loss

@@ -58,7 +58,7 @@ def run_facts(cfg: JobConfig, dims: ParallelDims, device: torch.device, paramete
     return RunFacts(
         global_batch_size=global_batch, tokens_per_step=global_batch * cfg.data.seq_len,
         parameters=parameters, flops_per_step=count.flops * dims.dp_size,
-        flops_per_rank=count.flops / (dims.tp * dims.cp), flops_exact=count.exact,
+        flops_per_rank=count.flops / (dims.tp * dims.cp * dims.pp), flops_exact=count.exact,
         peak_flops=peak.flops, peak_source=peak.source, world_size=dims.world_size,
         dp_size=dims.dp_size, tp=dims.tp)
 

@@ -7,6 +7,7 @@ head count from the projected width (`view(..., -1, head_dim)`), never from Mode
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,17 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class OutputHead(nn.Linear):
+    """The output projection. `head(h, apply=f)` returns `f(h, weight)` instead of logits:
+    a fused loss reaches the weight inside the module's call, so every wrapper's hooks
+    (FSDP's unshard, the tp plan's input layouts) apply to it as to a projection."""
+
+    def forward(self, hidden: torch.Tensor,
+                apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                ) -> torch.Tensor:
+        return super().forward(hidden) if apply is None else apply(hidden, self.weight)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -132,8 +144,14 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Token ids (B, T) -> logits (B, T, V), or final hidden states (B, T, dim).
 
-    Build it on the meta device, parallelize it, then call `init_weights(seed)`.
+    Build it on the meta device, parallelize it, then call `init_weights(seed)`. A pipeline
+    stage is this model with the parts it does not hold set to None (the embedding; norm and
+    head, which stay together) or deleted (blocks).
     """
+
+    hidden_output = False
+    """Return the final hidden states, not logits: a pipeline's last stage whose loss
+    applies the head itself (fused-linear)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -141,7 +159,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputHead(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta),
                              persistent=False)
 
@@ -151,14 +169,17 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """`positions` (T,): the global position of each token when the sequence is a shard
-        of a longer one (context parallel); default 0 ... T-1."""
-        h = self.tok_embeddings(tokens)
+        """`tokens`: ids, or a previous pipeline stage's hidden states when this stage has no
+        embedding. `positions` (T,): the global position of each token when the sequence is a
+        shard of a longer one (context parallel); default 0 ... T-1."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope)
+        if self.norm is None:
+            return h
         h = self.norm(h)
-        return h if return_hidden else self.output(h)
+        return h if return_hidden or self.hidden_output else self.output(h)
 
     def init_std(self, name: str) -> float | None:
         """Initial std of a parameter; None for norm weights (ones). Residual-branch outputs

@@ -57,15 +57,17 @@ class ModelPlan:
 
 
 def loom_plan(model: Transformer) -> ModelPlan:
-    """loom's dense or MoE Transformer: embedding, blocks, [norm + output] as units."""
+    """loom's dense or MoE Transformer: embedding, blocks, [norm + output] as units (a
+    pipeline stage holds the embedding only if first, norm and output only if last)."""
 
     def tensor_parallel(dims: ParallelDims, loss_parallel: bool) -> None:
         if dims.tp_enabled:
             apply_tp(model, dims.get_mesh("tp"), loss_parallel=loss_parallel)
         apply_moe_parallel(model, dims)
 
-    return ModelPlan(model, model.layers, type(model).__name__, before=[model.tok_embeddings],
-                     after=[[model.norm, model.output]],
+    before = [] if model.tok_embeddings is None else [model.tok_embeddings]
+    after = [] if model.norm is None else [[model.norm, model.output]]
+    return ModelPlan(model, model.layers, type(model).__name__, before=before, after=after,
                      experts=[moe.experts for moe in moe_layers(model)],
                      tensor_parallel=tensor_parallel)
 

@@ -22,14 +22,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     The logits come out replicated, or vocab-sharded (a DTensor) for the loss-parallel mode.
     A MoE block's feed-forward gets its plan from parallel/expert.py.
     """
-    parallelize_module(model, tp_mesh, {
+    outer = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel),
-    })
+    }  # a pipeline stage holds only some of these
+    parallelize_module(model, tp_mesh, {name: style for name, style in outer.items()
+                                        if getattr(model, name) is not None})
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),

@@ -1,0 +1,138 @@
+"""The step executor: forward and backward of one optimizer step's micro-batches over the
+model parts, and a batch's loss without gradients (evaluation).
+
+The loss is a sum over valid tokens. Each backward weighs its sum by (loss ranks / the
+step's valid tokens), so FSDP's average over the loss mesh makes every gradient the mean over
+the global batch's valid tokens, whatever the layout. Only one rank per loss-mesh coordinate
+owns the sum (tp ranks hold copies, pipeline stages without the head hold none): summing the
+owned shares over every rank gives the step's loss once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.config import JobConfig
+from loom.losses import IGNORE_INDEX, Criterion, build_criterion
+from loom.mesh import ParallelDims
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: loss (mean over the global batch's valid tokens), pre-clip
+    gradient norm and valid tokens stay on the device; the MoE metrics are host floats."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    valid_tokens: torch.Tensor
+    moe: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Accumulated:
+    """Forward and backward done: this rank's owned share of the loss sum, and the step's
+    valid-token count summed over the loss mesh."""
+
+    loss_sum: torch.Tensor
+    valid: torch.Tensor
+
+
+class StepExecutor:
+    """Forward and backward over the model parts; subclasses decide how micro-batches flow."""
+
+    owns_loss: bool
+    norm_group: dist.ProcessGroup | None = None
+    """Where gradient-norm squares are summed besides each parameter's own mesh."""
+
+    def __init__(self, parts: list[nn.Module], criterion: Criterion, dims: ParallelDims,
+                 device: torch.device):
+        self.parts, self.criterion, self.dims, self.device = parts, criterion, dims, device
+        self.loss_group = dims.get_mesh("loss").get_group()
+
+    def layout(self) -> dict[str, object]:
+        """How the step is executed, for config.json (the pipeline's stages and bubble)."""
+        return {}
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def count_valid(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """The step's valid tokens over the loss mesh: int64, exact at any batch size."""
+        valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches])
+        total = valid.sum().to(self.device)
+        dist.all_reduce(total, group=self.loss_group)
+        return total
+
+    def owned(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        return loss_sum if self.owns_loss else torch.zeros_like(loss_sum)
+
+    def to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return (batch["input"].to(self.device, non_blocking=True),
+                batch["labels"].to(self.device, non_blocking=True))
+
+    def forward_backward(self, micro_batches: list[Batch],
+                         forward_done: Callable[[], None]) -> Accumulated:
+        raise NotImplementedError
+
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        """This rank's owned share of the batch's loss sum, without gradients."""
+        raise NotImplementedError
+
+
+class AccumulationExecutor(StepExecutor):
+    """One model part: each micro-batch's forward and backward in turn, gradients reduced
+    across dp only after the last."""
+
+    def __init__(self, parts: list[nn.Module], criterion: Criterion, dims: ParallelDims,
+                 device: torch.device):
+        super().__init__(parts, criterion, dims, device)
+        self.owns_loss = dims.tp_rank == 0
+
+    def forward_backward(self, micro_batches: list[Batch],
+                         forward_done: Callable[[], None]) -> Accumulated:
+        total = self.count_valid(micro_batches)
+        scale = self.dims.loss_size / total
+        model = self.parts[0]
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            if len(micro_batches) > 1:
+                model.set_requires_gradient_sync(last)
+            inputs, labels = self.to_device(batch)
+            micro_sum, _ = self.criterion(self.criterion.forward(model, inputs), labels)
+            if last:
+                forward_done()
+            (micro_sum * scale).backward()
+            loss_sum += micro_sum.detach()
+        return Accumulated(self.owned(loss_sum), total)
+
+    @torch.no_grad()
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        inputs, labels = self.to_device(batch)
+        return self.owned(self.criterion(self.criterion.forward(self.parts[0], inputs),
+                                         labels)[0])
+
+
+def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
+                   device: torch.device) -> StepExecutor:
+    """The pipelined executor under --pp > 1, else the accumulation loop; the criterion
+    projects through the head of the last part (held by the pipeline's last stage)."""
+    criterion = build_criterion(cfg.loss, getattr(parts[-1], "output", None), dims.tp)
+    if dims.pp_enabled:
+        from loom.parallel.pipeline import PipelineExecutor
+
+        return PipelineExecutor(parts, criterion, cfg, dims, device)
+    return AccumulationExecutor(parts, criterion, dims, device)
+
+
+def parts_module(parts: list[nn.Module]) -> nn.Module:
+    """One module holding every parameter of this rank's parts (for the optimizer, the
+    checkpoint and the metrics): the part itself when there is one."""
+    return parts[0] if len(parts) == 1 else nn.ModuleList(parts)

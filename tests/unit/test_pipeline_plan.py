@@ -1,0 +1,65 @@
+"""The pipeline's layout without a process group: the split, the stages a rank holds, the
+micro-batch count and the flag combinations refused at validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.config import ConfigError, ParallelConfig, config_from_flags
+from loom.models.llama import ModelArgs, Transformer
+from loom.parallel.pipeline import layer_costs, stage_module
+from loom.parallel.pipeline_plan import (
+    balanced_split,
+    bubble_fraction,
+    choose_microbatches,
+    stage_indices,
+)
+
+
+def test_balanced_split_minimises_the_costliest_stage() -> None:
+    assert balanced_split([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert balanced_split([4, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 5)]
+    assert balanced_split([1, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
+def test_stage_indices_loop_or_fold_back() -> None:
+    assert stage_indices(0, 2, 2, "interleaved-1f1b") == [0, 2]
+    assert stage_indices(1, 2, 2, "interleaved-1f1b") == [1, 3]
+    assert stage_indices(0, 2, 2, "dualpipev") == [0, 3]
+    assert stage_indices(1, 4, 1, "1f1b") == [1]
+
+
+def test_default_microbatches_keep_the_bubble_at_most_a_quarter() -> None:
+    p = ParallelConfig(pp=2, pp_schedule="1f1b")
+    assert choose_microbatches(p, 8) == 4 and bubble_fraction(2, 1, 4) == 0.2
+    assert choose_microbatches(p, 2) == 2  # too small a batch: as many as divide it
+    assert choose_microbatches(ParallelConfig(pp=2, pp_microbatches=8), 16) == 8
+
+
+def test_stages_hold_their_layers_and_keep_the_model_names() -> None:
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=2, n_kv_heads=1,
+                                      vocab_size=512, multiple_of=32))
+    costs = layer_costs(model)
+    assert len(costs) == 6 and costs[-1] > costs[0] > 0  # the head also multiplies
+    first, last = (stage_module(model, r) for r in balanced_split(costs, 2))
+    assert first.norm is None and last.tok_embeddings is None
+    names = {n for stage in (first, last) for n, _ in stage.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"pp": 2, "pp_schedule": "gpipe", "pp_stages_per_rank": 2}, "one stage per rank"),
+    ({"pp": 2, "pp_schedule": "dualpipev"}, "splits backward"),
+    ({"pp": 2, "pp_schedule": "zero-bubble"}, "splits backward"),
+    ({"pp": 2, "pp_microbatches": 3, "batch_size": 4}, "must divide --batch-size"),
+    ({"pp": 4, "pp_schedule": "interleaved-1f1b", "n_layers": 4}, "exceeds the 6 layers"),
+    ({"pp": 2, "data_parallel": "simple-fsdp"}, "needs --data-parallel fsdp2"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "checkpoint_interval": 5},
+     "several pipeline stages per rank"),
+    ({"pp": 2, "tp": 2, "loss_impl": "fused-linear"}, "is not wired yet"),
+])
+def test_unworkable_pipelines_fail_at_validation(flags: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from_flags({"model": "debug", **flags}, environ={})
