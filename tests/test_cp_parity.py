@@ -43,13 +43,18 @@ SLOW_LAYOUTS = {
     "cp2_tp2_selective_ac": (4, ["--cp", "2", "--tp", "2", "--ac", "selective",
                                  "--loss-impl", "loss-parallel"]),
     "cp2_hsdp": (4, ["--cp", "2", "--dp-replicate", "2", "--dp-shard", "1"]),
+    "cp2_chunked": (2, ["--cp", "2", "--loss-impl", "chunked", "--loss-chunk-size", "16"]),
+    "cp2_chunked_backward": (2, ["--cp", "2", "--loss-impl", "chunked-backward",
+                                 "--loss-chunk-size", "16"]),
+    "cp2_compiled_loss": (2, ["--cp", "2", "--loss-impl", "compiled"]),
 }
 
 
 @pytest.fixture(scope="module")
 def slow_cp_runs(cp_runs: Path) -> Path:
-    """Compiled blocks, selective AC with vocab-parallel loss, HSDP, and a cp 2 checkpoint
-    resumed on cp 4 (its runs land next to the default ones, sharing their single-process run)."""
+    """Compiled blocks, selective AC with vocab-parallel loss, HSDP, the chunked and compiled
+    loss modes, and a cp 2 checkpoint resumed on cp 4 (its runs land next to the default ones,
+    sharing their single-process run)."""
     step2 = cp_runs / "cp2_save" / "checkpoints" / "step-2"
     layouts = {**SLOW_LAYOUTS, "cp4_resumed": (4, ["--cp", "4", "--resume", str(step2)])}
     run_layouts(2, [n for n, (w, _) in layouts.items() if w == 2], cp_runs, layouts)

@@ -76,10 +76,22 @@ def generate(path: Path, prompt: str, max_new_tokens: int, *, temperature: float
     """The prompt and its continuation, as text."""
     model, context, recorded = load_model(path)
     tokenizer: TextTokenizer = load_tokenizer(tokenizer_name or recorded)
+    check_vocab(model, tokenizer, path)
     ids = tokenizer.encode([prompt])[0] or [tokenizer.eot_id]
     out = sample(model, ids, max_new_tokens, context=context, temperature=temperature,
                  top_k=top_k, seed=seed)
     return tokenizer.decode(out)
+
+
+@torch.no_grad()
+def check_vocab(model: nn.Module, tokenizer: TextTokenizer, path: Path) -> None:
+    """A tokenizer larger than the model's vocabulary would index past its embedding (a
+    model trained on random tokens records the default tokenizer it never used)."""
+    width = model(torch.zeros(1, 1, dtype=torch.long)).size(-1)
+    if tokenizer.size > width:
+        raise ConfigError(f"loom generate: {path} has a vocabulary of {width} tokens but "
+                          f"tokenizer {tokenizer.name} has {tokenizer.size}; pass the "
+                          "--tokenizer-name the model was trained with")
 
 
 def main(argv: Sequence[str]) -> int:

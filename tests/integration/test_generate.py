@@ -76,6 +76,20 @@ def test_a_checkpoint_of_the_initial_weights_samples_what_the_built_model_sample
     assert out.removesuffix("\n") == untrained_sample(), out
 
 
+def test_a_tokenizer_larger_than_the_vocab_is_one_line(tmp_path):
+    job = run_ranks(1, ["-m", "loom", "train", "--model", "debug", "--fp32", "--dataset",
+                        "random", "--vocab-size", "64", "--seq-len", "16", "--max-steps", "1",
+                        "--checkpoint-interval", "1", "--outdir", str(tmp_path / "run")],
+                    timeout=600)
+    assert job.ok, job.describe()
+    step = tmp_path / "run" / "checkpoints" / "step-1"
+    out = run_ranks(1, ["-m", "loom", "generate", str(step), "--prompt", "It was"],
+                    timeout=120)
+    lines = out.ranks[0].stderr.strip().splitlines()
+    assert out.ranks[0].returncode == 2 and len(lines) == 1, out.describe()
+    assert "vocabulary of 64 tokens" in lines[0] and "--tokenizer-name" in lines[0], lines
+
+
 @pytest.mark.slow
 def test_trained_model_writes_common_words_and_an_untrained_one_noise(tmp_path):
     common = common_words()
