@@ -39,7 +39,7 @@ def step_times(trainer, batch) -> tuple[float, float, float]:
     if cuda:
         torch.cuda.synchronize()
     wall, cpu = time.perf_counter(), time.thread_time()
-    loss, _ = trainer.train_step(batch)
+    loss = trainer.train_step(batch).loss
     if cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - wall, time.thread_time() - cpu, loss.item()
