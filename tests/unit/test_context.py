@@ -28,7 +28,7 @@ from tests.compare import worst
 def test_cp_ranks_share_samples_but_not_tokens():
     dims = ParallelDims(1, -1, 2, world_size=8, cp=2)
     assert MESH_DIMS.index("dp_shard") < MESH_DIMS.index("cp") < MESH_DIMS.index("tp")
-    assert dims.degrees == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
+    assert dims.degrees == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
     assert dims.dp_size == 2 and dims.global_batch_size(3) == 6  # cp ranks share samples
     assert dims.loss_size == 4  # ... and split their tokens: losses and gradients over dp x cp
 
