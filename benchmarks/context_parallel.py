@@ -19,6 +19,8 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -45,8 +47,10 @@ def step_times(trainer, batch) -> tuple[float, float, float]:
     return time.perf_counter() - wall, time.thread_time() - cpu, loss.item()
 
 
-def measure(flags: list[str], timed_steps: int) -> dict | None:
-    """One rank of a (seq, cp) job; rank 0 returns the result."""
+@contextmanager
+def random_data_trainer(flags: list[str]) -> Iterator:
+    """This rank's Trainer for `flags` on random data in a throwaway run folder (one compute
+    thread per CPU rank); the process group is torn down afterwards."""
     from loom.config import parse_args
     from loom.mesh import ParallelDims
     from loom.runtime import init_distributed, rank_info, teardown
@@ -60,6 +64,16 @@ def measure(flags: list[str], timed_steps: int) -> dict | None:
         cfg = parse_args([*flags, "--dataset", "random", "--seed", "0", "--outdir", outdir])
         trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
                           device)
+        try:
+            yield trainer
+        finally:
+            trainer.close()
+    teardown()
+
+
+def measure(flags: list[str], timed_steps: int) -> dict | None:
+    """One rank of a (seq, cp) job; rank 0 returns the result."""
+    with random_data_trainer(flags) as trainer:
         batches = iter(trainer.loader)
         start = time.perf_counter()
         trainer.train_step([next(batches)])
@@ -67,12 +81,11 @@ def measure(flags: list[str], timed_steps: int) -> dict | None:
         walls, cpus, losses = zip(*(step_times(trainer, [next(batches)])
                                     for _ in range(timed_steps)), strict=True)
         peak = step_peak_bytes(trainer, [next(batches)])
-        trainer.close()
-    teardown()
-    if info.rank != 0:
+    if trainer.info.rank != 0:
         return None
+    cfg = trainer.cfg
     return {"seq_len": cfg.data.seq_len, "cp": cfg.parallel.cp, "flags": flags,
-            "device": device.type, "step_s": min(walls), "step_cpu_s": min(cpus),
+            "device": trainer.device.type, "step_s": min(walls), "step_cpu_s": min(cpus),
             "warmup_s": warmup, "peak_bytes": peak, "rss_peak_bytes": rss_high_water(),
             "losses": list(losses)}
 

@@ -18,16 +18,13 @@ import argparse
 import json
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.harness import run_ranks
 
-from context_parallel import step_times
+from context_parallel import random_data_trainer, step_times
 from simple_fsdp import step_peak_bytes
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
@@ -36,28 +33,15 @@ MODEL = "--model debug --vocab-size 2048 --seq-len 256 --batch-size 8 --fp32"
 
 def measure(flags: list[str], timed_steps: int) -> dict:
     """One rank of a (pp, micro-batches) job: its step times, peak and pipeline layout."""
-    from loom.config import parse_args
-    from loom.mesh import ParallelDims
-    from loom.runtime import init_distributed, rank_info, teardown
-    from loom.train import Trainer
-
-    info = rank_info()
-    device = init_distributed(info)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as outdir:
-        cfg = parse_args([*flags, "--dataset", "random", "--seed", "0", "--outdir", outdir])
-        trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
-                          device)
+    with random_data_trainer(flags) as trainer:
         batches = iter(trainer.loader)
         trainer.train_step([next(batches)])
         walls, cpus, _ = zip(*(step_times(trainer, [next(batches)])
                                for _ in range(timed_steps)), strict=True)
         peak = step_peak_bytes(trainer, [next(batches)])
         layout = trainer.executor.layout().get("pipeline", {})
-        trainer.close()
-    teardown()
-    return {"rank": info.rank, "pp": cfg.parallel.pp, "microbatches": layout.get("microbatches", 1),
+    return {"rank": trainer.info.rank, "pp": trainer.cfg.parallel.pp,
+            "microbatches": layout.get("microbatches", 1),
             "bubble_theory": layout.get("bubble_theory", 0.0), "step_s": min(walls),
             "step_cpu_s": min(cpus), "peak_bytes": peak}
 

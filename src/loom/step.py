@@ -10,6 +10,7 @@ owned shares over every rank gives the step's loss once.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,7 +45,7 @@ class Accumulated:
     valid: torch.Tensor
 
 
-class StepExecutor:
+class StepExecutor(ABC):
     """Forward and backward over the model parts; subclasses decide how micro-batches flow."""
 
     owns_loss: bool
@@ -77,13 +78,14 @@ class StepExecutor:
         return (batch["input"].to(self.device, non_blocking=True),
                 batch["labels"].to(self.device, non_blocking=True))
 
+    @abstractmethod
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
-        raise NotImplementedError
+        """Forward and backward of one optimizer step's micro-batches."""
 
+    @abstractmethod
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         """This rank's owned share of the batch's loss sum, without gradients."""
-        raise NotImplementedError
 
 
 class AccumulationExecutor(StepExecutor):
