@@ -71,16 +71,21 @@ def loom_job(name: str, nproc: int, flags: list[str], steps: int, warmup: int,
             "peak_flops": derived["peak_flops"]}
 
 
-def bare_job(flags: list[str], steps: int, warmup: int, threads: int) -> dict:
-    """The bare loop in a fresh process (this file with --bare)."""
+def bare_job(flags: list[str], steps: int, warmup: int, threads: int, copies: int = 1) -> dict:
+    """The bare loop in fresh processes (this file with --bare); `copies` > 1 runs that many
+    at once, as the ranks of a job share the machine's cores, caches and memory bandwidth,
+    and reports one copy's mean figures."""
     with tempfile.TemporaryDirectory() as tmp:
-        job = run_ranks(1, [__file__, "--bare", "--steps", str(steps), "--warmup", str(warmup),
-                            "--flags", json.dumps(flags)], timeout=1800,
+        job = run_ranks(copies, [__file__, "--bare", "--steps", str(steps), "--warmup",
+                                 str(warmup), "--flags", json.dumps(flags)], timeout=1800,
                         env={"OMP_NUM_THREADS": str(threads)}, cwd=Path(tmp))
     if not job.ok:
         raise RuntimeError(f"bare loop failed: {job.describe()[-2000:]}")
-    result = json.loads(job.ranks[0].stdout.strip().splitlines()[-1])
-    return {**result, "config": f"bare loop, {threads} thread(s)", "threads": threads}
+    results = [json.loads(r.stdout.strip().splitlines()[-1]) for r in job.ranks]
+    step_s = statistics.mean(r["step_s"] for r in results)
+    tokens = results[0]["tokens_per_s"] * results[0]["step_s"]
+    return {"ranks": 1, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "tokens_per_s_per_rank": tokens / step_s, "threads": threads, "copies": copies}
 
 
 def bare_loop(flags: list[str], steps: int, warmup: int) -> dict:
@@ -132,26 +137,33 @@ def interleaved(jobs: dict[str, callable], rounds: int) -> dict[str, dict]:
 
 
 def with_ratios(results: dict[str, dict]) -> list[dict]:
-    bare = {r["threads"]: r for n, r in results.items() if n.startswith("bare")}
+    """Each row's tokens/s per rank over the one-process bare loop at its threads per process
+    (`vs_bare`) and, where measured, over as many bare loops at once as it has ranks."""
+    bare = {(r["threads"], r.get("copies", 1)): r for n, r in results.items()
+            if n.startswith("bare")}
     out = []
     for name, r in results.items():
-        base = bare.get(r["threads"])
-        ratio = r["tokens_per_s_per_rank"] / base["tokens_per_s_per_rank"] if base else None
-        out.append({**r, "config": name, "vs_bare": ratio})
+        ratios = {}
+        for key, copies in (("vs_bare", 1), ("vs_bare_at_once", r["ranks"])):
+            base = bare.get((r["threads"], copies))
+            if base and not name.startswith("bare"):
+                ratios[key] = r["tokens_per_s_per_rank"] / base["tokens_per_s_per_rank"]
+        out.append({**r, "config": name, "vs_bare": ratios.get("vs_bare"),
+                    "vs_bare_at_once": ratios.get("vs_bare_at_once")})
     return out
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| configuration | ranks | step s | tok/s | tok/s/rank | vs bare | MFU % | vs GEMM "
-             "| peak mem GiB |", "| --- |" + " ---: |" * 8]
+    lines = ["| configuration | ranks | step s | tok/s | tok/s/rank | vs bare | vs bare at once "
+             "| MFU % | vs GEMM | peak mem GiB |", "| --- |" + " ---: |" * 9]
     for r in rows:
         opt = {k: (f"{r[k]:{f}}" if r.get(k) is not None else "-")
-               for k, f in (("vs_bare", ".2f"), ("mfu", ".1f"), ("vs_gemm", ".3f"),
-                            ("peak_mem_gib", ".2f"))}
+               for k, f in (("vs_bare", ".2f"), ("vs_bare_at_once", ".2f"), ("mfu", ".1f"),
+                            ("vs_gemm", ".3f"), ("peak_mem_gib", ".2f"))}
         lines.append(f"| {r['config']} | {r['ranks']} | {r['step_s']:.3f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_rank']:,.0f} | "
-                     f"{opt['vs_bare']} | {opt['mfu']} | {opt['vs_gemm']} | "
-                     f"{opt['peak_mem_gib']} |")
+                     f"{opt['vs_bare']} | {opt['vs_bare_at_once']} | {opt['mfu']} | "
+                     f"{opt['vs_gemm']} | {opt['peak_mem_gib']} |")
     return "\n".join(lines)
 
 
@@ -163,9 +175,21 @@ def layout_jobs(args: argparse.Namespace) -> dict[str, callable]:
             name = f"{layout}, {mode}"
             jobs[name] = (lambda n=name, p=nproc, f=[*base, *flags, *MODES[mode]]:
                           loom_job(n, p, f, args.steps, args.warmup))
-    for threads in sorted({max(1, cores() // n) for n, _ in LAYOUTS.values()}):
-        jobs[f"bare loop, {threads} thread(s)"] = (
-            lambda t=threads: bare_job(base, args.steps, args.warmup, t))
+    return {**jobs, **bare_jobs(base, {n for n, _ in LAYOUTS.values()}, args)}
+
+
+def bare_jobs(flags: list[str], nprocs: set[int], args: argparse.Namespace
+              ) -> dict[str, callable]:
+    """The bare loop at each job size's threads per process: one process alone, and as many
+    at once as the job has ranks."""
+    jobs = {}
+    for n in sorted(nprocs):
+        threads = max(1, cores() // n)
+        for copies in sorted({1, n}):
+            name = f"bare loop, {threads} thread(s)" + (f", {copies} at once" if copies > 1
+                                                        else "")
+            jobs[name] = (lambda t=threads, c=copies:
+                          bare_job(flags, args.steps, args.warmup, t, c))
     return jobs
 
 
@@ -176,10 +200,7 @@ def peer_jobs(args: argparse.Namespace) -> dict[str, callable]:
     if args.old_src:
         jobs["loom (old, --fp32), 2 ranks"] = lambda: loom_job(
             "old", 2, [*PEER, "--fp32"], args.steps, args.warmup, src=args.old_src)
-    threads = max(1, cores() // 2)
-    jobs[f"bare loop, {threads} thread(s)"] = lambda: bare_job(PEER, args.steps, args.warmup,
-                                                               threads)
-    return jobs
+    return {**jobs, **bare_jobs(PEER, {2}, args)}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -27,6 +27,7 @@ def test_loom_plan_names_embedding_blocks_and_head_as_units() -> None:
     plan = model_plan(model)
     assert plan.fsdp_units() == [model.tok_embeddings, *model.layers.values(),
                                  [model.norm, model.output]]
+    assert plan.lookups == [model.tok_embeddings]
     assert plan.experts == [] and plan.tensor_parallel is not None and plan.fullgraph
 
 

@@ -32,13 +32,19 @@ def mixed_precision(dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
 def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend: str) -> str:
     """The FSDP2 strategy: routed experts first (under EP), then one unit per plan unit, then
     the root; returns what it did, for the recipe's log line."""
-    kwargs = dict(reshard_after_forward=cfg.reshard_after_forward == "always",
+    reshard = cfg.reshard_after_forward == "always"
+    kwargs = dict(reshard_after_forward=reshard,
                   mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
     if dims.ep_enabled:
         shard_experts(plan.experts, dims, backend, **kwargs)
     units = []
-    for unit in plan.fsdp_units():
-        sharded = fully_shard(unit, mesh=dims.fsdp_mesh, **kwargs)
+    planned = plan.fsdp_units()
+    for i, unit in enumerate(planned):
+        # the last unit's backward starts right after its forward: resharding only re-gathers
+        sharded = fully_shard(unit, mesh=dims.fsdp_mesh, mp_policy=kwargs["mp_policy"],
+                              reshard_after_forward=reshard and i < len(planned) - 1)
+        if any(unit is lookup for lookup in plan.lookups):
+            sharded.set_unshard_in_backward(False)
         units.append(unit[0] if isinstance(unit, list) else sharded)
     units.append(fully_shard(plan.model, mesh=dims.fsdp_mesh, **kwargs))
     if cfg.grad_divide_factor:

@@ -36,6 +36,8 @@ class ModelPlan:
     before: list[nn.Module] = field(default_factory=list)
     after: list[list[nn.Module]] = field(default_factory=list)
     """FSDP2 units before and after the blocks (a list: modules sharded as one unit)."""
+    lookups: list[nn.Module] = field(default_factory=list)
+    """Units whose backward needs no weight (embedding tables): never gathered in backward."""
     experts: list[nn.Module] = field(default_factory=list)
     """Routed experts: data-dependent, so left eager by compile; own dp mesh under EP."""
     tensor_parallel: TensorParallel | None = None
@@ -68,7 +70,7 @@ def loom_plan(model: Transformer) -> ModelPlan:
     before = [] if model.tok_embeddings is None else [model.tok_embeddings]
     after = [] if model.norm is None else [[model.norm, model.output]]
     return ModelPlan(model, model.layers, type(model).__name__, before=before, after=after,
-                     experts=[moe.experts for moe in moe_layers(model)],
+                     lookups=before, experts=[moe.experts for moe in moe_layers(model)],
                      tensor_parallel=tensor_parallel)
 
 
