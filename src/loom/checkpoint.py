@@ -16,6 +16,7 @@ import logging
 import random
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from loom.checkpoint_trust import (
     write_manifest,
 )
 from loom.errors import CheckpointWriteError
+from loom.parallel.init import clean_name
 
 logger = logging.getLogger("loom")
 
@@ -108,6 +110,25 @@ def _groups_from_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
              for k, v in g.items()} for g in groups]
 
 
+def renamed(model_sd: dict[str, Any], optim_sd: dict[str, Any], rename: Callable[[str], str]
+            ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's model and optimizer state dicts with every parameter name passed through
+    `rename`: checkpoints hold the plain model's names (`clean_name`), whichever wrapper ran."""
+    groups = [{**g, "params": [rename(n) for n in g["params"]]} for g in optim_sd["param_groups"]]
+    return ({rename(k): v for k, v in model_sd.items()},
+            {"state": {rename(k): v for k, v in optim_sd["state"].items()}, "param_groups": groups})
+
+
+def plain_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
+                     ) -> tuple[dict[str, Any], dict[str, Any], Callable[[str], str]]:
+    """The model's and optimizer's state dicts under plain names, and the way back to the
+    model's own names (SimpleFSDP's parametrizations store `w` as
+    `parametrizations.w.original`)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    own = {clean_name(name): name for name in model_sd}
+    return (*renamed(model_sd, optim_sd, clean_name), lambda name: own.get(name, name))
+
+
 def _local_bytes(state: dict[str, Any]) -> int:
     total = 0
     for value in state.values():
@@ -160,7 +181,7 @@ class Checkpointer:
         next save starts or at `finish()`."""
         self.finish()
         final, tmp = self.root / f"step-{step}", self.root / f".step-{step}.tmp"
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd, _ = plain_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         loop = {**extra, "param_groups": _groups_to_json(optim_sd["param_groups"])}
         error = None
@@ -269,12 +290,12 @@ class Checkpointer:
              saved: dict[str, Any]) -> None:
         """Load a verified checkpoint's model and optimizer (resharded to this mesh) and this
         rank's RNG state; `saved` is its loop.json."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd, own_name = plain_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         dcp.load(state, storage_reader=TensorReader(path))
-        optim_sd = {"state": state["optim"]["state"],
-                    "param_groups": _groups_from_json(saved["param_groups"])}
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=optim_sd)
+        model_sd, optim_sd = renamed(state["model"], {
+            "state": state["optim"]["state"],
+            "param_groups": _groups_from_json(saved["param_groups"])}, own_name)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         if (path / f"rng-{rank}.json").is_file():
             _set_rng_state(read_json(path, f"rng-{rank}.json"))

@@ -21,6 +21,7 @@ from torch import nn
 from loom.config import JobConfig
 from loom.losses import IGNORE_INDEX, Criterion, build_criterion
 from loom.mesh import ParallelDims
+from loom.parallel.grad_sync import set_gradient_sync
 
 Batch = dict[str, torch.Tensor]
 
@@ -106,7 +107,7 @@ class AccumulationExecutor(StepExecutor):
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             if len(micro_batches) > 1:
-                model.set_requires_gradient_sync(last)
+                set_gradient_sync(model, last)
             inputs, labels = self.to_device(batch)
             micro_sum, _ = self.criterion(self.criterion.forward(model, inputs), labels)
             if last:

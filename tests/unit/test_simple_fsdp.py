@@ -1,17 +1,22 @@
-"""SimpleFSDP pieces that need no process group: flag, mode choice, stored placements,
-gradient scaling, the attribute swap."""
+"""SimpleFSDP pieces: flag, mode choice, stored placements, gradient scaling, the gather
+parametrization; and (one in-process rank) names, init and state-dict keys equal FSDP2's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from loom.config import ConfigError, config_from_flags
+from loom.checkpoint import plain_state_dict
+from loom.config import ConfigError, ParallelConfig, config_from_flags
 from loom.mesh import ParallelDims
+from loom.models.moe import MoEArgs, MoETransformer
 from loom.parallel import simple_fsdp as sf
+from loom.parallel.init import clean_name, init_weights
+from loom.parallel.parallelize import parallelize
 
 
 class FakeMesh:
@@ -87,13 +92,21 @@ def test_attribute_reads_gather_and_state_dict_sees_storage() -> None:
     layer = nn.Linear(2, 2, bias=False)
     stored = layer.weight
     recording = Recording()
-    layer._simple_fsdp_gathers = {"weight": recording}
-    sf._swap_class(layer, ("weight",), root=True)
-    assert isinstance(layer, nn.Linear) and type(layer).__name__ == "SimpleFSDPLinear"
+    sf.gather_on_read(layer, "weight", recording)
+    assert isinstance(layer, nn.Linear)
     torch.testing.assert_close(layer.weight, stored * 2)
     assert recording.seen == [stored]
-    assert torch.equal(layer.state_dict()["weight"], stored)  # not the gathered (x2) value
+    (key,) = layer.state_dict()
+    assert clean_name(key) == "weight"
+    assert torch.equal(layer.state_dict()[key], stored)  # not the gathered (x2) value
     assert list(layer.parameters()) == [stored]
+
+
+def test_clean_name_drops_wrappers_and_parametrizations() -> None:
+    assert clean_name("layers.0._checkpoint_wrapped_module.attention.wq.parametrizations."
+                      "weight.original") == "layers.0.attention.wq.weight"
+    assert clean_name("parametrizations.w1.original") == "w1"
+    assert clean_name("layers.1.moe.experts.w1") == "layers.1.moe.experts.w1"
 
 
 def test_deferred_gradients_are_handed_to_the_synced_backward_once() -> None:
@@ -117,3 +130,44 @@ def test_add_grad_is_identity_forward_and_adds_backward() -> None:
     torch.testing.assert_close(y, x)
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.full((3,), 1.5))
+
+
+MOE = MoEArgs(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=32, multiple_of=16,
+              max_seq_len=8, n_experts=4, top_k=2, n_dense_layers=1)
+
+
+def wrapped(data_parallel: str) -> tuple[MoETransformer, torch.optim.Optimizer]:
+    """The tiny MoE model (routed experts, a dense block, AC wrappers) on a 1-rank mesh."""
+    dims = ParallelDims(1, 1, 1, 1)
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = MoETransformer(MOE)
+    parallelize(model, dims, ParallelConfig(data_parallel=data_parallel, dtype="fp32",
+                                            activation_checkpoint="block"),
+                loss_parallel=False, backend="gloo")
+    init_weights(model, seed=5, device=torch.device("cpu"))
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_names_init_and_state_dict_keys_match_fsdp2() -> None:
+    """Under plain names, SimpleFSDP's parameters, their seeded values and the model and
+    optimizer state-dict keys are FSDP2's; the way back gives the model's own names."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        states = {}
+        for data_parallel in ("fsdp2", "simple-fsdp"):
+            model, optimizer = wrapped(data_parallel)
+            values = {clean_name(n): p.full_tensor() for n, p in model.named_parameters()}
+            states[data_parallel] = (values, *plain_state_dict(model, optimizer))
+    finally:
+        dist.destroy_process_group()
+    (fsdp2, f_model, f_optim, _), (simple, s_model, s_optim, own_name) = states.values()
+    assert "layers.1.moe.experts.w1" in simple and len(simple) == len(fsdp2)
+    for name, value in fsdp2.items():
+        assert torch.equal(simple[name], value), f"{name} initialised differently"
+    assert list(s_model) == list(f_model)
+    assert list(s_optim["state"]) == list(f_optim["state"])
+    assert [g["params"] for g in s_optim["param_groups"]] == [
+        g["params"] for g in f_optim["param_groups"]]
+    assert own_name("layers.0.attention.wq.weight") == (
+        "layers.0.attention.wq.parametrizations.weight.original")

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
 from loom.models.llama import ModelArgs, Transformer
+from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.init import clean_name, init_weights
 from loom.parallel.parallelize import parallelize
 from loom.runtime import init_distributed, rank_info, teardown
@@ -54,7 +55,7 @@ def step(model: Transformer, syncs: list[bool]) -> tuple[dict[str, torch.Tensor]
     with Collectives() as comm:
         for sync in syncs:
             tokens = torch.randint(ARGS.vocab_size, (1, 17), generator=gen)
-            model.set_requires_gradient_sync(sync)
+            set_gradient_sync(model, sync)
             logits = model(tokens[:, :-1]).float()
             F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     counts = dict(comm.counts)

@@ -7,6 +7,7 @@ to a single-process run, at the cost of one parameter-sized temporary at a time.
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import torch
@@ -14,13 +15,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_PARAMETRIZED = re.compile(r"parametrizations\.([^.]+)\.original$")
+"""Where a parametrization (SimpleFSDP's gather) keeps the stored parameter."""
 
 
 def clean_name(name: str) -> str:
-    """Parameter name without wrapper prefixes, as in the plain model."""
+    """Parameter name as in the plain model (and under FSDP2): without wrapper prefixes, and
+    a parametrized parameter under its own name."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
-    return name
+    return _PARAMETRIZED.sub(r"\1", name)
 
 
 def _full_value(shape: torch.Size, std: float | None, seed: int, name: str) -> torch.Tensor:

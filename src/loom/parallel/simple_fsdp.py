@@ -1,11 +1,12 @@
 """SimpleFSDP: data parallelism written as DTensor redistributions the compiler can see.
 
 Every parameter is stored sharded (or replicated) over the data-parallel mesh. Reading it
-(`module.weight`) in forward redistributes it to replicated: an all-gather, and in backward
-the gradient declared partial is reduce-scattered (fully_shard), all-reduced (replicate) or
-both (hybrid_shard). Mixed precision rides on the redistribution (cast before the gather,
-reduce in the reduce dtype). Parameters already placed by TP or EP keep those placements:
-the dp dims are prepended, and after the gather the tensor is re-wrapped on its own mesh.
+(`module.weight`, through a torch parametrization) in forward redistributes it to
+replicated: an all-gather, and in backward the gradient declared partial is
+reduce-scattered (fully_shard), all-reduced (replicate) or both (hybrid_shard). Mixed
+precision rides on the redistribution (cast before the gather, reduce in the reduce dtype).
+Parameters already placed by TP or EP keep those placements: the dp dims are prepended, and
+after the gather the tensor is re-wrapped on its own mesh.
 Under torch.compile the whole model is one graph; the gathers are marked for recompute in
 backward (reshard after forward) and inductor may bucket them.
 """
@@ -30,6 +31,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.nn.utils import parametrize
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -171,36 +173,31 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
     return torch.empty(shape, device="meta").stride()
 
 
-class SimpleFSDPModule:
-    """Mixed into the root: FSDP2's switch for gradient accumulation."""
+class Gathered(nn.Module):
+    """The parametrization a stored parameter is read through: its `Gather`."""
 
-    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
-        """Reduce gradients in the next backward, or keep them local until a synced one."""
-        for module in self.modules():
-            for name, gather in getattr(module, "_simple_fsdp_gathers", {}).items():
-                param = module._parameters[name]
-                gather.grad_sync.set(requires_sync, gather.inner_shape, param.device)
+    def __init__(self, gather: Gather):
+        super().__init__()
+        self.gather = gather
 
-
-def _gathered(name: str) -> property:
-    def read(module: nn.Module) -> torch.Tensor:
-        param = module._parameters[name]
-        return module._simple_fsdp_gathers[name](param)
-    return property(read)
+    def forward(self, stored: DTensor) -> torch.Tensor:
+        return self.gather(stored)
 
 
-_CLASSES: dict[tuple[type, tuple[str, ...], bool], type] = {}
+def gather_on_read(module: nn.Module, name: str, gather: Gather) -> None:
+    """`module.<name>` becomes `gather(stored)`; the stored parameter moves to
+    `module.parametrizations.<name>.original` (`clean_name` maps it back). Unsafe: the
+    gather changes shape and type, and checking it would run a collective."""
+    parametrize.register_parametrization(module, name, Gathered(gather), unsafe=True)
 
 
-def _swap_class(module: nn.Module, names: tuple[str, ...], root: bool) -> None:
-    """A subclass per (class, parameter names) whose parameter attributes gather on read."""
-    cls = type(module)
-    key = (cls, names, root)
-    if key not in _CLASSES:
-        bases = (SimpleFSDPModule, cls) if root else (cls,)
-        _CLASSES[key] = type(f"SimpleFSDP{cls.__name__}", bases,
-                             {n: _gathered(n) for n in names})
-    module.__class__ = _CLASSES[key]
+def set_gather_sync(model: nn.Module, sync: bool) -> None:
+    """FSDP2's gradient-accumulation switch for every gathered parameter of `model`."""
+    for module in model.modules():
+        if isinstance(module, parametrize.ParametrizationList) and isinstance(
+                module[0], Gathered):
+            gather = module[0].gather
+            gather.grad_sync.set(sync, gather.inner_shape, module.original.device)
 
 
 def dp_placements(dp_dims: tuple[str, ...]) -> tuple[Placement, ...]:
@@ -249,18 +246,17 @@ class DataParallel:
                         GradSync(self.reduce_dtype or param.dtype))
         return nn.Parameter(stored, requires_grad=param.requires_grad), gather
 
-    def wrap(self, module: nn.Module, root: bool = False) -> int:
-        """Shard `module`'s direct parameters, unless it was wrapped already; returns how many."""
-        if hasattr(module, "_simple_fsdp_gathers"):
+    def wrap(self, module: nn.Module) -> int:
+        """Shard `module`'s direct parameters, unless it was wrapped already (or holds the
+        stored ones of a wrapped module); returns how many."""
+        if parametrize.is_parametrized(module) or isinstance(
+                module, parametrize.ParametrizationList):
             return 0
         params = dict(module.named_parameters(recurse=False))
-        gathers = {}
         for name, param in params.items():
-            stored, gathers[name] = self.shard(param)
+            stored, gather = self.shard(param)
             module.register_parameter(name, stored)
-        if params or root:
-            module._simple_fsdp_gathers = gathers
-            _swap_class(module, tuple(params), root)
+            gather_on_read(module, name, gather)
         return len(params)
 
 
@@ -304,12 +300,11 @@ def apply_simple_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig,
             "dp_shard_mod_ep",)
         expert_dp = data_parallel(dims, cfg, expert_dims)
         for module in plan.experts:
-            for child in module.modules():
+            for child in list(module.modules()):
                 expert_dp.wrap(child)
     dp_dims = dense_dp_dims(dims)
     dense = data_parallel(dims, cfg, dp_dims)
-    count = sum(dense.wrap(m) for m in plan.model.modules() if m is not plan.model)
-    count += dense.wrap(plan.model, root=True)
+    count = sum(dense.wrap(m) for m in list(plan.model.modules()))
     if cfg.compile and cfg.compile_backend == "inductor" and torch.cuda.is_available():
         inductor_config.bucket_all_gathers_fx = "only_fsdp"
         inductor_config.bucket_reduce_scatters_fx = "all"
