@@ -17,9 +17,11 @@ Every rank is checked; the worst phase of any rank is the prediction.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
-from loom.config import ConfigError, JobConfig
+from loom.config import ConfigError, JobConfig, ModelConfig
 from loom.modeling import plain_model
 from loom.parallel.pipeline import layer_costs
 from loom.parallel.pipeline_plan import (
@@ -37,11 +39,28 @@ STATIC = ("Sharded Param", "Sharded Grad", "OptState", "Buffer")
 """What a held stage keeps between its micro-batches (tracker categories)."""
 
 
+@cache
+def _costs(model: ModelConfig) -> list[float]:
+    with torch.device("meta"):
+        return layer_costs(plain_model(JobConfig(model=model)))
+
+
 def stage_ranges(cfg: JobConfig) -> list[range]:
     """The units (0: embedding, 1..L: blocks, L + 1: norm and head) of each stage."""
-    with torch.device("meta"):
-        model = plain_model(cfg)
-    return balanced_split(layer_costs(model), cfg.parallel.pp * stages_per_rank(cfg.parallel))
+    return balanced_split(_costs(cfg.model), cfg.parallel.pp * stages_per_rank(cfg.parallel))
+
+
+def compute_share(cfg: JobConfig) -> float:
+    """The busiest pp rank's share of a step's FLOPs. A dense unit's cost is twice its
+    parameters (memory + FLOPs, `layer_costs`), so its FLOPs go as half of it; the
+    embedding (a lookup) has none."""
+    p = cfg.parallel
+    flops = [0.0, *(c / 2 for c in _costs(cfg.model)[1:])]
+    ranges = stage_ranges(cfg)
+    per_rank = [sum(flops[u] for i in stage_indices(r, p.pp, stages_per_rank(p),
+                                                     p.pp_schedule) for u in ranges[i])
+                for r in range(p.pp)]
+    return max(per_rank) / sum(flops)
 
 
 def in_flight(cfg: JobConfig, rank: int) -> int:

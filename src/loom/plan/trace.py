@@ -195,10 +195,11 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
     grad = torch.zeros(mb, seq // dims.tp, dim, dtype=dtype)
 
     def step(forward_done: Callable[[], None]) -> None:
-        out = model(tokens if stage.first else hidden)
+        out = model(tokens if stage.first else hidden)  # kept to its backward, as the
+        forward_done_after = out  # schedule's forward cache keeps a stage's output
         if stage.last:
-            out = criterion(out, tokens)[0]
+            forward_done_after = criterion(out, tokens)[0]
         forward_done()
-        out.backward(None if stage.last else grad)
+        forward_done_after.backward(None if stage.last else grad)
         clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
     return step
