@@ -21,7 +21,7 @@ from functools import cache
 
 import torch
 
-from loom.config import ConfigError, JobConfig, ModelConfig
+from loom.config import JobConfig, ModelConfig
 from loom.modeling import plain_model
 from loom.parallel.pipeline import layer_costs
 from loom.parallel.pipeline_plan import (
@@ -93,8 +93,6 @@ def buffer_bytes(cfg: JobConfig, first: bool, last: bool) -> int:
 def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
     """Every phase of every pp rank (module doc); needs `fake_world(world_size)`."""
     p, n = cfg.parallel, cfg.model.n_layers
-    if cfg.model.n_experts:
-        raise ConfigError("loom plan cannot model --pp with a mixture-of-experts model yet")
     ranges = stage_ranges(cfg)
     microbatch = cfg.train.batch_size // choose_microbatches(p, cfg.train.batch_size)
     traces: dict[tuple[bool, bool, int], dict[str, Breakdown]] = {}

@@ -44,8 +44,11 @@ the same layout once per mode (and cost a trace each); fused-linear holds the le
 
 
 def pipeline_degrees(cfg: JobConfig, rest: int) -> list[int]:
-    """pp degrees worth searching: dividing the ranks left and the blocks, >= 2 blocks a stage."""
+    """pp degrees worth searching: dividing the ranks left and the blocks, >= 2 blocks a
+    stage (MoE: none, see `check_supported`)."""
     n = cfg.model.n_layers
+    if cfg.model.n_experts:
+        return [1]
     return [pp for pp in (1, 2, 4, 8) if rest % pp == 0 and n % pp == 0 and n >= 2 * pp]
 
 
