@@ -2,6 +2,7 @@
 
 from loom.config import parse_args
 from loom.mesh import ParallelDims
+from loom.plan.pipeline import in_flight
 from loom.plan.search import candidates, launch_line, unsearched
 
 
@@ -38,3 +39,19 @@ def test_candidates_are_valid_and_their_launch_lines_parse_back():
         assert back.parallel == c.parallel and back.loss == c.loss, line
         assert back.train.batch_size == c.train.batch_size, line
         ParallelDims.from_config(back.parallel, 4)
+
+
+def test_in_flight_micro_batches_follow_the_schedule():
+    """GPipe holds every micro-batch; 1F1B pp - rank (torch runs 1F1B with fewer
+    micro-batches than stages as GPipe); interleaved: torch's warm-up forwards + 1."""
+    def flights(*flags: str) -> list[int]:
+        cfg = parse_args(["--model", "debug", "--batch-size", "8", *flags])
+        return [in_flight(cfg, rank) for rank in range(cfg.parallel.pp)]
+
+    assert flights("--pp", "4", "--pp-microbatches", "8") == [4, 3, 2, 1]
+    assert flights("--pp", "2", "--pp-microbatches", "1") == [1, 1]
+    assert flights("--pp", "4", "--pp-microbatches", "2") == [2, 2, 2, 2]
+    assert flights("--pp", "2", "--pp-schedule", "gpipe", "--pp-microbatches", "4") == [4, 4]
+    # 2 stages a rank, 4 micro-batches in rounds of pp = 2: (2 - 1) x 2 + 2 (pp - 1 - rank) + 1
+    assert flights("--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                   "--pp-microbatches", "4") == [5, 3]

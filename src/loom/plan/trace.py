@@ -10,6 +10,7 @@ pads every shard to the size of the first one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -60,6 +61,19 @@ def fake_world(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """No warnings from a traced build: they speak of the reduced depth or stage (a stage
+    of the head alone has no blocks to checkpoint), not of the user's flags."""
+    logger = logging.getLogger("loom")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class WorstCaseNonzero(TorchDispatchMode):
@@ -136,8 +150,9 @@ def trace_step(cfg: JobConfig, world_size: int,
     if stage is not None:
         n = cfg.model.n_layers
         model = stage_module(model, range(0 if stage.first else 1, n + 2 if stage.last else n + 1))
-    parallelize(model, dims, cfg.parallel,
-                loss_parallel=cfg.loss.loss_impl == "loss-parallel", backend="gloo")
+    with quiet():
+        parallelize(model, dims, cfg.parallel,
+                    loss_parallel=cfg.loss.loss_impl == "loss-parallel", backend="gloo")
     with FakeTensorMode(allow_non_fake_inputs=True), WorstCaseNonzero():
         model.to_empty(device="cpu")
         model.init_buffers(torch.device("cpu"))
