@@ -94,7 +94,8 @@ def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
     """Every phase of every pp rank (module doc); needs `fake_world(world_size)`."""
     p, n = cfg.parallel, cfg.model.n_layers
     ranges = stage_ranges(cfg)
-    microbatch = cfg.train.batch_size // choose_microbatches(p, cfg.train.batch_size)
+    microbatches = choose_microbatches(p, cfg.train.batch_size)
+    microbatch = cfg.train.batch_size // microbatches
     traces: dict[tuple[bool, bool, int], dict[str, Breakdown]] = {}
 
     def stage(i: int) -> tuple[dict[str, Breakdown], int]:
@@ -104,7 +105,7 @@ def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
         key = (first, last, blocks)
         if key not in traces:
             traces[key] = traced(with_layers(cfg, blocks), world_size,
-                                 Stage(first, last, microbatch))
+                                 Stage(first, last, microbatch, microbatches))
         return traces[key], buffer_bytes(cfg, first, last)
 
     out = []

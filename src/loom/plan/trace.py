@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.pipelining import PipelineStage
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -43,12 +44,13 @@ activations, and the loss's saved tensors on the last stage): not a phase."""
 
 @dataclass(frozen=True)
 class Stage:
-    """A pipeline stage to trace: whether it holds the embedding and the head, and the
-    samples of one pipeline micro-batch."""
+    """A pipeline stage to trace: whether it holds the embedding and the head, the samples
+    of one pipeline micro-batch and how many micro-batches a step has."""
 
     first: bool
     last: bool
     microbatch: int
+    microbatches: int
 
 
 @contextmanager
@@ -135,9 +137,9 @@ def trace_step(cfg: JobConfig, world_size: int,
     """Live bytes of rank 0 in the second training step of `cfg` (a resolved config:
     effective --loss-impl) at its peak (`PEAK`), at each FSDP unit's forward and backward
     peak, and one micro-batch's forward-to-backward bytes (`MICROBATCH`); needs
-    `fake_world(world_size)` around it. With `stage`: one micro-batch through that pipeline
-    stage of `cfg`'s blocks (its input and output gradient made before the trace, as the
-    pipeline's receive buffers are).
+    `fake_world(world_size)` around it. With `stage`: one or two micro-batches through that
+    pipeline stage of `cfg`'s blocks (`_stage_step`; its input and output gradient made
+    before the trace, as the pipeline's receive buffers are).
 
     The optimizer step runs outside the tracker: under fake tensors the fused AdamW kernel
     reports out-of-place copies of every state that the real in-place kernel never makes
@@ -197,9 +199,12 @@ def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> S
 
 def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
                 stage: Stage) -> Step:
-    """One micro-batch through a pipeline stage, as the schedule runs it: the first stage
-    takes tokens, the others the previous stage's (sequence-sharded) hidden states; the
-    last applies the criterion, the others take their output's gradient."""
+    """Micro-batches through a pipeline stage, as torch's schedule runs them: the first
+    stage takes tokens, the others the previous stage's (sequence-sharded) hidden states;
+    the last applies the criterion, the others take their output's gradient. Backward
+    keeps the parameters gathered and the gradients unsharded (torch defers FSDP's
+    reduction to after the last micro-batch, `perform_reduce_grad`), so a second
+    micro-batch, when there is one, runs beside the first one's gradients."""
     criterion = build_criterion(cfg.loss, getattr(model, "output", None), dims.tp)
     if stage.last and criterion.hidden:
         model.hidden_output = True
@@ -208,13 +213,23 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
     tokens = torch.zeros(mb, seq, dtype=torch.long)
     hidden = torch.zeros(mb, seq // dims.tp, dim, dtype=dtype, requires_grad=True)
     grad = torch.zeros(mb, seq // dims.tp, dim, dtype=dtype)
+    n_stages = max(3, dist.get_world_size())  # over the default group: it sends nothing
+    index = 0 if stage.first else n_stages - 1 if stage.last else 1
+    pipeline_stage = PipelineStage(model, index, n_stages, torch.device("cpu"))
 
     def step(forward_done: Callable[[], None]) -> None:
-        out = model(tokens if stage.first else hidden)  # kept to its backward, as the
-        forward_done_after = out  # schedule's forward cache keeps a stage's output
-        if stage.last:
-            forward_done_after = criterion(out, tokens)[0]
-        forward_done()
-        forward_done_after.backward(None if stage.last else grad)
+        model.set_is_last_backward(False)
+        model.set_reshard_after_backward(False)
+        model.set_requires_gradient_sync(False)
+        for i in range(min(2, stage.microbatches)):  # the second sees the first's gradients
+            out = model(tokens if stage.first else hidden)  # kept to its backward, as
+            loss = criterion(out, tokens)[0] if stage.last else None  # the schedule does
+            if i == 0:
+                forward_done()
+            if loss is None:
+                out.backward(grad)
+            else:
+                loss.backward()
+        pipeline_stage.perform_reduce_grad(1)
         clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
     return step
