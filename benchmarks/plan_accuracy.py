@@ -1,6 +1,6 @@
 """`loom plan`'s predicted per-rank peak memory vs the measured one, on real CPU ranks.
 
-    python benchmarks/plan_accuracy.py      # 15 configurations on 1, 2 and 4 ranks; ~6 min
+    python benchmarks/plan_accuracy.py      # 15 configurations on 1, 2 and 4 ranks; 2-8 min
 
 Measured: each configuration trains on real gloo ranks (`--fp32`, random tokens, the debug
 model at seq 128, batch 2); `torch.distributed._tools.FSDPMemTracker` follows the second
