@@ -164,17 +164,17 @@ def trace_step(cfg: JobConfig, world_size: int,
         optimizer.step()  # creates the optimizer state: the next step is the steady state
         optimizer.zero_grad(set_to_none=True)
         tracker = FSDPMemTracker(model, optimizer)
-        forward_done = {}
+        after_forward: Breakdown = {}
 
         def mark() -> None:
             (now,) = tracker.get_tracker_snapshot().values()
-            forward_done.update(_categories(now))
+            after_forward.update(_categories(now))
         with tracker:
             (before,) = tracker.get_tracker_snapshot().values()
             before = _categories(before)
             step(mark)
         (peak,) = tracker.get_tracker_snapshot("peak").values()
-        kept = {k: forward_done.get(k, 0) - before.get(k, 0) for k in ("Activation", "Temp")}
+        kept = {k: after_forward.get(k, 0) - before.get(k, 0) for k in ("Activation", "Temp")}
         return {PEAK: _categories(peak), MICROBATCH: kept,
                 **module_phases(tracker, cfg.model.n_layers)}
 
