@@ -112,3 +112,14 @@ def test_search_lines_fit_when_planned_exactly():
     error = found[0]["peak_gib"] / plan["peak_gib"] - 1
     assert -0.10 <= error <= 0.50, f"search {found[0]['peak_gib']:.4f} GiB vs exact " \
                                f"{plan['peak_gib']:.4f} GiB ({100 * error:+.1f}%)"
+
+
+def test_pipeline_plans_with_the_fused_head_and_interleaved_stages(capsys):
+    """The last stage's fused head runs outside the stage's forward, once per traced
+    micro-batch; interleaved ranks hold two stages: both plan, with receive buffers."""
+    base = ["--model", "debug", "--fp32", "--seq-len", "128", "--batch-size", "4",
+            "--world-size", "2", "--device-memory", "1GiB", "--json", "--pp", "2"]
+    for flags in (["--loss-impl", "fused-linear"], ["--pp-schedule", "interleaved-1f1b"]):
+        assert plan_main([*base, *flags]) == 0, capsys.readouterr().err
+        plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert plan["breakdown"]["pipeline_buffers"] > 0 and plan["layout"]["pp"] == 2, plan

@@ -160,27 +160,35 @@ def trace_step(cfg: JobConfig, world_size: int,
         model.init_buffers(torch.device("cpu"))
         optimizer = build_optimizer(model, cfg.optim)
         step = _stage_step(model, cfg, dims, stage) if stage else _model_step(model, cfg, dims)
-        step(lambda: None)
+        step(lambda: None, lambda: None)
         optimizer.step()  # creates the optimizer state: the next step is the steady state
         optimizer.zero_grad(set_to_none=True)
         tracker = FSDPMemTracker(model, optimizer)
+        n_layers = cfg.model.n_layers
         after_forward: Breakdown = {}
 
         def mark() -> None:
             (now,) = tracker.get_tracker_snapshot().values()
             after_forward.update(_categories(now))
+
+        first: dict[str, Breakdown] = {}
+
+        def between() -> None:  # the tracker follows one call of each unit: keep, restart
+            first.update({f"{k}|first": b for k, b in module_phases(tracker, n_layers).items()})
+            tracker.reset_mod_stats()
         with tracker:
             (before,) = tracker.get_tracker_snapshot().values()
             before = _categories(before)
-            step(mark)
+            step(mark, between)
         (peak,) = tracker.get_tracker_snapshot("peak").values()
         kept = {k: after_forward.get(k, 0) - before.get(k, 0) for k in ("Activation", "Temp")}
-        return {PEAK: _categories(peak), MICROBATCH: kept,
-                **module_phases(tracker, cfg.model.n_layers)}
+        return {PEAK: _categories(peak), MICROBATCH: kept, **first,
+                **module_phases(tracker, n_layers)}
 
 
-Step = Callable[[Callable[[], None]], None]
-"""Forward, then the callback (forward and loss done), then backward and clipping."""
+Step = Callable[[Callable[[], None], Callable[[], None]], None]
+"""Forward, the first callback (forward and loss done), backward, clipping; the second
+callback runs between two micro-batches of a pipeline stage."""
 
 
 def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> Step:
@@ -189,7 +197,7 @@ def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> S
     loss_fn = build_loss(cfg.loss, model, dims.tp)
     tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len // dims.cp, dtype=torch.long)
 
-    def step(forward_done: Callable[[], None]) -> None:
+    def step(forward_done: Callable[[], None], _: Callable[[], None]) -> None:
         loss = loss_fn(model, tokens, tokens)
         forward_done()
         loss.backward()
@@ -217,11 +225,13 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
     index = 0 if stage.first else n_stages - 1 if stage.last else 1
     pipeline_stage = PipelineStage(model, index, n_stages, torch.device("cpu"))
 
-    def step(forward_done: Callable[[], None]) -> None:
+    def step(forward_done: Callable[[], None], between: Callable[[], None]) -> None:
         model.set_is_last_backward(False)
         model.set_reshard_after_backward(False)
         model.set_requires_gradient_sync(False)
         for i in range(min(2, stage.microbatches)):  # the second sees the first's gradients
+            if i:
+                between()
             out = model(tokens if stage.first else hidden)  # kept to its backward, as
             loss = criterion(out, tokens)[0] if stage.last else None  # the schedule does
             if i == 0:
