@@ -1,14 +1,17 @@
 """`loom plan`'s predicted per-rank peak memory vs the measured one, on real CPU ranks.
 
-    python benchmarks/plan_accuracy.py      # 10 configurations on 1, 2 and 4 ranks; ~5 min
+    python benchmarks/plan_accuracy.py      # 15 configurations on 1, 2 and 4 ranks; 2-8 min
 
 Measured: each configuration trains on real gloo ranks (`--fp32`, random tokens, the debug
 model at seq 128, batch 2); `torch.distributed._tools.FSDPMemTracker` follows the second
 training step (`Trainer.train_step`, optimizer included) and records the peak of live
 tensor bytes; the worst rank counts. Predicted: `loom plan`'s trace of the same flags
-under fake tensors and a fake process group (per-block extrapolation from 1 and 2 blocks).
-Both count tensor storages the same way, so the error is what the fake trace and the
-extrapolation get wrong. Writes benchmarks/results/plan_accuracy.json.
+under fake tensors and a fake process group (per-block extrapolation from 1 and 2 blocks;
+pipeline rows: per stage, composed with the schedule's in-flight micro-batches).
+Both count tensor storages the same way (pipeline rows add torch's receive buffers to the
+measured peak: made in the first step, the tracker of the second cannot see them), so
+the error is what the fake trace, the extrapolation and the composition get wrong.
+Writes benchmarks/results/plan_accuracy.json.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ BASE = ["--model", "debug", "--fp32", "--dataset", "random", "--seq-len", "128",
 CONFIGS: dict[int, list[list[str]]] = {
     1: [[], ["--ac", "block", "--loss-impl", "chunked-backward"]],
     2: [["--reshard-after-forward", "never"], ["--tp", "2", "--loss-impl", "loss-parallel"],
-        ["--loss-impl", "fused-linear"]],
+        ["--loss-impl", "fused-linear"], ["--pp", "2", "--batch-size", "4"],
+        ["--pp", "2", "--pp-schedule", "gpipe", "--batch-size", "4"], ["--cp", "2"]],
     4: [[], ["--dp-replicate", "2", "--ac", "block", "--loss-impl", "chunked"],
         ["--tp", "2", "--loss-impl", "loss-parallel"],
         ["--tp", "2", "--loss-impl", "fused-linear", "--ac", "selective"],
-        ["--ac", "selective", "--loss-impl", "chunked-backward", "--batch-size", "4"]],
+        ["--ac", "selective", "--loss-impl", "chunked-backward", "--batch-size", "4"],
+        ["--pp", "2", "--batch-size", "4", "--loss-impl", "chunked-backward"],
+        ["--cp", "2", "--ac", "block", "--loss-impl", "fused-linear"]],
 }
 
 

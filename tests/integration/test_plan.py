@@ -19,14 +19,18 @@ BASE = ["--model", "debug", "--fp32", "--dataset", "random", "--seq-len", "128",
         "--batch-size", "2", "--max-steps", "2"]
 HSDP = ["--dp-replicate", "2", "--ac", "block", "--loss-impl", "chunked"]
 TP_FUSED = ["--tp", "2", "--loss-impl", "fused-linear", "--ac", "selective"]
+PP = ["--pp", "2", "--batch-size", "4"]  # 1F1B, 4 micro-batches: rank 0 holds two
+CP = ["--cp", "2"]
 RUNS = [[], HSDP, ["--tp", "2", "--loss-impl", "loss-parallel"], TP_FUSED]
 TOLERANCE = 0.10
 
 
 @pytest.mark.multirank
 def test_predicted_peaks_within_ten_percent_of_measured_on_2_ranks(tmp_path):
-    """HSDP + block AC + chunked loss, tp + fused-linear + selective AC: one launch."""
-    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED])
+    """HSDP + block AC + chunked loss, tp + fused-linear + selective AC, pipeline parallel
+    (per-stage traces, in-flight micro-batches, receive buffers), context parallel (the
+    gathered K/V): one launch."""
+    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP])
 
 
 @pytest.mark.multirank
@@ -71,6 +75,8 @@ def test_671b_moe_at_2048_ranks_plans_without_allocating():
     (["--world-size", "3", "--device-memory", "8GiB", "--tp", "2"], "world size 3"),
     (["--world-size", "4", "--device-memory", "8GiB", "--model", "moe-debug", "--ep", "2"],
      "expert parallel"),
+    (["--world-size", "2", "--device-memory", "8GiB", "--model", "moe-debug", "--pp", "2"],
+     "mixture-of-experts"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert plan_main(argv) == 2
@@ -106,3 +112,14 @@ def test_search_lines_fit_when_planned_exactly():
     error = found[0]["peak_gib"] / plan["peak_gib"] - 1
     assert -0.10 <= error <= 0.50, f"search {found[0]['peak_gib']:.4f} GiB vs exact " \
                                f"{plan['peak_gib']:.4f} GiB ({100 * error:+.1f}%)"
+
+
+def test_pipeline_plans_with_the_fused_head_and_interleaved_stages(capsys):
+    """The last stage's fused head runs outside the stage's forward, once per traced
+    micro-batch; interleaved ranks hold two stages: both plan, with receive buffers."""
+    base = ["--model", "debug", "--fp32", "--seq-len", "128", "--batch-size", "4",
+            "--world-size", "2", "--device-memory", "1GiB", "--json", "--pp", "2"]
+    for flags in (["--loss-impl", "fused-linear"], ["--pp-schedule", "interleaved-1f1b"]):
+        assert plan_main([*base, *flags]) == 0, capsys.readouterr().err
+        plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert plan["breakdown"]["pipeline_buffers"] > 0 and plan["layout"]["pp"] == 2, plan

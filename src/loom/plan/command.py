@@ -90,8 +90,8 @@ def check_supported(cfg: JobConfig) -> None:
         raise ConfigError("loom plan supports loom's own models, not Hugging Face --model")
     if p.data_parallel != "fsdp2":
         raise ConfigError("loom plan traces --data-parallel fsdp2 only")
-    if p.cp > 1:
-        raise ConfigError("loom plan cannot trace context parallel (--cp) yet")
+    if m.n_experts and p.pp > 1:
+        raise ConfigError("loom plan cannot model --pp with a mixture-of-experts model yet")
     if m.n_experts and (p.ep > 1 or p.dtype == "fp32"):
         raise ConfigError("loom plan cannot trace expert parallel or fp32 experts yet (token "
                           "splits are data-dependent); use --ep 1 without --fp32")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from loom.cli import setup_logging
@@ -31,14 +32,25 @@ def measure_step(trainer: Trainer) -> Breakdown:
     with tracker:
         trainer.train_step(micro)
     (peak,) = tracker.get_tracker_snapshot("peak").values()
-    return {str(getattr(kind, "value", kind)): nbytes for kind, nbytes in peak.items()
-            if kind != "Total"}
+    measured = {str(getattr(kind, "value", kind)): nbytes for kind, nbytes in peak.items()
+                if kind != "Total"}
+    return {**measured, "Pipeline Buffers": pipeline_buffers(trainer)}
 
 
-def total(breakdown: Breakdown) -> int:
-    return sum(breakdown.values())
-
-
+def pipeline_buffers(trainer: Trainer) -> int:
+    """Bytes of torch's pipeline receive buffers: made in the first step and kept, so the
+    tracker of a later step does not see them; live throughout, they add to its peak."""
+    schedule = getattr(trainer.executor, "schedule", None)
+    if schedule is None:
+        return 0
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    buffers = {}
+    for stage in stages:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            for info in infos:
+                if isinstance(info.buffer, torch.Tensor):
+                    buffers[info.buffer.data_ptr()] = info.buffer.untyped_storage().nbytes()
+    return sum(buffers.values())
 
 
 def main(runs: list[list[str]]) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config import JobConfig
-from loom.plan.trace import Breakdown, trace_step, with_layers
+from loom.plan.trace import MICROBATCH, Breakdown, Stage, trace_step, with_layers
 
 GiB = 2**30
 
@@ -29,6 +29,7 @@ CATEGORIES = {
     "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
     "OptState": "optimizer", "Activation": "activations", "Temp": "backward_temps",
     "All Gather": "fsdp_buffers", "Reduce Scatter": "fsdp_buffers", "Inputs": "inputs",
+    "Pipeline Buffers": "pipeline_buffers",  # loom.plan.pipeline's, not the tracker's
 }
 
 ANALYTIC: dict[str, dict[str, float]] = {
@@ -71,15 +72,25 @@ def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int) -> 
     return out
 
 
-def traced_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
-    """Rank 0's bytes by tracker category in each phase at full depth (module doc)."""
+def traced(cfg: JobConfig, world_size: int, stage: Stage | None = None) -> dict[str, Breakdown]:
+    """Rank 0's bytes by tracker category in each phase at full depth (module doc), and
+    `MICROBATCH`; `stage`: of that pipeline stage with `cfg`'s blocks."""
     low_depth, high_depth = traced_depths(cfg)
     if cfg.model.n_layers <= high_depth:
-        return list(trace_step(cfg, world_size).values())
-    low = trace_step(with_layers(cfg, low_depth), world_size)
-    high = trace_step(with_layers(cfg, high_depth), world_size)
-    return [extrapolate(low[name], high[name], low_depth, cfg.model.n_layers)
-            for name in low.keys() & high.keys()]
+        return trace_step(cfg, world_size, stage)
+    low = trace_step(with_layers(cfg, low_depth), world_size, stage)
+    high = trace_step(with_layers(cfg, high_depth), world_size, stage)
+    return {name: extrapolate(low[name], high[name], low_depth, cfg.model.n_layers)
+            for name in low.keys() & high.keys()}
+
+
+def traced_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
+    """Every phase of every rank that may hold the peak (pipeline: each stage's rank)."""
+    if cfg.parallel.pp > 1:
+        from loom.plan.pipeline import pipeline_phases
+
+        return pipeline_phases(cfg, world_size)
+    return [b for name, b in traced(cfg, world_size).items() if name != MICROBATCH]
 
 
 def in_gib(breakdown: Breakdown) -> dict[str, float]:

@@ -1,17 +1,20 @@
 """`loom plan --search`: the ten fastest predicted configurations that fit.
 
-Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, dp_shard the rest; ep 1, see
-`check_supported`) and knobs (--ac, --reshard-after-forward, micro-batch 1-8, off or
---compile at budget 0.5; --loss-impl fused-linear, see `LOSSES`). Candidates are visited
-fastest first (the step-time estimate needs no trace); one that a traced, lighter
-configuration already rules out is skipped untraced (`ruled_out`). Memory depends on
-(tp, dp_shard, ac, loss, reshard) only, so each such key is traced once at micro-batch 1;
-in every phase of that trace the batch-proportional categories (activations, backward
-temporaries, inputs) are scaled by the micro-batch, and the largest phase counts; the
-compile budget and the analytic term are applied as in `loom plan`. Run `loom plan` on a
-printed line for its exact trace. Tracing stops after `TIME_BUDGET_S` seconds of this
-process's CPU time (wall time on an idle machine; the same answer on a loaded one), and
-says so.
+Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, cp 1-8 where the sequence
+splits, pp 1-8 where the blocks split evenly, >= 2 a stage, with 1F1B at pp or 2 pp
+micro-batches, dp_shard the rest; ep 1, see `check_supported`) and knobs (--ac,
+--reshard-after-forward, micro-batch 1-8, off or --compile at budget 0.5; --loss-impl
+fused-linear, see `LOSSES`; chunked-backward for pp with tp, which cannot take the fused
+head yet). Candidates are visited fastest first (the step-time estimate needs no trace);
+one that a traced, lighter configuration already rules out is skipped untraced
+(`ruled_out`). Memory depends on (tp, dp_shard, ac, loss, reshard, pp, micro-batches, cp)
+only, so each such key is traced once at one sample per (pipeline) micro-batch; in every
+phase of that trace the batch-proportional categories (activations, backward temporaries,
+inputs, pipeline buffers) are scaled by the samples per micro-batch, and the largest phase
+counts; the compile budget and the analytic term are applied as in `loom plan`. Run `loom
+plan` on a printed line for its exact trace. Tracing stops after `TIME_BUDGET_S` seconds
+of this process's CPU time (wall time on an idle machine; the same answer on a loaded
+one), and says so.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from loom.plan.trace import fake_world
 
 TIME_BUDGET_S = 90.0
 TOP = 10
-PER_SAMPLE = ("activations", "backward_temps", "inputs")
+PER_SAMPLE = ("activations", "backward_temps", "inputs", "pipeline_buffers")
 MICRO_BATCHES = (8, 4, 2, 1)
 AC_MODES = ("none", "selective", "block")
 COMPILE = ((False, 1.0), (True, 0.5))
@@ -40,17 +43,44 @@ LOSSES = ("fused-linear",)
 the same layout once per mode (and cost a trace each); fused-linear holds the least."""
 
 
+def pipeline_degrees(cfg: JobConfig, rest: int) -> list[int]:
+    """pp degrees worth searching: dividing the ranks left and the blocks, >= 2 blocks a
+    stage (MoE: none, see `check_supported`)."""
+    n = cfg.model.n_layers
+    if cfg.model.n_experts:
+        return [1]
+    return [pp for pp in (1, 2, 4, 8) if rest % pp == 0 and n % pp == 0 and n >= 2 * pp]
+
+
+def layouts(cfg: JobConfig, world: int) -> list[tuple[int, int, int, int, int]]:
+    """(tp, dp_replicate, pp, cp, dp_shard) with tp up to a node."""
+    out = []
+    tps = [t for t in (1, 2, 4, 8) if t <= min(NODE_SIZE, world) and world % t == 0]
+    for tp, replicate, cp in itertools.product(tps, (1, 2), (1, 2, 4, 8)):
+        if world % (tp * replicate * cp):
+            continue
+        for pp in pipeline_degrees(cfg, world // (tp * replicate * cp)):
+            out.append((tp, replicate, pp, cp, world // (tp * replicate * cp * pp)))
+    return out
+
+
+def microbatch_counts(pp: int, batch: int) -> list[int]:
+    """--pp-microbatches searched: pp and 2 pp (1F1B's bubble (pp - 1) / (M + pp - 1)),
+    where they divide the batch; 0 (unset) without a pipeline."""
+    return [m for m in (pp, 2 * pp) if batch % m == 0] if pp > 1 else [0]
+
+
 def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
     """Every valid configuration of the search space (validated like `loom train` flags)."""
     out = []
-    tps = [t for t in (1, 2, 4, 8) if t <= min(NODE_SIZE, world) and world % t == 0]
-    for tp, replicate in itertools.product(tps, (1, 2)):
-        if world % (tp * replicate):
-            continue
-        shard = world // (tp * replicate)
-        for ac, loss, reshard, mb, (compiled, budget) in itertools.product(
-                AC_MODES, LOSSES, ("never", "always"), MICRO_BATCHES, COMPILE):
-            p = replace(cfg.parallel, tp=tp, dp_replicate=replicate, dp_shard=shard,
+    for (tp, replicate, pp, cp, shard), ac, reshard, mb, (compiled, budget) in \
+            itertools.product(layouts(cfg, world), AC_MODES, ("never", "always"),
+                              MICRO_BATCHES, COMPILE):
+        # pp with tp cannot take the fused head yet (validate_pipeline)
+        loss = "chunked-backward" if pp > 1 and tp > 1 else LOSSES[0]
+        for m in microbatch_counts(pp, mb):
+            p = replace(cfg.parallel, tp=tp, dp_replicate=replicate, dp_shard=shard, pp=pp,
+                        cp=cp, pp_microbatches=m, pp_schedule="1f1b", pp_stages_per_rank=0,
                         activation_checkpoint=ac, reshard_after_forward=reshard,
                         compile=compiled, act_mem_budget=budget)
             c = replace(cfg, parallel=p, loss=replace(cfg.loss, loss_impl=loss),
@@ -72,8 +102,9 @@ def ruled_out(c: JobConfig, oom_from: dict[tuple, int]) -> bool:
     micro-batch <= c's even with the lightest compile setting. Lighter means: same tp, at
     least as many shards, at least as much recompute, and resharding when `c` does."""
     p = c.parallel
-    for (tp, shard, ac, loss, reshard), mb in oom_from.items():
+    for (tp, shard, ac, loss, reshard, *pipeline), mb in oom_from.items():
         if (tp == p.tp and shard >= p.dp_shard and loss == c.loss.loss_impl
+                and pipeline == [p.pp, p.pp_microbatches, p.cp]
                 and AC_SAVING[ac] >= AC_SAVING[p.activation_checkpoint]
                 and (reshard == "always" or reshard == p.reshard_after_forward)
                 and mb <= c.train.batch_size):
@@ -103,14 +134,21 @@ def global_tokens(c: JobConfig, world: int) -> int:
 
 def memory_key(c: JobConfig) -> tuple:
     p = c.parallel
-    return (p.tp, p.dp_shard, p.activation_checkpoint, c.loss.loss_impl, p.reshard_after_forward)
+    return (p.tp, p.dp_shard, p.activation_checkpoint, c.loss.loss_impl, p.reshard_after_forward,
+            p.pp, p.pp_microbatches, p.cp)
+
+
+def traced_batch(c: JobConfig) -> int:
+    """The batch a key is traced at: one sample per (pipeline) micro-batch."""
+    return max(1, c.parallel.pp_microbatches)
 
 
 def scaled_peak(phases: list[dict[str, float]], c: JobConfig, device: str) -> float:
-    """Peak GiB of `c` from its key's micro-batch-1 eager phases: each phase's
+    """Peak GiB of `c` from its key's eager phases at `traced_batch`: each phase's
     batch-proportional categories scaled, then the largest phase."""
-    return max(finish({k: v * (c.train.batch_size if k in PER_SAMPLE else 1)
-                       for k, v in phase.items()}, c, device).peak_gib for phase in phases)
+    scale = c.train.batch_size / traced_batch(c)
+    return max(finish({k: v * (scale if k in PER_SAMPLE else 1) for k, v in phase.items()},
+                      c, device).peak_gib for phase in phases)
 
 
 SEARCHED_FLAGS = {"--tp": 1, "--dp-replicate": 1, "--dp_replicate": 1, "--dp-shard": 1,
@@ -119,7 +157,9 @@ SEARCHED_FLAGS = {"--tp": 1, "--dp-replicate": 1, "--dp_replicate": 1, "--dp-sha
                   "--reshard-after-forward": 1, "--reshard_after_forward": 1,
                   "--batch-size": 1, "--batch_size": 1, "--act-mem-budget": 1,
                   "--act_mem_budget": 1, "--compile": 0, "--no-compile": 0,
-                  "--no-reshard-after-forward": 0}
+                  "--no-reshard-after-forward": 0, "--pp": 1, "--cp": 1,
+                  "--pp-microbatches": 1, "--pp_microbatches": 1, "--pp-schedule": 1,
+                  "--pp_schedule": 1, "--pp-stages-per-rank": 1, "--pp_stages_per_rank": 1}
 
 
 def unsearched(argv: list[str]) -> list[str]:
@@ -143,6 +183,11 @@ def launch_line(c: JobConfig, world: int, base_argv: list[str]) -> str:
              "--dp-shard", str(p.dp_shard), "--ac", p.activation_checkpoint,
              "--loss-impl", c.loss.loss_impl, "--reshard-after-forward",
              p.reshard_after_forward, "--batch-size", str(c.train.batch_size)]
+    if p.pp > 1:
+        flags += ["--pp", str(p.pp), "--pp-schedule", p.pp_schedule,
+                  "--pp-microbatches", str(p.pp_microbatches)]
+    if p.cp > 1:
+        flags += ["--cp", str(p.cp)]
     if p.compile:
         flags += ["--compile", "--act-mem-budget", str(p.act_mem_budget)]
     return f"loom launch -n {world} loom train {shlex.join(flags)}"
@@ -166,7 +211,7 @@ def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: P
                 if time.process_time() - cpu_start > TIME_BUDGET_S:
                     truncated = True
                     break
-                one = replace(c, train=replace(c.train, batch_size=1),
+                one = replace(c, train=replace(c.train, batch_size=traced_batch(c)),
                               parallel=replace(c.parallel, compile=False))
                 traced[key] = [in_gib(b) for b in traced_phases(one, world)]
                 oom = first_oom(traced[key], c, device, device_memory)

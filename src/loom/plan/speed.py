@@ -3,10 +3,11 @@ hide behind compute. An estimate for ranking layouts, not a measurement.
 
 FLOPs come from `loom.flops.count_step_flops` (the unsharded model under fake tensors) at
 reduced depth, extrapolated per block like memory. Every rank does 1/world of them
-(dp splits the batch, tp the matmuls); activation checkpointing adds the recomputed
-forward. Communication volume is derived from the layout: FSDP all-gathers (forward and,
+(dp splits the batch, tp the matmuls, cp the sequence, pp the layers, see
+`predict_step_time` for the pipeline's bubble); activation checkpointing adds the
+recomputed forward. Communication volume is derived from the layout: FSDP all-gathers (forward and,
 when resharding, backward again) and reduce-scatters overlap with compute; tensor and
-expert parallel collectives sit on the critical path.
+expert parallel collectives, cp's K/V all-gathers and pp's sends sit on the critical path.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from loom.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
 from loom.mesh import ParallelDims
 from loom.modeling import model_args, plain_model
 from loom.models.moe import active_param_count
+from loom.parallel.pipeline_plan import bubble_fraction, choose_microbatches, stages_per_rank
 from loom.plan.memory import traced_depths
+from loom.plan.pipeline import compute_share
 from loom.plan.trace import with_layers
 from loom.precision import torch_dtype
 
@@ -114,22 +117,24 @@ def param_count(model_cfg: ModelConfig) -> tuple[int, int]:
     return total, experts
 
 
-def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str) -> tuple[float, float]:
-    """(overlappable FSDP seconds, exposed tp/ep seconds) of one step on one rank."""
+def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
+                 share: float = 1.0) -> tuple[float, float]:
+    """(overlappable FSDP seconds, exposed tp/cp/ep/pp seconds) of one step on one rank
+    holding `share` of the parameters (pipeline: its stages')."""
     p, m = cfg.parallel, cfg.model
     total, experts = param_count(cfg.model)
     param_bytes = 4 if p.dtype == "fp32" else 2
     grad_bytes = 4 if p.dtype == "fp32" or p.reduce_dtype == "fp32" else 2
-    dense = (total - experts) / dims.tp
-    routed = experts / max(1, dims.ep * (dims.tp if dims.etp_enabled else 1))
+    dense = (total - experts) / dims.tp * share
+    routed = experts / max(1, dims.ep * (dims.tp if dims.etp_enabled else 1)) * share
     gathers = 2 if p.reshard_after_forward == "always" else 1
-    shard, shard_ep = dims.dp_shard, dims.dp_shard_mod_ep
+    shard, shard_ep = dims.dp_shard * dims.cp, dims.dp_shard_mod_ep  # FSDP shards over cp too
     fsdp = (dense * (shard - 1) / shard * (gathers * param_bytes + grad_bytes)
             + routed * (shard_ep - 1) / shard_ep * (gathers * param_bytes + grad_bytes))
-    fsdp_s = fsdp / bandwidth(device, dims.dp_shard * dims.tp)
+    fsdp_s = fsdp / bandwidth(device, shard * dims.tp)
     if dims.dp_replicate > 1:  # HSDP: all-reduce of the shard's gradients across replicas
         fsdp_s += 2 * (dense / shard) * grad_bytes / bandwidth(device, dims.world_size)
-    act = cfg.train.batch_size * cfg.data.seq_len * m.dim * param_bytes
+    act = cfg.train.batch_size * cfg.data.seq_len // dims.cp * m.dim * param_bytes
     exposed = 0.0
     if dims.tp > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters per block, x2 bwd
         exposed += m.n_layers * 8 * act * (dims.tp - 1) / dims.tp / bandwidth(device, dims.tp)
@@ -138,10 +143,24 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str) -> tuple[float
         group = dims.ep * dims.tp
         exposed += (moe_layers * 4 * act / dims.tp * m.top_k * (dims.ep - 1) / dims.ep
                     / bandwidth(device, group))
+    if dims.cp_enabled:  # every block all-gathers K and V (and recomputes them under
+        # --ac block); its backward reduce-scatters their gradients
+        passes = 3 if p.activation_checkpoint == "block" else 2
+        kv = cfg.train.batch_size * cfg.data.seq_len * m.n_kv_heads * (m.dim // m.n_heads)
+        exposed += (m.n_layers * passes * 2 * kv / dims.tp * param_bytes * (dims.cp - 1)
+                    / dims.cp / bandwidth(device, dims.cp * dims.tp))
+    if dims.pp_enabled:  # each micro-batch's activation forward, its gradient back, on the
+        # critical path once per schedule slot (M + pp - 1)
+        m_count = choose_microbatches(p, cfg.train.batch_size)
+        exposed += ((m_count + dims.pp - 1) * 2 * act / m_count / dims.tp
+                    / bandwidth(device, dims.world_size))
     return fsdp_s, exposed
 
 
 def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path) -> StepTime:
+    """Compute: FLOPs / (tp x cp) per rank. Under --pp the busiest rank's share of them,
+    stretched by the schedule's bubble: t = t_rank / (1 - (pp - 1) / (v M + pp - 1)),
+    i.e. t_rank (M + pp - 1) / M with one stage per rank (v stages per rank, M micro-batches)."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     dtype = torch_dtype(cfg.parallel.dtype)
     peak, source = device_peak(device, dtype, cache)
@@ -150,8 +169,13 @@ def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path)
     if p.compile:
         extra_forward += (1 - p.act_mem_budget) * BUDGET_RECOMPUTE
     recompute = 1 + extra_forward / 3  # the forward is ~1/3 of a step's FLOPs
-    flops = _flops(cfg) / dims.tp * recompute * cfg.train.grad_accum_steps
-    compute = flops / (peak * EFFICIENCY)
-    fsdp_s, exposed = comm_seconds(cfg, dims, device)
+    share, stretch = 1.0, 1.0
+    if dims.pp_enabled:
+        share = compute_share(cfg)
+        stretch = 1 / (1 - bubble_fraction(dims.pp, stages_per_rank(p),
+                                           choose_microbatches(p, cfg.train.batch_size)))
+    flops = _flops(cfg) / (dims.tp * dims.cp) * share * recompute * cfg.train.grad_accum_steps
+    compute = flops / (peak * EFFICIENCY) * stretch
+    fsdp_s, exposed = comm_seconds(cfg, dims, device, share)
     exposed += max(0.0, fsdp_s - compute)
     return StepTime(compute + exposed, compute, exposed, source)

@@ -10,29 +10,47 @@ pads every shard to the size of the first one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.pipelining import PipelineStage
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.config import JobConfig
-from loom.losses import LossFn, build_loss
+from loom.losses import build_criterion, build_loss
 from loom.mesh import ParallelDims
 from loom.modeling import plain_model
 from loom.optim import build_optimizer, clip_grad_norm
 from loom.parallel.parallelize import parallelize
+from loom.parallel.pipeline import stage_module
+from loom.precision import torch_dtype
 
 Breakdown = dict[str, int]
 """Bytes live at the peak, by FSDPMemTracker category ('Total' excluded)."""
 
 PEAK = "peak"
 """The key of the whole step's peak among the phases `trace_step` returns."""
+MICROBATCH = "microbatch"
+"""The key of the bytes one micro-batch keeps alive from its forward to its backward (its
+activations, and the loss's saved tensors on the last stage): not a phase."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline stage to trace: whether it holds the embedding and the head, the samples
+    of one pipeline micro-batch and how many micro-batches a step has."""
+
+    first: bool
+    last: bool
+    microbatch: int
+    microbatches: int
 
 
 @contextmanager
@@ -45,6 +63,19 @@ def fake_world(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """No warnings from a traced build: they speak of the reduced depth or stage (a stage
+    of the head alone has no blocks to checkpoint), not of the user's flags."""
+    logger = logging.getLogger("loom")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class WorstCaseNonzero(TorchDispatchMode):
@@ -101,10 +132,14 @@ def module_phases(tracker: FSDPMemTracker, n_layers: int) -> dict[str, Breakdown
     return phases
 
 
-def trace_step(cfg: JobConfig, world_size: int) -> dict[str, Breakdown]:
+def trace_step(cfg: JobConfig, world_size: int,
+               stage: Stage | None = None) -> dict[str, Breakdown]:
     """Live bytes of rank 0 in the second training step of `cfg` (a resolved config:
-    effective --loss-impl) at its peak (`PEAK`) and at each FSDP unit's forward and
-    backward peak; needs `fake_world(world_size)` around it.
+    effective --loss-impl) at its peak (`PEAK`), at each FSDP unit's forward and backward
+    peak, and one micro-batch's forward-to-backward bytes (`MICROBATCH`); needs
+    `fake_world(world_size)` around it. With `stage`: one or two micro-batches through that
+    pipeline stage of `cfg`'s blocks (`_stage_step`; its input and output gradient made
+    before the trace, as the pipeline's receive buffers are).
 
     The optimizer step runs outside the tracker: under fake tensors the fused AdamW kernel
     reports out-of-place copies of every state that the real in-place kernel never makes
@@ -114,27 +149,97 @@ def trace_step(cfg: JobConfig, world_size: int) -> dict[str, Breakdown]:
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = plain_model(cfg)
-    parallelize(model, dims, cfg.parallel,
-                loss_parallel=cfg.loss.loss_impl == "loss-parallel", backend="gloo")
+    if stage is not None:
+        n = cfg.model.n_layers
+        model = stage_module(model, range(0 if stage.first else 1, n + 2 if stage.last else n + 1))
+    with quiet():
+        parallelize(model, dims, cfg.parallel,
+                    loss_parallel=cfg.loss.loss_impl == "loss-parallel", backend="gloo")
     with FakeTensorMode(allow_non_fake_inputs=True), WorstCaseNonzero():
         model.to_empty(device="cpu")
         model.init_buffers(torch.device("cpu"))
-        loss_fn = build_loss(cfg.loss, model, dims.tp)
         optimizer = build_optimizer(model, cfg.optim)
-        tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len, dtype=torch.long)
-        forward_backward(model, loss_fn, tokens, cfg.optim.max_grad_norm)
+        step = _stage_step(model, cfg, dims, stage) if stage else _model_step(model, cfg, dims)
+        step(lambda: None, lambda: None)
         optimizer.step()  # creates the optimizer state: the next step is the steady state
         optimizer.zero_grad(set_to_none=True)
         tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((tokens, tokens))
+        n_layers = cfg.model.n_layers
+        after_forward: Breakdown = {}
+
+        def mark() -> None:
+            (now,) = tracker.get_tracker_snapshot().values()
+            after_forward.update(_categories(now))
+
+        first: dict[str, Breakdown] = {}
+
+        def between() -> None:  # the tracker follows one call of each unit: keep, restart
+            first.update({f"{k}|first": b for k, b in module_phases(tracker, n_layers).items()})
+            tracker.reset_mod_stats()
         with tracker:
-            forward_backward(model, loss_fn, tokens, cfg.optim.max_grad_norm)
+            (before,) = tracker.get_tracker_snapshot().values()
+            before = _categories(before)
+            step(mark, between)
         (peak,) = tracker.get_tracker_snapshot("peak").values()
-        return {PEAK: _categories(peak), **module_phases(tracker, cfg.model.n_layers)}
+        kept = {k: after_forward.get(k, 0) - before.get(k, 0) for k in ("Activation", "Temp")}
+        return {PEAK: _categories(peak), MICROBATCH: kept, **first,
+                **module_phases(tracker, n_layers)}
 
 
-def forward_backward(model: torch.nn.Module, loss_fn: LossFn, tokens: torch.Tensor,
-                     max_grad_norm: float) -> None:
-    """`Trainer.train_step` up to the optimizer step, for one micro-batch."""
-    loss_fn(model, tokens, tokens).backward()
-    clip_grad_norm(model.parameters(), max_grad_norm)
+Step = Callable[[Callable[[], None], Callable[[], None]], None]
+"""Forward, the first callback (forward and loss done), backward, clipping; the second
+callback runs between two micro-batches of a pipeline stage."""
+
+
+def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> Step:
+    """`Trainer.train_step` up to the optimizer step, for one micro-batch of this rank's
+    tokens (a 1/cp share of each sequence under context parallel)."""
+    loss_fn = build_loss(cfg.loss, model, dims.tp)
+    tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len // dims.cp, dtype=torch.long)
+
+    def step(forward_done: Callable[[], None], _: Callable[[], None]) -> None:
+        loss = loss_fn(model, tokens, tokens)
+        forward_done()
+        loss.backward()
+        clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
+    return step
+
+
+def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
+                stage: Stage) -> Step:
+    """Micro-batches through a pipeline stage, as torch's schedule runs them: the first
+    stage takes tokens, the others the previous stage's (sequence-sharded) hidden states;
+    the last applies the criterion, the others take their output's gradient. Backward
+    keeps the parameters gathered and the gradients unsharded (torch defers FSDP's
+    reduction to after the last micro-batch, `perform_reduce_grad`), so a second
+    micro-batch, when there is one, runs beside the first one's gradients."""
+    criterion = build_criterion(cfg.loss, getattr(model, "output", None), dims.tp)
+    if stage.last and criterion.hidden:
+        model.hidden_output = True
+    mb, seq, dim = stage.microbatch, cfg.data.seq_len, cfg.model.dim
+    dtype = torch_dtype(cfg.parallel.dtype)
+    tokens = torch.zeros(mb, seq, dtype=torch.long)
+    hidden = torch.zeros(mb, seq // dims.tp, dim, dtype=dtype, requires_grad=True)
+    grad = torch.zeros(mb, seq // dims.tp, dim, dtype=dtype)
+    n_stages = max(3, dist.get_world_size())  # over the default group: it sends nothing
+    index = 0 if stage.first else n_stages - 1 if stage.last else 1
+    pipeline_stage = PipelineStage(model, index, n_stages, torch.device("cpu"))
+
+    def step(forward_done: Callable[[], None], between: Callable[[], None]) -> None:
+        model.set_is_last_backward(False)
+        model.set_reshard_after_backward(False)
+        model.set_requires_gradient_sync(False)
+        for i in range(min(2, stage.microbatches)):  # the second sees the first's gradients
+            if i:
+                between()
+            out = model(tokens if stage.first else hidden)  # kept to its backward, as
+            loss = criterion(out, tokens)[0] if stage.last else None  # the schedule does
+            if i == 0:
+                forward_done()
+            if loss is None:
+                out.backward(grad)
+            else:
+                loss.backward()
+        pipeline_stage.perform_reduce_grad(1)
+        clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
+    return step

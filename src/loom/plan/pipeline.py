@@ -1,0 +1,129 @@
+"""Pipeline parallel in `loom plan`: every pp rank's peak, composed from traces of its stages.
+
+The model is cut where `loom train` cuts it (`balanced_split` of `layer_costs`), and each
+distinct stage (embedding or not, head or not, its block count) is traced for one pipeline
+micro-batch at the real shapes: its parameters, gradients and optimizer state, and that
+micro-batch's forward and backward. A rank's phases are then its traced stage's phases plus
+
+- the other held stages' parameters, gradients and optimizer state (interleaved schedules);
+- the activations of the other micro-batches in flight (`in_flight` - 1 times the bytes
+  one micro-batch keeps from its forward to its backward, the largest of the held stages);
+- torch's receive buffers (`PipelineStage` allocates one per micro-batch for the input
+  activation of every stage but the first and one for the output gradient of every stage
+  but the last, and keeps them; their sizes are exact).
+
+Every rank is checked; the worst phase of any rank is the prediction.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from loom.config import JobConfig, ModelConfig
+from loom.modeling import plain_model
+from loom.parallel.pipeline import layer_costs
+from loom.parallel.pipeline_plan import (
+    balanced_split,
+    choose_microbatches,
+    effective_schedule,
+    stage_indices,
+    stages_per_rank,
+)
+from loom.plan.memory import traced
+from loom.plan.trace import MICROBATCH, PEAK, Breakdown, Stage, with_layers
+from loom.precision import torch_dtype
+
+STATIC = ("Sharded Param", "Sharded Grad", "OptState", "Buffer")
+"""What a held stage keeps between its micro-batches (tracker categories)."""
+
+
+@cache
+def _costs(model: ModelConfig) -> list[float]:
+    with torch.device("meta"):
+        return layer_costs(plain_model(JobConfig(model=model)))
+
+
+def stage_ranges(cfg: JobConfig) -> list[range]:
+    """The units (0: embedding, 1..L: blocks, L + 1: norm and head) of each stage."""
+    return balanced_split(_costs(cfg.model), cfg.parallel.pp * stages_per_rank(cfg.parallel))
+
+
+def compute_share(cfg: JobConfig) -> float:
+    """The busiest pp rank's share of a step's FLOPs. A dense unit's cost is twice its
+    parameters (memory + FLOPs, `layer_costs`), so its FLOPs go as half of it; the
+    embedding (a lookup) has none."""
+    p = cfg.parallel
+    flops = [0.0, *(c / 2 for c in _costs(cfg.model)[1:])]
+    ranges = stage_ranges(cfg)
+    per_rank = [sum(flops[u] for i in stage_indices(r, p.pp, stages_per_rank(p),
+                                                     p.pp_schedule) for u in ranges[i])
+                for r in range(p.pp)]
+    return max(per_rank) / sum(flops)
+
+
+def in_flight(cfg: JobConfig, rank: int) -> int:
+    """Stage forwards whose activations a pp rank holds at its peak: GPipe runs every
+    micro-batch's forward first (M); 1F1B runs pp - rank forwards before its first
+    backward; interleaved 1F1B runs torch's warm-up forwards plus one (chunks of a stage)."""
+    p = cfg.parallel
+    m = choose_microbatches(p, cfg.train.batch_size)
+    schedule = effective_schedule(p.pp_schedule, p.pp, m)
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, p.pp - rank)
+    per_rank = stages_per_rank(p)
+    per_round = m // max(1, m // p.pp)
+    warmup = (per_rank - 1) * per_round + 2 * (p.pp - 1 - rank)
+    return min(warmup + 1, m * per_rank)
+
+
+def buffer_bytes(cfg: JobConfig, first: bool, last: bool) -> int:
+    """A stage's receive buffers: (B/M, T/tp, dim) in the compute dtype per micro-batch, for
+    the input (all but the first stage) and the output's gradient (all but the last)."""
+    p = cfg.parallel
+    m = choose_microbatches(p, cfg.train.batch_size)
+    act = (cfg.train.batch_size // m * (cfg.data.seq_len // p.tp) * cfg.model.dim
+           * torch_dtype(p.dtype).itemsize)
+    return m * act * ((not first) + (not last))
+
+
+def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
+    """Every phase of every pp rank (module doc); needs `fake_world(world_size)`."""
+    p, n = cfg.parallel, cfg.model.n_layers
+    ranges = stage_ranges(cfg)
+    microbatches = choose_microbatches(p, cfg.train.batch_size)
+    microbatch = cfg.train.batch_size // microbatches
+    traces: dict[tuple[bool, bool, int], dict[str, Breakdown]] = {}
+
+    def stage(i: int) -> tuple[dict[str, Breakdown], int]:
+        units = ranges[i]
+        first, last = 0 in units, n + 1 in units
+        blocks = sum(1 for u in units if 1 <= u <= n)
+        key = (first, last, blocks)
+        if key not in traces:
+            traces[key] = traced(with_layers(cfg, blocks), world_size,
+                                 Stage(first, last, microbatch, microbatches))
+        return traces[key], buffer_bytes(cfg, first, last)
+
+    out = []
+    for rank in range(p.pp):
+        held = [stage(i) for i in stage_indices(rank, p.pp, stages_per_rank(p), p.pp_schedule)]
+        kept = max(sum(phases[MICROBATCH].values()) for phases, _ in held)
+        extra = (in_flight(cfg, rank) - 1) * kept
+        buffers = sum(b for _, b in held)
+        for j, (phases, _) in enumerate(held):
+            others = [ph[PEAK] for k, (ph, _) in enumerate(held) if k != j]
+            for name, phase in phases.items():
+                if name == MICROBATCH:
+                    continue
+                total = dict(phase)
+                for other in others:
+                    for kind in STATIC:
+                        total[kind] = total.get(kind, 0) + other.get(kind, 0)
+                total["Activation"] = total.get("Activation", 0) + extra
+                total["Pipeline Buffers"] = buffers
+                out.append(total)
+    return out
