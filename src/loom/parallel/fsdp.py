@@ -32,17 +32,13 @@ def mixed_precision(dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
 def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend: str) -> str:
     """The FSDP2 strategy: routed experts first (under EP), then one unit per plan unit, then
     the root; returns what it did, for the recipe's log line."""
-    reshard = cfg.reshard_after_forward == "always"
-    kwargs = dict(reshard_after_forward=reshard,
+    kwargs = dict(reshard_after_forward=cfg.reshard_after_forward == "always",
                   mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
     if dims.ep_enabled:
         shard_experts(plan.experts, dims, backend, **kwargs)
     units = []
-    planned = plan.fsdp_units()
-    for i, unit in enumerate(planned):
-        # the last unit's backward starts right after its forward: resharding only re-gathers
-        sharded = fully_shard(unit, mesh=dims.fsdp_mesh, mp_policy=kwargs["mp_policy"],
-                              reshard_after_forward=reshard and i < len(planned) - 1)
+    for unit in plan.fsdp_units():
+        sharded = fully_shard(unit, mesh=dims.fsdp_mesh, **kwargs)
         if any(unit is lookup for lookup in plan.lookups):
             sharded.set_unshard_in_backward(False)
         units.append(unit[0] if isinstance(unit, list) else sharded)

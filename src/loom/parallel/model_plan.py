@@ -37,7 +37,7 @@ class ModelPlan:
     after: list[list[nn.Module]] = field(default_factory=list)
     """FSDP2 units before and after the blocks (a list: modules sharded as one unit)."""
     lookups: list[nn.Module] = field(default_factory=list)
-    """Units whose backward needs no weight (embedding tables): never gathered in backward."""
+    """Units whose backward needs no weight (embedding tables): not gathered for backward."""
     experts: list[nn.Module] = field(default_factory=list)
     """Routed experts: data-dependent, so left eager by compile; own dp mesh under EP."""
     tensor_parallel: TensorParallel | None = None
