@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from loom.cli import run_train
-from loom.config import ConfigError, parse_args
 from loom.mesh import MESH_DIMS, ParallelDims
 from loom.models.llama import CausalAttention
 from loom.parallel.context import (
@@ -21,7 +20,6 @@ from loom.parallel.context import (
     sharded_causal_attention,
     unshard_sequence,
 )
-from loom.plan.command import check_supported
 from tests.compare import worst
 
 
@@ -153,8 +151,3 @@ def test_bad_cp_flag_is_one_line_exit_2(tmp_path, capsys, flags, message):
     assert code == 2 and len(lines) == 1 and message in lines[0], (code, lines)
     assert list(tmp_path.iterdir()) == []
 
-
-def test_plan_refuses_cp():
-    """`loom plan` traces whole sequences per rank, so it says it cannot follow --cp."""
-    with pytest.raises(ConfigError, match="loom plan cannot trace context parallel"):
-        check_supported(parse_args(["--model", "debug", "--cp", "2"]))
