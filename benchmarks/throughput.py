@@ -45,9 +45,9 @@ def cores() -> int:
 
 
 def loom_job(name: str, nproc: int, flags: list[str], steps: int, warmup: int,
-             src: str | None = None) -> dict:
+             src: str | None = None, env: dict[str, str] | None = None) -> dict:
     """One fresh `loom train` job; the median post-warm-up step of rank 0's rows."""
-    env = {"OMP_NUM_THREADS": str(max(1, cores() // nproc))}
+    env = {"OMP_NUM_THREADS": str(max(1, cores() // nproc)), **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
         if src:  # another checkout's loom, ahead of this one on the path, with its own cache
             env.update(PYTHONPATH=src, LOOM_CACHE_DIR=str(Path(tmp) / "cache"))
@@ -194,9 +194,13 @@ def bare_jobs(flags: list[str], nprocs: set[int], args: argparse.Namespace
 
 
 def peer_jobs(args: argparse.Namespace) -> dict[str, callable]:
-    """The acceptance figure: 2 ranks of this tree (default --dtype) vs an old checkout."""
+    """The acceptance figure: 2 ranks of this tree (default --dtype) vs an old checkout, and
+    this tree with gloo's own all-gather and reduce-scatter instead of the pairwise ones."""
     jobs = {"loom (this tree), 2 ranks": lambda: loom_job("new", 2, PEER, args.steps,
-                                                          args.warmup)}
+                                                          args.warmup),
+            "loom (this tree, gloo's collectives), 2 ranks": lambda: loom_job(
+                "native", 2, PEER, args.steps, args.warmup,
+                env={"LOOM_GLOO_COLLECTIVES": "native"})}
     if args.old_src:
         jobs["loom (old, --fp32), 2 ranks"] = lambda: loom_job(
             "old", 2, [*PEER, "--fp32"], args.steps, args.warmup, src=args.old_src)

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
+from loom.parallel.gloo_comm import use_pairwise_collectives
 from loom.precision import torch_dtype
 
 if TYPE_CHECKING:
@@ -34,24 +35,28 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
     the root; returns what it did, for the recipe's log line."""
     kwargs = dict(reshard_after_forward=cfg.reshard_after_forward == "always",
                   mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
-    if dims.ep_enabled:
-        shard_experts(plan.experts, dims, backend, **kwargs)
     units = []
+    if dims.ep_enabled:
+        units += shard_experts(plan.experts, dims, backend, **kwargs)
+    dense = []
     for unit in plan.fsdp_units():
         sharded = fully_shard(unit, mesh=dims.fsdp_mesh, **kwargs)
         if any(unit is lookup for lookup in plan.lookups):
             sharded.set_unshard_in_backward(False)
-        units.append(unit[0] if isinstance(unit, list) else sharded)
-    units.append(fully_shard(plan.model, mesh=dims.fsdp_mesh, **kwargs))
+        dense.append(unit[0] if isinstance(unit, list) else sharded)
+    dense.append(fully_shard(plan.model, mesh=dims.fsdp_mesh, **kwargs))
     if cfg.grad_divide_factor:
-        set_gradient_division(units, dims.loss_size, backend, shard_size=dims.dp_shard * dims.cp)
-    return (f"FSDP2 {len(units)} units over "
+        set_gradient_division(dense, dims.loss_size, backend, shard_size=dims.dp_shard * dims.cp)
+    units += dense
+    if backend == "gloo" and cfg.gloo_collectives == "pairwise":
+        use_pairwise_collectives(units)
+    return (f"FSDP2 {len(dense)} units over "
             f"{'HSDP' if dims.dp_replicate_enabled else 'dp_shard'} mesh "
             f"{tuple(dims.fsdp_mesh.shape)}, reshard after forward: {cfg.reshard_after_forward}")
 
 
 def shard_experts(experts: list[nn.Module], dims: ParallelDims, backend: str,
-                  **kwargs: Any) -> None:
+                  **kwargs: Any) -> list[FSDPModule]:
     """Under EP, routed experts are their own FSDP units over dp_shard_mod_ep (even at size
     1, so mixed precision applies). Their gradients are summed over fewer ranks than the
     dense ones but must still be divided by the full dp size, or EP changes the numbers."""
@@ -59,6 +64,7 @@ def shard_experts(experts: list[nn.Module], dims: ParallelDims, backend: str,
     set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard_mod_ep)
     logger.info("FSDP2: %d expert units over mesh %s, gradients divided by dp %d", len(units),
                 tuple(dims.expert_fsdp_mesh.shape), dims.dp_size)
+    return units
 
 
 def set_gradient_division(units: list[FSDPModule], dp_size: int, backend: str, *,
