@@ -71,21 +71,28 @@ def loom_job(name: str, nproc: int, flags: list[str], steps: int, warmup: int,
             "peak_flops": derived["peak_flops"]}
 
 
-def bare_job(flags: list[str], steps: int, warmup: int, threads: int, copies: int = 1) -> dict:
+RETAIN_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+"""glibc's settings of `--host-memory retain`, for a bare loop (set before it starts)."""
+
+
+def bare_job(flags: list[str], steps: int, warmup: int, threads: int, copies: int = 1,
+             retain: bool = False) -> dict:
     """The bare loop in fresh processes (this file with --bare); `copies` > 1 runs that many
     at once, as the ranks of a job share the machine's cores, caches and memory bandwidth,
-    and reports one copy's mean figures."""
+    and reports one copy's mean figures. `retain`: with loom's host-memory settings."""
+    env = {"OMP_NUM_THREADS": str(threads), **(RETAIN_ENV if retain else {})}
     with tempfile.TemporaryDirectory() as tmp:
         job = run_ranks(copies, [__file__, "--bare", "--steps", str(steps), "--warmup",
                                  str(warmup), "--flags", json.dumps(flags)], timeout=1800,
-                        env={"OMP_NUM_THREADS": str(threads)}, cwd=Path(tmp))
+                        env=env, cwd=Path(tmp))
     if not job.ok:
         raise RuntimeError(f"bare loop failed: {job.describe()[-2000:]}")
     results = [json.loads(r.stdout.strip().splitlines()[-1]) for r in job.ranks]
     step_s = statistics.mean(r["step_s"] for r in results)
     tokens = results[0]["tokens_per_s"] * results[0]["step_s"]
     return {"ranks": 1, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "tokens_per_s_per_rank": tokens / step_s, "threads": threads, "copies": copies}
+            "tokens_per_s_per_rank": tokens / step_s, "threads": threads, "copies": copies,
+            "retain": retain}
 
 
 def bare_loop(flags: list[str], steps: int, warmup: int) -> dict:
@@ -136,33 +143,41 @@ def interleaved(jobs: dict[str, callable], rounds: int) -> dict[str, dict]:
             for name, rs in runs.items()}
 
 
+RATIOS = {"vs_bare": (False, False), "vs_bare_at_once": (True, False),
+          "vs_bare_at_once_retained": (True, True)}
+"""Ratio column: (as many bare loops at once as the row has ranks, with retained memory)."""
+
+
 def with_ratios(results: dict[str, dict]) -> list[dict]:
     """Each row's tokens/s per rank over the one-process bare loop at its threads per process
-    (`vs_bare`) and, where measured, over as many bare loops at once as it has ranks."""
-    bare = {(r["threads"], r.get("copies", 1)): r for n, r in results.items()
-            if n.startswith("bare")}
+    (`vs_bare`) and, where measured, over as many bare loops at once as it has ranks, with
+    glibc's defaults and with loom's retained host memory."""
+    bare = {(r["threads"], r.get("copies", 1), r.get("retain", False)): r
+            for n, r in results.items() if n.startswith("bare")}
     out = []
     for name, r in results.items():
         ratios = {}
-        for key, copies in (("vs_bare", 1), ("vs_bare_at_once", r["ranks"])):
-            base = bare.get((r["threads"], copies))
+        for key, (at_once, retain) in RATIOS.items():
+            base = bare.get((r["threads"], r["ranks"] if at_once else 1, retain))
             if base and not name.startswith("bare"):
                 ratios[key] = r["tokens_per_s_per_rank"] / base["tokens_per_s_per_rank"]
-        out.append({**r, "config": name, "vs_bare": ratios.get("vs_bare"),
-                    "vs_bare_at_once": ratios.get("vs_bare_at_once")})
+        out.append({**r, "config": name, **{key: ratios.get(key) for key in RATIOS}})
     return out
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| configuration | ranks | step s | tok/s | tok/s/rank | vs bare | vs bare at once "
-             "| MFU % | vs GEMM | peak mem GiB |", "| --- |" + " ---: |" * 9]
+             "| vs bare at once, retained | MFU % | vs GEMM | peak mem GiB |",
+             "| --- |" + " ---: |" * 10]
     for r in rows:
         opt = {k: (f"{r[k]:{f}}" if r.get(k) is not None else "-")
-               for k, f in (("vs_bare", ".2f"), ("vs_bare_at_once", ".2f"), ("mfu", ".1f"),
+               for k, f in (("vs_bare", ".2f"), ("vs_bare_at_once", ".2f"),
+                            ("vs_bare_at_once_retained", ".2f"), ("mfu", ".1f"),
                             ("vs_gemm", ".3f"), ("peak_mem_gib", ".2f"))}
         lines.append(f"| {r['config']} | {r['ranks']} | {r['step_s']:.3f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_rank']:,.0f} | "
-                     f"{opt['vs_bare']} | {opt['vs_bare_at_once']} | {opt['mfu']} | "
+                     f"{opt['vs_bare']} | {opt['vs_bare_at_once']} | "
+                     f"{opt['vs_bare_at_once_retained']} | {opt['mfu']} | "
                      f"{opt['vs_gemm']} | {opt['peak_mem_gib']} |")
     return "\n".join(lines)
 
@@ -181,26 +196,29 @@ def layout_jobs(args: argparse.Namespace) -> dict[str, callable]:
 def bare_jobs(flags: list[str], nprocs: set[int], args: argparse.Namespace
               ) -> dict[str, callable]:
     """The bare loop at each job size's threads per process: one process alone, and as many
-    at once as the job has ranks."""
+    at once as the job has ranks, with glibc's defaults and with retained host memory."""
     jobs = {}
     for n in sorted(nprocs):
         threads = max(1, cores() // n)
-        for copies in sorted({1, n}):
-            name = f"bare loop, {threads} thread(s)" + (f", {copies} at once" if copies > 1
-                                                        else "")
-            jobs[name] = (lambda t=threads, c=copies:
-                          bare_job(flags, args.steps, args.warmup, t, c))
+        for copies, retain in sorted({(1, False), (n, False), (n, True)}):
+            name = (f"bare loop, {threads} thread(s)" + (f", {copies} at once" if copies > 1
+                                                         else "")
+                    + (", host memory retained" if retain else ""))
+            jobs[name] = (lambda t=threads, c=copies, k=retain:
+                          bare_job(flags, args.steps, args.warmup, t, c, k))
     return jobs
 
 
 def peer_jobs(args: argparse.Namespace) -> dict[str, callable]:
     """The acceptance figure: 2 ranks of this tree (default --dtype) vs an old checkout, and
-    this tree with gloo's own all-gather and reduce-scatter instead of the pairwise ones."""
+    this tree with gloo's own all-gather and reduce-scatter, or with glibc's default malloc."""
     jobs = {"loom (this tree), 2 ranks": lambda: loom_job("new", 2, PEER, args.steps,
                                                           args.warmup),
             "loom (this tree, gloo's collectives), 2 ranks": lambda: loom_job(
                 "native", 2, PEER, args.steps, args.warmup,
-                env={"LOOM_GLOO_COLLECTIVES": "native"})}
+                env={"LOOM_GLOO_COLLECTIVES": "native"}),
+            "loom (this tree, --host-memory release), 2 ranks": lambda: loom_job(
+                "release", 2, [*PEER, "--host-memory", "release"], args.steps, args.warmup)}
     if args.old_src:
         jobs["loom (old, --fp32), 2 ranks"] = lambda: loom_job(
             "old", 2, [*PEER, "--fp32"], args.steps, args.warmup, src=args.old_src)

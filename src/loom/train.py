@@ -21,6 +21,7 @@ from loom.data.loaders import build_dataloader
 from loom.data.streaming import data_state, restore_data_state
 from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
+from loom.host_memory import retain_freed_memory
 from loom.mesh import ParallelDims
 from loom.metrics import RunPlace, build_metrics, environment_facts
 from loom.modeling import model_args, plain_model
@@ -315,5 +316,8 @@ def main(cfg: JobConfig, info: RankInfo) -> None:
     for warning in cfg.warnings:
         logger.warning(warning)
     device = init_distributed(info, collective_timeout_s(cfg.train.comm_timeout_s))
+    if device.type == "cpu" and cfg.train.host_memory == "retain" and retain_freed_memory():
+        logger.info("host memory: freed blocks kept for reuse (--host-memory release: glibc's "
+                    "default)")
     run(cfg, info, device)
     teardown()  # only after success: a failed rank must exit at once, not wait in a barrier

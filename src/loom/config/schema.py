@@ -135,6 +135,10 @@ class TrainConfig:
                                   "skipped steps")
     comm_timeout_s: float = flag(600.0, "end the job when a collective or a whole step "
                                  "makes no progress for this long (a stalled or dead rank)")
+    host_memory: str = flag(
+        "retain", "CPU training: keep freed host memory for the next step (glibc malloc "
+        "without mmap or trimming: faster steps, a higher peak RSS) or release it "
+        "(glibc's default)", choices=("retain", "release"))
 
 
 @dataclass(frozen=True)
