@@ -33,14 +33,18 @@ def mixed_precision(dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
 def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend: str) -> str:
     """The FSDP2 strategy: routed experts first (under EP), then one unit per plan unit, then
     the root; returns what it did, for the recipe's log line."""
-    kwargs = dict(reshard_after_forward=cfg.reshard_after_forward == "always",
+    reshard = cfg.reshard_after_forward == "always"
+    kwargs = dict(reshard_after_forward=reshard,
                   mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
     units = []
     if dims.ep_enabled:
         units += shard_experts(plan.experts, dims, backend, **kwargs)
     dense = []
-    for unit in plan.fsdp_units():
-        sharded = fully_shard(unit, mesh=dims.fsdp_mesh, **kwargs)
+    planned = plan.fsdp_units()
+    for i, unit in enumerate(planned):
+        # the last unit's backward starts right after its forward: resharding only re-gathers
+        sharded = fully_shard(unit, mesh=dims.fsdp_mesh, mp_policy=kwargs["mp_policy"],
+                              reshard_after_forward=reshard and i < len(planned) - 1)
         if any(unit is lookup for lookup in plan.lookups):
             sharded.set_unshard_in_backward(False)
         dense.append(unit[0] if isinstance(unit, list) else sharded)
