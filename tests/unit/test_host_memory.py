@@ -19,10 +19,10 @@ if sys.argv[1] == "retain":
     assert retain_freed_memory()
 def step():  # a 64 MiB and a 32 MiB transient, touched and freed, as a training step's
     torch.empty(16 * 2**20).fill_(1.0) + torch.empty(8 * 2**20).fill_(2.0).sum()
-for _ in range(6):  # the heap grows to a steady size first
+for _ in range(10):  # the heap grows to a steady size first
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+for _ in range(5):
     step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -37,5 +37,6 @@ def faults(mode: str) -> int:
 @pytest.mark.skipif(_glibc() is None, reason="mallopt is glibc's; elsewhere nothing changes")
 def test_retained_memory_is_reused_without_page_faults() -> None:
     release, retain = faults("release"), faults("retain")
-    assert release >= 3 * 16, f"default malloc faulted only {release} pages in 3 steps"
-    assert retain * 10 < release, f"retain: {retain} page faults, release: {release}"
+    assert release >= 5 * 16, f"default malloc faulted only {release} pages in 5 steps"
+    # a margin: the kernel may still reclaim an idle block of the retained heap now and then
+    assert retain * 5 < release, f"retain: {retain} page faults, release: {release}"
