@@ -30,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.harness import run_ranks
 
+from loom.host_memory import TRIM_THRESHOLD
+
 RESULTS = Path(__file__).parent / "results"
 DEBUG = ["--model", "debug", "--dataset", "random"]
 PEER = ["--dim", "256", "--n-layers", "4", "--n-heads", "4", "--n-kv-heads", "4",
@@ -71,7 +73,7 @@ def loom_job(name: str, nproc: int, flags: list[str], steps: int, warmup: int,
             "peak_flops": derived["peak_flops"]}
 
 
-RETAIN_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+RETAIN_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 """glibc's settings of `--host-memory retain`, for a bare loop (set before it starts)."""
 
 

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import sys
-
-logger = logging.getLogger("loom")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -24,7 +21,7 @@ TRIM_THRESHOLD = 2**31 - 1
 an int)."""
 
 
-def _glibc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -37,7 +34,7 @@ def _glibc() -> ctypes.CDLL | None:
 def retain_freed_memory() -> bool:
     """Tell glibc's malloc to reuse freed blocks instead of unmapping them; False where the C
     library is not glibc (nothing is changed there)."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return False
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD,

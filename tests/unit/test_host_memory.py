@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from loom.host_memory import _glibc
+from loom.host_memory import glibc
 
 COUNT_FAULTS = """
 import resource, sys, torch
@@ -34,7 +34,7 @@ def faults(mode: str) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(_glibc() is None, reason="mallopt is glibc's; elsewhere nothing changes")
+@pytest.mark.skipif(glibc() is None, reason="mallopt is glibc's; elsewhere nothing changes")
 def test_retained_memory_is_reused_without_page_faults() -> None:
     release, retain = faults("release"), faults("retain")
     assert release >= 5 * 16, f"default malloc faulted only {release} pages in 5 steps"

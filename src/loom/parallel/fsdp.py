@@ -36,10 +36,8 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
     reshard = cfg.reshard_after_forward == "always"
     kwargs = dict(reshard_after_forward=reshard,
                   mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
+    experts = shard_experts(plan.experts, dims, backend, **kwargs) if dims.ep_enabled else []
     units = []
-    if dims.ep_enabled:
-        units += shard_experts(plan.experts, dims, backend, **kwargs)
-    dense = []
     planned = plan.fsdp_units()
     for i, unit in enumerate(planned):
         # the last unit's backward starts right after its forward: resharding only re-gathers
@@ -47,14 +45,13 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
                               reshard_after_forward=reshard and i < len(planned) - 1)
         if any(unit is lookup for lookup in plan.lookups):
             sharded.set_unshard_in_backward(False)
-        dense.append(unit[0] if isinstance(unit, list) else sharded)
-    dense.append(fully_shard(plan.model, mesh=dims.fsdp_mesh, **kwargs))
+        units.append(unit[0] if isinstance(unit, list) else sharded)
+    units.append(fully_shard(plan.model, mesh=dims.fsdp_mesh, **kwargs))
     if cfg.grad_divide_factor:
-        set_gradient_division(dense, dims.loss_size, backend, shard_size=dims.dp_shard * dims.cp)
-    units += dense
+        set_gradient_division(units, dims.loss_size, backend, shard_size=dims.dp_shard * dims.cp)
     if backend == "gloo" and cfg.gloo_collectives == "pairwise":
-        use_pairwise_collectives(units)
-    return (f"FSDP2 {len(dense)} units over "
+        use_pairwise_collectives([*experts, *units])
+    return (f"FSDP2 {len(units)} units over "
             f"{'HSDP' if dims.dp_replicate_enabled else 'dp_shard'} mesh "
             f"{tuple(dims.fsdp_mesh.shape)}, reshard after forward: {cfg.reshard_after_forward}")
 

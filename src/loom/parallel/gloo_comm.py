@@ -9,12 +9,11 @@ NCCL and the other accelerator backends keep FSDP's own collectives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 
 class _AllOf(dist.Work):
@@ -30,13 +29,16 @@ class _AllOf(dist.Work):
         return True
 
 
-class _Alloc:
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+def _exchange(group: dist.ProcessGroup, sends: list[tuple[torch.Tensor, int]],
+              receives: list[tuple[torch.Tensor, int]]) -> _AllOf:
+    """Post every send and receive at once; peers are ranks within `group`."""
+    ops = [dist.P2POp(op, tensor, dist.get_global_rank(group, peer), group)
+           for op, pairs in ((dist.isend, sends), (dist.irecv, receives))
+           for tensor, peer in pairs]
+    return _AllOf(dist.batch_isend_irecv(ops))
 
 
-class PairwiseAllGather(_Alloc, AllGather):
+class PairwiseAllGather(DefaultAllocMixin, AllGather):
     """Send this rank's shard to every peer and receive theirs into their slots of the output
     (FSDP has already copied this rank's shard into its own slot)."""
 
@@ -44,20 +46,16 @@ class PairwiseAllGather(_Alloc, AllGather):
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
         rank, size = group.rank(), group.size()
         slots = output_tensor.view(size, -1)
-        ops = []
-        for peer in range(size):
-            if peer != rank:
-                global_peer = dist.get_global_rank(group, peer)
-                ops.append(dist.P2POp(dist.isend, input_tensor, global_peer, group))
-                ops.append(dist.P2POp(dist.irecv, slots[peer], global_peer, group))
-        work = _AllOf(dist.batch_isend_irecv(ops))
+        peers = [peer for peer in range(size) if peer != rank]
+        work = _exchange(group, [(input_tensor, peer) for peer in peers],
+                         [(slots[peer], peer) for peer in peers])
         if async_op:
             return work
         work.wait()
         return None
 
 
-class PairwiseReduceScatter(_Alloc, ReduceScatter):
+class PairwiseReduceScatter(DefaultAllocMixin, ReduceScatter):
     """Round k sends the chunk owned by rank r+k and adds the one received from rank r-k.
     The first round receives straight into the output, later ones into the input chunk the
     previous round sent, so no buffer is allocated; FSDP never reads the input again."""
@@ -74,12 +72,8 @@ class PairwiseReduceScatter(_Alloc, ReduceScatter):
             output_tensor.copy_(chunks[0])
         for k in range(1, size):
             into = output_tensor if k == 1 else chunks[(rank + k - 1) % size]
-            for work in dist.batch_isend_irecv([
-                    dist.P2POp(dist.isend, chunks[(rank + k) % size],
-                               dist.get_global_rank(group, (rank + k) % size), group),
-                    dist.P2POp(dist.irecv, into,
-                               dist.get_global_rank(group, (rank - k) % size), group)]):
-                work.wait()
+            _exchange(group, [(chunks[(rank + k) % size], (rank + k) % size)],
+                      [(into, (rank - k) % size)]).wait()
             output_tensor += chunks[rank] if k == 1 else into
         if op == dist.ReduceOp.AVG:
             output_tensor /= size
