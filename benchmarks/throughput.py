@@ -6,9 +6,11 @@
 
 Every configuration is a fresh `loom train` job (random tokens, metrics on); the bare loop
 is one process training the same model with plain AdamW and cross-entropy (no FSDP, no
-metrics): the floor of framework overhead. Configurations run interleaved, round after
-round (A B A B), so a machine whose load changes hurts all of them alike; each figure is
-the best round's median post-warm-up step. Columns per row:
+metrics): the floor of framework overhead. It computes in the precision loom's jobs resolve
+to (`--dtype auto` on this CPU): fp32, or bf16 under `torch.autocast`, the plain-PyTorch way
+to mixed precision; a row is compared only with bare loops of its own precision.
+Configurations run interleaved, round after round (A B A B), so a machine whose load changes
+hurts all of them alike; each figure is the best round's median post-warm-up step. Columns per row:
 
 - tok/s/rank: tokens per step / step time / ranks; `vs bare`: that over the bare loop at
   the same threads per process (a rank's share of the cores).
@@ -60,7 +62,8 @@ def loom_job(name: str, nproc: int, flags: list[str], steps: int, warmup: int,
             raise RuntimeError(f"{name} failed: {job.describe()[-2000:]}")
         run = Path(tmp) / "run"
         rows = [json.loads(line) for line in (run / "metrics-0.jsonl").read_text().splitlines()]
-        derived = json.loads((run / "config.json").read_text()).get("derived", {})
+        config = json.loads((run / "config.json").read_text())
+    derived = config.get("derived", {})
     steady = rows[warmup:]
     dt = statistics.median(r["train/dt"] for r in steady)
     memory = max(r.get("train/mem_alloc_peak", r.get("train/mem_rss_peak", 0.0)) for r in rows)
@@ -69,23 +72,47 @@ def loom_job(name: str, nproc: int, flags: list[str], steps: int, warmup: int,
             "tokens_per_s": rows[0]["train/tokens"] / dt,
             "tokens_per_s_per_rank": rows[0]["train/tokens"] / dt / nproc,
             "mfu": 100 * gemm_s / dt, "vs_gemm": gemm_s / dt, "peak_mem_gib": memory,
-            "threads": max(1, cores() // nproc), "flops_per_rank": derived["flops_per_rank"],
+            "threads": max(1, cores() // nproc), "dtype": run_dtype(config),
+            "flops_per_rank": derived["flops_per_rank"],
             "peak_flops": derived["peak_flops"]}
+
+
+def run_dtype(config: dict) -> str:
+    """A run's compute precision from its config.json (older trees record only `parallel`)."""
+    return (config.get("precision") or {}).get("dtype") or config["parallel"]["dtype"]
 
 
 RETAIN_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 """glibc's settings of `--host-memory retain`, for a bare loop (set before it starts)."""
 
 
+def cpu() -> str:
+    """The CPU the figures were measured on: its name and bf16 evidence."""
+    from loom.flops import cpu_model_name
+    from loom.precision import cpu_bf16_support
+
+    return f"{cpu_model_name()}, {cpu_bf16_support()[1]}"
+
+
+def auto_dtype() -> str:
+    """What `--dtype auto` resolves to on this machine's CPU."""
+    import torch
+
+    from loom.precision import resolve_precision
+
+    return resolve_precision("auto", torch.device("cpu")).dtype
+
+
 def bare_job(flags: list[str], steps: int, warmup: int, threads: int, copies: int = 1,
-             retain: bool = False) -> dict:
+             retain: bool = False, dtype: str = "fp32") -> dict:
     """The bare loop in fresh processes (this file with --bare); `copies` > 1 runs that many
     at once, as the ranks of a job share the machine's cores, caches and memory bandwidth,
     and reports one copy's mean figures. `retain`: with loom's host-memory settings."""
     env = {"OMP_NUM_THREADS": str(threads), **(RETAIN_ENV if retain else {})}
     with tempfile.TemporaryDirectory() as tmp:
         job = run_ranks(copies, [__file__, "--bare", "--steps", str(steps), "--warmup",
-                                 str(warmup), "--flags", json.dumps(flags)], timeout=1800,
+                                 str(warmup), "--dtype", dtype, "--flags", json.dumps(flags)],
+                        timeout=1800,
                         env=env, cwd=Path(tmp))
     if not job.ok:
         raise RuntimeError(f"bare loop failed: {job.describe()[-2000:]}")
@@ -94,11 +121,15 @@ def bare_job(flags: list[str], steps: int, warmup: int, threads: int, copies: in
     tokens = results[0]["tokens_per_s"] * results[0]["step_s"]
     return {"ranks": 1, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_rank": tokens / step_s, "threads": threads, "copies": copies,
-            "retain": retain}
+            "retain": retain, "dtype": dtype}
 
 
-def bare_loop(flags: list[str], steps: int, warmup: int) -> dict:
-    """Plain PyTorch: the same model and optimizer settings, fp32, eager cross-entropy."""
+def bare_loop(flags: list[str], steps: int, warmup: int, dtype: str) -> dict:
+    """Plain PyTorch: the same model and optimizer settings, eager cross-entropy. In bf16, the
+    scheme loom's FSDP uses, written out: fp32 master weights, copied into a bf16 copy of the
+    model each step; its gradients cast back to fp32 for clipping and AdamW."""
+    import copy
+
     import torch
     import torch.nn.functional as F
 
@@ -112,17 +143,29 @@ def bare_loop(flags: list[str], steps: int, warmup: int) -> dict:
     with torch.device("meta"):
         model = Transformer(model_args(cfg))
     init_weights(model, 0, torch.device("cpu"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=True)
+    master = list(model.parameters())
+    work_model = model
+    if dtype == "bf16":
+        work_model = copy.deepcopy(model)
+        for param in work_model.parameters():
+            param.data = param.data.bfloat16()
+    work = list(work_model.parameters())
+    opt = torch.optim.AdamW(master, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     batch, seq, vocab = cfg.train.batch_size, cfg.data.seq_len, cfg.model.vocab_size
     times = []
     for _ in range(steps):
         tokens = torch.randint(vocab, (batch, seq + 1))
         start = time.perf_counter()
-        logits = model(tokens[:, :-1])
+        if work is not master:
+            with torch.no_grad():
+                torch._foreach_copy_(work, master)
+        logits = work_model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if work is not master:
+            for m, w in zip(master, work, strict=True):
+                m.grad, w.grad = w.grad.float(), None
+        torch.nn.utils.clip_grad_norm_(master, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
@@ -154,13 +197,13 @@ def with_ratios(results: dict[str, dict]) -> list[dict]:
     """Each row's tokens/s per rank over the one-process bare loop at its threads per process
     (`vs_bare`) and, where measured, over as many bare loops at once as it has ranks, with
     glibc's defaults and with loom's retained host memory."""
-    bare = {(r["threads"], r.get("copies", 1), r.get("retain", False)): r
+    bare = {(r["threads"], r.get("copies", 1), r.get("retain", False), r["dtype"]): r
             for n, r in results.items() if n.startswith("bare")}
     out = []
     for name, r in results.items():
         ratios = {}
         for key, (at_once, retain) in RATIOS.items():
-            base = bare.get((r["threads"], r["ranks"] if at_once else 1, retain))
+            base = bare.get((r["threads"], r["ranks"] if at_once else 1, retain, r["dtype"]))
             if base and not name.startswith("bare"):
                 ratios[key] = r["tokens_per_s_per_rank"] / base["tokens_per_s_per_rank"]
         out.append({**r, "config": name, **{key: ratios.get(key) for key in RATIOS}})
@@ -192,39 +235,50 @@ def layout_jobs(args: argparse.Namespace) -> dict[str, callable]:
             name = f"{layout}, {mode}"
             jobs[name] = (lambda n=name, p=nproc, f=[*base, *flags, *MODES[mode]]:
                           loom_job(n, p, f, args.steps, args.warmup))
-    return {**jobs, **bare_jobs(base, {n for n, _ in LAYOUTS.values()}, args)}
+    return {**jobs, **bare_jobs(base, {n for n, _ in LAYOUTS.values()}, args, auto_dtype())}
 
 
-def bare_jobs(flags: list[str], nprocs: set[int], args: argparse.Namespace
+def bare_jobs(flags: list[str], nprocs: set[int], args: argparse.Namespace, dtype: str
               ) -> dict[str, callable]:
-    """The bare loop at each job size's threads per process: one process alone, and as many
-    at once as the job has ranks, with glibc's defaults and with retained host memory."""
+    """The bare loop in `dtype` at each job size's threads per process: one process alone,
+    and as many at once as the job has ranks, with glibc's defaults and with retained host
+    memory."""
     jobs = {}
     for n in sorted(nprocs):
         threads = max(1, cores() // n)
         for copies, retain in sorted({(1, False), (n, False), (n, True)}):
-            name = (f"bare loop, {threads} thread(s)" + (f", {copies} at once" if copies > 1
-                                                         else "")
+            name = (f"bare loop, {dtype}, {threads} thread(s)"
+                    + (f", {copies} at once" if copies > 1 else "")
                     + (", host memory retained" if retain else ""))
             jobs[name] = (lambda t=threads, c=copies, k=retain:
-                          bare_job(flags, args.steps, args.warmup, t, c, k))
+                          bare_job(flags, args.steps, args.warmup, t, c, k, dtype))
     return jobs
 
 
 def peer_jobs(args: argparse.Namespace) -> dict[str, callable]:
-    """The acceptance figure: 2 ranks of this tree (default --dtype) vs an old checkout, and
-    this tree with gloo's own all-gather and reduce-scatter, or with glibc's default malloc."""
-    jobs = {"loom (this tree), 2 ranks": lambda: loom_job("new", 2, PEER, args.steps,
-                                                          args.warmup),
-            "loom (this tree, gloo's collectives), 2 ranks": lambda: loom_job(
-                "native", 2, PEER, args.steps, args.warmup,
+    """The acceptance figure, fp32 for both: 2 ranks of this tree vs an old checkout, and this
+    tree with gloo's own all-gather and reduce-scatter, or with glibc's default malloc. On a
+    CPU where `--dtype auto` picks bf16, both trees' defaults (bf16) as well."""
+    fp32 = [*PEER, "--dtype", "fp32"]
+    jobs = {"loom (this tree, fp32), 2 ranks": lambda: loom_job("new", 2, fp32, args.steps,
+                                                                args.warmup),
+            "loom (this tree, fp32, gloo's collectives), 2 ranks": lambda: loom_job(
+                "native", 2, fp32, args.steps, args.warmup,
                 env={"LOOM_GLOO_COLLECTIVES": "native"}),
-            "loom (this tree, --host-memory release), 2 ranks": lambda: loom_job(
-                "release", 2, [*PEER, "--host-memory", "release"], args.steps, args.warmup)}
+            "loom (this tree, fp32, --host-memory release), 2 ranks": lambda: loom_job(
+                "release", 2, [*fp32, "--host-memory", "release"], args.steps, args.warmup)}
     if args.old_src:
         jobs["loom (old, --fp32), 2 ranks"] = lambda: loom_job(
             "old", 2, [*PEER, "--fp32"], args.steps, args.warmup, src=args.old_src)
-    return {**jobs, **bare_jobs(PEER, {2}, args)}
+    jobs.update(bare_jobs(PEER, {2}, args, "fp32"))
+    if auto_dtype() == "bf16":
+        jobs["loom (this tree, bf16 = auto), 2 ranks"] = lambda: loom_job(
+            "new-bf16", 2, PEER, args.steps, args.warmup)
+        if args.old_src:
+            jobs["loom (old, bf16 = default), 2 ranks"] = lambda: loom_job(
+                "old-bf16", 2, PEER, args.steps, args.warmup, src=args.old_src)
+        jobs.update(bare_jobs(PEER, {2}, args, "bf16"))
+    return jobs
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -239,25 +293,27 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--flags", type=json.loads, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="fp32", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
     if args.bare:
-        print(json.dumps(bare_loop(args.flags, args.steps, args.warmup)))
+        print(json.dumps(bare_loop(args.flags, args.steps, args.warmup, args.dtype)))
         return
     start = time.perf_counter()
     jobs = peer_jobs(args) if args.peer else layout_jobs(args)
     rows = with_ratios(interleaved(jobs, args.rounds))
     print(table(rows))
     load = os.getloadavg()[0]
-    print(f"\n{time.perf_counter() - start:.0f} s; {cores()} cores, load average {load:.1f} at "
-          f"the end; best of {args.rounds} interleaved rounds, median of steps {args.warmup + 1}.."
-          f"{args.steps} of each run")
+    print(f"\n{time.perf_counter() - start:.0f} s; {cpu()}; {cores()} cores, load average "
+          f"{load:.1f} at the end; best of {args.rounds} interleaved rounds, median of steps "
+          f"{args.warmup + 1}..{args.steps} of each run")
     out = RESULTS / ("throughput_peer.json" if args.peer else "throughput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "cores": cores(), "load_average_end": load,
+    out.write_text(json.dumps({"rows": rows, "cpu": cpu(), "cores": cores(),
+                               "load_average_end": load,
                                "rounds": args.rounds, "steps": args.steps,
                                "warmup": args.warmup}, indent=1) + "\n")
 
