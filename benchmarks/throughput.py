@@ -78,8 +78,10 @@ def loom_job(name: str, nproc: int, flags: list[str], steps: int, warmup: int,
 
 
 def run_dtype(config: dict) -> str:
-    """A run's compute precision from its config.json (older trees record only `parallel`)."""
-    return (config.get("precision") or {}).get("dtype") or config["parallel"]["dtype"]
+    """A run's compute precision from its config.json (older trees: `parallel.fp32`)."""
+    if "precision" in config:
+        return config["precision"]["dtype"]
+    return "fp32" if config["parallel"]["fp32"] else "bf16"
 
 
 RETAIN_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
