@@ -7,8 +7,8 @@
 Every configuration is a fresh `loom train` job (random tokens, metrics on); the bare loop
 is one process training the same model with plain AdamW and cross-entropy (no FSDP, no
 metrics): the floor of framework overhead. It computes in the precision loom's jobs resolve
-to (`--dtype auto` on this CPU): fp32, or bf16 under `torch.autocast`, the plain-PyTorch way
-to mixed precision; a row is compared only with bare loops of its own precision.
+to (`--dtype auto` on this CPU): fp32, or bf16 with fp32 master weights as FSDP's mixed
+precision does; a row is compared only with bare loops of its own precision.
 Configurations run interleaved, round after round (A B A B), so a machine whose load changes
 hurts all of them alike; each figure is the best round's median post-warm-up step. Columns per row:
 
@@ -114,8 +114,7 @@ def bare_job(flags: list[str], steps: int, warmup: int, threads: int, copies: in
     with tempfile.TemporaryDirectory() as tmp:
         job = run_ranks(copies, [__file__, "--bare", "--steps", str(steps), "--warmup",
                                  str(warmup), "--dtype", dtype, "--flags", json.dumps(flags)],
-                        timeout=1800,
-                        env=env, cwd=Path(tmp))
+                        timeout=1800, env=env, cwd=Path(tmp))
     if not job.ok:
         raise RuntimeError(f"bare loop failed: {job.describe()[-2000:]}")
     results = [json.loads(r.stdout.strip().splitlines()[-1]) for r in job.ranks]

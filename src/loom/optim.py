@@ -54,9 +54,9 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     ops cost ~5% of a small model's step on the CPU. `across` (the pipeline's ranks) holds
     the other parameters, whose squares are summed in.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    groups = _local_by_sharding(p.grad for p in params if p.grad is not None)
     squares = []
-    for (mesh, dims), local in _local_by_sharding(grads).items():
+    for (mesh, dims), local in groups.items():
         square = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32)).square().sum()
         for dim in dims:
             if mesh.size(dim) > 1:
@@ -68,8 +68,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     total = total.sqrt()
     if max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        torch._foreach_mul_(local, coef)
+        torch._foreach_mul_([g for local in groups.values() for g in local], coef)
     return total
 
 
