@@ -1,13 +1,16 @@
 """`loom plan`'s predicted per-rank peak memory vs the measured one, on real CPU ranks.
 
-    python benchmarks/plan_accuracy.py      # 15 configurations on 1, 2 and 4 ranks; 2-8 min
+    python benchmarks/plan_accuracy.py      # 20 configurations on 1, 2 and 4 ranks; 2-10 min
 
 Measured: each configuration trains on real gloo ranks (`--fp32`, random tokens, the debug
-model at seq 128, batch 2); `torch.distributed._tools.FSDPMemTracker` follows the second
-training step (`Trainer.train_step`, optimizer included) and records the peak of live
-tensor bytes; the worst rank counts. Predicted: `loom plan`'s trace of the same flags
-under fake tensors and a fake process group (per-block extrapolation from 1 and 2 blocks;
-pipeline rows: per stage, composed with the schedule's in-flight micro-batches).
+model at seq 128, batch 2; the compiled rows where activations weigh more, seq 512, batch
+4, vocab 2048); `torch.distributed._tools.FSDPMemTracker` follows the second training
+step (`Trainer.train_step`, optimizer included) and records the peak of live tensor bytes
+(compiled rows: the CPU allocator's peak over the step, plus the state alive before it,
+since the tracker cannot see inside compiled code); the worst rank counts. Predicted:
+`loom plan`'s trace of the same flags under fake tensors and a fake process group
+(per-block extrapolation from 1 and 2 blocks; pipeline rows: per stage, composed with the
+schedule's in-flight micro-batches; compiled blocks and loss: `loom.plan.compiled`).
 Both count tensor storages the same way (pipeline rows add torch's receive buffers to the
 measured peak: made in the first step, the tracker of the second cannot see them), so
 the error is what the fake trace, the extrapolation and the composition get wrong.
@@ -41,6 +44,15 @@ CONFIGS: dict[int, list[list[str]]] = {
         ["--pp", "2", "--batch-size", "4", "--loss-impl", "chunked-backward"],
         ["--cp", "2", "--ac", "block", "--loss-impl", "fused-linear"]],
 }
+ACTIVATION_HEAVY = ["--seq-len", "512", "--batch-size", "4", "--vocab-size", "2048"]
+COMPILED: list[tuple[int, list[str]]] = [
+    # Each a job of its own (measured at the allocator, `loom.plan.measure`).
+    (1, ["--loss-impl", "compiled"]),
+    (1, ["--compile", *ACTIVATION_HEAVY]),
+    (1, ["--compile", "--act-mem-budget", "0.5", *ACTIVATION_HEAVY]),
+    (1, ["--compile", "--act-mem-budget", "0.2", "--loss-impl", "compiled", *ACTIVATION_HEAVY]),
+    (2, ["--compile", "--act-mem-budget", "0.5", "--loss-impl", "compiled", *ACTIVATION_HEAVY]),
+]
 
 
 def measure(ranks: int, runs: list[list[str]], outdir: Path) -> list[str]:
@@ -61,6 +73,9 @@ def main() -> None:
         for ranks, runs in CONFIGS.items():
             stdouts = measure(ranks, runs, Path(tmp))
             rows += compare(ranks, [[*BASE, *flags] for flags in runs], stdouts)
+        for i, (ranks, flags) in enumerate(COMPILED):
+            stdouts = measure(ranks, [flags], Path(tmp) / f"compiled-{i}")
+            rows += compare(ranks, [[*BASE, *flags]], stdouts)
     print(f"{'ranks':>5}  {'flags':<58}{'predicted':>10}{'measured':>10}{'error':>8}")
     for row in rows:
         flags = " ".join(row.flags[len(BASE):]) or "(FSDP, eager loss)"

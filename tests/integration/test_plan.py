@@ -21,6 +21,8 @@ HSDP = ["--dp-replicate", "2", "--ac", "block", "--loss-impl", "chunked"]
 TP_FUSED = ["--tp", "2", "--loss-impl", "fused-linear", "--ac", "selective"]
 PP = ["--pp", "2", "--batch-size", "4"]  # 1F1B, 4 micro-batches: rank 0 holds two
 CP = ["--cp", "2"]
+COMPILED = ["--compile", "--act-mem-budget", "0.5", "--loss-impl", "compiled", "--seq-len",
+            "512", "--batch-size", "4", "--vocab-size", "2048"]
 RUNS = [[], HSDP, ["--tp", "2", "--loss-impl", "loss-parallel"], TP_FUSED]
 TOLERANCE = 0.10
 
@@ -39,6 +41,14 @@ def test_predicted_peaks_within_ten_percent_of_measured_on_4_ranks(tmp_path):
     """FSDP, HSDP + block AC + chunked loss, tp + loss-parallel, tp + fused-linear +
     selective AC, on 4 ranks: one launch measures all four."""
     assert_predictions_close(tmp_path, 4, RUNS)
+
+
+@pytest.mark.multirank
+def test_compiled_blocks_and_loss_predicted_within_ten_percent(tmp_path):
+    """--compile at budget 0.5 with the compiled loss, measured at the CPU allocator: the
+    partitioner's saved set and the fused loss, which the eager trace only stands in for.
+    A shape where the blocks' activations outweigh the loss, so the budget shows."""
+    assert_predictions_close(tmp_path, 1, [COMPILED])
 
 
 def assert_predictions_close(tmp_path, ranks: int, runs: list[list[str]]) -> None:

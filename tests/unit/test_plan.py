@@ -1,7 +1,9 @@
-"""`loom plan --search` helpers: the search space and the launch lines it prints."""
+"""`loom plan` helpers: the search space and the launch lines it prints; what --compile
+keeps of a block's activations."""
 
 from loom.config import parse_args
 from loom.mesh import ParallelDims
+from loom.plan.compiled import compiled_block_fraction
 from loom.plan.pipeline import in_flight
 from loom.plan.search import candidates, launch_line, unsearched
 
@@ -55,3 +57,17 @@ def test_in_flight_micro_batches_follow_the_schedule():
     # 2 stages a rank, 4 micro-batches in rounds of pp = 2: (2 - 1) x 2 + 2 (pp - 1 - rank) + 1
     assert flights("--pp", "2", "--pp-schedule", "interleaved-1f1b",
                    "--pp-microbatches", "4") == [5, 3]
+
+
+def test_compiled_block_keeps_less_the_lower_the_budget():
+    """The partitioner's saved set, weighed against eager: below 1 even at budget 1 (the
+    RMSNorm and SiLU intermediates are recomputed), shrinking with the budget; blocks that
+    checkpoint, and runs without --compile, keep what the eager trace saw. The measured
+    counterpart is tests/integration/test_plan.py's compiled row."""
+    base = ["--model", "debug", "--fp32", "--seq-len", "512", "--batch-size", "4",
+            "--vocab-size", "2048"]
+    fractions = [compiled_block_fraction(parse_args([*base, "--compile", "--act-mem-budget",
+                                                     budget])) for budget in ("1", "0.5", "0.2")]
+    assert 1 > fractions[0] > fractions[1] > fractions[2] > 0, fractions
+    assert compiled_block_fraction(parse_args([*base, "--compile", "--ac", "block"])) == 1
+    assert compiled_block_fraction(parse_args(base)) == 1

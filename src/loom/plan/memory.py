@@ -10,8 +10,10 @@ the two traces (the last block as 'last'). Per-block categories (sharded paramet
 gradients, optimizer state, saved activations) grow by the same amount per added block,
 so at full depth they are `at(d) + (L - d) * (at(d + 1) - at(d))`; transient categories
 (gathered parameters and gradients, collective buffers, backward temporaries) hold at
-most the blocks in flight: the larger of the two traces. The predicted peak is the
-largest phase. Models with at most d + 1 blocks are traced whole.
+most the blocks in flight: the larger of the two traces. The blocks' share of each
+phase's activations (blocks x the per-block growth) is kept apart as block activations,
+which --compile shrinks (`loom.plan.compiled`). The predicted peak is the largest phase.
+A stage without blocks is traced whole.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config import JobConfig
+from loom.plan.compiled import compiled_block_fraction
 from loom.plan.trace import MICROBATCH, Breakdown, Stage, trace_step, with_layers
 
 GiB = 2**30
@@ -28,6 +31,7 @@ CATEGORIES = {
     "Sharded Param": "parameters", "Unsharded Param": "parameters", "Buffer": "parameters",
     "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
     "OptState": "optimizer", "Activation": "activations", "Temp": "backward_temps",
+    "Block Activation": "block_activations",  # split off by `extrapolate`
     "All Gather": "fsdp_buffers", "Reduce Scatter": "fsdp_buffers", "Inputs": "inputs",
     "Pipeline Buffers": "pipeline_buffers",  # loom.plan.pipeline's, not the tracker's
 }
@@ -69,6 +73,9 @@ def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int) -> 
     for kind in set(low) | set(high):
         a, b = low.get(kind, 0), high.get(kind, 0)
         out[kind] = max(a, b) if kind in TRANSIENT else max(0, a + (depth - low_depth) * (b - a))
+    per_block = max(0, high.get("Activation", 0) - low.get("Activation", 0))
+    out["Block Activation"] = min(out.get("Activation", 0), depth * per_block)
+    out["Activation"] = out.get("Activation", 0) - out["Block Activation"]
     return out
 
 
@@ -76,7 +83,7 @@ def traced(cfg: JobConfig, world_size: int, stage: Stage | None = None) -> dict[
     """Rank 0's bytes by tracker category in each phase at full depth (module doc), and
     `MICROBATCH`; `stage`: of that pipeline stage with `cfg`'s blocks."""
     low_depth, high_depth = traced_depths(cfg)
-    if cfg.model.n_layers <= high_depth:
+    if cfg.model.n_layers == 0:
         return trace_step(cfg, world_size, stage)
     low = trace_step(with_layers(cfg, low_depth), world_size, stage)
     high = trace_step(with_layers(cfg, high_depth), world_size, stage)
@@ -103,14 +110,11 @@ def in_gib(breakdown: Breakdown) -> dict[str, float]:
 
 
 def finish(gib: dict[str, float], cfg: JobConfig, device_kind: str) -> MemoryPrediction:
-    """An eager phase of `cfg` with --compile's budget applied and the analytic term added.
-
-    Under --compile the partitioner keeps `act_mem_budget` of the saved activations (the
-    budget's definition), so the eager trace's activations are scaled by it (an upper
-    bound: fusion saves less than eager even at budget 1)."""
+    """An eager phase of `cfg` with the blocks' activations as --compile saves them and the
+    analytic term added; block activations fold into `activations`."""
     gib = dict(gib)
-    if cfg.parallel.compile:
-        gib["activations"] *= cfg.parallel.act_mem_budget
+    blocks = gib.pop("block_activations", 0.0)
+    gib["activations"] = gib.get("activations", 0.0) + blocks * compiled_block_fraction(cfg)
     terms = ANALYTIC["cpu" if device_kind == "cpu" else "accelerator"]
     overhead = terms["fragmentation"] * sum(gib.values()) + terms["context_gib"]
     if cfg.parallel.compile:

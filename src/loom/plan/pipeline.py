@@ -111,8 +111,10 @@ def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
     out = []
     for rank in range(p.pp):
         held = [stage(i) for i in stage_indices(rank, p.pp, stages_per_rank(p), p.pp_schedule)]
-        kept = max(sum(phases[MICROBATCH].values()) for phases, _ in held)
-        extra = (in_flight(cfg, rank) - 1) * kept
+        kept = max((phases[MICROBATCH] for phases, _ in held), key=lambda b: sum(b.values()))
+        others_in_flight = in_flight(cfg, rank) - 1
+        extra_blocks = others_in_flight * kept.get("Block Activation", 0)
+        extra = others_in_flight * sum(kept.values()) - extra_blocks
         buffers = sum(b for _, b in held)
         for j, (phases, _) in enumerate(held):
             others = [ph[PEAK] for k, (ph, _) in enumerate(held) if k != j]
@@ -124,6 +126,7 @@ def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
                     for kind in STATIC:
                         total[kind] = total.get(kind, 0) + other.get(kind, 0)
                 total["Activation"] = total.get("Activation", 0) + extra
+                total["Block Activation"] = total.get("Block Activation", 0) + extra_blocks
                 total["Pipeline Buffers"] = buffers
                 out.append(total)
     return out

@@ -34,7 +34,8 @@ from loom.plan.trace import fake_world
 
 TIME_BUDGET_S = 90.0
 TOP = 10
-PER_SAMPLE = ("activations", "backward_temps", "inputs", "pipeline_buffers")
+PER_SAMPLE = ("activations", "block_activations", "backward_temps", "inputs",
+              "pipeline_buffers")
 MICRO_BATCHES = (8, 4, 2, 1)
 AC_MODES = ("none", "selective", "block")
 COMPILE = ((False, 1.0), (True, 0.5))

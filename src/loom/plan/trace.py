@@ -24,12 +24,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.config import JobConfig
-from loom.losses import build_criterion, build_loss
+from loom.losses import Criterion, build_criterion
+from loom.losses.cross_entropy import localise
 from loom.mesh import ParallelDims
 from loom.modeling import plain_model
 from loom.optim import build_optimizer, clip_grad_norm
 from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import stage_module
+from loom.plan.compiled import compiled_loss_memory
 from loom.precision import torch_dtype
 
 Breakdown = dict[str, int]
@@ -98,14 +100,16 @@ def with_layers(cfg: JobConfig, n_layers: int) -> JobConfig:
 
 
 def traceable(cfg: JobConfig) -> JobConfig:
-    """Dynamo cannot compile under the tracker's dispatch modes, so the trace runs eager:
-    compiled blocks as eager blocks (`loom.plan.memory` applies --act-mem-budget), and the
-    compiled loss as chunked-backward, which like it never holds more than one
-    logits-sized buffer for the gradient (their published peaks are equal,
-    ../shared/spec/figures.md; checked on CPU by benchmarks/plan_accuracy.py)."""
-    loss = "chunked-backward" if cfg.loss.loss_impl == "compiled" else cfg.loss.loss_impl
-    return replace(cfg, parallel=replace(cfg.parallel, compile=False),
-                   loss=replace(cfg.loss, loss_impl=loss))
+    """Dynamo cannot compile under the tracker's dispatch modes, so the trace runs eager
+    blocks (`loom.plan.memory` applies what compile saves) and `traced_criterion`."""
+    return replace(cfg, parallel=replace(cfg.parallel, compile=False))
+
+
+def traced_criterion(cfg: JobConfig, head: torch.nn.Module | None, tp: int) -> Criterion:
+    """`build_criterion`, with the compiled loss's memory in place of torch.compile."""
+    if cfg.loss.loss_impl == "compiled":
+        return Criterion(lambda logits, labels: compiled_loss_memory(localise(logits), labels))
+    return build_criterion(cfg.loss, head, tp)
 
 
 def _categories(snapshot: dict) -> Breakdown:
@@ -194,11 +198,12 @@ callback runs between two micro-batches of a pipeline stage."""
 def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> Step:
     """`Trainer.train_step` up to the optimizer step, for one micro-batch of this rank's
     tokens (a 1/cp share of each sequence under context parallel)."""
-    loss_fn = build_loss(cfg.loss, model, dims.tp)
+    criterion = traced_criterion(cfg, getattr(model, "output", None), dims.tp)
     tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len // dims.cp, dtype=torch.long)
 
     def step(forward_done: Callable[[], None], _: Callable[[], None]) -> None:
-        loss = loss_fn(model, tokens, tokens)
+        loss_sum, count = criterion(criterion.forward(model, tokens), tokens)
+        loss = loss_sum / count
         forward_done()
         loss.backward()
         clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
@@ -213,7 +218,7 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
     keeps the parameters gathered and the gradients unsharded (torch defers FSDP's
     reduction to after the last micro-batch, `perform_reduce_grad`), so a second
     micro-batch, when there is one, runs beside the first one's gradients."""
-    criterion = build_criterion(cfg.loss, getattr(model, "output", None), dims.tp)
+    criterion = traced_criterion(cfg, getattr(model, "output", None), dims.tp)
     if stage.last and criterion.hidden:
         model.hidden_output = True
     mb, seq, dim = stage.microbatch, cfg.data.seq_len, cfg.model.dim
