@@ -1,13 +1,15 @@
 """`loom plan`'s predicted per-rank peak memory vs the measured one, on real CPU ranks.
 
-    python benchmarks/plan_accuracy.py      # 20 configurations on 1, 2 and 4 ranks; 2-10 min
+    python benchmarks/plan_accuracy.py      # 25 configurations on 1, 2 and 4 ranks; 3-10 min
 
 Measured: each configuration trains on real gloo ranks (`--fp32`, random tokens, the debug
-model at seq 128, batch 2; the compiled rows where activations weigh more, seq 512, batch
-4, vocab 2048); `torch.distributed._tools.FSDPMemTracker` follows the second training
+model at seq 128, batch 2; the MoE rows moe-debug in bf16, expert parallel traced as
+balanced routing; the compiled rows where activations weigh more, seq 512, batch 4,
+vocab 2048); `torch.distributed._tools.FSDPMemTracker` follows the second training
 step (`Trainer.train_step`, optimizer included) and records the peak of live tensor bytes
-(compiled rows: the CPU allocator's peak over the step, plus the state alive before it,
-since the tracker cannot see inside compiled code); the worst rank counts. Predicted:
+(compiled and interleaved-pipeline rows: the CPU allocator's peak over the step, plus the
+state alive before it, since the tracker cannot see inside compiled code nor follow a rank
+holding several stages); the worst rank counts. Predicted:
 `loom plan`'s trace of the same flags under fake tensors and a fake process group
 (per-block extrapolation from 1 and 2 blocks; pipeline rows: per stage, composed with the
 schedule's in-flight micro-batches; compiled blocks and loss: `loom.plan.compiled`).
@@ -32,21 +34,27 @@ from loom.plan.accuracy import compare
 RESULTS = Path(__file__).parent / "results" / "plan_accuracy.json"
 BASE = ["--model", "debug", "--fp32", "--dataset", "random", "--seq-len", "128",
         "--batch-size", "2", "--max-steps", "2"]
+MOE = ["--model", "moe-debug", "--dtype", "bf16"]  # the plan refuses fp32 experts
 CONFIGS: dict[int, list[list[str]]] = {
     1: [[], ["--ac", "block", "--loss-impl", "chunked-backward"]],
     2: [["--reshard-after-forward", "never"], ["--tp", "2", "--loss-impl", "loss-parallel"],
         ["--loss-impl", "fused-linear"], ["--pp", "2", "--batch-size", "4"],
-        ["--pp", "2", "--pp-schedule", "gpipe", "--batch-size", "4"], ["--cp", "2"]],
+        ["--pp", "2", "--pp-schedule", "gpipe", "--batch-size", "4"], ["--cp", "2"],
+        [*MOE, "--ep", "2"]],
     4: [[], ["--dp-replicate", "2", "--ac", "block", "--loss-impl", "chunked"],
         ["--tp", "2", "--loss-impl", "loss-parallel"],
         ["--tp", "2", "--loss-impl", "fused-linear", "--ac", "selective"],
         ["--ac", "selective", "--loss-impl", "chunked-backward", "--batch-size", "4"],
         ["--pp", "2", "--batch-size", "4", "--loss-impl", "chunked-backward"],
-        ["--cp", "2", "--ac", "block", "--loss-impl", "fused-linear"]],
+        ["--cp", "2", "--ac", "block", "--loss-impl", "fused-linear"],
+        [*MOE, "--ep", "2", "--tp", "2"],
+        [*MOE, "--ep", "4", "--ac", "block", "--loss-impl", "fused-linear"]],
 }
 ACTIVATION_HEAVY = ["--seq-len", "512", "--batch-size", "4", "--vocab-size", "2048"]
-COMPILED: list[tuple[int, list[str]]] = [
-    # Each a job of its own (measured at the allocator, `loom.plan.measure`).
+AT_ALLOCATOR: list[tuple[int, list[str]]] = [
+    # What the tracker cannot follow, each a job of its own (`loom.plan.measure`).
+    (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size", "4"]),
+    (4, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size", "8"]),
     (1, ["--loss-impl", "compiled"]),
     (1, ["--compile", *ACTIVATION_HEAVY]),
     (1, ["--compile", "--act-mem-budget", "0.5", *ACTIVATION_HEAVY]),
@@ -73,8 +81,8 @@ def main() -> None:
         for ranks, runs in CONFIGS.items():
             stdouts = measure(ranks, runs, Path(tmp))
             rows += compare(ranks, [[*BASE, *flags] for flags in runs], stdouts)
-        for i, (ranks, flags) in enumerate(COMPILED):
-            stdouts = measure(ranks, [flags], Path(tmp) / f"compiled-{i}")
+        for i, (ranks, flags) in enumerate(AT_ALLOCATOR):
+            stdouts = measure(ranks, [flags], Path(tmp) / f"alone-{i}")
             rows += compare(ranks, [[*BASE, *flags]], stdouts)
     print(f"{'ranks':>5}  {'flags':<58}{'predicted':>10}{'measured':>10}{'error':>8}")
     for row in rows:

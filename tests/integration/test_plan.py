@@ -20,7 +20,9 @@ BASE = ["--model", "debug", "--fp32", "--dataset", "random", "--seq-len", "128",
 HSDP = ["--dp-replicate", "2", "--ac", "block", "--loss-impl", "chunked"]
 TP_FUSED = ["--tp", "2", "--loss-impl", "fused-linear", "--ac", "selective"]
 PP = ["--pp", "2", "--batch-size", "4"]  # 1F1B, 4 micro-batches: rank 0 holds two
+INTERLEAVED = ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size", "4"]
 CP = ["--cp", "2"]
+EP = ["--model", "moe-debug", "--dtype", "bf16", "--ep", "2"]  # traced as balanced routing
 COMPILED = ["--compile", "--act-mem-budget", "0.5", "--loss-impl", "compiled", "--seq-len",
             "512", "--batch-size", "4", "--vocab-size", "2048"]
 RUNS = [[], HSDP, ["--tp", "2", "--loss-impl", "loss-parallel"], TP_FUSED]
@@ -31,8 +33,8 @@ TOLERANCE = 0.10
 def test_predicted_peaks_within_ten_percent_of_measured_on_2_ranks(tmp_path):
     """HSDP + block AC + chunked loss, tp + fused-linear + selective AC, pipeline parallel
     (per-stage traces, in-flight micro-batches, receive buffers), context parallel (the
-    gathered K/V): one launch."""
-    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP])
+    gathered K/V), expert parallel: one launch."""
+    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP, EP])
 
 
 @pytest.mark.multirank
@@ -49,6 +51,14 @@ def test_compiled_blocks_and_loss_predicted_within_ten_percent(tmp_path):
     partitioner's saved set and the fused loss, which the eager trace only stands in for.
     A shape where the blocks' activations outweigh the loss, so the budget shows."""
     assert_predictions_close(tmp_path, 1, [COMPILED])
+
+
+@pytest.mark.multirank
+def test_interleaved_pipeline_predicted_within_ten_percent(tmp_path):
+    """Two stages a rank, their micro-batches alive in torch's interleaved order (the head
+    stage's logits only while its own micro-batch is in flight), measured at the allocator
+    (the tracker follows one FSDP root)."""
+    assert_predictions_close(tmp_path, 2, [INTERLEAVED])
 
 
 def assert_predictions_close(tmp_path, ranks: int, runs: list[list[str]]) -> None:
@@ -83,8 +93,8 @@ def test_671b_moe_at_2048_ranks_plans_without_allocating():
 @pytest.mark.parametrize("argv, message", [
     (["--world-size", "4", "--device-memory", "lots"], "is not a size"),
     (["--world-size", "3", "--device-memory", "8GiB", "--tp", "2"], "world size 3"),
-    (["--world-size", "4", "--device-memory", "8GiB", "--model", "moe-debug", "--ep", "2"],
-     "expert parallel"),
+    (["--world-size", "4", "--device-memory", "8GiB", "--model", "moe-debug", "--fp32"],
+     "fp32 experts"),
     (["--world-size", "2", "--device-memory", "8GiB", "--model", "moe-debug", "--pp", "2"],
      "mixture-of-experts"),
 ])

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -63,6 +64,11 @@ def expert_order(per_rank: torch.Tensor, total: int) -> torch.Tensor:
     new_starts = new_lens.cumsum(0) - new_lens
     shift = torch.repeat_interleave(starts - new_starts, new_lens, output_size=total)
     return torch.arange(total, device=per_rank.device) + shift
+
+
+def even_splits(rows: int, parts: int) -> list[int]:
+    """`rows` split as evenly as whole rows allow, the larger parts first."""
+    return [rows // parts + (i < rows % parts) for i in range(parts)]
 
 
 def window_counts(counts: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -114,13 +120,18 @@ class TokenDispatcher:
         return local, window_counts(counts, lo, hi), (lo, x.shape[0] - hi)
 
     def _dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple:
-        """Exchange per-expert counts, derive the splits, move the rows, regroup them."""
+        """Exchange per-expert counts, derive the splits, move the rows, regroup them.
+        Fake tensors (`loom plan`'s trace) carry no counts: the routing is taken as
+        balanced, every rank sending an equal share of its rows to each."""
         ep = dist.get_world_size(self.ep_group)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)
         per_rank = received.view(ep, -1)  # [source rank, local expert]
-        input_splits = counts.view(ep, -1).sum(dim=1).tolist()
-        output_splits = per_rank.sum(dim=1).tolist()
+        if is_fake(counts):
+            input_splits = output_splits = even_splits(x.shape[0], ep)
+        else:
+            input_splits = counts.view(ep, -1).sum(dim=1).tolist()
+            output_splits = per_rank.sum(dim=1).tolist()
         x = all_to_all_single_autograd(x, output_splits, input_splits, self.ep_group)
         order = expert_order(per_rank, sum(output_splits))
         return x[order], per_rank.sum(dim=0), (order, input_splits, output_splits)

@@ -26,13 +26,18 @@ from torch.profiler import ProfilerActivity, profile
 from loom.cli import setup_logging
 from loom.config import JobConfig, parse_args
 from loom.mesh import ParallelDims
+from loom.parallel.pipeline_plan import stages_per_rank
 from loom.plan.trace import Breakdown
 from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import Trainer
 
 
-def compiled(cfg: JobConfig) -> bool:
-    return cfg.parallel.compile or cfg.loss.loss_impl == "compiled"
+def at_allocator(cfg: JobConfig) -> bool:
+    """Runs the tracker cannot follow: compiled code, and pipeline ranks holding several
+    stages (the tracker follows one FSDP root)."""
+    p = cfg.parallel
+    return (p.compile or cfg.loss.loss_impl == "compiled"
+            or (p.pp > 1 and stages_per_rank(p) > 1))
 
 
 def measure_step(trainer: Trainer) -> Breakdown:
@@ -42,7 +47,7 @@ def measure_step(trainer: Trainer) -> Breakdown:
     _, _, micro = next(batches)
     trainer.train_step(micro)
     _, _, micro = next(batches)
-    if compiled(trainer.cfg):
+    if at_allocator(trainer.cfg):
         measured = {"Allocated": state_bytes(trainer) + allocator_peak(trainer, micro)}
     else:
         tracker = FSDPMemTracker(trainer.model, trainer.optimizer)
@@ -109,9 +114,8 @@ def main(runs: list[list[str]]) -> None:
     setup_logging(info.rank)
     device = init_distributed(info)
     try:
-        if len(runs) > 1 and any(compiled(parse_args(argv)) for argv in runs):
-            raise ValueError("a compiled run is measured at the allocator: give it a job of "
-                             "its own")
+        if len(runs) > 1 and any(at_allocator(parse_args(argv)) for argv in runs):
+            raise ValueError("a run measured at the allocator needs a job of its own")
         for i, argv in enumerate(runs):
             cfg = parse_args(argv)
             trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),

@@ -6,8 +6,10 @@ micro-batch at the real shapes: its parameters, gradients and optimizer state, a
 micro-batch's forward and backward. A rank's phases are then its traced stage's phases plus
 
 - the other held stages' parameters, gradients and optimizer state (interleaved schedules);
-- the activations of the other micro-batches in flight (`in_flight` - 1 times the bytes
-  one micro-batch keeps from its forward to its backward, the largest of the held stages);
+- the activations of the other micro-batches in flight: the rank's forwards and backwards
+  are walked in torch's order (`schedule_actions`), each forward adding the bytes one
+  micro-batch of its stage keeps until its backward, and the most alive beside the
+  forward just run is added;
 - torch's receive buffers (`PipelineStage` allocates one per micro-batch for the input
   activation of every stage but the first and one for the output gradient of every stage
   but the last, and keeps them; their sizes are exact).
@@ -63,21 +65,61 @@ def compute_share(cfg: JobConfig) -> float:
     return max(per_rank) / sum(flops)
 
 
-def in_flight(cfg: JobConfig, rank: int) -> int:
-    """Stage forwards whose activations a pp rank holds at its peak: GPipe runs every
-    micro-batch's forward first (M); 1F1B runs pp - rank forwards before its first
-    backward; interleaved 1F1B runs torch's warm-up forwards plus one (chunks of a stage)."""
+Action = tuple[int, bool]
+"""(the rank's local stage, forward?) for one micro-batch."""
+
+
+def schedule_actions(cfg: JobConfig, rank: int) -> list[Action]:
+    """A pp rank's stage computations in torch's order. GPipe: every forward, then every
+    backward. 1F1B and interleaved 1F1B: warm-up forwards, then a forward and a backward
+    at a time, then the remaining backwards; interleaved runs rounds of micro-batches
+    through its stages in turn (forwards in stage order, backwards in reverse), with
+    (v - 1) rounds + 2 (pp - 1 - rank) warm-up forwards."""
     p = cfg.parallel
     m = choose_microbatches(p, cfg.train.batch_size)
     schedule = effective_schedule(p.pp_schedule, p.pp, m)
     if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(m, p.pp - rank)
-    per_rank = stages_per_rank(p)
-    per_round = m // max(1, m // p.pp)
-    warmup = (per_rank - 1) * per_round + 2 * (p.pp - 1 - rank)
-    return min(warmup + 1, m * per_rank)
+        return [(0, True)] * m + [(0, False)] * m
+    v = stages_per_rank(p)
+    per_round = m // max(1, m // p.pp) if v > 1 else m
+    total = m * v
+    warmup = min(total, (v - 1) * per_round + 2 * (p.pp - 1 - rank) if v > 1
+                 else p.pp - rank - 1)
+
+    def forward(k: int) -> Action:
+        return (k // per_round) % v, True
+
+    def backward(k: int) -> Action:
+        return v - 1 - (k // per_round) % v, False
+
+    steady = [a for k in range(warmup, total) for a in (forward(k), backward(k - warmup))]
+    return ([forward(k) for k in range(warmup)] + steady
+            + [backward(k) for k in range(total - warmup, total)])
+
+
+def in_flight(cfg: JobConfig, rank: int) -> int:
+    """The most micro-batch forwards a pp rank holds at once (their backwards not run)."""
+    live = peak = 0
+    for _, is_forward in schedule_actions(cfg, rank):
+        live += 1 if is_forward else -1
+        peak = max(peak, live)
+    return peak
+
+
+def others_alive(cfg: JobConfig, rank: int, kept: list[Breakdown]) -> Breakdown:
+    """The most bytes the rank's other micro-batches keep beside the forward just run
+    (`kept[s]`: what one micro-batch of local stage s keeps until its backward)."""
+    live: Breakdown = {}
+    best: Breakdown = {}
+    for stage, is_forward in schedule_actions(cfg, rank):
+        sign = 1 if is_forward else -1
+        for kind, nbytes in kept[stage].items():
+            live[kind] = live.get(kind, 0) + sign * nbytes
+        if is_forward:
+            beside = {k: b - kept[stage].get(k, 0) for k, b in live.items()}
+            if sum(beside.values()) > sum(best.values()):
+                best = beside
+    return best
 
 
 def buffer_bytes(cfg: JobConfig, first: bool, last: bool) -> int:
@@ -111,10 +153,9 @@ def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
     out = []
     for rank in range(p.pp):
         held = [stage(i) for i in stage_indices(rank, p.pp, stages_per_rank(p), p.pp_schedule)]
-        kept = max((phases[MICROBATCH] for phases, _ in held), key=lambda b: sum(b.values()))
-        others_in_flight = in_flight(cfg, rank) - 1
-        extra_blocks = others_in_flight * kept.get("Block Activation", 0)
-        extra = others_in_flight * sum(kept.values()) - extra_blocks
+        beside = others_alive(cfg, rank, [phases[MICROBATCH] for phases, _ in held])
+        extra_blocks = beside.get("Block Activation", 0)
+        extra = sum(beside.values()) - extra_blocks
         buffers = sum(b for _, b in held)
         for j, (phases, _) in enumerate(held):
             others = [ph[PEAK] for k, (ph, _) in enumerate(held) if k != j]
