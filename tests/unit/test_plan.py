@@ -71,3 +71,14 @@ def test_compiled_block_keeps_less_the_lower_the_budget():
     assert 1 > fractions[0] > fractions[1] > fractions[2] > 0, fractions
     assert compiled_block_fraction(parse_args([*base, "--compile", "--ac", "block"])) == 1
     assert compiled_block_fraction(parse_args(base)) == 1
+
+
+def test_moe_candidates_search_expert_parallel_and_print_it():
+    base = ["--model", "moe-debug", "--dtype", "bf16", "--seq-len", "128"]
+    found = candidates(parse_args(base), 4)
+    assert {c.parallel.ep for c in found} == {1, 2, 4}  # dividing dp_shard and 8 experts
+    assert all(c.parallel.dp_shard % c.parallel.ep == 0 for c in found)
+    for c in [c for c in found if c.parallel.ep > 1][::50]:
+        line = launch_line(c, 4, [*base, "--ep", "8"])
+        back = parse_args(line.split(" loom train ", 1)[1].split())
+        assert back.parallel == c.parallel, line

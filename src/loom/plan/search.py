@@ -2,13 +2,14 @@
 
 Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, cp 1-8 where the sequence
 splits, pp 1-8 where the blocks split evenly, >= 2 a stage, with 1F1B at pp or 2 pp
-micro-batches, dp_shard the rest; ep 1, see `check_supported`) and knobs (--ac,
+micro-batches, dp_shard the rest; MoE models: ep 1-64 dividing dp_shard and the experts)
+and knobs (--ac,
 --reshard-after-forward, micro-batch 1-8, off or --compile at budget 0.5; --loss-impl
 fused-linear, see `LOSSES`; chunked-backward for pp with tp, which cannot take the fused
 head yet). Candidates are visited fastest first (the step-time estimate needs no trace);
 one that a traced, lighter configuration already rules out is skipped untraced
-(`ruled_out`). Memory depends on (tp, dp_shard, ac, loss, reshard, pp, micro-batches, cp)
-only, so each such key is traced once at one sample per (pipeline) micro-batch; in every
+(`ruled_out`). Memory depends on (tp, dp_shard, ac, loss, reshard, pp, micro-batches, cp,
+ep) only, so each such key is traced once at one sample per (pipeline) micro-batch; in every
 phase of that trace the batch-proportional categories (activations, backward temporaries,
 inputs, pipeline buffers) are scaled by the samples per micro-batch, and the largest phase
 counts; the compile budget and the analytic term are applied as in `loom plan`. Run `loom
@@ -53,6 +54,13 @@ def pipeline_degrees(cfg: JobConfig, rest: int) -> list[int]:
     return [pp for pp in (1, 2, 4, 8) if rest % pp == 0 and n % pp == 0 and n >= 2 * pp]
 
 
+def expert_degrees(cfg: JobConfig, shard: int) -> list[int]:
+    """ep degrees worth searching: dividing the dp_shard ranks it borrows and the experts."""
+    n = cfg.model.n_experts
+    return [ep for ep in (1, 2, 4, 8, 16, 32, 64) if shard % ep == 0 and n % ep == 0] \
+        if n else [1]
+
+
 def layouts(cfg: JobConfig, world: int) -> list[tuple[int, int, int, int, int]]:
     """(tp, dp_replicate, pp, cp, dp_shard) with tp up to a node."""
     out = []
@@ -79,11 +87,11 @@ def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
                               MICRO_BATCHES, COMPILE):
         # pp with tp cannot take the fused head yet (validate_pipeline)
         loss = "chunked-backward" if pp > 1 and tp > 1 else LOSSES[0]
-        for m in microbatch_counts(pp, mb):
+        for m, ep in itertools.product(microbatch_counts(pp, mb), expert_degrees(cfg, shard)):
             p = replace(cfg.parallel, tp=tp, dp_replicate=replicate, dp_shard=shard, pp=pp,
                         cp=cp, pp_microbatches=m, pp_schedule="1f1b", pp_stages_per_rank=0,
                         activation_checkpoint=ac, reshard_after_forward=reshard,
-                        compile=compiled, act_mem_budget=budget)
+                        compile=compiled, act_mem_budget=budget, ep=ep, etp=1)
             c = replace(cfg, parallel=p, loss=replace(cfg.loss, loss_impl=loss),
                         train=replace(cfg.train, batch_size=mb))
             try:
@@ -105,7 +113,7 @@ def ruled_out(c: JobConfig, oom_from: dict[tuple, int]) -> bool:
     p = c.parallel
     for (tp, shard, ac, loss, reshard, *pipeline), mb in oom_from.items():
         if (tp == p.tp and shard >= p.dp_shard and loss == c.loss.loss_impl
-                and pipeline == [p.pp, p.pp_microbatches, p.cp]
+                and pipeline == [p.pp, p.pp_microbatches, p.cp, p.ep]
                 and AC_SAVING[ac] >= AC_SAVING[p.activation_checkpoint]
                 and (reshard == "always" or reshard == p.reshard_after_forward)
                 and mb <= c.train.batch_size):
@@ -136,7 +144,7 @@ def global_tokens(c: JobConfig, world: int) -> int:
 def memory_key(c: JobConfig) -> tuple:
     p = c.parallel
     return (p.tp, p.dp_shard, p.activation_checkpoint, c.loss.loss_impl, p.reshard_after_forward,
-            p.pp, p.pp_microbatches, p.cp)
+            p.pp, p.pp_microbatches, p.cp, p.ep)
 
 
 def traced_batch(c: JobConfig) -> int:
@@ -160,7 +168,8 @@ SEARCHED_FLAGS = {"--tp": 1, "--dp-replicate": 1, "--dp_replicate": 1, "--dp-sha
                   "--act_mem_budget": 1, "--compile": 0, "--no-compile": 0,
                   "--no-reshard-after-forward": 0, "--pp": 1, "--cp": 1,
                   "--pp-microbatches": 1, "--pp_microbatches": 1, "--pp-schedule": 1,
-                  "--pp_schedule": 1, "--pp-stages-per-rank": 1, "--pp_stages_per_rank": 1}
+                  "--pp_schedule": 1, "--pp-stages-per-rank": 1, "--pp_stages_per_rank": 1,
+                  "--ep": 1, "--etp": 1}
 
 
 def unsearched(argv: list[str]) -> list[str]:
@@ -189,6 +198,8 @@ def launch_line(c: JobConfig, world: int, base_argv: list[str]) -> str:
                   "--pp-microbatches", str(p.pp_microbatches)]
     if p.cp > 1:
         flags += ["--cp", str(p.cp)]
+    if p.ep > 1:
+        flags += ["--ep", str(p.ep)]
     if p.compile:
         flags += ["--compile", "--act-mem-budget", str(p.act_mem_budget)]
     return f"loom launch -n {world} loom train {shlex.join(flags)}"
