@@ -83,6 +83,13 @@ def planned_dtype(requested: str, device: str) -> str:
     return "bf16"
 
 
+def planned_collectives(requested: str, device: str) -> str:
+    """FSDP's collectives as a run on `device` makes them: accelerator backends keep torch's
+    own; on CPU, gloo takes loom's pairwise exchange unless the user turned it off. (Traced
+    pairwise at 2048 fake ranks, every collective is 2047 sends: 110 s for moe-671b.)"""
+    return requested if device == "cpu" else "native"
+
+
 def check_supported(cfg: JobConfig) -> None:
     """What the fake trace cannot follow yet, said before any work."""
     m, p = cfg.model, cfg.parallel
@@ -133,8 +140,10 @@ def main(argv: Sequence[str]) -> int:
             raise ConfigError(f"--world-size must be >= 1, got {options.world_size}")
         device_memory = parse_size(options.device_memory)
         cfg = parse_args(train_argv)
-        dtype = planned_dtype(cfg.parallel.dtype, options.device)
-        cfg = replace(cfg, parallel=replace(cfg.parallel, dtype=dtype))
+        p = cfg.parallel
+        cfg = replace(cfg, parallel=replace(
+            p, dtype=planned_dtype(p.dtype, options.device),
+            gloo_collectives=planned_collectives(p.gloo_collectives, options.device)))
         ParallelDims.from_config(cfg.parallel, options.world_size)
         check_supported(cfg)
         cfg = resolve_loss_impl(cfg)
