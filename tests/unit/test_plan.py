@@ -4,6 +4,7 @@ keeps of a block's activations."""
 from loom.config import parse_args
 from loom.mesh import ParallelDims
 from loom.plan.compiled import compiled_block_fraction
+from loom.plan.memory import extrapolate
 from loom.plan.pipeline import in_flight
 from loom.plan.search import candidates, launch_line, unsearched
 
@@ -82,3 +83,17 @@ def test_moe_candidates_search_expert_parallel_and_print_it():
         line = launch_line(c, 4, [*base, "--ep", "8"])
         back = parse_args(line.split(" loom train ", 1)[1].split())
         assert back.parallel == c.parallel, line
+
+
+def test_extrapolation_grows_activations_by_at_most_one_block_each():
+    """A phase whose activations differ between the traces by more than a block saves (its
+    position moved, or a unit's buffers were still held) grows by what a block saves; one
+    that shrank does not shrink further; static state grows linearly."""
+    low = {"Activation": 10, "OptState": 4, "Temp": 7}
+    high = {"Activation": 110, "OptState": 6, "Temp": 5}
+    out = extrapolate(low, high, 1, 9, block_saves=3)
+    assert out["Activation"] + out["Block Activation"] == 10 + 8 * 3
+    assert out["Block Activation"] == 9 * 3
+    assert out["OptState"] == 4 + 8 * 2 and out["Temp"] == 7
+    shrank = extrapolate({"Activation": 10}, {"Activation": 8}, 1, 9, block_saves=3)
+    assert shrank["Activation"] + shrank["Block Activation"] == 10

@@ -10,7 +10,8 @@ the two traces (the last block as 'last'). Per-block categories (sharded paramet
 gradients, optimizer state, saved activations) grow by the same amount per added block,
 so at full depth they are `at(d) + (L - d) * (at(d + 1) - at(d))`; transient categories
 (gathered parameters and gradients, collective buffers, backward temporaries) hold at
-most the blocks in flight: the larger of the two traces. The blocks' share of each
+most the blocks in flight: the larger of the two traces. Activations grow per block by at
+most what one block saves for its backward (`extrapolate`). The blocks' share of each
 phase's activations (blocks x the per-block growth) is kept apart as block activations,
 which --compile shrinks (`loom.plan.compiled`). The predicted peak is the largest phase.
 A stage without blocks is traced whole.
@@ -68,12 +69,19 @@ def traced_depths(cfg: JobConfig) -> tuple[int, int]:
 TRANSIENT = {"Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Temp"}
 
 
-def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int) -> Breakdown:
+def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int,
+                block_saves: int) -> Breakdown:
+    """One phase at `depth` blocks. A block adds between nothing and what it saves for its
+    backward (`block_saves`) to the activations alive at any point of the step; a larger
+    difference between the traces means their phases sit at different points (a peak that
+    moved, a unit's buffers still held), not growth, and is clamped."""
     out = {}
     for kind in set(low) | set(high):
         a, b = low.get(kind, 0), high.get(kind, 0)
+        if kind == "Activation":
+            b = a + min(max(b - a, 0), block_saves)
         out[kind] = max(a, b) if kind in TRANSIENT else max(0, a + (depth - low_depth) * (b - a))
-    per_block = max(0, high.get("Activation", 0) - low.get("Activation", 0))
+    per_block = min(max(0, high.get("Activation", 0) - low.get("Activation", 0)), block_saves)
     out["Block Activation"] = min(out.get("Activation", 0), depth * per_block)
     out["Activation"] = out.get("Activation", 0) - out["Block Activation"]
     return out
@@ -87,7 +95,9 @@ def traced(cfg: JobConfig, world_size: int, stage: Stage | None = None) -> dict[
         return trace_step(cfg, world_size, stage)
     low = trace_step(with_layers(cfg, low_depth), world_size, stage)
     high = trace_step(with_layers(cfg, high_depth), world_size, stage)
-    return {name: extrapolate(low[name], high[name], low_depth, cfg.model.n_layers)
+    block_saves = max(0, high[MICROBATCH].get("Activation", 0)
+                      - low[MICROBATCH].get("Activation", 0))
+    return {name: extrapolate(low[name], high[name], low_depth, cfg.model.n_layers, block_saves)
             for name in low.keys() & high.keys()}
 
 
