@@ -19,6 +19,7 @@ import json
 import sys
 
 import torch
+from torch._C._profiler import _ExtraFields_Allocation
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
@@ -68,7 +69,7 @@ def allocator_peak(trainer: Trainer, micro: list) -> int:
     while stack:
         node = stack.pop()
         stack.extend(node.children)
-        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+        if isinstance(node.extra_fields, _ExtraFields_Allocation):
             events.append((node.start_time_ns, node.extra_fields.total_allocated,
                            node.extra_fields.alloc_size))
     events.sort()
