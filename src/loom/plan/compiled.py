@@ -107,14 +107,10 @@ def _compiled_saved_bytes(block: nn.Module, x: torch.Tensor, rope: torch.Tensor,
         weights = dict(zip(names, args[:len(names)], strict=True))
         return torch.func.functional_call(block, weights, args[len(names):])
 
-    before = functorch_config.activation_memory_budget
-    functorch_config.activation_memory_budget = budget
-    try:
+    with functorch_config.patch(activation_memory_budget=budget):
         aot_function(call, fw_compiler=keep_forward, bw_compiler=lambda gm, _: gm,
                      decompositions=select_decomp_table(),
                      partition_fn=inductor_partition)(*params, x, rope)
-    finally:
-        functorch_config.activation_memory_budget = before
     (graph,) = forward_graphs
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     weights = set(placeholders[:len(params)])
