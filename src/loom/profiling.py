@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity
+from torch.profiler import ProfilerActivity, profile
 
 logger = logging.getLogger("loom")
 
@@ -129,3 +129,17 @@ def maybe_profile(profile: bool, pyinstrument: bool, outdir: Path, rank: int,
             yield stack.enter_context(torch_profile(outdir, rank, total_steps, verbose))
         else:
             yield NoProfiler()
+
+
+def peak_live_bytes(prof: profile) -> int:
+    """Most bytes live at once during a `profile(profile_memory=True)` region, from the
+    profiler's raw allocation (+) and free (-) records in time order (its per-op view folds
+    allocations into the ops, losing their order). Frees of tensors made before the region
+    count as nothing."""
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in records:
+        live += nbytes
+        peak = max(peak, live)
+    return peak

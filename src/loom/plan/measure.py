@@ -6,11 +6,12 @@ same thing: bytes of live tensor storages per category at the step's peak.
 
 Compiled code allocates outside the dispatcher, where the tracker cannot see it. A step of
 a run with --compile or the compiled loss is measured at the CPU allocator instead: the
-profiler's memory events carry the allocator's running total, whose peak over the step
-plus the state alive before it (parameters, gradients, optimizer state, buffers) is the
-peak. On eager runs the two ways agree to 0.01 MiB (benchmarks/plan_accuracy.py). The
-allocator's running total counts exactly only in a process's first profiled step, so such
-a run must be the only one of its job.
+profiler's allocation and free records are summed in time order, and their peak over the
+step plus the state alive before it (parameters, gradients, optimizer state, buffers) is
+the peak. On eager runs the two ways agree to 0.01 MiB (benchmarks/plan_accuracy.py). The
+allocator's records of a free are exact only in a process's first profiled step (a later
+one can be credited with a block an earlier one recorded), so such a run must be the only
+one of its job.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import sys
 
 import torch
-from torch._C._profiler import _ExtraFields_Allocation
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
@@ -29,6 +29,7 @@ from loom.config import JobConfig, parse_args
 from loom.mesh import ParallelDims
 from loom.parallel.pipeline_plan import stages_per_rank
 from loom.plan.trace import Breakdown
+from loom.profiling import peak_live_bytes
 from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import Trainer
 
@@ -65,16 +66,7 @@ def allocator_peak(trainer: Trainer, micro: list) -> int:
     when the step began."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.train_step(micro)
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if isinstance(node.extra_fields, _ExtraFields_Allocation):
-            events.append((node.start_time_ns, node.extra_fields.total_allocated,
-                           node.extra_fields.alloc_size))
-    events.sort()
-    _, total, size = events[0]
-    return max(t for _, t, _ in events) - (total - size)
+    return peak_live_bytes(prof)
 
 
 def state_bytes(trainer: Trainer) -> int:
