@@ -34,6 +34,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
+from loom.precision import default_dtype
+
 logger = logging.getLogger("loom")
 
 PROBE_TOKENS = 32
@@ -87,20 +89,12 @@ def _train_step_flops(model: nn.Module, tokens: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
-def build_in_bf16(build_model: Callable[[], nn.Module]) -> nn.Module:
+def _fake_count(build_model: Callable[[], nn.Module], batch: int, seq: int) -> float:
     """bf16 parameters, so MoE experts take the grouped matmul (FLOPs do not depend on the
     dtype; the fp32 expert loop reads routing counts on the host, which fake tensors cannot)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        return build_model()
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def _fake_count(build_model: Callable[[], nn.Module], batch: int, seq: int) -> float:
     with FakeTensorMode():
-        model = build_in_bf16(build_model)
+        with default_dtype(torch.bfloat16):
+            model = build_model()
         return float(_train_step_flops(model, torch.zeros(batch, seq, dtype=torch.long)))
 
 

@@ -6,6 +6,8 @@ bf16 (AVX2-only x86) a bf16 matmul is 10-50x slower than fp32, so `auto` picks f
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +72,18 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
 def describe(dtype: str, reduce_dtype: str) -> str:
     """The wrapper log lines' precision phrase."""
     return "fp32" if dtype == "fp32" else f"bf16 params, {reduce_dtype} reduce"
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters built inside come out in `dtype` (torch's process-wide default, restored
+    after)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def torch_dtype(dtype: str) -> torch.dtype:

@@ -19,8 +19,6 @@ Both were checked against allocator-level measurements of real compiled CPU step
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch._functorch.config as functorch_config
@@ -34,7 +32,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from loom.config import JobConfig, ModelConfig
 from loom.modeling import plain_model
 from loom.parallel.pipeline_plan import choose_microbatches
-from loom.precision import torch_dtype
+from loom.precision import default_dtype, torch_dtype
 
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,
           torch.ops.aten.alias.default, torch.ops.aten.transpose.int,
@@ -59,7 +57,7 @@ def compiled_block_fraction(cfg: JobConfig) -> float:
 
 @functools.cache
 def _fraction(model: ModelConfig, batch: int, seq_len: int, dtype: str, budget: float) -> float:
-    with _default_dtype(torch_dtype(dtype)), torch.device("meta"):
+    with default_dtype(torch_dtype(dtype)), torch.device("meta"):
         transformer = plain_model(JobConfig(model=model))
     block = next(iter(transformer.layers.values()))
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -67,16 +65,6 @@ def _fraction(model: ModelConfig, batch: int, seq_len: int, dtype: str, budget: 
         x = torch.empty(batch, seq_len, model.dim, dtype=torch_dtype(dtype), requires_grad=True)
         rope = torch.empty(transformer.rope.shape, dtype=transformer.rope.dtype)
         return _compiled_saved_bytes(block, x, rope, budget) / _eager_saved_bytes(block, x, rope)
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 def _eager_saved_bytes(block: nn.Module, x: torch.Tensor, rope: torch.Tensor) -> int:
