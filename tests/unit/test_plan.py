@@ -5,7 +5,7 @@ from loom.config import parse_args
 from loom.mesh import ParallelDims
 from loom.plan.compiled import compiled_block_fraction
 from loom.plan.memory import extrapolate
-from loom.plan.pipeline import in_flight
+from loom.plan.pipeline import schedule_actions
 from loom.plan.search import candidates, launch_line, unsearched
 
 
@@ -47,6 +47,13 @@ def test_candidates_are_valid_and_their_launch_lines_parse_back():
 def test_in_flight_micro_batches_follow_the_schedule():
     """GPipe holds every micro-batch; 1F1B pp - rank (torch runs 1F1B with fewer
     micro-batches than stages as GPipe); interleaved: torch's warm-up forwards + 1."""
+    def in_flight(cfg, rank: int) -> int:  # the most forwards whose backward has not run
+        live = peak = 0
+        for _, is_forward in schedule_actions(cfg, rank):
+            live += 1 if is_forward else -1
+            peak = max(peak, live)
+        return peak
+
     def flights(*flags: str) -> list[int]:
         cfg = parse_args(["--model", "debug", "--batch-size", "8", *flags])
         return [in_flight(cfg, rank) for rank in range(cfg.parallel.pp)]

@@ -76,14 +76,13 @@ def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int,
     difference between the traces means their phases sit at different points (a peak that
     moved, a unit's buffers still held), not growth, and is clamped."""
     out = {}
-    for kind in set(low) | set(high):
+    for kind in (set(low) | set(high)) - {"Activation"}:
         a, b = low.get(kind, 0), high.get(kind, 0)
-        if kind == "Activation":
-            b = a + min(max(b - a, 0), block_saves)
         out[kind] = max(a, b) if kind in TRANSIENT else max(0, a + (depth - low_depth) * (b - a))
-    per_block = min(max(0, high.get("Activation", 0) - low.get("Activation", 0)), block_saves)
-    out["Block Activation"] = min(out.get("Activation", 0), depth * per_block)
-    out["Activation"] = out.get("Activation", 0) - out["Block Activation"]
+    growth = min(max(0, high.get("Activation", 0) - low.get("Activation", 0)), block_saves)
+    activations = low.get("Activation", 0) + (depth - low_depth) * growth
+    out["Block Activation"] = min(activations, depth * growth)
+    out["Activation"] = activations - out["Block Activation"]
     return out
 
 

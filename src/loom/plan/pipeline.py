@@ -97,15 +97,6 @@ def schedule_actions(cfg: JobConfig, rank: int) -> list[Action]:
             + [backward(k) for k in range(total - warmup, total)])
 
 
-def in_flight(cfg: JobConfig, rank: int) -> int:
-    """The most micro-batch forwards a pp rank holds at once (their backwards not run)."""
-    live = peak = 0
-    for _, is_forward in schedule_actions(cfg, rank):
-        live += 1 if is_forward else -1
-        peak = max(peak, live)
-    return peak
-
-
 def others_alive(cfg: JobConfig, rank: int, kept: list[Breakdown]) -> Breakdown:
     """The most bytes the rank's other micro-batches keep beside the forward just run
     (`kept[s]`: what one micro-batch of local stage s keeps until its backward)."""

@@ -3,10 +3,9 @@
 Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, cp 1-8 where the sequence
 splits, pp 1-8 where the blocks split evenly, >= 2 a stage, with 1F1B at pp or 2 pp
 micro-batches, dp_shard the rest; MoE models: ep 1-64 dividing dp_shard and the experts)
-and knobs (--ac,
---reshard-after-forward, micro-batch 1-8, off or --compile at budget 0.5; --loss-impl
-fused-linear, see `LOSSES`; chunked-backward for pp with tp, which cannot take the fused
-head yet). Candidates are visited fastest first (the step-time estimate needs no trace);
+and knobs (--ac, --reshard-after-forward, micro-batch 1-8, off or --compile at budget 0.5;
+--loss-impl fused-linear, see `LOSSES`; chunked-backward for pp with tp, which cannot take
+the fused head yet). Candidates are visited fastest first (the step-time estimate needs no trace);
 one that a traced, lighter configuration already rules out is skipped untraced
 (`ruled_out`). Memory depends on (tp, dp_shard, ac, loss, reshard, pp, micro-batches, cp,
 ep) only, so each such key is traced once at one sample per (pipeline) micro-batch; in every
