@@ -13,6 +13,7 @@ from loom.models.moe import (
     expert_matmul,
     expert_param_count,
     sequence_balance_loss,
+    weighted_combine,
 )
 from loom.parallel.expert import expert_order, moe_metrics, window_counts
 
@@ -58,6 +59,70 @@ def test_moe_matches_per_token_reference_and_counts_trained_picks():
     with torch.no_grad():
         moe(x)  # evaluation trains nothing, so it must not move the expert bias
     torch.testing.assert_close(moe.tokens_per_expert, counts)
+
+
+def test_moe_gradients_match_the_per_token_reference():
+    moe = build_moe()
+    x = torch.randn(2, 5, ARGS.dim, requires_grad=True)
+    params = [x, moe.router.gate.weight, moe.experts.w1, moe.experts.w2, moe.experts.w3]
+    grad_out = torch.randn_like(x)
+    got = torch.autograd.grad(moe(x), params, grad_out)
+    expected = torch.autograd.grad(reference_moe(moe, x), params, grad_out)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def written_out_combine(rows, weights, token_ids, like):
+    """The combine as plain autograd ops: what `weighted_combine` must equal."""
+    weighted = (rows.float() * weights[:, None]).to(like.dtype)
+    return torch.zeros_like(like).index_add(0, token_ids, weighted)
+
+
+def saved_storages(fn, *args) -> dict[int, tuple[int, torch.Size]]:
+    """The distinct storages autograd keeps for backward while fn runs: bytes and shape."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return storages
+
+
+def saved_bytes(fn, *args) -> int:
+    return sum(nbytes for nbytes, _ in saved_storages(fn, *args).values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_combine_matches_the_written_out_sum_and_keeps_the_rows_once(dtype):
+    torch.manual_seed(0)
+    slots, tokens, dim = 24, 8, 16
+    rows = torch.randn(slots, dim, dtype=dtype, requires_grad=True)
+    weights = torch.rand(slots, requires_grad=True)
+    token_ids = torch.randint(tokens, (slots,))
+    like = torch.empty(tokens, dim, dtype=dtype)
+    grad_out = torch.randn(tokens, dim, dtype=dtype)
+    outs = [f(rows, weights, token_ids, like) for f in (weighted_combine, written_out_combine)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    grads = [torch.autograd.grad(o, (rows, weights), grad_out) for o in outs]
+    for got, expected in zip(*grads, strict=True):
+        torch.testing.assert_close(got, expected)
+    kept = saved_bytes(weighted_combine, rows, weights, token_ids, like)
+    assert kept == rows.nbytes + weights.nbytes + token_ids.nbytes
+    if dtype == torch.bfloat16:  # written out: fp32 rows for the weights' gradient, bf16 again
+        assert saved_bytes(written_out_combine, rows, weights, token_ids, like) >= 3 * rows.nbytes
+
+
+def test_a_bf16_moe_keeps_its_slot_rows_twice_for_backward():
+    """The experts' input and output rows, (tokens * top_k, dim) each, in bf16; nothing
+    else of that size (the combine used to keep the output again, and in fp32)."""
+    moe = build_moe().to(torch.bfloat16)
+    x = torch.randn(2, 5, ARGS.dim, dtype=torch.bfloat16, requires_grad=True)
+    slots = (2 * 5 * ARGS.top_k, ARGS.dim)
+    kept = [nbytes for nbytes, shape in saved_storages(moe, x).values() if shape == slots]
+    assert kept == [slots[0] * slots[1] * 2] * 2
 
 
 def test_activation_checkpoint_recompute_is_not_counted_twice():

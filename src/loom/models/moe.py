@@ -125,6 +125,34 @@ class _CountInBackward(torch.autograd.Function):
         return grad, None, None
 
 
+class _WeightedCombine(torch.autograd.Function):
+    """Each token's sum of its slots' expert outputs times their router weights (in fp32).
+    Written out, autograd would keep the slot rows three times until backward (in fp32 for
+    the weights' gradient and again as the sum's input); this keeps them once, as they are."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor,
+                like: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, weights, token_ids)
+        weighted = (rows * weights[:, None]).to(like.dtype)
+        return torch.zeros_like(like).index_add_(0, token_ids, weighted)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, weights, token_ids = ctx.saved_tensors
+        slot_grad = grad.index_select(0, token_ids).float()
+        grad_weights = (slot_grad * rows).sum(dim=-1) if ctx.needs_input_grad[1] else None
+        grad_rows = slot_grad.mul_(weights[:, None]).to(rows.dtype)
+        return grad_rows, grad_weights, None, None
+
+
+def weighted_combine(rows: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor,
+                     like: torch.Tensor) -> torch.Tensor:
+    """(N*k, dim) slot rows, (N*k,) fp32 weights, (N*k,) token of each slot -> (N, dim),
+    shaped and typed like `like` (the tokens)."""
+    return _WeightedCombine.apply(rows, weights, token_ids, like)
+
+
 class _AddAuxLoss(torch.autograd.Function):
     """Identity on x whose backward also sends gradient 1 into `aux`, so a balance loss
     trains the router without changing what the model returns."""
@@ -179,8 +207,7 @@ class MoE(nn.Module):
         order = flat_idx.argsort(stable=True)  # slots grouped by expert
         token_ids = order // self.top_k
         routed = self.experts(x[token_ids], counts)  # (N*k, dim)
-        routed = (routed.float() * top_scores.flatten()[order, None]).type_as(x)
-        out = torch.zeros_like(x).index_add(0, token_ids, routed)
+        out = weighted_combine(routed, top_scores.flatten()[order], token_ids, x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if out.requires_grad:
