@@ -26,6 +26,9 @@ PARAM_NORM_RTOL = 1e-3
 """Per tensor, as in test_parity.py: AdamW can turn a reduction-order difference on a ~0
 gradient into a 2 * lr step on one element, so final parameters are compared norm-wise."""
 COMPILE = ["--compile", "--compile-backend", "aot_eager"]
+FEW_EXPERTS = ["--n-experts", "2", "--top-k", "1"]
+"""Fewer (local) experts than FSDP shard ranks: the stacked expert weights are sharded off
+dim 0 (`expert_placement`). Compared with their own single-process run (`few_single`)."""
 
 LAYOUTS = {  # name: (world size, dp degree, flags)
     "single": (1, 1, []),
@@ -37,7 +40,11 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "dp2_tp2_ep2_etp2": (4, 2, ["--tp", "2", "--ep", "2", "--etp", "2"]),
     "hsdp2x2_ep2": (4, 4, ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"]),
     "ep2_ac_compile": (4, 4, ["--ep", "2", "--ac", "block", *COMPILE]),
+    "few_single": (1, 1, FEW_EXPERTS),
+    "few_dp4": (4, 4, FEW_EXPERTS),
+    "few_ep2": (4, 4, [*FEW_EXPERTS, "--ep", "2"]),
 }
+SINGLES = ("single", "few_single")
 SLOW_LAYOUTS = {
     "dp2_tp2_ep2_etp1_compile": (4, 2, ["--tp", "2", "--ep", "2", *COMPILE]),
 }
@@ -76,9 +83,10 @@ def test_single_process_reference_trains(moe_runs: Path) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in SINGLES])
 def test_layout_matches_single_process(moe_runs: Path, layout: str) -> None:
-    assert_same_run(moe_runs / layout, moe_runs / "single")
+    reference = "few_single" if layout.startswith("few_") else "single"
+    assert_same_run(moe_runs / layout, moe_runs / reference)
 
 
 @pytest.mark.multirank

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from loom.models.moe import (
+    GroupedExperts,
     MoE,
     MoEArgs,
     MoETransformer,
@@ -16,6 +17,7 @@ from loom.models.moe import (
     weighted_combine,
 )
 from loom.parallel.expert import expert_order, moe_metrics, window_counts
+from loom.parallel.fsdp import expert_placement
 
 ARGS = MoEArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32,
                max_seq_len=32, n_experts=6, top_k=2, n_shared_experts=1, moe_hidden_dim=16,
@@ -218,3 +220,15 @@ def test_model_layout_and_active_parameters():
     total = sum(p.numel() for p in model.parameters())
     skipped = 2 * (ARGS.n_experts - ARGS.top_k) * expert_param_count(ARGS) // ARGS.n_experts
     assert model.active_param_count == active_param_count(ARGS) == total - skipped
+
+
+def test_expert_weights_are_sharded_off_dim_0_only_where_it_would_pad():
+    experts = GroupedExperts(dim=40, hidden_dim=32, n_experts=4)  # w1 (4, 32, 40), w2 (4, 40, 32)
+    other = torch.nn.Parameter(torch.empty(4, 32, 40))
+    assert expert_placement([experts], 4)(experts.w1) is None, "4 experts split over 4 ranks"
+    on_8 = expert_placement([experts], 8)
+    assert on_8(experts.w1).dim == 1 and on_8(experts.w2).dim == 1
+    on_16 = expert_placement([experts], 16)
+    assert on_16(experts.w1).dim == 1 and on_16(experts.w2).dim == 2, "40 % 16, so dim 2"
+    assert on_8(other) is None, "only the experts' weights"
+    assert expert_placement([experts], 7)(experts.w1) is None, "no dim splits evenly: pad dim 0"

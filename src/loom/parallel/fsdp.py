@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
@@ -39,10 +41,12 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
     experts = shard_experts(plan.experts, dims, backend, **kwargs) if dims.ep_enabled else []
     units = []
     planned = plan.fsdp_units()
+    placement = expert_placement(plan.experts, dims.fsdp_mesh.shape[-1])
     for i, unit in enumerate(planned):
         # the last unit's backward starts right after its forward: resharding only re-gathers
         sharded = fully_shard(unit, mesh=dims.fsdp_mesh, mp_policy=kwargs["mp_policy"],
-                              reshard_after_forward=reshard and i < len(planned) - 1)
+                              reshard_after_forward=reshard and i < len(planned) - 1,
+                              shard_placement_fn=placement)
         if any(unit is lookup for lookup in plan.lookups):
             sharded.set_unshard_in_backward(False)
         units.append(unit[0] if isinstance(unit, list) else sharded)
@@ -61,11 +65,36 @@ def shard_experts(experts: list[nn.Module], dims: ParallelDims, backend: str,
     """Under EP, routed experts are their own FSDP units over dp_shard_mod_ep (even at size
     1, so mixed precision applies). Their gradients are summed over fewer ranks than the
     dense ones but must still be divided by the full dp size, or EP changes the numbers."""
-    units = [fully_shard(e, mesh=dims.expert_fsdp_mesh, **kwargs) for e in experts]
+    placement = expert_placement(experts, dims.expert_fsdp_mesh.shape[-1])
+    units = [fully_shard(e, mesh=dims.expert_fsdp_mesh, shard_placement_fn=placement, **kwargs)
+             for e in experts]
     set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard_mod_ep)
     logger.info("FSDP2: %d expert units over mesh %s, gradients divided by dp %d", len(units),
                 tuple(dims.expert_fsdp_mesh.shape), dims.dp_size)
     return units
+
+
+def expert_placement(experts: Iterable[nn.Module], shard_size: int
+                     ) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP2 shards on dim 0 and pads it to the shard count: stacked expert weights with
+    fewer (local) experts than ranks would gather mostly padding (256 experts over 2048 ranks:
+    8x their size). Where dim 0 does not split evenly, they are sharded on the first other
+    dim that does (FSDP2 requires that off dim 0) and that tensor parallel leaves whole."""
+    ids = {id(p) for e in experts for p in e.parameters()}
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        if id(param) not in ids:
+            return None
+        local = param.to_local() if isinstance(param, DTensor) else param
+        taken = {p.dim for p in param.placements if isinstance(p, Shard)} \
+            if isinstance(param, DTensor) else set()
+        if not local.shape[0] % shard_size:
+            return None
+        even = [d for d in range(1, local.dim()) if not local.shape[d] % shard_size
+                and d not in taken]
+        return Shard(even[0]) if even else None
+
+    return placement
 
 
 def set_gradient_division(units: list[FSDPModule], dp_size: int, backend: str, *,
