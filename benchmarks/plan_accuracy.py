@@ -1,21 +1,22 @@
 """`loom plan`'s predicted per-rank peak memory vs the measured one, on real CPU ranks.
 
-    python benchmarks/plan_accuracy.py      # 25 configurations on 1, 2 and 4 ranks; 3-10 min
+    python benchmarks/plan_accuracy.py      # 29 configurations on 1, 2 and 4 ranks; 3-10 min
 
 Measured: each configuration trains on real gloo ranks (`--fp32`, random tokens, the debug
 model at seq 128, batch 2; the MoE rows moe-debug in bf16, expert parallel traced as
-balanced routing; the compiled rows where activations weigh more, seq 512, batch 4,
-vocab 2048); `torch.distributed._tools.FSDPMemTracker` follows the second training
-step (`Trainer.train_step`, optimizer included) and records the peak of live tensor bytes
-(compiled and interleaved-pipeline rows: the CPU allocator's peak over the step, plus the
-state alive before it, since the tracker cannot see inside compiled code nor follow a rank
-holding several stages); the worst rank counts. Predicted:
-`loom plan`'s trace of the same flags under fake tensors and a fake process group
-(per-block extrapolation from 1 and 2 blocks; pipeline rows: per stage, composed with the
-schedule's in-flight micro-batches; compiled blocks and loss: `loom.plan.compiled`).
-Both count tensor storages the same way (pipeline rows add torch's receive buffers to the
-measured peak: made in the first step, the tracker of the second cannot see them), so
-the error is what the fake trace, the extrapolation and the composition get wrong.
+balanced routing; the compiled rows where activations weigh more, seq 512, batch 4, vocab
+2048; the `DEEP` rows 8 blocks and vocab 512); `FSDPMemTracker` (torch's
+`distributed._tools`) follows the second training step (`Trainer.train_step`, optimizer
+included) and records the peak of live tensor bytes (compiled and interleaved-pipeline rows:
+the CPU allocator's peak over the step, plus the state alive before it, since the tracker
+cannot see inside compiled code nor follow a rank holding several stages); the worst rank
+counts. Predicted: `loom plan`'s trace of the same flags under fake tensors and a fake
+process group (per-block extrapolation from 1 and 2 blocks; pipeline rows: per stage,
+composed with the schedule's in-flight micro-batches; compiled blocks and loss:
+`loom.plan.compiled`). Both count tensor storages the same way (pipeline rows add torch's
+receive buffers to the measured peak: made in the first step, the tracker of the second
+cannot see them), so the error is what the fake trace, the extrapolation and the composition
+get wrong.
 Writes benchmarks/results/plan_accuracy.json.
 """
 
@@ -35,12 +36,17 @@ RESULTS = Path(__file__).parent / "results" / "plan_accuracy.json"
 BASE = ["--model", "debug", "--fp32", "--dataset", "random", "--seq-len", "128",
         "--batch-size", "2", "--max-steps", "2"]
 MOE = ["--model", "moe-debug", "--dtype", "bf16"]  # the plan refuses fp32 experts
+DEEP = ["--n-layers", "8", "--vocab-size", "512"]
+"""Blocks outweigh the head, and a pipeline stage has 4 of them: extrapolated from 1 and 2,
+what a first micro-batch leaves held for the next (unreduced gradients) must scale."""
 CONFIGS: dict[int, list[list[str]]] = {
     1: [[], ["--ac", "block", "--loss-impl", "chunked-backward"]],
     2: [["--reshard-after-forward", "never"], ["--tp", "2", "--loss-impl", "loss-parallel"],
         ["--loss-impl", "fused-linear"], ["--pp", "2", "--batch-size", "4"],
         ["--pp", "2", "--pp-schedule", "gpipe", "--batch-size", "4"], ["--cp", "2"],
-        [*MOE, "--ep", "2"]],
+        [*MOE, "--ep", "2"], ["--grad-accum-steps", "2", *DEEP],
+        ["--pp", "2", "--batch-size", "4", *DEEP],
+        ["--pp", "2", "--pp-schedule", "gpipe", "--batch-size", "4", *DEEP]],
     4: [[], ["--dp-replicate", "2", "--ac", "block", "--loss-impl", "chunked"],
         ["--tp", "2", "--loss-impl", "loss-parallel"],
         ["--tp", "2", "--loss-impl", "fused-linear", "--ac", "selective"],
@@ -54,6 +60,7 @@ ACTIVATION_HEAVY = ["--seq-len", "512", "--batch-size", "4", "--vocab-size", "20
 AT_ALLOCATOR: list[tuple[int, list[str]]] = [
     # What the tracker cannot follow, each a job of its own (`loom.plan.measure`).
     (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size", "4"]),
+    (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size", "4", *DEEP]),
     (4, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size", "8"]),
     (1, ["--loss-impl", "compiled"]),
     (1, ["--compile", *ACTIVATION_HEAVY]),

@@ -4,8 +4,8 @@ keeps of a block's activations."""
 from loom.config import parse_args
 from loom.mesh import ParallelDims
 from loom.plan.compiled import compiled_block_fraction
-from loom.plan.memory import extrapolate
-from loom.plan.pipeline import schedule_actions
+from loom.plan.memory import extrapolate, held_in_phase
+from loom.plan.pipeline import others_alive, schedule_actions
 from loom.plan.search import candidates, launch_line, unsearched
 
 
@@ -65,6 +65,31 @@ def test_in_flight_micro_batches_follow_the_schedule():
     # 2 stages a rank, 4 micro-batches in rounds of pp = 2: (2 - 1) x 2 + 2 (pp - 1 - rank) + 1
     assert flights("--pp", "2", "--pp-schedule", "interleaved-1f1b",
                    "--pp-microbatches", "4") == [5, 3]
+
+
+def test_other_micro_batches_alive_before_and_after_the_first_backward():
+    """(most beside a computation up to the rank's first backward, most after it), one
+    byte a micro-batch: GPipe's first backward sees the other 3, its second 2; 1F1B's rank
+    0 (one warm-up forward) never has more than one other in flight."""
+    kept = [{"Activation": 1}]
+
+    def beside(*flags: str) -> list[tuple[int, int]]:
+        cfg = parse_args(["--model", "debug", "--batch-size", "4", "--pp", "2",
+                          "--pp-microbatches", "4", *flags])
+        return [tuple(sum(b.values()) for b in others_alive(cfg, rank, kept))
+                for rank in range(2)]
+
+    assert beside("--pp-schedule", "gpipe") == [(3, 2), (3, 2)]
+    assert beside() == [(1, 1), (0, 0)]
+
+
+def test_held_gradients_count_in_every_later_phase_gathered_weights_only_before_blocks():
+    held = {"Unsharded Grad": 3, "Unsharded Param": 2}
+    assert held_in_phase("FSDPTransformer.layers.last|Peak Forward", held) == {
+        "Unsharded Grad": 3}
+    assert held_in_phase("FSDPTransformer.tok_embeddings|Peak Backward", held) == held
+    assert held_in_phase("peak", held) == {"Unsharded Grad": 3}
+    assert held_in_phase("FSDPTransformer.layers.last|Peak Forward|first", held) is None
 
 
 def test_compiled_block_keeps_less_the_lower_the_budget():

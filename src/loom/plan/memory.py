@@ -1,16 +1,18 @@
 """Per-rank peak memory of a training step: traced at reduced depth, extrapolated per
 block, plus the small analytic term a tensor trace cannot see.
 
-Depth: a step is traced with `d` and `d + 1` blocks (d = the leading dense blocks + 1,
-so both traces contain every kind of block). The peak of a shallow trace can sit in a
-different phase than the full model's (e.g. the output head's backward rather than the
-start of the blocks' backward), so each phase is extrapolated on its own: the step's
-peak and every FSDP unit's forward and backward peak snapshot, matched by name across
-the two traces (the last block as 'last'). Per-block categories (sharded parameters,
-gradients, optimizer state, saved activations) grow by the same amount per added block,
-so at full depth they are `at(d) + (L - d) * (at(d + 1) - at(d))`; transient categories
-(gathered parameters and gradients, collective buffers, backward temporaries) hold at
-most the blocks in flight: the larger of the two traces. Activations grow per block by at
+Depth: a step is traced with `d` and `d + 1` blocks (d = the leading dense blocks + 1, so
+both traces contain every kind of block). The peak of a shallow trace can sit in a different
+phase than the full model's (e.g. the output head's backward rather than the start of the
+blocks' backward), so each phase is extrapolated on its own: the step's peak and every FSDP
+unit's forward and backward peak snapshot, matched by name across the two traces (the last
+block as 'last'). Per-block categories (sharded parameters, gradients, optimizer state,
+saved activations) grow by the same amount per added block, so at full depth they are
+`at(d) + (L - d) * (at(d + 1) - at(d))`; transient categories (gathered parameters and
+gradients, collective buffers, backward temporaries) hold at most the blocks in flight: the
+larger of the two traces, plus, after a first micro-batch, what each block leaves held for
+the next (gradients kept unreduced and parameters kept gathered by a pipeline stage or under
+--grad-accum-steps; the `HELD` difference of the traces). Activations grow per block by at
 most what one block saves for its backward (`extrapolate`). The blocks' share of each
 phase's activations (blocks x the per-block growth) is kept apart as block activations,
 which --compile shrinks (`loom.plan.compiled`). The predicted peak is the largest phase.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from loom.config import JobConfig
 from loom.plan.compiled import compiled_block_fraction
-from loom.plan.trace import MICROBATCH, Breakdown, Stage, trace_step, with_layers
+from loom.plan.trace import HELD, MICROBATCH, Breakdown, Stage, trace_step, with_layers
 
 GiB = 2**30
 
@@ -67,18 +69,24 @@ def traced_depths(cfg: JobConfig) -> tuple[int, int]:
 
 
 TRANSIENT = {"Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Temp"}
+GATHERED = {"Unsharded Param"}
 
 
 def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int,
-                block_saves: int) -> Breakdown:
+                block_saves: int, held: Breakdown | None = None) -> Breakdown:
     """One phase at `depth` blocks. A block adds between nothing and what it saves for its
     backward (`block_saves`) to the activations alive at any point of the step; a larger
     difference between the traces means their phases sit at different points (a peak that
-    moved, a unit's buffers still held), not growth, and is clamped."""
+    moved, a unit's buffers still held), not growth, and is clamped. `held`: per block, what
+    an earlier micro-batch left alive in this phase (transient kinds)."""
     out = {}
+    held = held or {}
     for kind in (set(low) | set(high)) - {"Activation"}:
         a, b = low.get(kind, 0), high.get(kind, 0)
-        out[kind] = max(a, b) if kind in TRANSIENT else max(0, a + (depth - low_depth) * (b - a))
+        if kind in TRANSIENT:
+            out[kind] = max(a, b) + (depth - low_depth - 1) * held.get(kind, 0)
+        else:
+            out[kind] = max(0, a + (depth - low_depth) * (b - a))
     growth = min(max(0, high.get("Activation", 0) - low.get("Activation", 0)), block_saves)
     activations = low.get("Activation", 0) + (depth - low_depth) * growth
     out["Block Activation"] = min(activations, depth * growth)
@@ -86,9 +94,21 @@ def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int,
     return out
 
 
+def held_in_phase(name: str, held: Breakdown) -> Breakdown | None:
+    """What a block's earlier micro-batch leaves alive in phase `name`: its unreduced
+    gradients throughout the next one; its gathered parameters (a pipeline stage keeps them
+    from a block's backward to its next forward) only in the embedding's phases, whose
+    forward comes before, and backward after, every block's."""
+    if name.endswith("|first") or name == MICROBATCH:
+        return None
+    if name.split("|")[0].endswith("tok_embeddings"):
+        return held
+    return {kind: nbytes for kind, nbytes in held.items() if kind not in GATHERED}
+
+
 def traced(cfg: JobConfig, world_size: int, stage: Stage | None = None) -> dict[str, Breakdown]:
     """Rank 0's bytes by tracker category in each phase at full depth (module doc), and
-    `MICROBATCH`; `stage`: of that pipeline stage with `cfg`'s blocks."""
+    `MICROBATCH` and `HELD`; `stage`: of that pipeline stage with `cfg`'s blocks."""
     low_depth, high_depth = traced_depths(cfg)
     if cfg.model.n_layers == 0:
         return trace_step(cfg, world_size, stage)
@@ -96,8 +116,15 @@ def traced(cfg: JobConfig, world_size: int, stage: Stage | None = None) -> dict[
     high = trace_step(with_layers(cfg, high_depth), world_size, stage)
     block_saves = max(0, high[MICROBATCH].get("Activation", 0)
                       - low[MICROBATCH].get("Activation", 0))
-    return {name: extrapolate(low[name], high[name], low_depth, cfg.model.n_layers, block_saves)
-            for name in low.keys() & high.keys()}
+    low_held, high_held = low.pop(HELD), high.pop(HELD)
+    held = {kind: max(0, high_held.get(kind, 0) - low_held.get(kind, 0)) for kind in TRANSIENT}
+    depth = cfg.model.n_layers
+    phases = {name: extrapolate(low[name], high[name], low_depth, depth, block_saves,
+                                held_in_phase(name, held))
+              for name in low.keys() & high.keys()}
+    phases[HELD] = {kind: max(0, low_held.get(kind, 0) + (depth - low_depth) * growth)
+                    for kind, growth in held.items()}
+    return phases
 
 
 def traced_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
@@ -106,7 +133,7 @@ def traced_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
         from loom.plan.pipeline import pipeline_phases
 
         return pipeline_phases(cfg, world_size)
-    return [b for name, b in traced(cfg, world_size).items() if name != MICROBATCH]
+    return [b for name, b in traced(cfg, world_size).items() if name not in (MICROBATCH, HELD)]
 
 
 def in_gib(breakdown: Breakdown) -> dict[str, float]:

@@ -5,7 +5,8 @@ distinct stage (embedding or not, head or not, its block count) is traced for on
 micro-batch at the real shapes: its parameters, gradients and optimizer state, and that
 micro-batch's forward and backward. A rank's phases are then its traced stage's phases plus
 
-- the other held stages' parameters, gradients and optimizer state (interleaved schedules);
+- the other held stages' parameters, gradients and optimizer state, and the gradients
+  each keeps unreduced until the step's end (interleaved schedules);
 - the activations of the other micro-batches in flight: the rank's forwards and backwards
   are walked in torch's order (`schedule_actions`), each forward adding the bytes one
   micro-batch of its stage keeps until its backward, and the most alive beside the
@@ -33,8 +34,8 @@ from loom.parallel.pipeline_plan import (
     stage_indices,
     stages_per_rank,
 )
-from loom.plan.memory import traced
-from loom.plan.trace import MICROBATCH, PEAK, Breakdown, Stage, with_layers
+from loom.plan.memory import GATHERED, traced
+from loom.plan.trace import HELD, MICROBATCH, PEAK, Breakdown, Stage, with_layers
 from loom.precision import torch_dtype
 
 STATIC = ("Sharded Param", "Sharded Grad", "OptState", "Buffer")
@@ -97,20 +98,26 @@ def schedule_actions(cfg: JobConfig, rank: int) -> list[Action]:
             + [backward(k) for k in range(total - warmup, total)])
 
 
-def others_alive(cfg: JobConfig, rank: int, kept: list[Breakdown]) -> Breakdown:
-    """The most bytes the rank's other micro-batches keep beside the forward just run
-    (`kept[s]`: what one micro-batch of local stage s keeps until its backward)."""
+def others_alive(cfg: JobConfig, rank: int, kept: list[Breakdown]
+                 ) -> tuple[Breakdown, Breakdown]:
+    """The most bytes the rank's other micro-batches keep beside one of its computations
+    (`kept[s]`: what one micro-batch of local stage s keeps from its forward to its
+    backward): up to the rank's first backward, and after it."""
     live: Breakdown = {}
-    best: Breakdown = {}
+    best: list[Breakdown] = [{}, {}]
+    after = 0
     for stage, is_forward in schedule_actions(cfg, rank):
-        sign = 1 if is_forward else -1
-        for kind, nbytes in kept[stage].items():
-            live[kind] = live.get(kind, 0) + sign * nbytes
         if is_forward:
-            beside = {k: b - kept[stage].get(k, 0) for k, b in live.items()}
-            if sum(beside.values()) > sum(best.values()):
-                best = beside
-    return best
+            for kind, nbytes in kept[stage].items():
+                live[kind] = live.get(kind, 0) + nbytes
+        beside = {k: b - kept[stage].get(k, 0) for k, b in live.items()}
+        if sum(beside.values()) > sum(best[after].values()):
+            best[after] = beside
+        if not is_forward:
+            for kind, nbytes in kept[stage].items():
+                live[kind] -= nbytes
+            after = 1
+    return best[0], best[1]
 
 
 def buffer_bytes(cfg: JobConfig, first: bool, last: bool) -> int:
@@ -144,21 +151,29 @@ def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
     out = []
     for rank in range(p.pp):
         held = [stage(i) for i in stage_indices(rank, p.pp, stages_per_rank(p), p.pp_schedule)]
-        beside = others_alive(cfg, rank, [phases[MICROBATCH] for phases, _ in held])
-        extra_blocks = beside.get("Block Activation", 0)
-        extra = sum(beside.values()) - extra_blocks
+        warmup, steady = others_alive(cfg, rank, [phases[MICROBATCH] for phases, _ in held])
         buffers = sum(b for _, b in held)
         for j, (phases, _) in enumerate(held):
-            others = [ph[PEAK] for k, (ph, _) in enumerate(held) if k != j]
+            others = [ph for k, (ph, _) in enumerate(held) if k != j]
             for name, phase in phases.items():
-                if name == MICROBATCH:
+                if name in (MICROBATCH, HELD):
                     continue
+                # a first micro-batch's phases run before the rank's first backward; the
+                # others after it, beside the gradients every stage keeps until the end
+                first = name.endswith("|first") or microbatches == 1
                 total = dict(phase)
                 for other in others:
                     for kind in STATIC:
-                        total[kind] = total.get(kind, 0) + other.get(kind, 0)
-                total["Activation"] = total.get("Activation", 0) + extra
-                total["Block Activation"] = total.get("Block Activation", 0) + extra_blocks
+                        total[kind] = total.get(kind, 0) + other[PEAK].get(kind, 0)
+                    if not first:
+                        for kind, nbytes in other[HELD].items():
+                            if kind not in GATHERED:
+                                total[kind] = total.get(kind, 0) + nbytes
+                beside = warmup if first else steady
+                blocks = beside.get("Block Activation", 0)
+                total["Activation"] = (total.get("Activation", 0) + sum(beside.values())
+                                       - blocks)
+                total["Block Activation"] = total.get("Block Activation", 0) + blocks
                 total["Pipeline Buffers"] = buffers
                 out.append(total)
     return out

@@ -29,6 +29,7 @@ from loom.losses.cross_entropy import localise
 from loom.mesh import ParallelDims
 from loom.modeling import plain_model
 from loom.optim import build_optimizer, clip_grad_norm
+from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import stage_module
 from loom.plan.compiled import compiled_loss_memory
@@ -42,6 +43,9 @@ PEAK = "peak"
 MICROBATCH = "microbatch"
 """The key of the bytes one micro-batch keeps alive from its forward to its backward (its
 activations, and the loss's saved tensors on the last stage): not a phase."""
+HELD = "held"
+"""The key of the bytes a step holds between two micro-batches beyond those alive before it
+(gradients kept unreduced, parameters kept gathered, until the last one): not a phase."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,8 @@ def trace_step(cfg: JobConfig, world_size: int,
                stage: Stage | None = None) -> dict[str, Breakdown]:
     """Live bytes of rank 0 in the second training step of `cfg` (a resolved config:
     effective --loss-impl) at its peak (`PEAK`), at each FSDP unit's forward and backward
-    peak, and one micro-batch's forward-to-backward bytes (`MICROBATCH`); needs
+    peak, one micro-batch's forward-to-backward bytes (`MICROBATCH`) and what a first
+    micro-batch leaves held for the next (`HELD`, empty with one); needs
     `fake_world(world_size)` around it. With `stage`: one or two micro-batches through that
     pipeline stage of `cfg`'s blocks (`_stage_step`; its input and output gradient made
     before the trace, as the pipeline's receive buffers are).
@@ -176,9 +181,14 @@ def trace_step(cfg: JobConfig, world_size: int,
             after_forward.update(_categories(now))
 
         first: dict[str, Breakdown] = {}
+        held: Breakdown = {}
 
         def between() -> None:  # the tracker follows one call of each unit: keep, restart
             first.update({f"{k}|first": b for k, b in module_phases(tracker, n_layers).items()})
+            (peak_so_far,) = tracker.get_tracker_snapshot("peak").values()
+            first[f"{PEAK}|first"] = _categories(peak_so_far)
+            (now,) = tracker.get_tracker_snapshot().values()
+            held.update({k: n - before.get(k, 0) for k, n in _categories(now).items()})
             tracker.reset_mod_stats()
         with tracker:
             (before,) = tracker.get_tracker_snapshot().values()
@@ -186,7 +196,7 @@ def trace_step(cfg: JobConfig, world_size: int,
             step(mark, between)
         (peak,) = tracker.get_tracker_snapshot("peak").values()
         kept = {k: after_forward.get(k, 0) - before.get(k, 0) for k in ("Activation", "Temp")}
-        return {PEAK: _categories(peak), MICROBATCH: kept, **first,
+        return {PEAK: _categories(peak), MICROBATCH: kept, HELD: held, **first,
                 **module_phases(tracker, n_layers)}
 
 
@@ -197,15 +207,24 @@ callback runs between two micro-batches of a pipeline stage."""
 
 def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> Step:
     """`Trainer.train_step` up to the optimizer step, for one micro-batch of this rank's
-    tokens (a 1/cp share of each sequence under context parallel)."""
+    tokens (a 1/cp share of each sequence under context parallel); under --grad-accum-steps
+    for two, the first keeping its gradients unreduced as the accumulation loop does."""
     criterion = traced_criterion(cfg, getattr(model, "output", None), dims.tp)
     tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len // dims.cp, dtype=torch.long)
 
-    def step(forward_done: Callable[[], None], _: Callable[[], None]) -> None:
-        loss_sum, count = criterion(criterion.forward(model, tokens), tokens)
-        loss = loss_sum / count
-        forward_done()
-        loss.backward()
+    micro_batches = 2 if cfg.train.grad_accum_steps > 1 else 1
+
+    def step(forward_done: Callable[[], None], between: Callable[[], None]) -> None:
+        for i in range(micro_batches):
+            if i:
+                between()
+            if micro_batches > 1:
+                set_gradient_sync(model, i == micro_batches - 1)
+            loss_sum, count = criterion(criterion.forward(model, tokens), tokens)
+            loss = loss_sum / count
+            if i == 0:
+                forward_done()
+            loss.backward()
         clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
     return step
 
