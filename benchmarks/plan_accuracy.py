@@ -1,6 +1,6 @@
 """`loom plan`'s predicted per-rank peak memory vs the measured one, on real CPU ranks.
 
-    python benchmarks/plan_accuracy.py      # 29 configurations on 1, 2 and 4 ranks; 3-10 min
+    python benchmarks/plan_accuracy.py      # 30 configurations on 1, 2 and 4 ranks; 3-10 min
 
 Measured: each configuration trains on real gloo ranks (`--fp32`, random tokens, the debug
 model at seq 128, batch 2; the MoE rows moe-debug in bf16, expert parallel traced as
@@ -45,6 +45,7 @@ CONFIGS: dict[int, list[list[str]]] = {
         ["--loss-impl", "fused-linear"], ["--pp", "2", "--batch-size", "4"],
         ["--pp", "2", "--pp-schedule", "gpipe", "--batch-size", "4"], ["--cp", "2"],
         [*MOE, "--ep", "2"], ["--grad-accum-steps", "2", *DEEP],
+        ["--grad-accum-steps", "2", "--accum-reduce", "micro-batch", *DEEP],
         ["--pp", "2", "--batch-size", "4", *DEEP],
         ["--pp", "2", "--pp-schedule", "gpipe", "--batch-size", "4", *DEEP]],
     4: [[], ["--dp-replicate", "2", "--ac", "block", "--loss-impl", "chunked"],

@@ -123,17 +123,23 @@ def test_resume_with_another_global_batch_continues_the_counts_and_settings(
 
 @pytest.mark.multirank
 def test_gradient_accumulation_equals_the_large_batch(tmp_path: Path) -> None:
+    """Reduced once a step (the default) or after every micro-batch (`--accum-reduce
+    micro-batch`): the same losses and weights as one batch four times as large."""
     base = [*COMMON, "--max-steps", "5"]
+    accum = [*base, "--batch-size", "1", "--grad-accum-steps", "4"]
     job(2, [[*base, "--batch-size", "4", "--outdir", str(tmp_path / "big")],
-            [*base, "--batch-size", "1", "--grad-accum-steps", "4",
-             "--outdir", str(tmp_path / "accum")]])
-    big, accum = column(tmp_path / "big"), column(tmp_path / "accum")
-    assert big.keys() == accum.keys() == set(range(1, 6))
-    for step, value in big.items():
-        assert accum[step] == pytest.approx(value, rel=1e-5, abs=0)
-    for name, value in torch.load(tmp_path / "big" / "params.pt").items():
-        torch.testing.assert_close(torch.load(tmp_path / "accum" / "params.pt")[name], value,
-                                   rtol=0, atol=1e-5)
+            [*accum, "--outdir", str(tmp_path / "step")],
+            [*accum, "--accum-reduce", "micro-batch", "--outdir", str(tmp_path / "micro")]])
+    big = column(tmp_path / "big")
+    params = torch.load(tmp_path / "big" / "params.pt")
+    for run in ("step", "micro"):
+        losses = column(tmp_path / run)
+        assert big.keys() == losses.keys() == set(range(1, 6)), run
+        for step, value in big.items():
+            assert losses[step] == pytest.approx(value, rel=1e-5, abs=0), (run, step)
+        for name, value in params.items():
+            torch.testing.assert_close(torch.load(tmp_path / run / "params.pt")[name], value,
+                                       rtol=0, atol=1e-5, msg=f"{run}: {name}")
 
 
 def train_process(outdir: Path, *flags: str) -> LoggedProcess:

@@ -91,12 +91,14 @@ class StepExecutor(ABC):
 
 class AccumulationExecutor(StepExecutor):
     """One model part: each micro-batch's forward and backward in turn, gradients reduced
-    across dp only after the last."""
+    across dp after the last (`defer_reduction`: each weight's full-size gradient is held
+    until then) or after each."""
 
     def __init__(self, parts: list[nn.Module], criterion: Criterion, dims: ParallelDims,
-                 device: torch.device):
+                 device: torch.device, defer_reduction: bool = True):
         super().__init__(parts, criterion, dims, device)
         self.owns_loss = dims.tp_rank == 0
+        self.defer_reduction = defer_reduction
 
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
@@ -106,7 +108,7 @@ class AccumulationExecutor(StepExecutor):
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            if len(micro_batches) > 1:
+            if len(micro_batches) > 1 and self.defer_reduction:
                 set_gradient_sync(model, last)
             inputs, labels = self.to_device(batch)
             micro_sum, _ = self.criterion(self.criterion.forward(model, inputs), labels)
@@ -132,7 +134,8 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
         from loom.parallel.pipeline import PipelineExecutor
 
         return PipelineExecutor(parts, criterion, cfg, dims, device)
-    return AccumulationExecutor(parts, criterion, dims, device)
+    return AccumulationExecutor(parts, criterion, dims, device,
+                                defer_reduction=cfg.train.accum_reduce == "step")
 
 
 def parts_module(parts: list[nn.Module]) -> nn.Module:

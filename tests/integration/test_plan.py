@@ -24,6 +24,7 @@ INTERLEAVED = ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size",
 CP = ["--cp", "2"]
 DEEP = ["--n-layers", "8", "--vocab-size", "512"]  # blocks outweigh the head
 ACCUMULATE = ["--grad-accum-steps", "2", *DEEP]  # unreduced gradients held, per block
+ACCUMULATE_SHARDED = [*ACCUMULATE, "--accum-reduce", "micro-batch"]  # nothing held
 DEEP_PP = [*PP, *DEEP]  # 4 blocks a stage, extrapolated from 1 and 2
 EP = ["--model", "moe-debug", "--dtype", "bf16", "--ep", "2"]  # traced as balanced routing
 COMPILED = ["--compile", "--act-mem-budget", "0.5", "--loss-impl", "compiled", "--seq-len",
@@ -38,7 +39,8 @@ def test_predicted_peaks_within_ten_percent_of_measured_on_2_ranks(tmp_path):
     (per-stage traces, in-flight micro-batches, receive buffers), context parallel (the
     gathered K/V), expert parallel, gradient accumulation and a deeper pipeline stage (what
     the first micro-batch leaves unreduced): one launch."""
-    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP, EP, ACCUMULATE, DEEP_PP])
+    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP, EP, ACCUMULATE,
+                                           ACCUMULATE_SHARDED, DEEP_PP])
 
 
 @pytest.mark.multirank

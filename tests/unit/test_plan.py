@@ -1,12 +1,15 @@
 """`loom plan` helpers: the search space and the launch lines it prints; what --compile
 keeps of a block's activations."""
 
+import pytest
+
 from loom.config import parse_args
 from loom.mesh import ParallelDims
 from loom.plan.compiled import compiled_block_fraction
 from loom.plan.memory import extrapolate, held_in_phase
 from loom.plan.pipeline import others_alive, schedule_actions
 from loom.plan.search import candidates, launch_line, unsearched
+from loom.plan.speed import comm_seconds
 
 
 def test_unsearched_drops_the_flags_the_search_sets():
@@ -115,6 +118,29 @@ def test_moe_candidates_search_expert_parallel_and_print_it():
         line = launch_line(c, 4, [*base, "--ep", "8"])
         back = parse_args(line.split(" loom train ", 1)[1].split())
         assert back.parallel == c.parallel, line
+
+
+def test_accumulating_candidates_search_when_to_reduce_and_the_estimate_counts_it():
+    """Under --grad-accum-steps both --accum-reduce values are searched (not under --pp,
+    whose schedule reduces after each run) and printed; reducing every micro-batch moves
+    that many times the gradient bytes, and every micro-batch gathers the weights."""
+    base = ["--model", "debug", "--fp32", "--seq-len", "128", "--grad-accum-steps", "4"]
+    found = candidates(parse_args(base), 4)
+    assert {c.train.accum_reduce for c in found if c.parallel.pp == 1} == {"step", "micro-batch"}
+    assert {c.train.accum_reduce for c in found if c.parallel.pp > 1} == {"step"}
+    for c in [c for c in found if c.parallel.pp == 1][::40]:
+        line = launch_line(c, 4, [*base, "--accum-reduce", "step"])
+        back = parse_args(line.split(" loom train ", 1)[1].split())
+        assert back.train == c.train, line
+    step = parse_args([*base[:-2], "--dp-shard", "4"])
+    every = parse_args([*base, "--dp-shard", "4", "--accum-reduce", "micro-batch"])
+    dims = ParallelDims.from_config(step.parallel, 4)
+    one, _ = comm_seconds(step, dims, "cpu")
+    deferred, _ = comm_seconds(parse_args([*base, "--dp-shard", "4"]), dims, "cpu")
+    each, _ = comm_seconds(every, dims, "cpu")
+    # fp32 weights gathered twice a micro-batch (8 bytes), gradients reduced once (4) or 4x
+    assert deferred == pytest.approx(one * (4 * 8 + 4) / 12)
+    assert each == pytest.approx(one * 4)
 
 
 def test_extrapolation_grows_activations_by_at_most_one_block_each():

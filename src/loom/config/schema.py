@@ -129,6 +129,10 @@ class TrainConfig:
     seed: int = flag(0, "seed for weights and data order (identical commands reproduce)")
     max_steps: int | None = flag(None, "stop after this many optimizer steps", type=int)
     grad_accum_steps: int = flag(1, "micro-batches accumulated per optimizer step")
+    accum_reduce: str = flag(
+        "step", "--grad-accum-steps: reduce gradients once a step, holding a full-size "
+        "gradient of every weight until the last micro-batch (step), or after every "
+        "micro-batch, keeping them sharded (micro-batch)", choices=("step", "micro-batch"))
     skip_nonfinite: bool = flag(False, "skip a step whose loss or gradient is not finite "
                                 "(default: stop the run)")
     max_skipped_steps: int = flag(10, "--skip-nonfinite: stop after this many consecutive "

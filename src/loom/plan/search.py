@@ -78,6 +78,13 @@ def microbatch_counts(pp: int, batch: int) -> list[int]:
     return [m for m in (pp, 2 * pp) if batch % m == 0] if pp > 1 else [0]
 
 
+def reductions(cfg: JobConfig, pp: int) -> tuple[str, ...]:
+    """--accum-reduce values worth searching: both under --grad-accum-steps (once a step
+    holds every weight's full gradient; every micro-batch reduces that many times more),
+    else the default; a pipeline reduces after each of its schedule's runs either way."""
+    return ("step", "micro-batch") if cfg.train.grad_accum_steps > 1 and pp == 1 else ("step",)
+
+
 def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
     """Every valid configuration of the search space (validated like `loom train` flags)."""
     out = []
@@ -86,13 +93,14 @@ def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
                               MICRO_BATCHES, COMPILE):
         # pp with tp cannot take the fused head yet (validate_pipeline)
         loss = "chunked-backward" if pp > 1 and tp > 1 else LOSSES[0]
-        for m, ep in itertools.product(microbatch_counts(pp, mb), expert_degrees(cfg, shard)):
+        for m, ep, accum in itertools.product(microbatch_counts(pp, mb),
+                                              expert_degrees(cfg, shard), reductions(cfg, pp)):
             p = replace(cfg.parallel, tp=tp, dp_replicate=replicate, dp_shard=shard, pp=pp,
                         cp=cp, pp_microbatches=m, pp_schedule="1f1b", pp_stages_per_rank=0,
                         activation_checkpoint=ac, reshard_after_forward=reshard,
                         compile=compiled, act_mem_budget=budget, ep=ep, etp=1)
             c = replace(cfg, parallel=p, loss=replace(cfg.loss, loss_impl=loss),
-                        train=replace(cfg.train, batch_size=mb))
+                        train=replace(cfg.train, batch_size=mb, accum_reduce=accum))
             try:
                 validate(c)
                 ParallelDims.from_config(p, world)
@@ -112,7 +120,7 @@ def ruled_out(c: JobConfig, oom_from: dict[tuple, int]) -> bool:
     p = c.parallel
     for (tp, shard, ac, loss, reshard, *pipeline), mb in oom_from.items():
         if (tp == p.tp and shard >= p.dp_shard and loss == c.loss.loss_impl
-                and pipeline == [p.pp, p.pp_microbatches, p.cp, p.ep]
+                and pipeline == [p.pp, p.pp_microbatches, p.cp, p.ep, c.train.accum_reduce]
                 and AC_SAVING[ac] >= AC_SAVING[p.activation_checkpoint]
                 and (reshard == "always" or reshard == p.reshard_after_forward)
                 and mb <= c.train.batch_size):
@@ -143,7 +151,7 @@ def global_tokens(c: JobConfig, world: int) -> int:
 def memory_key(c: JobConfig) -> tuple:
     p = c.parallel
     return (p.tp, p.dp_shard, p.activation_checkpoint, c.loss.loss_impl, p.reshard_after_forward,
-            p.pp, p.pp_microbatches, p.cp, p.ep)
+            p.pp, p.pp_microbatches, p.cp, p.ep, c.train.accum_reduce)
 
 
 def traced_batch(c: JobConfig) -> int:
@@ -168,7 +176,7 @@ SEARCHED_FLAGS = {"--tp": 1, "--dp-replicate": 1, "--dp_replicate": 1, "--dp-sha
                   "--no-reshard-after-forward": 0, "--pp": 1, "--cp": 1,
                   "--pp-microbatches": 1, "--pp_microbatches": 1, "--pp-schedule": 1,
                   "--pp_schedule": 1, "--pp-stages-per-rank": 1, "--pp_stages_per_rank": 1,
-                  "--ep": 1, "--etp": 1}
+                  "--ep": 1, "--etp": 1, "--accum-reduce": 1, "--accum_reduce": 1}
 
 
 def unsearched(argv: list[str]) -> list[str]:
@@ -201,6 +209,8 @@ def launch_line(c: JobConfig, world: int, base_argv: list[str]) -> str:
         flags += ["--ep", str(p.ep)]
     if p.compile:
         flags += ["--compile", "--act-mem-budget", str(p.act_mem_budget)]
+    if c.train.grad_accum_steps > 1 and p.pp == 1:
+        flags += ["--accum-reduce", c.train.accum_reduce]
     return f"loom launch -n {world} loom train {shlex.join(flags)}"
 
 

@@ -127,13 +127,15 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
     grad_bytes = 4 if p.dtype == "fp32" or p.reduce_dtype == "fp32" else 2
     dense = (total - experts) / dims.tp * share
     routed = experts / max(1, dims.ep * (dims.tp if dims.etp_enabled else 1)) * share
-    gathers = 2 if p.reshard_after_forward == "always" else 1
+    accum = cfg.train.grad_accum_steps  # every micro-batch gathers; reductions: see below
+    reduced = accum if cfg.train.accum_reduce == "micro-batch" or dims.pp_enabled else 1
+    per_weight = accum * (2 if p.reshard_after_forward == "always" else 1) * param_bytes \
+        + reduced * grad_bytes
     shard, shard_ep = dims.dp_shard * dims.cp, dims.dp_shard_mod_ep  # FSDP shards over cp too
-    fsdp = (dense * (shard - 1) / shard * (gathers * param_bytes + grad_bytes)
-            + routed * (shard_ep - 1) / shard_ep * (gathers * param_bytes + grad_bytes))
+    fsdp = (dense * (shard - 1) / shard + routed * (shard_ep - 1) / shard_ep) * per_weight
     fsdp_s = fsdp / bandwidth(device, shard * dims.tp)
     if dims.dp_replicate > 1:  # HSDP: all-reduce of the shard's gradients across replicas
-        fsdp_s += 2 * (dense / shard) * grad_bytes / bandwidth(device, dims.world_size)
+        fsdp_s += reduced * 2 * (dense / shard) * grad_bytes / bandwidth(device, dims.world_size)
     act = cfg.train.batch_size * cfg.data.seq_len // dims.cp * m.dim * param_bytes
     exposed = 0.0
     if dims.tp > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters per block, x2 bwd
@@ -154,7 +156,7 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
         m_count = choose_microbatches(p, cfg.train.batch_size)
         exposed += ((m_count + dims.pp - 1) * 2 * act / m_count / dims.tp
                     / bandwidth(device, dims.world_size))
-    return fsdp_s, exposed
+    return fsdp_s, exposed * accum  # the exposed terms are one micro-batch's
 
 
 def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path) -> StepTime:

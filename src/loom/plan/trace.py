@@ -208,17 +208,19 @@ callback runs between two micro-batches of a pipeline stage."""
 def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> Step:
     """`Trainer.train_step` up to the optimizer step, for one micro-batch of this rank's
     tokens (a 1/cp share of each sequence under context parallel); under --grad-accum-steps
-    for two, the first keeping its gradients unreduced as the accumulation loop does."""
+    for two, the second beside the first's gradients: unreduced (--accum-reduce step) or
+    reduced into the sharded ones, as the accumulation loop leaves them."""
     criterion = traced_criterion(cfg, getattr(model, "output", None), dims.tp)
     tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len // dims.cp, dtype=torch.long)
 
     micro_batches = 2 if cfg.train.grad_accum_steps > 1 else 1
+    deferred = cfg.train.accum_reduce == "step"
 
     def step(forward_done: Callable[[], None], between: Callable[[], None]) -> None:
         for i in range(micro_batches):
             if i:
                 between()
-            if micro_batches > 1:
+            if micro_batches > 1 and deferred:
                 set_gradient_sync(model, i == micro_batches - 1)
             loss_sum, count = criterion(criterion.forward(model, tokens), tokens)
             loss = loss_sum / count
