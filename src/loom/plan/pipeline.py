@@ -1,16 +1,18 @@
 """Pipeline parallel in `loom plan`: every pp rank's peak, composed from traces of its stages.
 
 The model is cut where `loom train` cuts it (`balanced_split` of `layer_costs`), and each
-distinct stage (embedding or not, head or not, its block count) is traced for one pipeline
-micro-batch at the real shapes: its parameters, gradients and optimizer state, and that
-micro-batch's forward and backward. A rank's phases are then its traced stage's phases plus
+distinct stage (embedding or not, head or not, its block count) is traced for two pipeline
+micro-batches at the real shapes: its parameters, gradients and optimizer state, the first
+micro-batch's forward and backward, and the second's beside what the first left (unreduced
+gradients, gathered weights). A rank's phases are then its traced stage's phases plus
 
-- the other held stages' parameters, gradients and optimizer state, and the gradients
-  each keeps unreduced until the step's end (interleaved schedules);
+- the other held stages' parameters, gradients and optimizer state, and, after the rank's
+  first backward, the gradients each keeps unreduced until the step's end (interleaved);
 - the activations of the other micro-batches in flight: the rank's forwards and backwards
   are walked in torch's order (`schedule_actions`), each forward adding the bytes one
-  micro-batch of its stage keeps until its backward, and the most alive beside the
-  forward just run is added;
+  micro-batch of its stage keeps until its backward; the most alive beside one
+  computation up to the rank's first backward is added to the first micro-batch's phases,
+  the most alive after it to the second's;
 - torch's receive buffers (`PipelineStage` allocates one per micro-batch for the input
   activation of every stage but the first and one for the output gradient of every stage
   but the last, and keeps them; their sizes are exact).
