@@ -2,9 +2,10 @@
 
 The model is cut where `loom train` cuts it (`balanced_split` of `layer_costs`), and each
 distinct stage (embedding or not, head or not, its block count) is traced for two pipeline
-micro-batches at the real shapes: its parameters, gradients and optimizer state, the first
-micro-batch's forward and backward, and the second's beside what the first left (unreduced
-gradients, gathered weights). A rank's phases are then its traced stage's phases plus
+micro-batches (one when the step has one) at the real shapes: its parameters, gradients and
+optimizer state, the first micro-batch's forward and backward, and the second's beside what
+the first left (unreduced gradients, gathered weights). A rank's phases are then its traced
+stage's phases plus
 
 - the other held stages' parameters, gradients and optimizer state, and, after the rank's
   first backward, the gradients each keeps unreduced until the step's end (interleaved);
