@@ -113,6 +113,7 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
         print(f"{checkpoint}: val/loss {result['val/loss']:.4f}  val/ppl "
               f"{result['val/ppl']:.2f}  over {result['val/tokens']:,} tokens ({out})")
     trainer.close()
+    del trainer, evaluator  # collected by teardown, before the process groups go
     teardown()
     return result
 

@@ -6,6 +6,7 @@ srun set their own variables, which are mapped onto the same fields.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -100,7 +101,12 @@ def seed_everything(seed: int) -> None:
 
 
 def teardown() -> None:
-    """Barrier then destroy, so no rank tears down gloo while another still talks to it."""
+    """Barrier then destroy, so no rank tears down gloo while another still talks to it.
+    First the run's objects that sit in reference cycles (the model and its FSDP state,
+    which holds collective handles) are collected while the interpreter is whole: left to
+    its shutdown, a gloo thread still holding such work can abort the process
+    (pytorch/pytorch#179291)."""
+    gc.collect()
     if dist.is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()
