@@ -86,10 +86,10 @@ def expert_placement(experts: Iterable[nn.Module], shard_size: int
         if id(param) not in ids:
             return None
         local = param.to_local() if isinstance(param, DTensor) else param
-        taken = {p.dim for p in param.placements if isinstance(p, Shard)} \
-            if isinstance(param, DTensor) else set()
         if not local.shape[0] % shard_size:
             return None
+        taken = {p.dim for p in param.placements if isinstance(p, Shard)} \
+            if isinstance(param, DTensor) else set()
         even = [d for d in range(1, local.dim()) if not local.shape[d] % shard_size
                 and d not in taken]
         return Shard(even[0]) if even else None

@@ -25,7 +25,15 @@ from dataclasses import dataclass
 
 from loom.config import JobConfig
 from loom.plan.compiled import compiled_block_fraction
-from loom.plan.trace import HELD, MICROBATCH, Breakdown, Stage, trace_step, with_layers
+from loom.plan.trace import (
+    HELD,
+    MICROBATCH,
+    Breakdown,
+    Stage,
+    first_micro_batch,
+    trace_step,
+    with_layers,
+)
 
 GiB = 2**30
 
@@ -99,7 +107,7 @@ def held_in_phase(name: str, held: Breakdown) -> Breakdown | None:
     gradients throughout the next one; its gathered parameters (a pipeline stage keeps them
     from a block's backward to its next forward) only in the embedding's phases, whose
     forward comes before, and backward after, every block's."""
-    if name.endswith("|first") or name == MICROBATCH:
+    if first_micro_batch(name) or name == MICROBATCH:
         return None
     if name.split("|")[0].endswith("tok_embeddings"):
         return held

@@ -38,7 +38,15 @@ from loom.parallel.pipeline_plan import (
     stages_per_rank,
 )
 from loom.plan.memory import GATHERED, traced
-from loom.plan.trace import HELD, MICROBATCH, PEAK, Breakdown, Stage, with_layers
+from loom.plan.trace import (
+    HELD,
+    MICROBATCH,
+    PEAK,
+    Breakdown,
+    Stage,
+    first_micro_batch,
+    with_layers,
+)
 from loom.precision import torch_dtype
 
 STATIC = ("Sharded Param", "Sharded Grad", "OptState", "Buffer")
@@ -163,7 +171,7 @@ def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
                     continue
                 # a first micro-batch's phases run before the rank's first backward; the
                 # others after it, beside the gradients every stage keeps until the end
-                first = name.endswith("|first") or microbatches == 1
+                first = first_micro_batch(name) or microbatches == 1
                 total = dict(phase)
                 for other in others:
                     for kind in STATIC:

@@ -1,20 +1,21 @@
 """`loom plan --search`: the ten fastest predicted configurations that fit.
 
-Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, cp 1-8 where the sequence
-splits, pp 1-8 where the blocks split evenly, >= 2 a stage, with 1F1B at pp or 2 pp
-micro-batches, dp_shard the rest; MoE models: ep 1-64 dividing dp_shard and the experts)
-and knobs (--ac, --reshard-after-forward, micro-batch 1-8, off or --compile at budget 0.5;
---loss-impl fused-linear, see `LOSSES`; chunked-backward for pp with tp, which cannot take
-the fused head yet). Candidates are visited fastest first (the step-time estimate needs no trace);
-one that a traced, lighter configuration already rules out is skipped untraced
-(`ruled_out`). Memory depends on (tp, dp_shard, ac, loss, reshard, pp, micro-batches, cp,
-ep) only, so each such key is traced once at one sample per (pipeline) micro-batch; in every
-phase of that trace the batch-proportional categories (activations, backward temporaries,
-inputs, pipeline buffers) are scaled by the samples per micro-batch, and the largest phase
-counts; the compile budget and the analytic term are applied as in `loom plan`. Run `loom
-plan` on a printed line for its exact trace. Tracing stops after `TIME_BUDGET_S` seconds
-of this process's CPU time (wall time on an idle machine; the same answer on a loaded
-one), and says so.
+Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, cp 1-8 where the sequence splits,
+pp 1-8 where the blocks split evenly, >= 2 a stage, with 1F1B at pp or 2 pp micro-batches,
+dp_shard the rest; MoE models: ep 1-64 dividing dp_shard and the experts) and knobs (--ac,
+--reshard-after-forward, micro-batch 1-8, off or --compile at budget 0.5; --loss-impl
+fused-linear, see `LOSSES`; chunked-backward for pp with tp, which cannot take the fused
+head yet; under --grad-accum-steps without pp, --accum-reduce step or micro-batch).
+Candidates are visited fastest first (the step-time estimate needs no trace); one that a
+traced, lighter configuration already rules out is skipped untraced (`ruled_out`). Memory
+depends on (tp, dp_shard, ac, loss, reshard, pp, micro-batches, cp, ep, accum-reduce) only,
+so each such key is traced once at one sample per (pipeline) micro-batch; in every phase of
+that trace the batch-proportional categories (activations, backward temporaries, inputs,
+pipeline buffers) are scaled by the samples per micro-batch, and the largest phase counts;
+the compile budget and the analytic term are applied as in `loom plan`. Run `loom plan` on a
+printed line for its exact trace. Tracing stops after `TIME_BUDGET_S` seconds of this
+process's CPU time (wall time on an idle machine; the same answer on a loaded one), and says
+so.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def launch_line(c: JobConfig, world: int, base_argv: list[str]) -> str:
         flags += ["--ep", str(p.ep)]
     if p.compile:
         flags += ["--compile", "--act-mem-budget", str(p.act_mem_budget)]
-    if c.train.grad_accum_steps > 1 and p.pp == 1:
+    if len(reductions(c, p.pp)) > 1:
         flags += ["--accum-reduce", c.train.accum_reduce]
     return f"loom launch -n {world} loom train {shlex.join(flags)}"
 

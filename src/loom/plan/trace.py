@@ -46,6 +46,12 @@ activations, and the loss's saved tensors on the last stage): not a phase."""
 HELD = "held"
 """The key of the bytes a step holds between two micro-batches beyond those alive before it
 (gradients kept unreduced, parameters kept gathered, until the last one): not a phase."""
+FIRST = "|first"
+"""Appended to the name of a phase of the first of two micro-batches."""
+
+
+def first_micro_batch(name: str) -> bool:
+    return name.endswith(FIRST)
 
 
 @dataclass(frozen=True)
@@ -184,9 +190,9 @@ def trace_step(cfg: JobConfig, world_size: int,
         held: Breakdown = {}
 
         def between() -> None:  # the tracker follows one call of each unit: keep, restart
-            first.update({f"{k}|first": b for k, b in module_phases(tracker, n_layers).items()})
+            first.update({k + FIRST: b for k, b in module_phases(tracker, n_layers).items()})
             (peak_so_far,) = tracker.get_tracker_snapshot("peak").values()
-            first[f"{PEAK}|first"] = _categories(peak_so_far)
+            first[PEAK + FIRST] = _categories(peak_so_far)
             (now,) = tracker.get_tracker_snapshot().values()
             held.update({k: n - before.get(k, 0) for k, n in _categories(now).items()})
             tracker.reset_mod_stats()
