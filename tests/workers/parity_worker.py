@@ -2,7 +2,10 @@
 rank 0's losses (in the run folder) and the final full parameters (params.pt) of each.
 With `--grads`, also the full gradients of one more batch at the final weights (grads.pt);
 with `--first-grads`, the full gradients of the first step's batch at the initial weights
-(first-grads.pt; dense models only: an MoE forward would move its routing counts)."""
+(first-grads.pt; dense models only: an MoE forward would move its routing counts).
+
+A run is its argv, or {"argv": [...], "routing": "record" | "<reference run folder>"}: an
+MoE run that records its routers' picks, or replays a recorded run's (tests/routing.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from loom.parallel.context import shard_batch
 from loom.parallel.init import clean_name
 from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import Trainer
+from tests.routing import ROUTING_FILE, RoutingHooks
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -55,16 +59,29 @@ def batch_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     return grads
 
 
-def main(runs: list[list[str]], options: list[str]) -> None:
+def routing_hooks(trainer: Trainer, routing: str | None) -> RoutingHooks | None:
+    """The run's routing hooks, installed, or None when it has no "routing" entry."""
+    if routing is None:
+        return None
+    reference = None if routing == "record" else torch.load(f"{routing}/{ROUTING_FILE}")
+    hooks = RoutingHooks(trainer.dims.dp_rank, reference)
+    hooks.install(trainer.model_parts)
+    return hooks
+
+
+def main(runs: list[list[str] | dict], options: list[str]) -> None:
     info = rank_info()
     setup_logging(info.rank)
     device = init_distributed(info)
     try:
-        for argv in runs:
+        for run in runs:
             torch._dynamo.reset()  # compiled blocks of an earlier run would be reused as-is
+            argv, routing = (run, None) if isinstance(run, list) else (run["argv"],
+                                                                      run["routing"])
             cfg = parse_args(argv)
             trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
                               device)
+            hooks = routing_hooks(trainer, routing)
             saved = {}
             if "--first-grads" in options:
                 saved["first-grads.pt"] = batch_gradients(trainer)
@@ -75,6 +92,8 @@ def main(runs: list[list[str]], options: list[str]) -> None:
             saved["params.pt"] = whole_model(trainer, lambda p: p)
             if "--grads" in options:
                 saved["grads.pt"] = batch_gradients(trainer)
+            if hooks is not None:
+                hooks.save(trainer.metrics.outdir, info.rank)
             if info.rank == 0:
                 for name, tensors in saved.items():
                     torch.save(tensors, trainer.metrics.outdir / name)

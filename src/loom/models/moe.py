@@ -59,10 +59,16 @@ class TokenChoiceRouter(nn.Module):
         logits = self.gate(x).float()
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         _, expert_idx = (scores + expert_bias).topk(self.top_k, dim=-1)
+        return self.weights_for(scores, expert_idx), expert_idx, scores
+
+    def weights_for(self, scores: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
+        """The router weights (N, k) of the chosen experts, from all scores (N, E). Apart from
+        the choice itself, so a caller that fixes the choice (a parity test replaying another
+        run's routing) weights it exactly as the router would."""
         top_scores = scores.gather(-1, expert_idx)
         if self.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
-        return top_scores * self.route_scale, expert_idx, scores
+        return top_scores * self.route_scale
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
