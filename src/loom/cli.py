@@ -10,6 +10,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 from importlib.metadata import version
+from typing import TextIO
 
 import loom
 from loom.config import SECTIONS, JobConfig, parse_args
@@ -47,9 +48,11 @@ COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs progress to stdout; other ranks only report errors."""
-    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+def setup_logging(rank: int, stream: TextIO | None = None) -> None:
+    """Rank 0 logs progress to stdout; other ranks only report errors. Commands whose stdout
+    is a result a script reads (`loom plan`, `loom doctor`) pass `sys.stderr`, so a warning
+    (a busy machine's peak, say) never lands in front of their output."""
+    handler = logging.StreamHandler(stream or (sys.stdout if rank == 0 else sys.stderr))
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("loom")
     logger.addHandler(handler)
