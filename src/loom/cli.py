@@ -30,7 +30,7 @@ from loom.preflight import check_outdir
 from loom.runtime import rank_info
 from loom.watchdog import report, watch_launcher, write_error_file
 
-USAGE = """usage: loom {train,launch,export,plan,tokenize,eval,generate} [FLAGS]  |  loom --version
+USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
 
   loom train [FLAGS]          train in this process group (see `loom train --help`)
   loom launch [-n N] CMD...   start CMD on every rank (elastic agent, srun or mpiexec)
@@ -40,11 +40,13 @@ USAGE = """usage: loom {train,launch,export,plan,tokenize,eval,generate} [FLAGS]
   loom tokenize SRC OUT       tokenize a corpus into memory-mapped shards (--dataset OUT)
   loom eval CKPT --dataset D  validation loss of a checkpoint
   loom generate CKPT --prompt TEXT   sample text from a checkpoint or HF folder
+  loom doctor [--json]        what this machine offers loom (paste it into bug reports)
 """
 
 
 COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan.command",
-            "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate"}
+            "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate",
+            "doctor": "loom.doctor"}
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
 
 
