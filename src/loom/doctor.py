@@ -29,7 +29,8 @@ from loom import flops
 from loom.cli import setup_logging
 from loom.data.cache import default_cache_dir
 from loom.errors import LaunchError
-from loom.launch import BUILDERS, choose_launcher, detect_host, parse_args
+from loom.launch import BUILDERS, choose_launcher, detect_host
+from loom.launch import parse_args as parse_launch_args
 from loom.precision import cpu_bf16_support, resolve_precision, torch_dtype
 from loom.runtime import pick_device
 
@@ -119,7 +120,7 @@ def launcher(environ: Mapping[str, str]) -> dict[str, Any]:
     name = choose_launcher(environ)
     report: dict[str, Any] = {"launcher": name, "means": LAUNCHERS[name]}
     try:
-        command = BUILDERS[name](parse_args(["loom", "train"]), environ, detect_host())
+        command = BUILDERS[name](parse_launch_args(["loom", "train"]), environ, detect_host())
         report["command"] = str(command)
         report["on_path"] = shutil.which(command.argv[0]) is not None
     except LaunchError as err:
