@@ -3,6 +3,9 @@ one JSON object alone on stdout even when the peak measurement warns."""
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -77,3 +80,15 @@ def test_launcher_follows_the_scheduler_environment():
 
 def test_free_disk_reads_the_nearest_existing_folder(tmp_path):
     assert doctor.free_disk(tmp_path / "not" / "yet")["free_gib"] > 0
+
+
+def test_the_command_prints_only_json(tmp_path):
+    """End to end, with the real matmul benchmark: whatever it warns goes to stderr."""
+    env = {**os.environ, "LOOM_CACHE_DIR": str(tmp_path)}
+    for name in ("SLURM_JOB_ID", "PBS_JOBID"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-m", "loom", "doctor", "--json"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["peak"]["tflops"] > 0 and report["peak"]["source"].startswith("measured")
