@@ -10,6 +10,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 from importlib.metadata import version
+from typing import TextIO
 
 import loom
 from loom.config import SECTIONS, JobConfig, parse_args
@@ -29,7 +30,7 @@ from loom.preflight import check_outdir
 from loom.runtime import rank_info
 from loom.watchdog import report, watch_launcher, write_error_file
 
-USAGE = """usage: loom {train,launch,export,plan,tokenize,eval,generate} [FLAGS]  |  loom --version
+USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
 
   loom train [FLAGS]          train in this process group (see `loom train --help`)
   loom launch [-n N] CMD...   start CMD on every rank (elastic agent, srun or mpiexec)
@@ -39,11 +40,13 @@ USAGE = """usage: loom {train,launch,export,plan,tokenize,eval,generate} [FLAGS]
   loom tokenize SRC OUT       tokenize a corpus into memory-mapped shards (--dataset OUT)
   loom eval CKPT --dataset D  validation loss of a checkpoint
   loom generate CKPT --prompt TEXT   sample text from a checkpoint or HF folder
+  loom doctor [--json]        what this machine offers loom (paste it into bug reports)
 """
 
 
 COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan.command",
-            "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate"}
+            "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate",
+            "doctor": "loom.doctor"}
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
 
 
@@ -52,9 +55,11 @@ VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 `quiet_known_upstream_noise`); pyproject.toml's pytest filter names it too."""
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs progress to stdout; other ranks only report errors."""
-    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+def setup_logging(rank: int, stream: TextIO | None = None) -> None:
+    """Rank 0 logs progress to stdout; other ranks only report errors. Commands whose stdout
+    is a result a script reads (`loom plan`, `loom doctor`) pass `sys.stderr`, so a warning
+    (a busy machine's peak, say) never lands in front of their output."""
+    handler = logging.StreamHandler(stream or (sys.stdout if rank == 0 else sys.stderr))
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("loom")
     logger.addHandler(handler)

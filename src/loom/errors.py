@@ -1,7 +1,7 @@
 """Every error a loom command turns into an exit code, and those codes, in one place.
 
 A user's input, a diverged run and a stop request are different events for a scheduler or
-a retry script, so each has its own code (README: Exit codes).
+a retry script, so each has its own code (docs/troubleshooting.md: Exit codes).
 """
 
 from __future__ import annotations

@@ -125,9 +125,11 @@ def main(argv: Sequence[str]) -> int:
     rank = rank_info().rank
     setup_logging(rank)
     if not argv or argv[0].startswith("-"):
+        asked = bool(argv) and argv[0] in ("-h", "--help")  # else a usage error: stderr
         print("usage: loom eval CHECKPOINT --dataset DATA [--val-fraction F | --val-dataset V] "
-              "[training flags: --eval-steps, --batch-size, --seq-len, mesh...]")
-        return 2 if not argv or argv[0] not in ("-h", "--help") else 0
+              "[training flags: --eval-steps, --batch-size, --seq-len, mesh...]",
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     try:
         run_eval(Path(argv[0]), argv[1:])
     except ConfigError as e:

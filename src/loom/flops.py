@@ -9,8 +9,11 @@ model FLOPs: activation recompute is not counted, so MFU is model, not hardware,
 utilisation.
 
 The CPU has no datasheet peak: a matmul benchmark measures it per machine, dtype and
-thread count, in rounds until the two best rounds agree within 10% while the process got
-at least 90% of its threads' CPU time (otherwise the machine was busy). Only such a clean
+thread count, in rounds until the two best rounds agree within 10% while the process's
+threads spent at least 90% of their runnable time on a CPU rather than queued behind other
+processes (otherwise the machine was busy). Busyness is read from the kernel's run-queue
+accounting, not from CPU time over wall time x threads: a kernel that keeps only some of
+its threads busy (bf16 on AMX at 2 threads keeps one) is not a busy machine. Only such a clean
 measurement is cached, as `peak_flops_v2.json` in loom's cache folder ($LOOM_CACHE_DIR,
 default `~/.cache/loom`). An MFU above 100% means the peak (or the count) is wrong: the
 peak is measured again, a warning is logged once, and such a reading is never reported.
@@ -153,7 +156,8 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 PEAK_CACHE = "peak_flops_v2.json"
 """Clean measurements only; older loom cached any measurement in peak_flops.json."""
 MIN_CPU_SHARE = 0.9
-"""A measurement is clean when the process got this share of its threads' CPU time."""
+"""A measurement is clean when the process's threads got a CPU for this share of the time
+they were runnable."""
 AGREEMENT = 0.1
 """...and its two best rounds agree within this fraction."""
 
@@ -162,9 +166,43 @@ AGREEMENT = 0.1
 class PeakMeasurement:
     flops: float
     cpu_share: float
-    """CPU seconds of the process / (wall seconds x threads) during the timed matmuls."""
+    """Share of its threads' runnable time the process spent on a CPU during the timed
+    matmuls (see `cpu_share`)."""
     rounds: int
     clean: bool
+
+
+def scheduler_times() -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one), summed over this process's
+    threads, from /proc/self/task/*/schedstat; None where the kernel does not expose it."""
+    on_cpu = waited = 0
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:  # a thread that ended between the listing and the read
+            continue
+        if len(fields) < 2:
+            return None
+        on_cpu, waited = on_cpu + int(fields[0]), waited + int(fields[1])
+    return on_cpu / 1e9, waited / 1e9
+
+
+def cpu_share(on_cpu: float, waited: float) -> float:
+    """Share of the runnable time the threads spent on a CPU: 1.0 on an idle machine
+    however many threads the kernel kept busy (an idle thread is neither on a CPU nor
+    waiting), lower the longer other processes held the CPUs."""
+    runnable = on_cpu + waited
+    return on_cpu / runnable if runnable > 0 else 1.0
+
+
+def fallback_share(cpu_seconds: float, wall: float, threads: int) -> float:
+    """Without run-queue accounting (not Linux): CPU time over wall time x threads, which
+    also reads a kernel that leaves threads idle as a busy machine."""
+    return cpu_seconds / (wall * threads) if wall > 0 else 1.0
 
 
 def timed_round(device: torch.device, dtype: torch.dtype, seconds: float) -> tuple[float, float]:
@@ -172,7 +210,7 @@ def timed_round(device: torch.device, dtype: torch.dtype, seconds: float) -> tup
     whose one matmul takes longer than `seconds` (bf16 without hardware support) ends it."""
     sizes = (256, 512, 1024) if device.type == "cpu" else (4096, 8192)
     best, sync = 0.0, synchronizer(device)
-    cpu0, wall0 = time.process_time(), time.perf_counter()
+    sched0, cpu0, wall0 = scheduler_times(), time.process_time(), time.perf_counter()
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
@@ -187,9 +225,13 @@ def timed_round(device: torch.device, dtype: torch.dtype, seconds: float) -> tup
             best, slowest, reps = max(best, 2 * n**3 / elapsed), max(slowest, elapsed), reps + 1
         if slowest > seconds:
             break
-    wall = time.perf_counter() - wall0
-    share = (time.process_time() - cpu0) / (wall * torch.get_num_threads())
-    return best, share if device.type == "cpu" else 1.0
+    if device.type != "cpu":
+        return best, 1.0
+    sched1 = scheduler_times()
+    if sched0 is not None and sched1 is not None:
+        return best, cpu_share(sched1[0] - sched0[0], sched1[1] - sched0[1])
+    return best, fallback_share(time.process_time() - cpu0, time.perf_counter() - wall0,
+                                torch.get_num_threads())
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.05,
@@ -205,7 +247,7 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float
 
 
 def is_clean(rounds: list[tuple[float, float]]) -> bool:
-    """The two best rounds agree and neither lost CPU time to other processes."""
+    """The two best rounds agree and in neither did the threads wait long for a CPU."""
     (first, share1), (second, share2) = sorted(rounds, reverse=True)[:2]
     return second >= (1 - AGREEMENT) * first and min(share1, share2) >= MIN_CPU_SHARE
 

@@ -4,8 +4,8 @@ glibc serves every allocation above 32 MiB (the logits, their gradient, FSDP's g
 units) with a fresh mmap and unmaps it on free, so each step faults in and zeroes the same
 pages again: on the AVX2-only AMD EPYC this was a quarter of a 2-rank step's CPU time, in
 the kernel. With mmap off and trimming raised, freed blocks stay in the heap for the next
-step. Measured on the 2-rank peer config (README, "Precision and throughput"): system time
-13.6 s -> 5.2 s, 877 -> 1,053 tokens/s; peak RSS +11%.
+step. Measured on the 2-rank peer config (docs/performance.md, "Precision and
+throughput"): system time 13.6 s -> 5.2 s, 877 -> 1,053 tokens/s; peak RSS +11%.
 """
 
 from __future__ import annotations

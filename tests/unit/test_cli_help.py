@@ -1,5 +1,5 @@
 """`loom train --help` shows groups, defaults and presets; `loom --version`; a fixed default
-seed; every README command that trains stops by itself."""
+seed; every command that trains in the README and docs/ stops by itself."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def test_default_seed_is_fixed():
 
 
 def test_every_readme_command_that_trains_has_max_steps():
-    readme = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    blocks = [block for page in pages
+              for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)]
     commands = [line for block in blocks for line in block.splitlines()
                 if "loom train" in line and "--help" not in line]
     assert len(commands) >= 8

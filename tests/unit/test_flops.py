@@ -206,3 +206,74 @@ def test_per_rank_flops_add_up_to_the_global_step(world, flags, tmp_path):
     assert facts.flops_per_step == pytest.approx(one_sample * 3 * dims.dp_size)
     assert facts.flops_per_rank * world == pytest.approx(facts.flops_per_step)
     assert facts.tokens_per_step == 3 * dims.dp_size * 64
+
+
+@pytest.mark.parametrize(("on_cpu", "waited", "clean"), [
+    (0.30, 0.00, True),   # idle: every runnable moment was spent on a CPU
+    (0.30, 0.01, True),   # a kernel thread's tick now and then
+    (0.30, 0.30, False),  # another process held a CPU half the time
+    (0.00, 0.00, True),   # nothing runnable at all (a round too short to be scheduled)
+])
+def test_cpu_share_is_read_from_run_queue_waits(on_cpu, waited, clean):
+    share = flops.cpu_share(on_cpu, waited)
+    assert (share >= flops.MIN_CPU_SHARE) is clean, share
+
+
+class FakeScheduler:
+    """Run-queue accounting of an idle 2-core machine whose bf16 kernel keeps one of its
+    two threads busy: CPU time grows by one thread's worth a round, nothing ever waits."""
+
+    def __init__(self, waited_per_read: float = 0.0):
+        self.reads, self.waited_per_read = 0, waited_per_read
+
+    def __call__(self) -> tuple[float, float]:
+        self.reads += 1
+        return 0.2 * self.reads, self.waited_per_read * self.reads
+
+
+def steady_rounds(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Real timed rounds whose FLOP/s are replaced by one figure, so that only the CPU share
+    decides cleanliness (real rounds on this shared machine may disagree); returns the
+    list the rounds' arguments are appended to."""
+    calls: list[tuple] = []
+    real_round = flops.timed_round
+
+    def steady(*args: object) -> tuple[float, float]:
+        calls.append(args)
+        return 1e11, real_round(*args)[1]
+
+    monkeypatch.setattr(flops, "timed_round", steady)
+    return calls
+
+
+def test_one_busy_thread_of_two_on_an_idle_machine_is_clean(monkeypatch):
+    """The false 'busy machine' of issue 34: CPU time / (wall x 2 threads) read 50%."""
+    monkeypatch.setattr(flops, "scheduler_times", FakeScheduler())
+    steady_rounds(monkeypatch)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    peak = flops.measure_matmul_peak(CPU, torch.float32, seconds=0.01, max_rounds=4)
+    assert peak.cpu_share == 1.0 and peak.clean, peak
+
+
+def test_threads_queued_behind_other_processes_are_busy(monkeypatch):
+    monkeypatch.setattr(flops, "scheduler_times", FakeScheduler(waited_per_read=0.2))
+    steady_rounds(monkeypatch)
+    peak = flops.measure_matmul_peak(CPU, torch.float32, seconds=0.01, max_rounds=2)
+    assert peak.cpu_share == pytest.approx(0.5) and not peak.clean, peak
+
+
+@pytest.mark.parametrize(("cpu_seconds", "wall", "threads", "share"), [
+    (1.0, 1.0, 1, 1.0), (1.0, 1.0, 2, 0.5), (0.0, 0.0, 2, 1.0)])
+def test_fallback_share_without_run_queue_accounting(cpu_seconds, wall, threads, share):
+    assert flops.fallback_share(cpu_seconds, wall, threads) == share
+
+
+def test_idle_bf16_machine_caches_its_peak_and_does_not_measure_again(tmp_path, monkeypatch):
+    """Acceptance of issue 34: the second bf16 run reads the cache, no round is timed."""
+    monkeypatch.setattr(flops, "scheduler_times", FakeScheduler())
+    rounds = steady_rounds(monkeypatch)
+    first = flops.measured_peak(CPU, torch.bfloat16, tmp_path)
+    measured = len(rounds)
+    assert measured >= 2 and (tmp_path / flops.PEAK_CACHE).exists()
+    assert flops.measured_peak(CPU, torch.bfloat16, tmp_path) == first
+    assert len(rounds) == measured, "the second run measured the peak again"

@@ -102,7 +102,8 @@ class ParallelConfig:
     pp: int = flag(1, "pipeline-parallel degree (the outermost mesh dim: ranks hold "
                    "consecutive layers)")
     pp_schedule: str = flag("1f1b", "pipeline schedule (interleaved-1f1b: looped stages; "
-                            "zero-bubble, dualpipev: refused on torch 2.13, see README)",
+                            "zero-bubble, dualpipev: refused on torch 2.13, see "
+                            "docs/parallelism.md)",
                             choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
                                      "dualpipev"))
     pp_microbatches: int = flag(0, "pipeline micro-batches per --batch-size batch (must "
@@ -208,7 +209,7 @@ class OutputConfig:
                        "WANDB_MODE=offline works without an account)")
     log_every: int = flag(0, "progress line every N steps (0 = auto, ~20 lines) ($LOOM_LOG_EVERY)",
                           env="LOOM_LOG_EVERY")
-    verbose: bool = flag(False, "show the upstream notices loom hides (README: Quiet output)")
+    verbose: bool = flag(False, "show the upstream notices loom hides (docs/troubleshooting.md)")
     metrics: bool = flag(True, "per-step metrics ($LOOM_METRICS=0 turns them off: the "
                          "overhead baseline)", hidden=True, env="LOOM_METRICS")
     health_every: int = flag(1, "gradient/parameter health statistics every K steps, 0 = off "

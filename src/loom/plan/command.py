@@ -132,7 +132,7 @@ def report(plan: Plan, cfg: JobConfig, device: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """Exit 0 when the plan was made (fitting or not), 2 on bad input."""
-    setup_logging(0)
+    setup_logging(0, stream=sys.stderr)  # stdout holds the plan alone
     logger.setLevel(logging.WARNING)  # not each traced build's lines
     try:
         options, train_argv = plan_parser().parse_known_args(list(argv))
@@ -149,7 +149,7 @@ def main(argv: Sequence[str]) -> int:
         cfg = resolve_loss_impl(cfg)
         if cfg.model.n_experts:
             print("warning: loom plan's MoE memory figures are validated on moe-debug only "
-                  "(README, 'Planning a run')", file=sys.stderr, flush=True)
+                  "(docs/planning.md)", file=sys.stderr, flush=True)
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
             default_cache_dir()
         if options.search:

@@ -1,0 +1,87 @@
+"""The flag reference, `docs/flags.md`, generated from the schema:
+`python -m loom.config.reference > docs/flags.md`.
+
+Every flag is a documented field of `loom.config.schema`, so the reference is rendered from
+those declarations (help text, default, choices, aliases, environment variable, TOML table)
+instead of being written by hand; a test regenerates it and fails when the file is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from loom.config.parser import HELP_GROUPS
+from loom.config.schema import SECTIONS
+
+HEADER = """# Flag reference
+
+Generated from `src/loom/config/schema.py` by `python -m loom.config.reference > docs/flags.md`;
+do not edit by hand (`tests/unit/test_docs.py` fails when this file is stale).
+Every flag of `loom train` is also taken by `loom plan`, `loom eval` and in a `--config` TOML
+file, under the table named in each heading, with the name in snake case. Precedence:
+defaults < preset < environment < file < flags.
+"""
+
+PARSER_ONLY = (
+    ("--fp32", "same as `--dtype fp32`"),
+    ("--no-reshard-after-forward", "same as `--reshard-after-forward never`"),
+    ("--config FILE", "TOML file of settings, one `[table]` per group below; flags override it"),
+    ("--print-config", "print the effective config as TOML and exit"),
+)
+"""Flags the parser adds beyond the schema's fields (`loom.config.parser.build_parser`)."""
+
+
+def cell(text: str) -> str:
+    """Markdown table cell: pipes escaped, so `a|b` choices do not split the row."""
+    return text.replace("|", "\\|")
+
+
+def default_text(field: dataclasses.Field) -> str:
+    default: Any = field.default
+    if default is None:
+        return "-"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return f"`{default}`"
+
+
+def flag_text(field: dataclasses.Field) -> str:
+    names = [f"--{field.name.replace('_', '-')}", *field.metadata["aliases"]]
+    if field.default is True:  # argparse's BooleanOptionalAction
+        names.append(f"--no-{field.name.replace('_', '-')}")
+    choices = field.metadata["choices"]
+    value = f" {{{','.join(choices)}}}" if choices else ""
+    return ", ".join(f"`{name}{value}`" for name in names)
+
+
+def notes(field: dataclasses.Field) -> str:
+    meta = field.metadata
+    extra = [f"env `${meta['env']}`"] if meta["env"] else []
+    if meta["hidden"]:
+        extra.append("not in `--help`")
+    return "; ".join(extra)
+
+
+def section(name: str, title: str) -> list[str]:
+    lines = [f"## {title} (`[{name}]`)", "", "| flag | default | what it does | notes |",
+             "| --- | --- | --- | --- |"]
+    for field in dataclasses.fields(SECTIONS[name]):
+        lines.append(f"| {flag_text(field)} | {cell(default_text(field))} | "
+                     f"{cell(field.metadata['help'])} | {notes(field)} |")
+    return [*lines, ""]
+
+
+def render() -> str:
+    """The whole reference, in `loom train --help`'s group order."""
+    lines = [HEADER]
+    for name, title in HELP_GROUPS.items():
+        lines += section(name, title)
+    lines += ["## Parser shortcuts", "", "| flag | what it does |", "| --- | --- |"]
+    lines += [f"| `{name}` | {cell(text)} |" for name, text in PARSER_ONLY]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
