@@ -1,6 +1,6 @@
 import torch
 
-from loom.models.llama import ModelArgs, apply_rope, rope_table
+from loom.models.llama import CausalAttention, ModelArgs, apply_rope, rope_table
 from tests.tiny import tiny_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32,
@@ -24,6 +24,19 @@ def test_attention_is_causal():
     a, b = model(tokens), model(changed)
     torch.testing.assert_close(a[:, :10], b[:, :10])
     assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_attention_keeps_keys_and_values_at_gqa_width():
+    """Backward keeps K and V as the projections made them (2 heads), not widened to the
+    query heads (8): the only full-width tensors saved are q and the output."""
+    saved: list[tuple[int, ...]] = []
+    q = torch.randn(2, 32, 8, 16, requires_grad=True)
+    k, v = (torch.randn(2, 32, 2, 16, requires_grad=True) for _ in range(2))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                  lambda t: t):
+        CausalAttention()(q, k, v)
+    assert sum(shape[1] == 8 and len(shape) == 4 for shape in saved) <= 2, saved
+    assert sum(shape[1] == 2 for shape in saved) >= 2, saved
 
 
 def test_rope_preserves_norm_and_is_relative():

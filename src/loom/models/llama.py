@@ -75,15 +75,15 @@ class RMSNorm(nn.Module):
 
 
 class CausalAttention(nn.Module):
-    """softmax(q k^T / sqrt(D)) v over the local sequence, causal. K and V come at GQA width
-    and are widened here, so a replacement (context parallel) can exchange them small."""
+    """softmax(q k^T / sqrt(D)) v over the local sequence, causal. K and V stay at GQA width
+    (`enable_gqa`): no widened copies of them are made or saved for backward, and a
+    replacement (context parallel) exchanges them small."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, T, H, D), k and v (B, T, Hkv, D) -> (B, T, H, D)."""
-        n_rep = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
 
 
