@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from loom import flight
+
 logger = logging.getLogger("loom")
 
 _RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -80,6 +82,7 @@ def init_distributed(info: RankInfo, timeout_s: float = 600.0) -> torch.device:
     if device.type in ("cuda", "xpu"):
         getattr(torch, device.type).set_device(device)
     backend = backend_for(device)
+    flight.enable()  # a hang report can then name the collective a rank waits in
     if info.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:

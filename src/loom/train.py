@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom import flight
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
 from loom.data.loaders import build_dataloader
@@ -226,7 +227,8 @@ class Trainer:
                                                                       signal.SIGINT)}
         watchdog = StepWatchdog(self.cfg.train.comm_timeout_s, self.metrics.outdir,
                                 self.info.rank, self.info.world_size,
-                                heartbeat_store(self.cfg.train.comm_timeout_s))
+                                heartbeat_store(self.cfg.train.comm_timeout_s),
+                                flight.waiting_in)
         watchdog.start(self.loop.step)
         try:
             with maybe_profile(out.profile, out.pyinstrument_profiler, self.metrics.outdir,

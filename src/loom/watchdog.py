@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,13 +81,15 @@ class StepWatchdog:
 
     Each rank refreshes a heartbeat (its last finished step and the time) in the job's
     store from this thread; a SIGSTOPped or dead rank stops refreshing, so on timeout the
-    stale heartbeats tell which rank stalled. Stacks go to `<outdir>/hang-<rank>.txt`.
+    stale heartbeats tell which rank stalled. Stacks go to `<outdir>/hang-<rank>.txt`;
+    `waiting_in(outdir, rank)`, when given, names the collective this rank is stuck in.
     """
 
     def __init__(self, timeout_s: float, outdir: Path, rank: int, world_size: int,
-                 store: dist.Store | None):
+                 store: dist.Store | None,
+                 waiting_in: Callable[[Path, int], str | None] | None = None):
         self.timeout_s, self.outdir, self.rank, self.world = timeout_s, outdir, rank, world_size
-        self.store = store
+        self.store, self.waiting_in = store, waiting_in
         self.period_s = heartbeat_period(timeout_s)
         self.step, self.last_progress = 0, time.monotonic()
         self.stopped = threading.Event()
@@ -143,8 +145,10 @@ class StepWatchdog:
                 stacks = f"stacks not written ({e.strerror})"
             stalled = self.stalled_ranks()
             who = f"stopped: {', '.join(stalled)}; " if stalled else ""
+            collective = self.waiting_in(self.outdir, self.rank) if self.waiting_in else None
+            where = f"waiting in {collective}; " if collective else ""
             report(f"loom: rank {self.rank}: no step finished for {self.timeout_s:g} s "
-                   f"(--comm-timeout-s) after step {self.step}; {who}{stacks}")
+                   f"(--comm-timeout-s) after step {self.step}; {where}{who}{stacks}")
         finally:
             os._exit(FAILURE_EXIT)
 

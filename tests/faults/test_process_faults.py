@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -118,6 +119,9 @@ def test_a_stopped_rank_ends_the_job_within_the_comm_timeout(tmp_path: Path) -> 
     line, summary = error_lines(err)  # rank 0's, and the launcher's naming it
     assert line.startswith("loom: rank 0: no step finished for 20 s") and \
         "stopped: rank 1 (silent since step " in line, err
+    assert re.search(r"; waiting in \w+ #\d+ on \w+; ", line), line  # the collective
+    record = json.loads((tmp_path / "run" / "collectives-0.json").read_text())
+    assert record["entries"], "the flight recorder's entries are written beside the stacks"
     assert summary.startswith("loom launch: rank 0 (local 0) failed with exit code 1: "), err
     assert "Traceback" not in err, err
     assert (tmp_path / "run" / "hang-0.txt").read_text().count("File ") > 0

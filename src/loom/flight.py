@@ -1,0 +1,78 @@
+"""The collective a rank last entered, from torch's Flight Recorder, for hang reports.
+
+torch records every collective of every process group (gloo and NCCL alike) in a ring
+buffer when `TORCH_FR_BUFFER_SIZE` is set before the process group starts. A rank stuck in
+a collective blocks inside it, so its newest entry is the one it waits in: op, the group's
+sequence number (equal across the ranks that reached it) and the group. The watchdog reads
+it once, when it fires; nothing is read on the training path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import MutableMapping
+from pathlib import Path
+
+import torch.distributed as dist
+
+try:  # private; present in torch 2.13 (checked), for gloo and NCCL groups alike
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+except ImportError:  # a build without it: hang reports then name no collective
+    _dump_fr_trace_json = None
+
+BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+DEFAULT_ENTRIES = 256
+"""Enough to show the last steps' collectives; each entry is a few hundred bytes."""
+
+
+def enable(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Turn the recorder on (a user's own size wins); must run before the process group."""
+    environ.setdefault(BUFFER_ENV, str(DEFAULT_ENTRIES))
+
+
+def record() -> dict:
+    """This rank's recorder contents, {} without a process group or a recorder."""
+    if _dump_fr_trace_json is None or not dist.is_initialized():
+        return {}
+    try:
+        return json.loads(_dump_fr_trace_json(includeCollectives=True))
+    except Exception:  # the recorder is off (buffer size 0) or its dump failed
+        return {}
+
+
+def group_label(process_group: list[str]) -> str:
+    """A mesh dim's name for a DeviceMesh group ('mesh_dp_shard' -> 'dp_shard'), 'world'
+    for the default group, else the group's own name."""
+    name, desc = ([*process_group, "", ""])[:2]
+    if desc == "default_pg":
+        return "world"
+    if desc.startswith("mesh_"):
+        return desc.removeprefix("mesh_")
+    return desc if desc and desc != "undefined" else f"group {name}"
+
+
+def describe(entry: dict) -> str:
+    """'all_gather #1559 on dp_shard' for one recorder entry."""
+    op = str(entry.get("profiling_name", "?")).split(":")[-1]
+    return (f"{op} #{entry.get('collective_seq_id', '?')} on "
+            f"{group_label(list(entry.get('process_group', [])))}")
+
+
+def last_collective(dump: dict) -> str | None:
+    """The newest collective in a recorder dump, described; None when it has none."""
+    entries = dump.get("entries") or []
+    if not entries:
+        return None
+    return describe(max(entries, key=lambda e: e.get("record_id", 0)))
+
+
+def waiting_in(outdir: Path, rank: int) -> str | None:
+    """For a hang report: the collective this rank last entered, with the whole record
+    written to `<outdir>/collectives-<rank>.json` for a closer look."""
+    dump = record()
+    if dump:
+        with contextlib.suppress(OSError):
+            (outdir / f"collectives-{rank}.json").write_text(json.dumps(dump, default=str))
+    return last_collective(dump)
