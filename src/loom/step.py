@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.config import JobConfig
-from loom.losses import IGNORE_INDEX, Criterion, build_criterion
+from loom.losses import IGNORE_INDEX, Criterion
 from loom.mesh import ParallelDims
 from loom.parallel.grad_sync import set_gradient_sync
 
@@ -123,19 +122,6 @@ class AccumulationExecutor(StepExecutor):
         inputs, labels = self.to_device(batch)
         return self.owned(self.criterion(self.criterion.forward(self.parts[0], inputs),
                                          labels)[0])
-
-
-def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
-                   device: torch.device) -> StepExecutor:
-    """The pipelined executor under --pp > 1, else the accumulation loop; the criterion
-    projects through the head of the last part (held by the pipeline's last stage)."""
-    criterion = build_criterion(cfg.loss, getattr(parts[-1], "output", None), dims.tp)
-    if dims.pp_enabled:
-        from loom.parallel.pipeline import PipelineExecutor
-
-        return PipelineExecutor(parts, criterion, cfg, dims, device)
-    return AccumulationExecutor(parts, criterion, dims, device,
-                                defer_reduction=cfg.train.accum_reduce == "step")
 
 
 def parts_module(parts: list[nn.Module]) -> nn.Module:

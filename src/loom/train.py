@@ -22,6 +22,7 @@ from loom.data.loaders import build_dataloader
 from loom.data.streaming import data_state, restore_data_state
 from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
+from loom.executor import build_executor
 from loom.host_memory import retain_freed_memory
 from loom.mesh import ParallelDims
 from loom.metrics import RunPlace, build_metrics, environment_facts
@@ -39,7 +40,7 @@ from loom.resolve import resolve
 from loom.resume import ResumePoint, architecture, new_run_id, rescale_lr, run_settings
 from loom.rundir import RunFolder
 from loom.runtime import RankInfo, backend_for, init_distributed, teardown
-from loom.step import Batch, StepResult, build_executor, parts_module
+from loom.step import Batch, StepResult, parts_module
 from loom.watchdog import StepWatchdog, collective_timeout_s, heartbeat_store
 
 logger = logging.getLogger("loom")

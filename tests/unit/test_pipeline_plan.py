@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from loom.config import ConfigError, ParallelConfig, config_from_flags
-from loom.models.llama import ModelArgs, Transformer
-from loom.parallel.pipeline import layer_costs, stage_module
-from loom.parallel.pipeline_plan import (
+from loom.config.pipeline import (
     balanced_split,
     bubble_fraction,
     choose_microbatches,
     stage_indices,
 )
+from loom.models.llama import ModelArgs, Transformer
+from loom.parallel.pipeline import layer_costs, stage_module
 
 
 def test_balanced_split_minimises_the_costliest_stage() -> None:

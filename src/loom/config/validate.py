@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
+from loom.config.pipeline import validate_pipeline
 from loom.config.schema import EvalConfig, JobConfig, ModelConfig, OutputConfig, ParallelConfig
 from loom.errors import ConfigError
 from loom.presets import is_hf_model
@@ -190,8 +191,6 @@ def validate(cfg: JobConfig) -> None:
                           "use --val-fraction)")
     _validate_moe(m, p)
     _validate_cp(cfg)
-    from loom.parallel.pipeline_plan import validate_pipeline  # it imports loom.config
-
     validate_pipeline(cfg)
     if hf and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "

@@ -22,9 +22,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from loom.config import JobConfig, ParallelConfig
-from loom.losses import Criterion
-from loom.mesh import ParallelDims
-from loom.parallel.pipeline_plan import (
+from loom.config.pipeline import (
     SCHEDULES,
     balanced_split,
     bubble_fraction,
@@ -33,6 +31,8 @@ from loom.parallel.pipeline_plan import (
     stage_indices,
     stages_per_rank,
 )
+from loom.losses import Criterion
+from loom.mesh import ParallelDims
 from loom.precision import torch_dtype
 from loom.step import Accumulated, Batch, StepExecutor
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from loom.config import parse_args
 from loom.losses import resolve_loss_impl
-from loom.plan.memory import predict_memory
+from loom.plan.peaks import predict_memory
 from loom.plan.trace import fake_world
 
 MiB = 2**20

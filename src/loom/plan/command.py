@@ -19,7 +19,7 @@ from loom.config import ConfigError, JobConfig, parse_args
 from loom.data.cache import default_cache_dir
 from loom.losses import resolve_loss_impl
 from loom.mesh import ParallelDims
-from loom.plan.memory import predict_memory
+from loom.plan.peaks import predict_memory
 from loom.plan.speed import predict_step_time
 from loom.plan.trace import fake_world
 from loom.precision import resolve_precision

@@ -30,8 +30,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from loom.config import JobConfig, ModelConfig
+from loom.config.pipeline import choose_microbatches
 from loom.modeling import plain_model
-from loom.parallel.pipeline_plan import choose_microbatches
 from loom.precision import default_dtype, torch_dtype
 
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,

@@ -26,8 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from loom.cli import setup_logging
 from loom.config import JobConfig, parse_args
+from loom.config.pipeline import stages_per_rank
 from loom.mesh import ParallelDims
-from loom.parallel.pipeline_plan import stages_per_rank
 from loom.plan.trace import Breakdown
 from loom.profiling import peak_live_bytes
 from loom.runtime import init_distributed, rank_info, teardown

@@ -135,15 +135,6 @@ def traced(cfg: JobConfig, world_size: int, stage: Stage | None = None) -> dict[
     return phases
 
 
-def traced_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
-    """Every phase of every rank that may hold the peak (pipeline: each stage's rank)."""
-    if cfg.parallel.pp > 1:
-        from loom.plan.pipeline import pipeline_phases
-
-        return pipeline_phases(cfg, world_size)
-    return [b for name, b in traced(cfg, world_size).items() if name not in (MICROBATCH, HELD)]
-
-
 def in_gib(breakdown: Breakdown) -> dict[str, float]:
     """Tracker categories folded into the report's categories, in GiB."""
     gib = dict.fromkeys(CATEGORIES.values(), 0.0)
@@ -164,9 +155,3 @@ def finish(gib: dict[str, float], cfg: JobConfig, device_kind: str) -> MemoryPre
     if cfg.parallel.compile:
         overhead += terms["compile_workspace_gib"]
     return MemoryPrediction({**gib, "overhead": overhead})
-
-
-def predict_memory(cfg: JobConfig, world_size: int, device_kind: str) -> MemoryPrediction:
-    """The largest phase; needs `fake_world(world_size)` around it."""
-    phases = [finish(in_gib(b), cfg, device_kind) for b in traced_phases(cfg, world_size)]
-    return max(phases, key=lambda m: m.peak_gib)

@@ -28,15 +28,15 @@ from functools import cache
 import torch
 
 from loom.config import JobConfig, ModelConfig
-from loom.modeling import plain_model
-from loom.parallel.pipeline import layer_costs
-from loom.parallel.pipeline_plan import (
+from loom.config.pipeline import (
     balanced_split,
     choose_microbatches,
     effective_schedule,
     stage_indices,
     stages_per_rank,
 )
+from loom.modeling import plain_model
+from loom.parallel.pipeline import layer_costs
 from loom.plan.memory import GATHERED, traced
 from loom.plan.trace import (
     HELD,

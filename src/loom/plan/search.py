@@ -29,7 +29,8 @@ from pathlib import Path
 
 from loom.config import ConfigError, JobConfig, validate
 from loom.mesh import ParallelDims
-from loom.plan.memory import GiB, finish, in_gib, traced_phases
+from loom.plan.memory import GiB, finish, in_gib
+from loom.plan.peaks import traced_phases
 from loom.plan.speed import NODE_SIZE, predict_step_time
 from loom.plan.trace import fake_world
 

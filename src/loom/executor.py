@@ -1,0 +1,25 @@
+"""Which step executor a run uses. Apart from `loom.step` (the executor protocol and the
+plain accumulation loop), which `loom.parallel.pipeline` builds on: choosing between the
+two needs both, so it lives above them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom.config import JobConfig
+from loom.losses import build_criterion
+from loom.mesh import ParallelDims
+from loom.parallel.pipeline import PipelineExecutor
+from loom.step import AccumulationExecutor, StepExecutor
+
+
+def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
+                   device: torch.device) -> StepExecutor:
+    """The pipelined executor under --pp > 1, else the accumulation loop; the criterion
+    projects through the head of the last part (held by the pipeline's last stage)."""
+    criterion = build_criterion(cfg.loss, getattr(parts[-1], "output", None), dims.tp)
+    if dims.pp_enabled:
+        return PipelineExecutor(parts, criterion, cfg, dims, device)
+    return AccumulationExecutor(parts, criterion, dims, device,
+                                defer_reduction=cfg.train.accum_reduce == "step")
