@@ -50,8 +50,8 @@ def timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
 def worker(argv: list[str]) -> None:
     """Train in this process; print step start times and the time spent in metrics code."""
     from loom import metrics
-    from loom.cli import setup_logging
     from loom.config import parse_args
+    from loom.logs import setup_logging
     from loom.mesh import ParallelDims
     from loom.runtime import init_distributed, rank_info, teardown
     from loom.train import Trainer

@@ -7,10 +7,8 @@ import logging
 import re
 import sys
 import traceback
-import warnings
 from collections.abc import Sequence
 from importlib.metadata import version
-from typing import TextIO
 
 import loom
 from loom.config import SECTIONS, JobConfig, parse_args
@@ -25,6 +23,7 @@ from loom.errors import (
     NonFiniteLossError,
     Preempted,
 )
+from loom.logs import setup_logging
 from loom.mesh import ParallelDims
 from loom.preflight import check_outdir
 from loom.runtime import rank_info
@@ -48,36 +47,6 @@ COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan
             "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate",
             "doctor": "loom.doctor"}
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
-
-
-VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
-"""The one torch warning about loom's own module outputs that needs no action (see
-`quiet_known_upstream_noise`); pyproject.toml's pytest filter names it too."""
-
-
-def setup_logging(rank: int, stream: TextIO | None = None) -> None:
-    """Rank 0 logs progress to stdout; other ranks only report errors. Commands whose stdout
-    is a result a script reads (`loom plan`, `loom doctor`) pass `sys.stderr`, so a warning
-    (a busy machine's peak, say) never lands in front of their output."""
-    handler = logging.StreamHandler(stream or (sys.stdout if rank == 0 else sys.stderr))
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("loom")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)
-    logger.propagate = False
-    quiet_known_upstream_noise()
-
-
-def quiet_known_upstream_noise() -> None:
-    """Silence torch messages that fire every step yet need no action from the user."""
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    # FSDP2 warns when a unit returns a view, because an in-place op on it would skip the
-    # unit's pre-backward all-gather. loom's views (DTensor.to_local of the TP embedding and
-    # head, the experts' all-to-all result under EP) are only read out of place: the losses
-    # modify fp32 copies, the MoE combine and the blocks add; every parity test would fail
-    # on a skipped gather. A clone would cost a logits-sized copy per step.
-    warnings.filterwarnings("ignore", message=VIEW_WARNING)
-    warnings.filterwarnings("ignore", message=r"Slicing a flattened dim from root mesh")
 
 
 def is_comm_failure(err: Exception) -> bool:

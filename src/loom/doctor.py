@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 import loom
 from loom import flops
-from loom.cli import setup_logging
 from loom.data.cache import default_cache_dir
 from loom.errors import LaunchError
 from loom.launch import BUILDERS, choose_launcher, detect_host
 from loom.launch import parse_args as parse_launch_args
+from loom.logs import setup_logging
 from loom.precision import cpu_bf16_support, resolve_precision, torch_dtype
 from loom.runtime import pick_device
 

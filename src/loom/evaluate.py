@@ -119,7 +119,7 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str]) -> int:
-    from loom.cli import setup_logging
+    from loom.logs import setup_logging
     from loom.runtime import rank_info
 
     rank = rank_info().rank

@@ -9,8 +9,8 @@ import sys
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from loom.cli import setup_logging
 from loom.config import parse_args
+from loom.logs import setup_logging
 from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import run
 from tests.workers.parity_worker import full_parameters

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from loom.cli import setup_logging
 from loom.config import parse_args
 from loom.data.loaders import build_dataloader, build_dataset
+from loom.logs import setup_logging
 from loom.mesh import ParallelDims
 from loom.runtime import init_distributed, rank_info, teardown
 

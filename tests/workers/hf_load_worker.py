@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import loom.parallel.hf_load as hf_load
 import loom.train as train
-from loom.cli import setup_logging
 from loom.config import ConfigError, ModelConfig, parse_args
+from loom.logs import setup_logging
 from loom.mesh import ParallelDims
 from loom.models.hf import HFCausalLM, load_hf_model
 from loom.parallel.parallelize import parallelize

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from loom.cli import setup_logging
 from loom.config import LossConfig, ParallelConfig, parse_args
+from loom.logs import setup_logging
 from loom.losses import (
     IGNORE_INDEX,
     build_loss,

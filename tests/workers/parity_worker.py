@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from loom.cli import setup_logging
 from loom.config import parse_args
+from loom.logs import setup_logging
 from loom.mesh import ParallelDims
 from loom.parallel.context import shard_batch
 from loom.parallel.init import clean_name

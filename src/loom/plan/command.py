@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from loom.cli import setup_logging
 from loom.config import ConfigError, JobConfig, parse_args
 from loom.data.cache import default_cache_dir
+from loom.logs import setup_logging
 from loom.losses import resolve_loss_impl
 from loom.mesh import ParallelDims
 from loom.plan.peaks import predict_memory

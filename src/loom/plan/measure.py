@@ -24,9 +24,9 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from loom.cli import setup_logging
 from loom.config import JobConfig, parse_args
 from loom.config.pipeline import stages_per_rank
+from loom.logs import setup_logging
 from loom.mesh import ParallelDims
 from loom.plan.trace import Breakdown
 from loom.profiling import peak_live_bytes
