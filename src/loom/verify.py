@@ -7,7 +7,9 @@ per-step loss and pre-clip gradient norm (largest relative difference over the s
 the final parameters (per tensor ||a - b|| / ||b||, largest over tensors, and the first
 parameter in model order beyond the tolerance). One table on stdout (or `--json`); the
 trainings' logs go to stderr. Exit 0 when every layout agrees, 1 when one does not, 2 on
-bad input.
+bad input. Options: --layouts (required), --steps [5], --global-batch-size [the world
+size], --rtol [1e-5] (loss, gradient norm), --param-rtol [1e-3], --outdir [outputs/verify-
+<timestamp>; one run folder per layout], --json; every other flag goes to `loom train`.
 
 Layout grammar: space-separated degrees, then optional flags for that layout only.
   dp N -> --dp-shard N     dpr N -> --dp-replicate N     hsdp RxS -> both
@@ -15,7 +17,8 @@ Layout grammar: space-separated degrees, then optional flags for that layout onl
   written without a space: "dp2 tp2", "hsdp2x2 ep2", "pp2 dp2", "dp4 --lr 2e-3"
 A degree a layout does not name takes its default (dp-shard: the remaining ranks, others 1).
 Every layout runs on all ranks of the job: one that needs fewer (e.g. "1", a single-process
-reference) is refused; compare with one process by running `loom verify` on one rank.
+reference) is refused in one line, as sub-groups are not supported. Layouts are compared at
+one world size; `loom launch -n 1 loom verify --layouts dp1 ...` is the single-process run.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 @dataclass(frozen=True)
-class Plan:
+class Request:
     """The validated request: each layout's full `loom train` flags, and the options."""
 
     layouts: list[Layout]
@@ -117,7 +120,7 @@ class Plan:
     base: JobConfig
 
 
-def plan(argv: Sequence[str], world_size: int) -> Plan:
+def parse_request(argv: Sequence[str], world_size: int) -> Request:
     """Every layout checked against the world size and the global batch before any
     collective: bad input fails on every rank alike, in one line."""
     options, train_argv = verify_parser().parse_known_args(list(argv))
@@ -132,7 +135,7 @@ def plan(argv: Sequence[str], world_size: int) -> Plan:
     batch = options.global_batch_size or world_size
     argvs = [layout_argv(layout, train_argv, batch, world_size, options.steps)
              for layout in layouts]
-    return Plan(layouts, argvs, options, base)
+    return Request(layouts, argvs, options, base)
 
 
 def layout_argv(layout: Layout, train_argv: Sequence[str], global_batch: int,
@@ -236,7 +239,8 @@ def notes_for(cfg: JobConfig, options: argparse.Namespace) -> list[str]:
     return notes
 
 
-def outcome(trainer_outdir: Path, params: dict[str, torch.Tensor]) -> Outcome:
+def read_outcome(trainer_outdir: Path, params: dict[str, torch.Tensor]) -> Outcome:
+    """Rank 0's per-step loss and gradient norm from the run folder, with the parameters."""
     rows = read_rows(trainer_outdir / "metrics-0.jsonl")
     return Outcome({r["train/iter"]: r["train/loss"] for r in rows},
                    {r["train/iter"]: r["grad/norm_preclip"] for r in rows}, params)
@@ -249,7 +253,7 @@ def agree_on_root(outdir: str | None) -> Path:
     return Path(chosen[0])
 
 
-def run_layouts(request: Plan, info: RankInfo, device: torch.device) -> list[Outcome]:
+def run_layouts(request: Request, info: RankInfo, device: torch.device) -> list[Outcome]:
     """Train every layout in turn on every rank; rank 0 keeps each one's outcome."""
     root = agree_on_root(request.options.outdir)
     outcomes = []
@@ -260,13 +264,13 @@ def run_layouts(request: Plan, info: RankInfo, device: torch.device) -> list[Out
         fit(trainer)
         params = whole_model(trainer, lambda p: p)
         if info.rank == 0:
-            outcomes.append(outcome(trainer.metrics.outdir, params))
+            outcomes.append(read_outcome(trainer.metrics.outdir, params))
         del trainer
         gc.collect()
     return outcomes
 
 
-def report(request: Plan, outcomes: list[Outcome], as_json: bool) -> bool:
+def report(request: Request, outcomes: list[Outcome], as_json: bool) -> bool:
     """Rank 0: print the table (or JSON) on stdout; True when every layout agrees."""
     o = request.options
     verdicts = [compare(layout.text, out, outcomes[0], o.rtol, o.param_rtol)
@@ -283,12 +287,15 @@ def report(request: Plan, outcomes: list[Outcome], as_json: bool) -> bool:
 def main(argv: Sequence[str]) -> int:
     """Exit 0 when every layout agrees with the first, 1 when one does not, 2 on bad input.
     Training logs go to stderr, so stdout holds only the result."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     watch_launcher()
     info = rank_info()
     with contextlib.redirect_stdout(sys.stderr):
         setup_logging(info.rank)
         try:
-            request = plan(argv, info.world_size)
+            request = parse_request(argv, info.world_size)
             if len(request.layouts) < 2:
                 raise ConfigError("--layouts needs at least two layouts (the first is the "
                                   "reference)")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from loom.config import ConfigError
-from loom.verify import MOE_NOTE, Outcome, compare, notes_for, parse_layout, plan
+from loom.verify import MOE_NOTE, Outcome, compare, notes_for, parse_layout, parse_request
+from loom.verify import main as verify_main
 
 BASE = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64"]
 
@@ -36,16 +37,16 @@ def test_unreadable_layouts_are_refused(text: str):
 
 
 def test_plan_keeps_the_global_batch_and_refuses_what_it_cannot_run():
-    request = plan(["--layouts", "dp4", "dp2 tp2", "--steps", "3", *BASE], world_size=4)
+    request = parse_request(["--layouts", "dp4", "dp2 tp2", "--steps", "3", *BASE], world_size=4)
     batch = [argv[argv.index("--batch-size") + 1] for argv in request.argvs]
     assert batch == ["1", "2"]
     assert all(argv[argv.index("--max-steps") + 1] == "3" for argv in request.argvs)
     with pytest.raises(ConfigError, match="all 4 ranks"):
-        plan(["--layouts", "dp4", "dp2", *BASE], world_size=4)
+        parse_request(["--layouts", "dp4", "dp2", *BASE], world_size=4)
     with pytest.raises(ConfigError, match="not divisible"):
-        plan(["--layouts", "dp4", "tp4", "--global-batch-size", "2", *BASE], world_size=4)
+        parse_request(["--layouts", "dp4", "tp4", "--global-batch-size", "2", *BASE], world_size=4)
     with pytest.raises(ConfigError, match="--tp"):
-        plan(["--layouts", "dp4", "tp4", "--tp", "2", *BASE], world_size=4)
+        parse_request(["--layouts", "dp4", "tp4", "--tp", "2", *BASE], world_size=4)
 
 
 def outcome(scale: float = 1.0, shift: float = 0.0) -> Outcome:
@@ -64,6 +65,11 @@ def test_compare_names_the_first_parameter_beyond_tolerance():
     assert compare("z", outcome(shift=1e-7), outcome(), rtol=1e-5, param_rtol=1e-3).ok
 
 
+def test_help_describes_the_grammar(capsys):
+    assert verify_main(["--help"]) == 0
+    assert "hsdp RxS" in capsys.readouterr().out
+
+
 def test_bad_input_is_one_line_and_exit_2():
     proc = subprocess.run([sys.executable, "-m", "loom", "verify", "--layouts", "dp1", "dq1",
                            *BASE], capture_output=True, text=True, timeout=120)
@@ -73,9 +79,9 @@ def test_bad_input_is_one_line_and_exit_2():
 
 
 def test_notes_warn_of_moe_routing_ties_and_mixed_precision():
-    dense = plan(["--layouts", "dp4", "dp2 tp2", "--fp32", *BASE], world_size=4)
+    dense = parse_request(["--layouts", "dp4", "dp2 tp2", "--fp32", *BASE], world_size=4)
     assert len(notes_for(dense.base, dense.options)) == 1
-    moe = plan(["--layouts", "dp4", "dp4 ep2", *BASE, "--model", "moe-debug", "--dtype", "bf16"],
-               world_size=4)
+    moe = parse_request(["--layouts", "dp4", "dp4 ep2", *BASE, "--model", "moe-debug",
+                         "--dtype", "bf16"], world_size=4)
     notes = notes_for(moe.base, moe.options)
     assert any("--fp32" in n for n in notes) and MOE_NOTE in notes
