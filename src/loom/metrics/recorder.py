@@ -196,23 +196,12 @@ class Metrics:
         """`extra`: more columns for the row (the MoE metrics); `valid_tokens`: the step's
         valid labels over the loss mesh (on the device); `batches`: this rank's micro-batches
         as the loader gave them. At logging steps the timings are gathered from every rank."""
-        health = self._health(step)
-        logits = self.logits.take() if self.logits is not None else None
-        valid = [] if valid_tokens is None else [exact_float_parts(valid_tokens.detach())]
-        scalars = [loss.detach().float().reshape(1), grad_norm.detach().float().reshape(1)]
-        parts = [*scalars, *valid, *([logits] if logits is not None else []), *health]
-        values = torch.cat(parts).tolist()  # the step's one host sync
+        device = self.device_columns(step, loss, grad_norm, valid_tokens)  # the host sync
         dt, dtf, dtb = self.clock.stop()
         self.tokens_seen += self.facts.tokens_per_step
-        row = self.row(step, epoch, bidx, values[0], values[1], (dt, dtf, dtb))
-        rest = values[2:]
-        if valid:
-            row["labels/valid"], rest = int(rest[0]) * 2**24 + int(rest[1]), rest[2:]
-        if logits is not None:
-            row.update(zip(LOGITS_KEYS, rest[:2], strict=True))
-            rest = rest[2:]
-        if health:
-            row.update(zip(HEALTH_KEYS, rest, strict=True))
+        row = self.row(step, epoch, bidx, device.pop("train/loss"),
+                       device.pop("grad/norm_preclip"), (dt, dtf, dtb))
+        row.update(device)
         if batches:
             self.input_iter += len(batches)
             row.update(input_range(batches))
@@ -230,6 +219,28 @@ class Metrics:
         self.histograms.flush(step, self.wandb)
         self.clock.start()
         return row
+
+    def device_columns(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+                       valid_tokens: torch.Tensor | None) -> dict[str, float]:
+        """Every column the step left on the device, read in the step's one host sync: loss,
+        gradient norm, valid labels (exact), the logits' and the health statistics."""
+        named = [(("train/loss", "grad/norm_preclip"),
+                  torch.cat([loss.detach().float().reshape(1),
+                             grad_norm.detach().float().reshape(1)]))]
+        if valid_tokens is not None:
+            named.append((("valid/high", "valid/low"), exact_float_parts(valid_tokens.detach())))
+        logits = self.logits.take() if self.logits is not None else None
+        if logits is not None:
+            named.append((LOGITS_KEYS, logits))
+        health = self._health(step)
+        if health:
+            named.append((HEALTH_KEYS, torch.cat(health)))
+        values = torch.cat([t.reshape(-1) for _, t in named]).tolist()
+        columns = dict(zip((k for keys, _ in named for k in keys), values, strict=True))
+        if valid_tokens is not None:
+            high, low = columns.pop("valid/high"), columns.pop("valid/low")
+            columns["labels/valid"] = int(high) * 2**24 + int(low)
+        return columns
 
     def row(self, step: int, epoch: int, bidx: int, loss: float, grad_norm: float,
             times: tuple[float, float, float]) -> dict[str, Any]:
