@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from loom.config import ConfigError
-from loom.verify import MOE_NOTE, Outcome, compare, notes_for, parse_layout, parse_request
+from loom.verify import (
+    MOE_NOTE,
+    Outcome,
+    compare,
+    format_table,
+    notes_for,
+    parse_layout,
+    parse_request,
+)
 from loom.verify import main as verify_main
 
 BASE = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64"]
@@ -55,19 +63,29 @@ def outcome(scale: float = 1.0, shift: float = 0.0) -> Outcome:
 
 
 def test_compare_names_the_first_parameter_beyond_tolerance():
-    same = compare("x", outcome(), outcome(), rtol=1e-5, param_rtol=1e-3)
+    same = compare("x", outcome(), outcome(), rtol=1e-5, grad_rtol=1e-4, param_rtol=1e-3)
     assert same.ok and same.loss == same.grad_norm == same.params == 0.0
     assert same.first_differing is None
-    off = compare("y", outcome(scale=1.1, shift=1e-3), outcome(), rtol=1e-5, param_rtol=1e-3)
+    off = compare("y", outcome(scale=1.1, shift=1e-3), outcome(), rtol=1e-5, grad_rtol=1e-4,
+                  param_rtol=1e-3)
     assert not off.ok
     assert off.first_differing == "b", "the first in model order, not the worst"
     assert off.loss == pytest.approx(1e-3 / 2.5)
-    assert compare("z", outcome(shift=1e-7), outcome(), rtol=1e-5, param_rtol=1e-3).ok
+    assert compare("z", outcome(shift=1e-7), outcome(), rtol=1e-5, grad_rtol=1e-4,
+                   param_rtol=1e-3).ok
 
 
 def test_help_describes_the_grammar(capsys):
     assert verify_main(["--help"]) == 0
     assert "hsdp RxS" in capsys.readouterr().out
+
+
+def test_a_failing_layout_without_a_differing_parameter_says_what_failed():
+    verdict = compare("w", outcome(shift=1e-3), outcome(), rtol=1e-5, grad_rtol=1e-4,
+                      param_rtol=1e-3)
+    assert not verdict.ok and verdict.beyond == ("loss",)
+    line = format_table([verdict], "ref", []).splitlines()[-1]
+    assert line.endswith("FAIL    - (loss beyond tolerance)"), line
 
 
 def test_bad_input_is_one_line_and_exit_2():
