@@ -50,7 +50,7 @@ from loom.mesh import ParallelDims
 from loom.metrics import read_rows
 from loom.parity import build_trainer, fit, whole_model
 from loom.runtime import RankInfo, init_distributed, rank_info, teardown
-from loom.watchdog import watch_launcher
+from loom.watchdog import watch_launcher, write_error_file
 
 logger = logging.getLogger("loom")
 
@@ -149,7 +149,11 @@ def layout_argv(layout: Layout, train_argv: Sequence[str], global_batch: int,
     batch the same in every layout."""
     argv = [*train_argv, *layout.flags, "--max-steps", str(steps), "--metrics"]
     try:
-        dims = ParallelDims.from_config(parse_args(argv).parallel, world_size)
+        cfg = parse_args(argv)
+    except ConfigError as e:
+        raise ConfigError(f"layout {layout.text!r}: {e}") from None
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, world_size)
     except ConfigError as e:
         raise ConfigError(f"layout {layout.text!r}: {e} (every layout runs on all "
                           f"{world_size} ranks of the job)") from None
@@ -304,7 +308,7 @@ def report(request: Request, outcomes: list[Outcome], as_json: bool) -> bool:
 def main(argv: Sequence[str]) -> int:
     """Exit 0 when every layout agrees with the first, 1 when one does not, 2 on bad input.
     Training logs go to stderr, so stdout holds only the result."""
-    if argv[:1] in (["-h"], ["--help"]):
+    if list(argv[:1]) in (["-h"], ["--help"]):
         print(__doc__)
         return 0
     watch_launcher()
@@ -321,6 +325,7 @@ def main(argv: Sequence[str]) -> int:
         except ConfigError as e:
             if info.rank == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
+            write_error_file(f"error: {e}")  # for `loom launch`, as `loom train` leaves it
             return BAD_INPUT_EXIT
     agreed = report(request, outcomes, request.options.json) if info.rank == 0 else True
     flag = torch.tensor([float(agreed)], device=device)
