@@ -40,12 +40,14 @@ USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
   loom eval CKPT --dataset D  validation loss of a checkpoint
   loom generate CKPT --prompt TEXT   sample text from a checkpoint or HF folder
   loom doctor [--json]        what this machine offers loom (paste it into bug reports)
+  loom verify --layouts "dp4" "dp2 tp2" ... [--steps N] [FLAGS]
+                              train each layout from the same seed and data; compare
 """
 
 
 COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan.command",
             "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate",
-            "doctor": "loom.doctor"}
+            "doctor": "loom.doctor", "verify": "loom.verify"}
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
 
 

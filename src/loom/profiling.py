@@ -1,33 +1,58 @@
 """`--profile` (torch profiler) and `--pyinstrument-profiler`, both writing into the run folder.
 
-The torch profiler skips `wait` steps, warms up for `warmup`, records `active` steps once,
-then writes `profile/trace-rank<r>.json` (open in chrome://tracing or Perfetto) and
-`profile/ops-rank<r>.txt` (the top operators). pyinstrument (pip install 'loom[profile]')
-samples the Python stack of the whole loop into `pyinstrument-rank<r>.html` and `.txt`.
+The torch profiler skips `wait` steps, warms up for `warmup`, records `active` steps
+(`repeat` cycles; the --profile-* flags), then writes `profile/trace-rank<r>.json` (open in
+chrome://tracing or Perfetto) and `profile/ops-rank<r>.txt` (the top operators).
+pyinstrument (pip install 'loom[profile]') samples the Python stack of the whole loop into
+`pyinstrument-rank<r>.html` and `.txt`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from loom.config import OutputConfig
+
 logger = logging.getLogger("loom")
 
-SCHEDULE = (2, 2, 3)
-"""(wait, warmup, active) steps of `--profile`; runs shorter than 7 steps start at once."""
+@dataclass(frozen=True)
+class ProfileOptions:
+    """`--profile`'s schedule and what it records (the --profile-* flags)."""
+
+    wait: int = 2
+    warmup: int = 2
+    active: int = 3
+    repeat: int = 1
+    memory: bool = False
+    shapes: bool = False
+    stack: bool = False
+    flops: bool = False
+    modules: bool = False
+
+    @classmethod
+    def from_config(cls, o: OutputConfig) -> ProfileOptions:
+        return cls(o.profile_wait, o.profile_warmup, o.profile_active, o.profile_repeat,
+                   o.profile_memory, o.profile_shapes, o.profile_stack, o.profile_flops,
+                   o.profile_modules)
 
 
-def profile_schedule(total_steps: int) -> tuple[int, int, int]:
-    wait, warmup, active = SCHEDULE
+def profile_schedule(total_steps: int, options: ProfileOptions = ProfileOptions()
+                     ) -> tuple[int, int, int]:
+    """(wait, warmup, active) steps; a run too short for them starts recording at once, so
+    even a 1-step run leaves a trace."""
+    wait, warmup, active = options.wait, options.warmup, options.active
     if total_steps >= wait + warmup + active:
-        return SCHEDULE
+        return wait, warmup, active
     warmup = 1 if total_steps > 1 else 0
     return 0, warmup, max(1, total_steps - warmup)
 
@@ -47,12 +72,18 @@ def _activities() -> list[ProfilerActivity]:
 
 
 def _trace_writer(folder: Path, rank: int):
+    """Each recorded cycle's trace and top-operator table; cycles after the first (with
+    --profile-repeat) get their number in the file name."""
+    cycles = itertools.count()
+
     def write(prof: torch.profiler.profile) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(folder / f"trace-rank{rank}.json"))
+        cycle = next(cycles)
+        suffix = f"rank{rank}" if cycle == 0 else f"rank{rank}-cycle{cycle}"
+        prof.export_chrome_trace(str(folder / f"trace-{suffix}.json"))
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-        (folder / f"ops-rank{rank}.txt").write_text(table + "\n")
-        logger.info("profile: %s", folder / f"trace-rank{rank}.json")
+        (folder / f"ops-{suffix}.txt").write_text(table + "\n")
+        logger.info("profile: %s", folder / f"trace-{suffix}.json")
     return write
 
 
@@ -85,13 +116,16 @@ class StepProfiler:
 
 
 @contextlib.contextmanager
-def torch_profile(outdir: Path, rank: int, total_steps: int,
-                  verbose: bool = False) -> Iterator[StepProfiler]:
-    wait, warmup, active = profile_schedule(total_steps)
+def torch_profile(outdir: Path, rank: int, total_steps: int, verbose: bool = False,
+                  options: ProfileOptions = ProfileOptions()) -> Iterator[StepProfiler]:
+    wait, warmup, active = profile_schedule(total_steps, options)
     prof = torch.profiler.profile(
         activities=_activities(),
-        schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-        on_trace_ready=_trace_writer(outdir / "profile", rank))
+        schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active,
+                                         repeat=options.repeat),
+        on_trace_ready=_trace_writer(outdir / "profile", rank),
+        profile_memory=options.memory, record_shapes=options.shapes,
+        with_stack=options.stack, with_flops=options.flops, with_modules=options.modules)
     quiet = contextlib.nullcontext if verbose else stderr_silenced
     with quiet():
         prof.start()
@@ -118,15 +152,17 @@ def pyinstrument_profile(outdir: Path, rank: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def maybe_profile(profile: bool, pyinstrument: bool, outdir: Path, rank: int,
-                  total_steps: int, verbose: bool = False) -> Iterator[NoProfiler | StepProfiler]:
+def maybe_profile(out: OutputConfig, outdir: Path, rank: int,
+                  total_steps: int) -> Iterator[NoProfiler | StepProfiler]:
     """The profilers that are on, around the training loop; call `.step()` after each step.
-    kineto's start/stop lines are hidden unless `verbose`."""
+    kineto's start/stop lines are hidden unless --verbose; with --profile-rank0-only the
+    torch profiler runs on rank 0 alone."""
     with contextlib.ExitStack() as stack:
-        if pyinstrument:
+        if out.pyinstrument_profiler:
             stack.enter_context(pyinstrument_profile(outdir, rank))
-        if profile:
-            yield stack.enter_context(torch_profile(outdir, rank, total_steps, verbose))
+        if out.profile and (rank == 0 or not out.profile_rank0_only):
+            yield stack.enter_context(torch_profile(outdir, rank, total_steps, out.verbose,
+                                                    ProfileOptions.from_config(out)))
         else:
             yield NoProfiler()
 

@@ -36,12 +36,21 @@ def format_mfu(mfu: float | None) -> str:
     return "  n/a " if mfu is None else f"{mfu:5.2f}%"
 
 
+MEMORY_KEYS = ("train/mem_alloc_peak", "train/mem_rss_peak")
+"""The console's memory figure: peak allocated device memory, or the process's peak RSS."""
+
+
+def format_memory(row: dict[str, Any]) -> str:
+    value = next((row[k] for k in MEMORY_KEYS if k in row), None)
+    return "" if value is None else f"  mem {value:5.2f} GiB"
+
+
 def format_progress(row: dict[str, Any], total: int, eta_s: float) -> str:
     width = len(str(total))
     val = f"  val {row['val/loss']:.4f} ppl {row['val/ppl']:,.1f}" if "val/loss" in row else ""
     return (f"step {row['train/iter']:>{width}}/{total}  loss {row['train/loss']:.4f}{val}  "
             f"{row['train/tps']:>9,.0f} tok/s  mfu {format_mfu(row['train/mfu'])}  "
-            f"dt {row['train/dt'] * 1e3:7.1f} ms  eta {format_eta(eta_s)}")
+            f"dt {row['train/dt'] * 1e3:7.1f} ms{format_memory(row)}  eta {format_eta(eta_s)}")
 
 
 class Progress:
@@ -57,6 +66,10 @@ class Progress:
         self.total, self.start, self.t0 = total_steps, start_step, time.perf_counter()
         self.every = self.requested or auto_every(total_steps - start_step)
 
+    def due(self, step: int) -> bool:
+        """A logging step: its line is kept (the same answer on every rank, enabled or not)."""
+        return step == 1 or step == self.total or step % self.every == 0
+
     def update(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
@@ -64,7 +77,7 @@ class Progress:
         done = max(1, step - self.start)
         eta = (time.perf_counter() - self.t0) / done * (self.total - step)
         line = format_progress(row, self.total, eta)
-        keep = step == 1 or step == self.total or step % self.every == 0
+        keep = self.due(step)
         if self.stream.isatty():
             self.stream.write("\r\x1b[2K" + line + ("\n" if keep else ""))
             self.stream.flush()

@@ -1,5 +1,6 @@
 """Optional outputs beyond the run folder's basics: a Weights & Biases run (rank 0) and
-debug histograms behind environment knobs ($LOOM_HIST_EVERY, $LOOM_HIST)."""
+debug histograms behind environment knobs ($LOOM_HIST_EVERY, $LOOM_HIST, $LOOM_HIST_BINS,
+$LOOM_HIST_SAMPLES, $LOOM_HIST_LAYERS)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from loom.config import OutputConfig
 from loom.parallel.init import clean_name
 
 logger = logging.getLogger("loom")
 
-HIST_KINDS = ("logits", "grads", "acts")
 HIST_BINS = 64
+BLOCK_PARTS = {"attn": ("attention",), "ffn": ("feed_forward", "moe")}
+"""Histogram kind -> the block child whose output it records (dense or MoE feed-forward)."""
 
 
 class WandbRun:
@@ -53,11 +56,14 @@ class WandbRun:
         self.run.finish()
 
 
-def histogram(t: torch.Tensor) -> torch.Tensor:
-    """[min, max, counts...] of this rank's local values, left on the device."""
-    x = (t.to_local() if isinstance(t, DTensor) else t).detach().float()
+def histogram(t: torch.Tensor, bins: int = HIST_BINS, samples: int = 0) -> torch.Tensor:
+    """[min, max, counts...] of this rank's local values (`samples` of them at an even
+    stride when that is fewer: a bounded cost on large activations), left on the device."""
+    x = (t.to_local() if isinstance(t, DTensor) else t).detach().float().flatten()
+    if 0 < samples < x.numel():
+        x = x[::x.numel() // samples][:samples]
     lo, hi = torch.aminmax(x)
-    return torch.cat([lo.reshape(1), hi.reshape(1), torch.histc(x, bins=HIST_BINS)])
+    return torch.cat([lo.reshape(1), hi.reshape(1), torch.histc(x, bins=bins)])
 
 
 def layer_of(name: str) -> str:
@@ -66,13 +72,20 @@ def layer_of(name: str) -> str:
     return f"layer{parts[1]}" if parts[0] == "layers" and len(parts) > 1 else parts[0]
 
 
-class Histograms:
-    """Every `every` steps (0 = off): histograms of logits and of each block's output
-    (forward hooks), and per-layer gradient norms (local shards); written to
-    `histograms-<rank>.jsonl` and W&B."""
+def block_child(block: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    """The block's attention or feed-forward module, under any wrapper (checkpointing)."""
+    return next((m for n, m in block.named_modules() if clean_name(n) in names), None)
 
-    def __init__(self, outdir: Path, rank: int, every: int, kinds: str):
-        self.every = every
+
+class Histograms:
+    """Every `every` steps (0 = off): histograms of logits, of each selected block's output
+    and of its attention and feed-forward outputs (forward hooks), and per-layer gradient
+    norms (local shards); written to `histograms-<rank>.jsonl` and W&B."""
+
+    def __init__(self, outdir: Path, rank: int, every: int, kinds: str, bins: int = HIST_BINS,
+                 samples: int = 0, layers: str = "all"):
+        self.every, self.bins, self.samples = every, bins, samples
+        self.layers = None if layers == "all" else {p.strip() for p in layers.split(",")}
         self.kinds = {k for k in kinds.split(",") if k} if every > 0 else set()
         self.path = outdir / f"histograms-{rank}.jsonl"
         self.model: nn.Module | None = None
@@ -81,22 +94,38 @@ class Histograms:
         self.hists: dict[str, torch.Tensor] = {}
         self.norms: dict[str, torch.Tensor] = {}
 
+    @classmethod
+    def from_config(cls, outdir: Path, rank: int, o: OutputConfig) -> Histograms:
+        return cls(outdir, rank, o.hist_every, o.hist, o.hist_bins, o.hist_samples,
+                   o.hist_layers)
+
     def due(self, step: int) -> bool:
         return bool(self.kinds) and step % self.every == 0
+
+    def layer_selected(self, index: str) -> bool:
+        return self.layers is None or index in self.layers
 
     def attach(self, model: nn.Module) -> None:
         self.model, self.armed = model, self.due(1)
         modules = {}
         if "logits" in self.kinds and isinstance(getattr(model, "output", None), nn.Module):
             modules["logits"] = model.output
-        if "acts" in self.kinds and isinstance(getattr(model, "layers", None), nn.ModuleDict):
-            modules.update({f"acts/layer{name}": block for name, block in model.layers.items()})
+        blocks = getattr(model, "layers", None)
+        blocks = {n: b for n, b in blocks.items() if self.layer_selected(n)} \
+            if isinstance(blocks, nn.ModuleDict) else {}
+        if "acts" in self.kinds:
+            modules.update({f"acts/layer{name}": block for name, block in blocks.items()})
+        for kind in ("attn", "ffn"):
+            if kind in self.kinds:
+                found = {f"{kind}/layer{n}": block_child(b, BLOCK_PARTS[kind])
+                         for n, b in blocks.items()}
+                modules.update({k: m for k, m in found.items() if m is not None})
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
 
     def _hook(self, name: str) -> Callable[..., None]:
         def record(module: nn.Module, args: Any, output: Any) -> None:
             if self.armed and isinstance(output, torch.Tensor):
-                self.hists[name] = histogram(output)
+                self.hists[name] = histogram(output, self.bins, self.samples)
         return record
 
     def gradients(self, step: int) -> None:
@@ -105,9 +134,12 @@ class Histograms:
             return
         groups: dict[str, list[torch.Tensor]] = defaultdict(list)
         for name, p in self.model.named_parameters():
+            layer = layer_of(name)
+            if layer.startswith("layer") and not self.layer_selected(layer[len("layer"):]):
+                continue
             if p.grad is not None:
                 g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                groups[layer_of(name)].append(g.detach())
+                groups[layer].append(g.detach())
         for layer, grads in groups.items():
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             self.norms[layer] = norms.norm()

@@ -223,7 +223,9 @@ class Trainer:
         """The loop; a SIGTERM or SIGINT ends it after the current step, and the summary
         and plots are written for the steps done either way."""
         total, out = self.total_steps(), self.cfg.output
-        self.metrics.begin(total, start_step=self.loop.step, tokens_seen=self.loop.tokens_seen)
+        micro_batch = self.dims.global_batch_size(self.cfg.train.batch_size)
+        self.metrics.begin(total, start_step=self.loop.step, tokens_seen=self.loop.tokens_seen,
+                           input_iter=self.loop.samples_seen // micro_batch)
         previous = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM,
                                                                       signal.SIGINT)}
         watchdog = StepWatchdog(self.cfg.train.comm_timeout_s, self.metrics.outdir,
@@ -232,15 +234,15 @@ class Trainer:
                                 flight.waiting_in)
         watchdog.start(self.loop.step)
         try:
-            with maybe_profile(out.profile, out.pyinstrument_profiler, self.metrics.outdir,
-                               self.info.rank, total, out.verbose) as profiler:
+            with maybe_profile(out, self.metrics.outdir, self.info.rank, total) as profiler:
                 for epoch, bidx, micro in itertools.islice(self.batches(),
                                                            max(0, total - self.loop.step)):
                     result = self.train_step(micro)
                     self.advance()
                     val = self.maybe_evaluate(final=self.loop.step == total)
                     self.metrics.log_step(self.loop.step, epoch, bidx, result.loss,
-                                          result.grad_norm, {**result.moe, **val})
+                                          result.grad_norm, {**result.moe, **val},
+                                          valid_tokens=result.valid_tokens, batches=micro)
                     profiler.step()
                     self.maybe_checkpoint(final=self.loop.step == total)
                     watchdog.beat(self.loop.step)

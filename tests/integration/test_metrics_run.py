@@ -21,7 +21,11 @@ SPEC_KEYS = (
     "train/dtb", "train/tokens", "train/tokens_seen", "train/tps", "train/tps_per_gpu",
     "train/tflops", "train/mfu", "grad/norm_preclip", "grad/norm", "grad/max_abs",
     "grad/nonfinite", "param/norm", "param/max_abs", "param/nonfinite", "opt/lr",
-    "train/mem_rss", "train/mem_rss_peak")
+    "train/mem_rss", "train/mem_rss_peak", "labels/valid", "input/min", "input/max",
+    "input/iter", "opt/iter")
+TIMING_SPREAD = tuple(f"train/{t}_{s}" for s in ("min", "max", "std") for t in ("dt", "dtf", "dtb"))
+"""Cross-rank spread of the step's timings, in the rows of the logging steps."""
+LOGITS_KEYS = ("logits/max_abs", "logits/nonfinite")
 HEALTH_KEYS = [k for k in SPEC_KEYS if k.startswith(("grad/n", "grad/m", "param/"))
                and k != "grad/norm_preclip"]
 PLOTS = {"loss.png", "throughput.png", "mfu.png", "memory.png"}
@@ -59,6 +63,12 @@ def test_every_row_has_the_spec_keys_with_finite_values(dp2_run):
             assert r["train/dt"] == pytest.approx(r["train/dtf"] + r["train/dtb"])
             assert r["train/tflops"] * 1e12 * r["train/dt"] == pytest.approx(per_rank)
             assert r["grad/nonfinite"] == 0 and r["param/nonfinite"] == 0
+            assert r["labels/valid"] == 2 * 256 and 0 <= r["input/min"] <= r["input/max"] < 32000
+            assert r["input/iter"] == r["opt/iter"] == r["train/iter"]
+            assert not any(k in r for k in LOGITS_KEYS), "logits only under --track-logits"
+            for t in ("dt", "dtf", "dtb"):  # every step is a logging step at 10 steps
+                spread = [r[f"train/{t}_{s}"] for s in ("min", "max", "std")]
+                assert spread[0] <= r[f"train/{t}"] <= spread[1] and spread[2] >= 0, r
     losses = [[r["train/loss"] for r in rows(outdir, k)] for k in (0, 1)]
     assert losses[0] == losses[1], "the reported loss is the dp average on every rank"
 
@@ -107,15 +117,23 @@ SMALL = ["-m", "loom", "train", "--model", "debug", "--dataset", "random", "--vo
 @pytest.mark.multirank
 def test_profilers_histograms_wandb_and_health_cadence(tmp_path):
     log = tmp_path / "wandb-calls.jsonl"
-    job = run_ranks(1, [*SMALL, "--outdir", "run", "--profile", "--pyinstrument-profiler",
-                        "--wandb", "--log-every", "4"], timeout=900, cwd=tmp_path,
-                    env={"PYTHONPATH": f"{FAKE_WANDB}:{REPO}", "FAKE_WANDB_LOG": str(log),
+    schedule = ["--profile-wait", "1", "--profile-warmup", "1", "--profile-active", "2",
+                "--profile-repeat", "2", "--profile-shapes"]
+    job = run_ranks(1, [*SMALL, "--outdir", "run", "--profile", *schedule,
+                        "--pyinstrument-profiler", "--wandb", "--log-every", "4"],
+                    timeout=900, cwd=tmp_path,
+                    env={"PYTHONPATH": f"{FAKE_WANDB}:{REPO / 'src'}:{REPO}",
+                         "FAKE_WANDB_LOG": str(log),
                          "LOOM_HIST_EVERY": "2", "LOOM_HEALTH_EVERY": "3",
+                         "LOOM_HIST": "logits,grads,acts,attn,ffn", "LOOM_HIST_LAYERS": "0,2",
+                         "LOOM_HIST_BINS": "16", "LOOM_HIST_SAMPLES": "1000",
                          "LOOM_CACHE_DIR": str(tmp_path / "cache")})
     assert job.ok, job.describe()
     run = tmp_path / "run"
     trace = json.loads((run / "profile" / "trace-rank0.json").read_text())
     assert trace["traceEvents"] and "aten::mm" in (run / "profile" / "ops-rank0.txt").read_text()
+    assert (run / "profile" / "trace-rank0-cycle1.json").exists(), "--profile-repeat 2"
+    assert any("Input Dims" in e.get("args", {}) for e in trace["traceEvents"]), "shapes"
     assert "fit" in (run / "pyinstrument-rank0.txt").read_text()
     assert (run / "pyinstrument-rank0.html").stat().st_size > 0
 
@@ -129,10 +147,11 @@ def test_profilers_histograms_wandb_and_health_cadence(tmp_path):
     hist = read_rows(run / "histograms-0.jsonl")
     assert [h["step"] for h in hist] == [2, 4, 6, 8]
     for h in hist:
-        assert set(h["histograms"]) == {"logits", *(f"acts/layer{i}" for i in range(4))}
-        assert sum(h["histograms"]["logits"]["counts"]) == 64 * 512  # every logit binned once
-        assert set(h["grad_norms"]) == {"tok_embeddings", "norm", "output",
-                                        *(f"layer{i}" for i in range(4))}
+        assert set(h["histograms"]) == {"logits", *(f"{kind}/layer{i}" for i in (0, 2)
+                                                    for kind in ("acts", "attn", "ffn"))}
+        counts = h["histograms"]["logits"]["counts"]
+        assert len(counts) == 16 and sum(counts) == 1000  # 1000 of the 64 x 512 logits
+        assert set(h["grad_norms"]) == {"tok_embeddings", "norm", "output", "layer0", "layer2"}
 
     calls = read_rows(log)
     assert calls[0][0] == "init" and "derived" in calls[0][4]
@@ -141,6 +160,31 @@ def test_profilers_histograms_wandb_and_health_cadence(tmp_path):
     assert [c[1] for c in logged if "train/loss" in c[2]] == list(range(1, 9))
     assert [c[1] for c in logged if "hist/logits" in c[2]] == [2, 4, 6, 8]
     assert [c[0] for c in calls[-2:]] == ["summary", "finish"]
+
+
+@pytest.mark.multirank
+def test_logits_tracking_profile_on_rank_0_and_timing_spread_at_logging_steps(tmp_path):
+    job = run_ranks(2, [*SMALL, "--max-steps", "4", "--log-every", "2", "--outdir", "run",
+                        "--track-logits", "--profile", "--profile-rank0-only",
+                        "--profile-wait", "0", "--profile-warmup", "0", "--profile-active", "1"],
+                    timeout=900, cwd=tmp_path, env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
+    assert job.ok, job.describe()
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "profile").iterdir()) == ["ops-rank0.txt",
+                                                                   "trace-rank0.json"]
+    for rank in (0, 1):
+        table = rows(run, rank)
+        for r in table:
+            missing = [k for k in (*SPEC_KEYS, *LOGITS_KEYS) if k not in r]
+            assert not missing, missing
+            assert r["logits/nonfinite"] == 0 and 0 < r["logits/max_abs"] < 1e3
+            assert r["labels/valid"] == 2 * 64 and r["input/iter"] == r["train/iter"]
+        spread = [r["train/iter"] for r in table if all(k in r for k in TIMING_SPREAD)]
+        assert spread == [1, 2, 4], "the logging steps: first, every 2nd, last"
+    assert [r["train/dt_max"] for r in rows(run, 0) if "train/dt_max" in r] == [
+        r["train/dt_max"] for r in rows(run, 1) if "train/dt_max" in r], "one gather, shared"
+    console = [line for line in job.ranks[0].stdout.splitlines() if line.startswith("step")]
+    assert all(" mem " in line and "GiB" in line for line in console), console
 
 
 @pytest.mark.multirank

@@ -2,7 +2,8 @@
 rank 0's losses (in the run folder) and the final full parameters (params.pt) of each.
 With `--grads`, also the full gradients of one more batch at the final weights (grads.pt);
 with `--first-grads`, the full gradients of the first step's batch at the initial weights
-(first-grads.pt; dense models only: an MoE forward would move its routing counts).
+(first-grads.pt; dense models only: an MoE forward would move its routing counts); with
+`--shares`, how many elements of each stored parameter every rank holds (shares.json).
 
 A run is its argv, or {"argv": [...], "routing": "record" | "<reference run folder>"}: an
 MoE run that records its routers' picks, or replays a recorded run's (tests/routing.py)."""
@@ -11,52 +12,28 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from loom.config import parse_args
 from loom.logs import setup_logging
-from loom.mesh import ParallelDims
-from loom.parallel.context import shard_batch
 from loom.parallel.init import clean_name
+from loom.parity import batch_gradients, build_trainer, fit, full, full_parameters, whole_model
 from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import Trainer
 from tests.routing import ROUTING_FILE, RoutingHooks
 
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+__all__ = ["full", "full_parameters"]  # other workers import them from here
 
 
-def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {clean_name(n): full(p) for n, p in model.named_parameters()}
-
-
-def whole_model(trainer: Trainer, value: Callable[[torch.Tensor], torch.Tensor],
-                ) -> dict[str, torch.Tensor]:
-    """`value(parameter)` in full for every parameter of the model, by its plain name; each
-    pipeline stage's from the ranks that hold it."""
-    mine = {clean_name(n): full(value(p)) for part in trainer.model_parts
-            for n, p in part.named_parameters()}
-    if not trainer.dims.pp_enabled:
-        return mine
-    stages: list[dict | None] = [None] * trainer.dims.pp
-    dist.all_gather_object(stages, mine, group=trainer.dims.get_mesh("pp").get_group())
-    return {name: t for stage in stages for name, t in stage.items()}
-
-
-def batch_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Gradients of the loader's first batch through the run's step executor, weighted and
-    dp-averaged like a training step (each cp rank takes its shard of it); the model's
-    gradients are cleared again."""
-    batch = shard_batch(next(iter(trainer.loader)), trainer.dims)
-    trainer.executor.forward_backward([batch], forward_done=lambda: None)
-    grads = whole_model(trainer, lambda p: p.grad)
-    trainer.optimizer.zero_grad(set_to_none=True)
-    return grads
+def shares(trainer: Trainer) -> dict[str, list[int]]:
+    """Per parameter, the element count of each rank's local shard, in rank order."""
+    mine = {clean_name(n): (p.to_local() if isinstance(p, DTensor) else p).numel()
+            for n, p in trainer.model.named_parameters()}
+    ranks: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return {name: [r[name] for r in ranks] for name in mine}
 
 
 def routing_hooks(trainer: Trainer, routing: str | None) -> RoutingHooks | None:
@@ -75,28 +52,28 @@ def main(runs: list[list[str] | dict], options: list[str]) -> None:
     device = init_distributed(info)
     try:
         for run in runs:
-            torch._dynamo.reset()  # compiled blocks of an earlier run would be reused as-is
             argv, routing = (run, None) if isinstance(run, list) else (run["argv"],
                                                                       run["routing"])
-            cfg = parse_args(argv)
-            trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
-                              device)
+            trainer = build_trainer(argv, info, device)
             hooks = routing_hooks(trainer, routing)
             saved = {}
+            if "--shares" in options:
+                saved["shares.json"] = shares(trainer)
             if "--first-grads" in options:
                 saved["first-grads.pt"] = batch_gradients(trainer)
-            try:
-                trainer.fit()
-            finally:
-                trainer.close()
+            fit(trainer)
             saved["params.pt"] = whole_model(trainer, lambda p: p)
             if "--grads" in options:
                 saved["grads.pt"] = batch_gradients(trainer)
             if hooks is not None:
                 hooks.save(trainer.metrics.outdir, info.rank)
             if info.rank == 0:
-                for name, tensors in saved.items():
-                    torch.save(tensors, trainer.metrics.outdir / name)
+                for name, value in saved.items():
+                    path = trainer.metrics.outdir / name
+                    if name.endswith(".json"):
+                        path.write_text(json.dumps(value))
+                    else:
+                        torch.save(value, path)
     finally:
         teardown()
 

@@ -203,6 +203,18 @@ class OutputConfig:
     outdir: str | None = flag(None, "run folder (default: outputs/<timestamp>)", type=str)
     overwrite: bool = flag(False, "move a previous run in --outdir aside and start anew")
     profile: bool = flag(False, "torch profiler trace in the run folder")
+    profile_rank0_only: bool = flag(False, "--profile: only rank 0 records (default: every "
+                                    "rank writes its own trace)")
+    profile_wait: int = flag(2, "--profile: steps skipped before recording")
+    profile_warmup: int = flag(2, "--profile: steps recorded and discarded (tracer warm-up)")
+    profile_active: int = flag(3, "--profile: steps recorded into each trace")
+    profile_repeat: int = flag(1, "--profile: wait/warmup/active cycles, one trace each "
+                               "(0 = until the run ends)")
+    profile_memory: bool = flag(False, "--profile: record tensor allocations and frees")
+    profile_shapes: bool = flag(False, "--profile: record operator input shapes")
+    profile_stack: bool = flag(False, "--profile: record the Python stack of each operator")
+    profile_flops: bool = flag(False, "--profile: estimate FLOPs of matmuls and convolutions")
+    profile_modules: bool = flag(False, "--profile: record the nn.Module hierarchy of each op")
     pyinstrument_profiler: bool = flag(False, "pyinstrument profile of the run "
                                        "(pip install 'loom[profile]')")
     wandb: bool = flag(False, "log to Weights & Biases (pip install 'loom[wandb]'; "
@@ -216,8 +228,21 @@ class OutputConfig:
                              "($LOOM_HEALTH_EVERY)", hidden=True, env="LOOM_HEALTH_EVERY")
     hist_every: int = flag(0, "histograms every N steps, 0 = off ($LOOM_HIST_EVERY)",
                            hidden=True, env="LOOM_HIST_EVERY")
-    hist: str = flag("logits,grads,acts", "which histograms, comma-separated ($LOOM_HIST)",
-                     hidden=True, env="LOOM_HIST")
+    hist: str = flag("logits,grads,acts", "which histograms, comma-separated: logits, grads "
+                     "(per-layer norms), acts (block outputs), attn (attention outputs), ffn "
+                     "(feed-forward / MoE outputs) ($LOOM_HIST)", hidden=True, env="LOOM_HIST")
+    hist_bins: int = flag(64, "bins per histogram ($LOOM_HIST_BINS)", hidden=True,
+                          env="LOOM_HIST_BINS")
+    hist_samples: int = flag(0, "values per histogram, taken at an even stride from the "
+                             "tensor (0 = all) ($LOOM_HIST_SAMPLES)", hidden=True,
+                             env="LOOM_HIST_SAMPLES")
+    hist_layers: str = flag("all", "blocks whose activations and gradient norms are recorded: "
+                            "all, or comma-separated indices ($LOOM_HIST_LAYERS)", hidden=True,
+                            env="LOOM_HIST_LAYERS")
+    track_logits: bool = flag(False, "per-step logits/max_abs and logits/nonfinite over this "
+                              "rank's logits (a forward hook on the output head; absent under "
+                              "--loss-impl fused-linear, which never forms them) "
+                              "($LOOM_TRACK_LOGITS)", env="LOOM_TRACK_LOGITS")
 
 
 @dataclass(frozen=True)

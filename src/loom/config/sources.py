@@ -39,7 +39,7 @@ def _resolve_sharding_strategy(explicit: dict[str, Any], warnings: list[str]) ->
 
 SYNONYMS = {"float32": "fp32", "bfloat16": "bf16"}
 """Other spellings an environment variable may use for a choice (torch's dtype names)."""
-COMMA_LISTS = ("hist",)
+COMMA_LISTS = ("hist", "hist_layers")
 """Settings that are comma-separated lists: an environment value may space its commas."""
 
 

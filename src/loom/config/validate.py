@@ -11,15 +11,25 @@ from loom.config.schema import EvalConfig, JobConfig, ModelConfig, OutputConfig,
 from loom.errors import ConfigError
 from loom.presets import is_hf_model
 
+HIST_KINDS = ("logits", "grads", "acts", "attn", "ffn")
+
 
 def _validate_output(o: OutputConfig) -> None:
-    for name in ("log_every", "health_every", "hist_every"):
+    for name in ("log_every", "health_every", "hist_every", "hist_samples", "profile_wait",
+                 "profile_warmup", "profile_repeat"):
         if getattr(o, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(o, name)}")
-    unknown = set(o.hist.split(",")) - {"logits", "grads", "acts"}
+    for name in ("hist_bins", "profile_active"):
+        if getattr(o, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
+    unknown = set(o.hist.split(",")) - set(HIST_KINDS)
     if unknown:
         raise ConfigError(f"unknown histogram kind(s) {', '.join(sorted(unknown))} in --hist "
-                          "($LOOM_HIST); choose from logits, grads, acts")
+                          f"($LOOM_HIST); choose from {', '.join(HIST_KINDS)}")
+    if o.hist_layers != "all" and not all(
+            part.strip().isdigit() for part in o.hist_layers.split(",")):
+        raise ConfigError(f"--hist-layers {o.hist_layers!r} ($LOOM_HIST_LAYERS): 'all' or "
+                          "comma-separated block indices, e.g. 0,3")
     if o.pyinstrument_profiler:
         require_module("pyinstrument", "--pyinstrument-profiler", "profile")
     if o.wandb:

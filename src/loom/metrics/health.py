@@ -1,5 +1,6 @@
 """Health statistics: gradient and parameter norms, extremes and non-finite counts (one
-foreach norm and one aminmax per tensor, left on the device), and memory use."""
+foreach norm and one aminmax per tensor, left on the device), logits and input extremes,
+and memory use."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import resource
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 GIB = 2**30
@@ -55,3 +58,64 @@ def memory_stats(device: torch.device) -> dict[str, float]:
                 "train/mem_reserved_peak": mod.max_memory_reserved(device) / GIB}
     rss = current_rss()  # the kernel's high-water mark can lag the current value
     return {"train/mem_rss": rss / GIB, "train/mem_rss_peak": max(rss, peak_rss()) / GIB}
+
+
+LOGITS_KEYS = ("logits/max_abs", "logits/nonfinite")
+HEAD_NAMES = ("output", "lm_head")
+"""Names of the output head in loom's Transformer and in Hugging Face models."""
+
+
+class LogitsTracker:
+    """--track-logits: max |logit| and the count of non-finite logits over this rank's
+    logits (its vocabulary shard under loss-parallel) in a training step, from a forward hook
+    on the output head. Kept on the device and folded over micro-batches, so it adds no host
+    sync; evaluation forwards (no grad) and the fused head (which returns the loss) are
+    skipped, and a step whose head never ran has no value."""
+
+    def __init__(self) -> None:
+        self.stats: torch.Tensor | None = None
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def attach(self, model: nn.Module) -> None:
+        heads = [m for name, m in model.named_modules()
+                 if name.rsplit(".", 1)[-1] in HEAD_NAMES]
+        self.handles = [h.register_forward_hook(self._record, with_kwargs=True) for h in heads]
+
+    def _record(self, module: nn.Module, args: Any, kwargs: dict[str, Any],
+                output: Any) -> None:
+        if not torch.is_grad_enabled() or kwargs.get("apply") is not None:
+            return
+        logits = output.to_local() if isinstance(output, DTensor) else output
+        if not isinstance(logits, torch.Tensor):
+            return
+        x = logits.detach()
+        stats = torch.stack([x.abs().amax().float(), (~x.isfinite()).sum().float()])
+        if self.stats is None:
+            self.stats = stats
+        else:  # fmax would drop a NaN; maximum keeps it
+            self.stats = torch.stack([torch.maximum(self.stats[0], stats[0]),
+                                      self.stats[1] + stats[1]])
+
+    def take(self) -> torch.Tensor | None:
+        """The step's (max |logit|, non-finite count), and a fresh start for the next."""
+        stats, self.stats = self.stats, None
+        return stats
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def input_range(batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, int]:
+    """Smallest and largest token id in this rank's inputs of the step (host tensors from
+    the loader, so no device sync): out-of-vocabulary ids show up here first."""
+    extremes = torch.stack([torch.stack(torch.aminmax(b["input"])) for b in batches])
+    lo, hi = extremes[:, 0].min(), extremes[:, 1].max()
+    return {"input/min": int(lo), "input/max": int(hi)}
+
+
+def exact_float_parts(count: torch.Tensor) -> torch.Tensor:
+    """An int64 count as two float32 values (whole multiples of 2**24, and the rest), so it
+    can ride on the step's one float host read and still come back exact."""
+    return torch.stack([count // 2**24, count % 2**24]).float()

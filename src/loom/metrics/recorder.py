@@ -26,8 +26,16 @@ from loom.metrics.facts import (
     run_facts,
     step_flops,
 )
-from loom.metrics.health import HEALTH_KEYS, memory_stats, tensor_stats
-from loom.metrics.rows import RowWriter, StepClock
+from loom.metrics.health import (
+    HEALTH_KEYS,
+    LOGITS_KEYS,
+    LogitsTracker,
+    exact_float_parts,
+    input_range,
+    memory_stats,
+    tensor_stats,
+)
+from loom.metrics.rows import RowWriter, StepClock, timing_spread
 from loom.metrics.summary import write_summary
 from loom.progress import Progress
 from loom.tracking import Histograms, WandbRun
@@ -53,10 +61,13 @@ class RunMetrics(Protocol):
     outdir: Path
 
     def write_config(self, config: dict[str, Any]) -> None: ...
-    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None: ...
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0,
+              input_iter: int = 0) -> None: ...
     def forward_done(self) -> None: ...
     def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None,
+                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None, *,
+                 valid_tokens: torch.Tensor | None = None,
+                 batches: list[dict[str, torch.Tensor]] | None = None,
                  ) -> dict[str, Any] | None: ...
     def finish(self) -> None: ...
     def close(self) -> None: ...
@@ -80,14 +91,17 @@ class NullMetrics:
     def write_config(self, config: dict[str, Any]) -> None:
         write_config(self.outdir, self.rank, config)
 
-    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None:
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0,
+              input_iter: int = 0) -> None:
         pass
 
     def forward_done(self) -> None:
         pass
 
     def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None) -> None:
+                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None, *,
+                 valid_tokens: torch.Tensor | None = None,
+                 batches: list[dict[str, torch.Tensor]] | None = None) -> None:
         return None
 
     def finish(self) -> None:
@@ -102,7 +116,7 @@ class Metrics:
 
     def __init__(self, place: RunPlace, facts: RunFacts, *, health_every: int,
                  progress: Progress, wandb: WandbRun | None, histograms: Histograms,
-                 remeasure: Callable[[], flops.Peak]):
+                 remeasure: Callable[[], flops.Peak], logits: LogitsTracker | None = None):
         self.outdir, self.rank, self.device = place.outdir, place.rank, place.device
         self.outdir.mkdir(parents=True, exist_ok=True)
         self.facts, self.health_every, self.started = facts, health_every, place.started
@@ -114,7 +128,10 @@ class Metrics:
         self.rows: RowWriter | None = None
         self.step, self.lr, self.tokens_seen = 0, 0.0, 0
         self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self.grad_stats: torch.Tensor | None = None
+        self.logits = logits
+        self.input_iter = self.opt_iter = 0
         self.t_begin = time.perf_counter()
 
     def write_config(self, config: dict[str, Any]) -> None:
@@ -123,25 +140,31 @@ class Metrics:
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are read in an optimizer step pre-hook: after clipping, before the
         update and zero_grad, without touching train_step."""
-        self.model = model
+        self.model, self.optimizer = model, optimizer
         self.hook = optimizer.register_step_pre_hook(self._before_update)
         self.histograms.attach(model)
+        if self.logits is not None:
+            self.logits.attach(model)
 
     def health_due(self, step: int) -> bool:
         return self.health_every > 0 and step % self.health_every == 0
 
     def _before_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         step = self.step + 1
+        self.opt_iter += 1  # not called for a step --skip-nonfinite skips
         self.lr = float(optimizer.param_groups[0]["lr"])
         if self.health_due(step):
             grads = (p.grad for g in optimizer.param_groups for p in g["params"])
             self.grad_stats = tensor_stats((g for g in grads if g is not None), self.device)
         self.histograms.gradients(step)
 
-    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0) -> None:
-        """`tokens_seen`: the resumed run's count, which later rows continue."""
+    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0,
+              input_iter: int = 0) -> None:
+        """`tokens_seen`, `input_iter` (global micro-batches drawn): the resumed run's counts,
+        which later rows continue; the optimizer's own count is read from its state."""
         self.rows, self.step = RowWriter(self.rows_path), start_step
-        self.tokens_seen = tokens_seen
+        self.tokens_seen, self.input_iter = tokens_seen, input_iter
+        self.opt_iter = optimizer_updates(self.optimizer) if self.optimizer is not None else 0
         f = self.facts
         logger.info("%d steps of %s tokens (global batch %d = %d per dp rank x dp %d), "
                     "%.4g GFLOP/step", total_steps, f"{f.tokens_per_step:,}",
@@ -166,18 +189,27 @@ class Metrics:
         return [grads, tensor_stats(self.model.parameters(), self.device)]
 
     def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None,
+                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None, *,
+                 valid_tokens: torch.Tensor | None = None,
+                 batches: list[dict[str, torch.Tensor]] | None = None,
                  ) -> dict[str, Any]:
-        """`extra`: more columns for the row (the MoE metrics)."""
-        health = self._health(step)
-        scalars = [loss.detach().float().reshape(1), grad_norm.detach().float().reshape(1)]
-        values = torch.cat([*scalars, *health]).tolist()  # the step's one host sync
+        """`extra`: more columns for the row (the MoE metrics); `valid_tokens`: the step's
+        valid labels over the loss mesh (on the device); `batches`: this rank's micro-batches
+        as the loader gave them. At logging steps the timings are gathered from every rank."""
+        device = self.device_columns(step, loss, grad_norm, valid_tokens)  # the host sync
         dt, dtf, dtb = self.clock.stop()
         self.tokens_seen += self.facts.tokens_per_step
-        row = self.row(step, epoch, bidx, values[0], values[1], (dt, dtf, dtb))
-        if health:
-            row.update(zip(HEALTH_KEYS, values[2:], strict=True))
+        row = self.row(step, epoch, bidx, device.pop("train/loss"),
+                       device.pop("grad/norm_preclip"), (dt, dtf, dtb))
+        row.update(device)
+        if batches:
+            self.input_iter += len(batches)
+            row.update(input_range(batches))
+            row["input/iter"] = self.input_iter
+        row["opt/iter"] = self.opt_iter
         row.update(memory_stats(self.device))
+        if self.progress.due(step):
+            row.update(timing_spread((dt, dtf, dtb), self.device))
         row.update(extra or {})
         self.step = step
         self.rows.write(row)
@@ -187,6 +219,28 @@ class Metrics:
         self.histograms.flush(step, self.wandb)
         self.clock.start()
         return row
+
+    def device_columns(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+                       valid_tokens: torch.Tensor | None) -> dict[str, float]:
+        """Every column the step left on the device, read in the step's one host sync: loss,
+        gradient norm, valid labels (exact), the logits' and the health statistics."""
+        named = [(("train/loss", "grad/norm_preclip"),
+                  torch.cat([loss.detach().float().reshape(1),
+                             grad_norm.detach().float().reshape(1)]))]
+        if valid_tokens is not None:
+            named.append((("valid/high", "valid/low"), exact_float_parts(valid_tokens.detach())))
+        logits = self.logits.take() if self.logits is not None else None
+        if logits is not None:
+            named.append((LOGITS_KEYS, logits))
+        health = self._health(step)
+        if health:
+            named.append((HEALTH_KEYS, torch.cat(health)))
+        values = torch.cat([t.reshape(-1) for _, t in named]).tolist()
+        columns = dict(zip((k for keys, _ in named for k in keys), values, strict=True))
+        if valid_tokens is not None:
+            high, low = columns.pop("valid/high"), columns.pop("valid/low")
+            columns["labels/valid"] = int(high) * 2**24 + int(low)
+        return columns
 
     def row(self, step: int, epoch: int, bidx: int, loss: float, grad_norm: float,
             times: tuple[float, float, float]) -> dict[str, Any]:
@@ -222,11 +276,22 @@ class Metrics:
         if self.rows is not None:
             self.rows.close()
         self.histograms.close()
+        if self.logits is not None:
+            self.logits.close()
         if self.model is not None:
             self.hook.remove()
         if self.wandb:
             self.wandb.finish(None)
             self.wandb = None
+
+
+def optimizer_updates(optimizer: torch.optim.Optimizer) -> int:
+    """Updates the optimizer has applied (AdamW's per-parameter `step`, which a skipped
+    step does not advance), read once when the loop begins: after a resume, its count."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
 
 
 def build_metrics(cfg: JobConfig, place: RunPlace, model: nn.Module,
@@ -244,8 +309,9 @@ def build_metrics(cfg: JobConfig, place: RunPlace, model: nn.Module,
         if out.wandb and main else None
     metrics = Metrics(place, facts, health_every=out.health_every,
                       progress=Progress(out.log_every, enabled=main), wandb=wandb,
-                      histograms=Histograms(place.outdir, place.rank, out.hist_every, out.hist),
+                      histograms=Histograms.from_config(place.outdir, place.rank, out),
                       remeasure=lambda: flops.peak_flops(device, run_dtype(cfg, device),
-                                                         peak_cache(cfg), remeasure=True))
+                                                         peak_cache(cfg), remeasure=True),
+                      logits=LogitsTracker() if out.track_logits else None)
     metrics.watch(model, optimizer)
     return metrics

@@ -1,5 +1,6 @@
-"""Step rows: one JSON line per optimizer step in `metrics-<rank>.jsonl`, the step's clock,
-and reading the rows back (a resumed run appends, so readers take `run_history`)."""
+"""Step rows: one JSON line per optimizer step in `metrics-<rank>.jsonl`, the step's clock
+and its spread over ranks, and reading the rows back (a resumed run appends, so readers
+take `run_history`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from loom import flops
 
@@ -68,3 +70,22 @@ def run_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             history.pop()
         history.append(row)
     return history
+
+
+TIMING_KEYS = ("train/dt", "train/dtf", "train/dtb")
+SPREAD = ("min", "max", "std")
+
+
+def timing_spread(times: tuple[float, float, float], device: torch.device) -> dict[str, float]:
+    """min / max / std over every rank of the step's dt, dtf and dtb (`train/dt_min`, ...):
+    one all-gather, so every rank must call it at the same steps (the logging steps). A slow
+    rank shows as max far above min; std says whether it is one rank or all."""
+    dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    local = torch.tensor(times, dtype=dtype, device=device)
+    gathered = torch.empty(dist.get_world_size() * len(times), dtype=local.dtype, device=device)
+    dist.all_gather_single(gathered, local)  # gloo takes only the concatenated form
+    gathered = gathered.view(-1, len(times))
+    stats = torch.stack([gathered.amin(0), gathered.amax(0), gathered.std(0, correction=0)])
+    values = stats.tolist()
+    return {f"{key}_{name}": values[i][j] for i, name in enumerate(SPREAD)
+            for j, key in enumerate(TIMING_KEYS)}

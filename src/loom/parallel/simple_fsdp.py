@@ -14,6 +14,7 @@ backward (reshard after forward) and inductor may bucket them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -40,7 +41,7 @@ from torch.utils.checkpoint import (
 
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
-from loom.parallel.fsdp import REDUCE_DTYPES
+from loom.parallel.fsdp import REDUCE_DTYPES, expert_placement
 from loom.precision import torch_dtype
 
 if TYPE_CHECKING:
@@ -200,22 +201,24 @@ def set_gather_sync(model: nn.Module, sync: bool) -> None:
             gather.grad_sync.set(sync, gather.inner_shape, module.original.device)
 
 
-def dp_placements(dp_dims: tuple[str, ...]) -> tuple[Placement, ...]:
-    """Replicated over dp_replicate, sharded on dim 0 over the (last) shard dim."""
-    return tuple(Replicate() if d == "dp_replicate" else Shard(0) for d in dp_dims)
+def dp_placements(dp_dims: tuple[str, ...], shard_dim: int = 0) -> tuple[Placement, ...]:
+    """Replicated over dp_replicate, sharded on `shard_dim` (0 unless that would pad a
+    stacked expert weight, see `expert_placement`) over the (last) shard dim."""
+    return tuple(Replicate() if d == "dp_replicate" else Shard(shard_dim) for d in dp_dims)
 
 
 def _stored_placements(dp: tuple[Placement, ...], inner_mesh: DeviceMesh | None,
                        inner: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """dp placements prepended to the inner ones; where both shard dim 0 the dp shard is
-    strided (it splits each inner shard, not the whole tensor)."""
+    """dp placements prepended to the inner ones; where both shard the same dim the dp shard
+    is strided (it splits each inner shard, not the whole tensor)."""
     if inner_mesh is None:
         return dp
+    dim = next((p.dim for p in dp if isinstance(p, Shard)), None)
     split = math.prod(inner_mesh.size(i) for i, p in enumerate(inner)
-                      if isinstance(p, Shard) and p.dim == 0)
+                      if isinstance(p, Shard) and p.dim == dim)
     if split == 1:
         return (*dp, *inner)
-    return (*(_StridedShard(0, split_factor=split) if isinstance(p, Shard) else p
+    return (*(_StridedShard(dim, split_factor=split) if isinstance(p, Shard) else p
               for p in dp), *inner)
 
 
@@ -229,10 +232,15 @@ class DataParallel:
     reduce_dtype: torch.dtype | None
     grad_scale: float
     recompute: bool
+    placement: Callable[[nn.Parameter], Shard | None] | None = None
+    """Where a parameter is sharded off dim 0 (stacked expert weights that dim 0 would pad);
+    None (or it answering None): dim 0."""
 
     def shard(self, param: nn.Parameter) -> tuple[nn.Parameter, Gather]:
         """The stored parameter (on the meta device still) and its gather."""
-        dp_mesh, dp = self.dims.get_mesh(self.dp_dims), dp_placements(self.dp_dims)
+        off_dim0 = self.placement(param) if self.placement is not None else None
+        dp_mesh = self.dims.get_mesh(self.dp_dims)
+        dp = dp_placements(self.dp_dims, off_dim0.dim if off_dim0 is not None else 0)
         inner_mesh = param.device_mesh if isinstance(param, DTensor) else None
         inner = tuple(param.placements) if inner_mesh is not None else ()
         mesh = dp_mesh if inner_mesh is None else self.dims.get_mesh(
@@ -274,13 +282,17 @@ def mode_name(dp_dims: tuple[str, ...]) -> str:
     return "replicate" if dp_dims == ("dp_replicate",) else "fully_shard"
 
 
-def data_parallel(dims: ParallelDims, cfg: ParallelConfig, dp_dims: tuple[str, ...]
-                  ) -> DataParallel:
+def data_parallel(dims: ParallelDims, cfg: ParallelConfig, dp_dims: tuple[str, ...],
+                  experts: list[nn.Module] | None = None) -> DataParallel:
+    """How to shard over `dp_dims`; `experts`' stacked weights are placed off dim 0 where
+    dim 0 would pad, as the FSDP2 path places them (`expert_placement`)."""
     mixed = torch_dtype(cfg.dtype) != torch.float32
+    shard = [dims.get_mesh(d).size() for d in dp_dims if d != "dp_replicate"]
+    placement = expert_placement(experts, shard[-1]) if experts and shard else None
     return DataParallel(dims, dp_dims, param_dtype=torch.bfloat16 if mixed else None,
                         reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype] if mixed else None,
                         grad_scale=1.0 / dims.dp_size,
-                        recompute=recompute_gathers(cfg))
+                        recompute=recompute_gathers(cfg), placement=placement)
 
 
 def recompute_gathers(cfg: ParallelConfig) -> bool:
@@ -293,17 +305,19 @@ def recompute_gathers(cfg: ParallelConfig) -> bool:
 def apply_simple_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig,
                       backend: str) -> str:
     """The SimpleFSDP strategy: shard every parameter (routed experts first, over
-    dp_shard_mod_ep under EP); returns what it did, for the recipe's log line."""
+    dp_shard_mod_ep under EP); returns what it did, for the recipe's log line. Stacked
+    expert weights are sharded off dim 0 where their (local) experts would not split evenly
+    over the shard ranks, so no rank holds padding or nothing."""
     del backend  # the collectives are DTensor's, on the mesh's own backend
     if dims.ep_enabled:
         expert_dims = (("dp_replicate",) if dims.dp_replicate_enabled else ()) + (
             "dp_shard_mod_ep",)
-        expert_dp = data_parallel(dims, cfg, expert_dims)
+        expert_dp = data_parallel(dims, cfg, expert_dims, plan.experts)
         for module in plan.experts:
             for child in list(module.modules()):
                 expert_dp.wrap(child)
     dp_dims = dense_dp_dims(dims)
-    dense = data_parallel(dims, cfg, dp_dims)
+    dense = data_parallel(dims, cfg, dp_dims, None if dims.ep_enabled else plan.experts)
     count = sum(dense.wrap(m) for m in list(plan.model.modules()))
     if cfg.compile and cfg.compile_backend == "inductor" and torch.cuda.is_available():
         inductor_config.bucket_all_gathers_fx = "only_fsdp"
