@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loom.cli import setup_logging
 from loom.config import ConfigError, JobConfig, parse_args
 from loom.errors import BAD_INPUT_EXIT, FAILURE_EXIT
+from loom.logs import setup_logging
 from loom.mesh import ParallelDims
 from loom.metrics import read_rows
 from loom.parity import build_trainer, fit, whole_model
