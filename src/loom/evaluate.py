@@ -25,6 +25,7 @@ from loom.data.loaders import build_dataloader
 from loom.losses import IGNORE_INDEX
 from loom.mesh import ParallelDims
 from loom.parallel.context import shard_batch
+from loom.safe_io import write_text_atomic
 from loom.step import StepExecutor
 
 logger = logging.getLogger("loom")
@@ -108,8 +109,9 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
     result = evaluator.evaluate()
     if info.is_main:
         out = trainer.metrics.outdir / "eval.json"
-        out.write_text(json.dumps({"checkpoint": str(checkpoint), "dataset": cfg.data.dataset,
-                                   **result}, indent=2) + "\n")
+        write_text_atomic(out, json.dumps({"checkpoint": str(checkpoint),
+                                           "dataset": cfg.data.dataset, **result}, indent=2)
+                          + "\n")
         print(f"{checkpoint}: val/loss {result['val/loss']:.4f}  val/ppl "
               f"{result['val/ppl']:.2f}  over {result['val/tokens']:,} tokens ({out})")
     trainer.close()

@@ -22,6 +22,7 @@ from loom.checkpoint_trust import read_json, verify_checkpoint
 from loom.config import ConfigError
 from loom.data.tokenizers import SHIPPED_FLAG, load_tokenizer, save_tokenizer, tokenizer_name
 from loom.models.llama import ModelArgs, Transformer
+from loom.safe_io import write_text_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KINDS = {"moe": "a mixture-of-experts model", "hf": "the Hugging Face model"}
@@ -100,7 +101,7 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32") -> str:
                for name, value in hf_state_dict(model_sd, args).items()}
     outdir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(outdir / "model.safetensors"), metadata={"format": "pt"})
-    (outdir / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+    write_text_atomic(outdir / "config.json", json.dumps(hf_config(args, dtype), indent=2) + "\n")
     tokenizer = run_tokenizer(checkpoint)
     size = load_tokenizer(tokenizer).size
     if size > args.vocab_size:  # e.g. a --dataset random run with a small --vocab-size

@@ -64,7 +64,8 @@ class Trainer:
         dims.build_mesh(device.type)
         outdir = agree_on_outdir(flags.output.outdir)
         self.run_folder = RunFolder(outdir, info.rank, resume=flags.checkpoint.resume is not None,
-                                    overwrite=flags.output.overwrite)
+                                    overwrite=flags.output.overwrite,
+                                    adopt=flags.output.adopt_outdir)
         if self.run_folder.note:
             logger.info(self.run_folder.note)
         start = resolve(flags, info, dims, device, outdir)

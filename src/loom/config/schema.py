@@ -201,6 +201,8 @@ class CheckpointConfig:
 class OutputConfig:
     outdir: str | None = flag(None, "run folder (default: outputs/<timestamp>)", type=str)
     overwrite: bool = flag(False, "move a previous run in --outdir aside and start anew")
+    adopt_outdir: bool = flag(False, "use a non-empty --outdir that is not a loom run folder "
+                              "(no .loom-run marker) as the run folder")
     profile: bool = flag(False, "torch profiler trace in the run folder")
     pyinstrument_profiler: bool = flag(False, "pyinstrument profile of the run "
                                        "(pip install 'loom[profile]')")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from loom import flops
+from loom.safe_io import open_append
 
 
 class StepClock:
@@ -45,7 +46,7 @@ class RowWriter:
     """Appends rows, never truncates: the folder is new, or resumed (see `run_history`)."""
 
     def __init__(self, path: Path):
-        self.file = path.open("a")
+        self.file = open_append(path)
 
     def write(self, row: dict[str, Any]) -> None:
         self.file.write(json.dumps(row) + "\n")

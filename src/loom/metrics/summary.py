@@ -11,6 +11,7 @@ from typing import Any
 from loom.metrics.rows import read_rows, run_history
 from loom.plots import write_plots
 from loom.progress import text_plot
+from loom.safe_io import write_text_atomic
 
 logger = logging.getLogger("loom")
 
@@ -42,7 +43,7 @@ def write_summary(outdir: Path, facts: dict[str, Any], timings: dict[str, float]
     summary = {"steps": len(rows), "tokens": rows[-1]["train/tokens_seen"] if rows else 0,
                "steady_from_step": steady_start(len(rows)), "timings": timings, **facts,
                "metrics": summarize(rows)}
-    (outdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(outdir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if rows:
         write_plots(rows, outdir / "plots")
         log_closing(rows, summary, outdir)
