@@ -33,6 +33,7 @@ from loom.checkpoint_format import METADATA, TensorReader, TensorWriter
 from loom.checkpoint_trust import (
     MANIFEST,
     HashingFileSystem,
+    UnusableCheckpoint,
     file_record,
     read_json,
     write_manifest,
@@ -291,8 +292,16 @@ class Checkpointer:
         """Load a verified checkpoint's model and optimizer (resharded to this mesh) and this
         rank's RNG state; `saved` is its loop.json."""
         model_sd, optim_sd, own_name = plain_state_dict(model, optimizer)
+        ours = [g["params"] for g in optim_sd["param_groups"]]
+        if [g["params"] for g in saved["param_groups"]] != ours:
+            raise UnusableCheckpoint(f"checkpoint {path}: its optimizer groups name other "
+                                     "parameters than this model's")
         state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
-        dcp.load(state, storage_reader=TensorReader(path))
+        try:
+            dcp.load(state, storage_reader=TensorReader(path))
+        except CheckpointException as e:  # a BaseException: escapes `except Exception`
+            raise UnusableCheckpoint(f"checkpoint {path} cannot be loaded: "
+                                     f"{_describe(e)[0]}") from None
         model_sd, optim_sd = renamed(state["model"], {
             "state": state["optim"]["state"],
             "param_groups": _groups_from_json(saved["param_groups"])}, own_name)

@@ -23,7 +23,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 from loom.checkpoint_format import METADATA, load_metadata
+from loom.checkpoint_schema import SchemaError, check_loop
 from loom.config import ConfigError
+from loom.safe_io import read_json_capped
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 22
@@ -162,10 +164,21 @@ def verify_checkpoint(path: Path, rank: int = 0, world: int = 1,
 
 
 def read_json(path: Path, name: str) -> dict[str, Any]:
+    """A JSON object from a regular file of the checkpoint, its size capped."""
     try:
-        value = json.loads((path / name).read_text())
+        value = read_json_capped(path / name)
     except (OSError, ValueError) as e:
         raise UnusableCheckpoint(f"checkpoint {path} is corrupt: {name} ({e})") from None
     if not isinstance(value, dict):
         raise UnusableCheckpoint(f"checkpoint {path} is corrupt: {name} is not an object")
     return value
+
+
+def read_loop(path: Path) -> dict[str, Any]:
+    """loop.json, checked against `loom.checkpoint_schema` before anything reads it."""
+    loop = read_json(path, "loop.json")
+    try:
+        check_loop(loop)
+    except SchemaError as e:
+        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: loop.json {e}") from None
+    return loop

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from loom.checkpoint_trust import read_loop
 from loom.config import ConfigError, JobConfig, parse_args
 from loom.data.loaders import build_dataloader
 from loom.losses import IGNORE_INDEX
@@ -83,11 +84,11 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
     are evaluated, else --dataset); the model's shape comes from the checkpoint, and the
     run writes only to `<run>/eval-step-N/`."""
-    loop = checkpoint / "loop.json"
-    if not loop.is_file():
+    if not (checkpoint / "loop.json").is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
-    shape = json.loads(loop.read_text())["model_args"]
+    shape = read_loop(checkpoint)["model_args"]
     cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
+                      "--resume-new-data",  # evaluating other data is the point
                       "--outdir", str(checkpoint.parent.parent / f"eval-{checkpoint.name}")])
     model = replace(cfg.model, **{k: shape[k] for k in MODEL_FIELDS})
     return replace(cfg, model=model, output=replace(cfg.output, metrics=False))

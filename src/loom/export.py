@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from loom.checkpoint_format import TensorReader
-from loom.checkpoint_trust import read_json, verify_checkpoint
+from loom.checkpoint_trust import read_loop, verify_checkpoint
 from loom.config import ConfigError
 from loom.data.tokenizers import SHIPPED_FLAG, load_tokenizer, save_tokenizer, tokenizer_name
 from loom.models.llama import ModelArgs, Transformer
@@ -70,7 +70,7 @@ def hf_config(args: ModelArgs, dtype: str) -> dict:
 def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], ModelArgs]:
     """Verify a checkpoint and read its full (unsharded) model in this one process."""
     verify_checkpoint(checkpoint)
-    loop = read_json(checkpoint, "loop.json")
+    loop = read_loop(checkpoint)
     kind, name = loop["architecture"].get("kind"), loop["architecture"].get("model")
     if kind != "dense":
         held = KINDS.get(kind, f"a {kind} model") + (f" {name}" if name else "")

@@ -68,7 +68,8 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     """The final config of a job whose process group and mesh are up (collective: rank 0
     reads checkpoints and HF configs and shares them, each node tokenizes once)."""
     resume = find_resume(flags.checkpoint.resume, outdir)
-    cfg = flags if resume is None else apply_saved_settings(flags, resume.saved["settings"])
+    cfg = flags if resume is None else apply_saved_settings(flags, resume.saved["settings"],
+                                                                   resume.path)
     seed_everything(cfg.train.seed)
     precision = resolve_precision(cfg.parallel.dtype, device)
     logger.info("precision: %s (%s)", precision.dtype, precision.reason)

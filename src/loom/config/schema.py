@@ -193,6 +193,9 @@ class CheckpointConfig:
     resume: str | None = flag(None, "continue from the latest checkpoint in --outdir (bare "
                               "flag: there must be one; 'auto': if there is one) or from a "
                               "checkpoint folder", type=str, const="latest")
+    resume_new_data: bool = flag(False, "resume with a --dataset, --tokenizer-name, "
+                                 "--hf-split or --hf-text-column other than the checkpoint's "
+                                 "(without it a difference stops the run)")
     sigterm_grace_s: float = flag(25.0, "on SIGTERM, save a final checkpoint only if the last "
                                   "save took at most this long (schedulers kill ~30 s later)")
 
