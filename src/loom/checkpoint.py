@@ -40,6 +40,7 @@ from loom.checkpoint_trust import (
 )
 from loom.errors import CheckpointWriteError
 from loom.parallel.init import clean_name
+from loom.safe_io import read_json_capped
 
 logger = logging.getLogger("loom")
 
@@ -73,7 +74,7 @@ def complete_checkpoints(outdir: Path) -> list[Path]:
 
 def run_id_of(path: Path) -> str | None:
     try:
-        return json.loads((path / MANIFEST).read_text()).get("run_id")
+        return read_json_capped(path / MANIFEST).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
 

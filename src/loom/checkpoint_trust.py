@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,10 +26,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from loom.checkpoint_format import METADATA, load_metadata
 from loom.checkpoint_schema import SchemaError, check_loop
 from loom.config import ConfigError
-from loom.safe_io import read_json_capped
+from loom.safe_io import open_regular, read_json_capped, regular_size
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 22
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+"""A manifest names files of its own folder only: no separators, no `..`, no hidden names."""
 
 
 class UnusableCheckpoint(ConfigError):
@@ -40,13 +43,13 @@ def read_metadata(path: Path) -> Metadata:
     stored in this folder's data files, is an UnusableCheckpoint naming the file."""
     try:
         return load_metadata(path)
-    except (OSError, ValueError, RecursionError) as e:
+    except (OSError, ValueError, RecursionError, OverflowError) as e:
         raise UnusableCheckpoint(f"checkpoint {path} is unsafe: {METADATA} {e}") from None
 
 
 def file_record(path: Path) -> dict[str, int]:
     digest, size = xxhash.xxh3_64(), 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
@@ -108,11 +111,14 @@ def write_manifest(folder: Path, known: dict[str, Any], **fields: Any) -> None:
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest as plain JSON; UnusableCheckpoint if it is missing or malformed."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_json_capped(path / MANIFEST)
         files = manifest["files"]
-        if not all(isinstance(v.get("bytes"), int) and isinstance(v.get("xxh3"), int)
-                   for v in files.values()):
+        if not isinstance(files, dict) or not all(
+                isinstance(v, dict) and type(v.get("bytes")) is int and v["bytes"] >= 0
+                and type(v.get("xxh3")) is int for v in files.values()):
             raise ValueError("bad file record")
+        if not all(_FILE_NAME.match(name) for name in files):
+            raise ValueError("a file name is not a plain name in the folder")
     except FileNotFoundError:
         raise UnusableCheckpoint(f"checkpoint {path} has no {MANIFEST}: not a complete loom "
                                  "checkpoint") from None
@@ -127,13 +133,18 @@ def file_problems(path: Path, manifest: dict[str, Any], names: list[str]) -> lis
     problems = []
     for name in names:
         expected, file = manifest["files"][name], path / name
-        if not file.is_file():
+        try:
+            size = regular_size(file)
+            if size != expected["bytes"]:
+                problems.append(f"{name} has {size} bytes, expected {expected['bytes']}")
+            elif file_record(file)["xxh3"] != expected["xxh3"]:
+                problems.append(f"{name} checksum mismatch")
+        except FileNotFoundError:
             problems.append(f"{name} is missing")
-        elif file.stat().st_size != expected["bytes"]:
-            problems.append(f"{name} has {file.stat().st_size} bytes, expected "
-                            f"{expected['bytes']}")
-        elif file_record(file)["xxh3"] != expected["xxh3"]:
-            problems.append(f"{name} checksum mismatch")
+        except ValueError as e:  # a link, a FIFO, a directory
+            problems.append(str(e))
+        except OSError as e:
+            problems.append(f"{name} is unreadable ({e.strerror})")
     return problems
 
 

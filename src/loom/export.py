@@ -13,16 +13,19 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from loom.checkpoint_format import TensorReader
-from loom.checkpoint_trust import read_loop, verify_checkpoint
+from loom.checkpoint_format import DATA_FILE, TensorReader
+from loom.checkpoint_trust import UnusableCheckpoint, read_loop, verify_checkpoint
 from loom.config import ConfigError
 from loom.data.tokenizers import SHIPPED_FLAG, load_tokenizer, save_tokenizer, tokenizer_name
 from loom.models.llama import ModelArgs, Transformer
-from loom.safe_io import write_text_atomic
+from loom.preflight import check_host_fits
+from loom.safe_io import read_json_capped, write_text_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KINDS = {"moe": "a mixture-of-experts model", "hf": "the Hugging Face model"}
@@ -67,9 +70,30 @@ def hf_config(args: ModelArgs, dtype: str) -> dict:
             "mlp_bias": False, "torch_dtype": "float32" if dtype == "fp32" else "bfloat16"}
 
 
+HOST_COPIES = 3
+"""Copies of the weights export and generate hold at once (loaded, converted or a second
+model, serialised), for the memory check."""
+
+
+def check_model_bytes(args: ModelArgs, checkpoint: Path, manifest: dict[str, Any]) -> None:
+    """The model that `model_args` describe is no larger than the checkpoint's data files
+    (which hold its fp32 weights), and fits in memory with its buffers, before anything is
+    allocated: a crafted `max_seq_len` or `dim` stops here in one line."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    stored = sum(r["bytes"] for name, r in manifest["files"].items() if DATA_FILE.match(name))
+    if weights > stored:
+        raise UnusableCheckpoint(f"checkpoint {checkpoint} is unsafe: loop.json model_args "
+                                 f"describe {weights:,} bytes of weights, its data files hold "
+                                 f"{stored:,}")
+    check_host_fits(HOST_COPIES * weights + buffers, f"the model of {checkpoint}")
+
+
 def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], ModelArgs]:
     """Verify a checkpoint and read its full (unsharded) model in this one process."""
-    verify_checkpoint(checkpoint)
+    manifest = verify_checkpoint(checkpoint)
     loop = read_loop(checkpoint)
     kind, name = loop["architecture"].get("kind"), loop["architecture"].get("model")
     if kind != "dense":
@@ -77,18 +101,42 @@ def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], ModelAr
         raise ConfigError(f"cannot export {checkpoint}: it holds {held}; loom export writes "
                           "dense loom models only; nothing was written")
     args = ModelArgs(**loop["model_args"])
+    check_model_bytes(args, checkpoint, manifest)
     state = {"model": Transformer(args).state_dict()}
-    dcp.load(state, storage_reader=TensorReader(checkpoint), no_dist=True)
+    try:
+        dcp.load(state, storage_reader=TensorReader(checkpoint), no_dist=True)
+    except CheckpointException as e:  # a BaseException: names the first rank's failure
+        failure = next(iter(e.failures.values()), (e,))[0]
+        reason = f"{type(failure).__name__}: {failure}"
+        raise UnusableCheckpoint(f"checkpoint {checkpoint} cannot be loaded: "
+                                 f"{' '.join(reason.split())[:300]}") from None
     return state["model"], args
 
 
 def run_tokenizer(checkpoint: Path) -> str | None:
     """The tokenizer of the run that saved `checkpoint`, from its run folder's config.json
     (None: the shipped one)."""
-    config = checkpoint.parent.parent / "config.json"
-    settings = json.loads(config.read_text()) if config.is_file() else {}
+    settings = run_config(checkpoint)
     return tokenizer_name(settings.get("data", {}).get("tokenizer_name"),
                           settings.get("model", {}).get("model"))
+
+
+def run_config(checkpoint: Path) -> dict[str, Any]:
+    """The `data` and `model` tables of the config.json of the run that saved `checkpoint`
+    ({} where there is none); the names in them must be strings or null."""
+    config = checkpoint.parent.parent / "config.json"
+    if not config.exists() and not config.is_symlink():
+        return {}
+    try:
+        settings = read_json_capped(config)
+        tables = {k: settings.get(k, {}) for k in ("data", "model")}
+        if not all(isinstance(t, dict) for t in tables.values()) or not all(
+                isinstance(t.get(k), str | None) for t, k in
+                ((tables["data"], "tokenizer_name"), (tables["model"], "model"))):
+            raise ValueError("tokenizer_name or model is not a name")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{config} is unusable ({e}); nothing was written") from None
+    return tables
 
 
 def export(checkpoint: Path, outdir: Path, dtype: str = "fp32") -> str:

@@ -10,7 +10,6 @@ whole window again, which is fine for the short samples this is meant for.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,16 +28,14 @@ Logits = Callable[[torch.Tensor], torch.Tensor]
 def load_model(path: Path) -> tuple[nn.Module, int, str | None]:
     """(model in eval mode, context length, tokenizer recorded by the run or None)."""
     if (path / "loop.json").is_file():
-        from loom.export import load_model_state
+        from loom.export import load_model_state, run_config
         from loom.models.llama import Transformer
 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # by design
         state, args = load_model_state(path)
         model = Transformer(args)
         model.load_state_dict(state)
-        config = path.parent.parent / "config.json"  # <run>/checkpoints/step-N
-        tokenizer = json.loads(config.read_text())["data"]["tokenizer_name"] \
-            if config.is_file() else None
+        tokenizer = run_config(path).get("data", {}).get("tokenizer_name")
         return model.eval(), args.max_seq_len, tokenizer
     if (path / "config.json").is_file():
         from loom.models.hf import load_hf_model
