@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,22 @@ def find_resume(resume: str | None, outdir: Path) -> ResumePoint | None:
                                  f"{checkpoint_dir(outdir)}; the newest: {errors[0]}")
     logger.info("--resume auto: no checkpoint in %s, starting a new run", checkpoint_dir(outdir))
     return None
+
+
+def set_aside_later(outdir: Path, resumed: Path, step: int) -> Path | None:
+    """After `--resume PATH` at `step`, the run folder's checkpoints past that step belong
+    to the branch this run abandons: moved into `checkpoints/abandoned-<time>/` (kept, but
+    no longer `step-N`), so `--resume auto` continues the new branch, never the old one.
+    Returns that folder, or None when there was nothing to move."""
+    later = [p for p in complete_checkpoints(outdir)
+             if step_of(p) > step and p.resolve() != resumed.resolve()]
+    if not later:
+        return None
+    aside = checkpoint_dir(outdir) / f"abandoned-{datetime.now():%Y%m%d-%H%M%S-%f}"
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    return aside
 
 
 def run_settings(cfg: JobConfig) -> dict[str, Any]:
