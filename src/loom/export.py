@@ -139,7 +139,8 @@ def run_config(checkpoint: Path) -> dict[str, Any]:
     return tables
 
 
-def export(checkpoint: Path, outdir: Path, dtype: str = "fp32") -> str:
+def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
+           trust_remote_code: bool = False) -> str:
     """Write the model, and the run's tokenizer when the embedding covers it; returns what
     was written, for the one line `loom export` prints."""
     from safetensors.torch import save_file
@@ -151,11 +152,11 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32") -> str:
     save_file(tensors, str(outdir / "model.safetensors"), metadata={"format": "pt"})
     write_text_atomic(outdir / "config.json", json.dumps(hf_config(args, dtype), indent=2) + "\n")
     tokenizer = run_tokenizer(checkpoint)
-    size = load_tokenizer(tokenizer).size
+    size = load_tokenizer(tokenizer, trust_remote_code).size
     if size > args.vocab_size:  # e.g. a --dataset random run with a small --vocab-size
         return (f"model only: its {args.vocab_size}-row embedding is smaller than tokenizer "
                 f"{tokenizer or SHIPPED_FLAG} ({size} tokens)")
-    save_tokenizer(tokenizer, outdir)
+    save_tokenizer(tokenizer, outdir, trust_remote_code)
     return f"model and tokenizer {tokenizer or SHIPPED_FLAG}"
 
 
@@ -166,6 +167,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("outdir", type=Path, help="folder for model.safetensors + config.json")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--verbose", action="store_true", help="show upstream notices")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the code the run's tokenizer folder or repo ships")
     opts = parser.parse_args(list(argv))
     if not opts.verbose:  # DCP's note that it loads in one process: exactly what export does
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
@@ -173,7 +176,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: {opts.checkpoint} is not a loom checkpoint folder", file=sys.stderr)
         return 2
     try:
-        written = export(opts.checkpoint, opts.outdir, opts.dtype)
+        written = export(opts.checkpoint, opts.outdir, opts.dtype, opts.trust_remote_code)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -25,7 +25,8 @@ Logits = Callable[[torch.Tensor], torch.Tensor]
 """Token ids (1, T) -> logits (1, T, V)."""
 
 
-def load_model(path: Path) -> tuple[nn.Module, int, str | None]:
+def load_model(path: Path, trust_remote_code: bool = False
+               ) -> tuple[nn.Module, int, str | None]:
     """(model in eval mode, context length, tokenizer recorded by the run or None)."""
     if (path / "loop.json").is_file():
         from loom.export import load_model_state, run_config
@@ -40,7 +41,8 @@ def load_model(path: Path) -> tuple[nn.Module, int, str | None]:
     if (path / "config.json").is_file():
         from loom.models.hf import load_hf_model
 
-        model = load_hf_model(ModelConfig(model=str(path.resolve())))
+        model = load_hf_model(ModelConfig(model=str(path.resolve()),
+                                          trust_remote_code=trust_remote_code))
         has_tokenizer = (path / "tokenizer_config.json").is_file()
         return model.eval(), model.hf.config.max_position_embeddings, \
             str(path) if has_tokenizer else None
@@ -69,10 +71,11 @@ def sample(logits_of: Logits, ids: list[int], max_new_tokens: int, *, context: i
 
 
 def generate(path: Path, prompt: str, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, tokenizer_name: str | None = None) -> str:
+             top_k: int = 0, seed: int = 0, tokenizer_name: str | None = None,
+             trust_remote_code: bool = False) -> str:
     """The prompt and its continuation, as text."""
-    model, context, recorded = load_model(path)
-    tokenizer: TextTokenizer = load_tokenizer(tokenizer_name or recorded)
+    model, context, recorded = load_model(path, trust_remote_code)
+    tokenizer: TextTokenizer = load_tokenizer(tokenizer_name or recorded, trust_remote_code)
     check_vocab(model, tokenizer, path)
     ids = tokenizer.encode([prompt])[0] or [tokenizer.eot_id]
     out = sample(model, ids, max_new_tokens, context=context, temperature=temperature,
@@ -104,13 +107,16 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer-name", "--tokenizer_name", default=None,
                         help="default: the run's tokenizer (or the shipped GPT-2)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the code a Hugging Face folder or tokenizer ships")
     opts = parser.parse_args(list(argv))
     try:
         if opts.max_new_tokens < 0 or opts.top_k < 0 or opts.temperature < 0:
             raise ConfigError("--max-new-tokens, --top-k and --temperature must be >= 0")
         print(generate(opts.checkpoint, opts.prompt, opts.max_new_tokens,
                        temperature=opts.temperature, top_k=opts.top_k, seed=opts.seed,
-                       tokenizer_name=opts.tokenizer_name))
+                       tokenizer_name=opts.tokenizer_name,
+                       trust_remote_code=opts.trust_remote_code))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

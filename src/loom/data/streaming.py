@@ -142,5 +142,5 @@ def build_stream_spec(cfg: JobConfig, tokenizer_name: str | None) -> StreamSpec:
     pieces = [Piece("hub", (source.name,))] if source.kind == "hub" else \
         plan_pieces(source.files, source.builder)
     return StreamSpec(tuple(pieces), data.hf_text_column, data.hf_split,
-                      load_tokenizer(tokenizer_name), data.seq_len,
+                      load_tokenizer(tokenizer_name, cfg.model.trust_remote_code), data.seq_len,
                       batches=(cfg.train.max_steps or 0) * cfg.train.grad_accum_steps)
