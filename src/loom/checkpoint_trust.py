@@ -10,6 +10,7 @@ manifest), and loop, optimizer hyperparameters and RNG states are JSON.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -26,9 +27,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from loom.checkpoint_format import METADATA, load_metadata
 from loom.checkpoint_schema import SchemaError, check_loop
 from loom.config import ConfigError
-from loom.safe_io import open_regular, read_json_capped, regular_size
+from loom.safe_io import open_regular, read_json_capped, regular_size, write_text_atomic
 
 MANIFEST = "manifest.json"
+SECURE_HASH = "sha256"
+"""The cryptographic hash `loom digest` computes per file (xxh3 only detects accidents:
+anyone can recompute it after tampering)."""
 _CHUNK = 1 << 22
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 """A manifest names files of its own folder only: no separators, no `..`, no hidden names."""
@@ -47,13 +51,19 @@ def read_metadata(path: Path) -> Metadata:
         raise UnusableCheckpoint(f"checkpoint {path} is unsafe: {METADATA} {e}") from None
 
 
-def file_record(path: Path) -> dict[str, int]:
-    digest, size = xxhash.xxh3_64(), 0
+def file_record(path: Path, secure: bool = False) -> dict[str, Any]:
+    """Size and xxh3-64 of a file, and (`secure`: for `loom digest`) its SHA-256 in hex."""
+    digest, sha, size = xxhash.xxh3_64(), hashlib.sha256(), 0
     with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
+            if secure:
+                sha.update(chunk)
             size += len(chunk)
-    return {"bytes": size, "xxh3": digest.intdigest()}
+    record: dict[str, Any] = {"bytes": size, "xxh3": digest.intdigest()}
+    if secure:
+        record[SECURE_HASH] = sha.hexdigest()
+    return record
 
 
 class _HashingStream(io.RawIOBase):
@@ -101,11 +111,11 @@ class HashingFileSystem(FileSystem):
 
 
 def write_manifest(folder: Path, known: dict[str, Any], **fields: Any) -> None:
-    """Sizes and xxh3 hashes of every file in the folder (`known`: those the writing ranks already
-    computed), written last: the save's seal."""
+    """Sizes and xxh3 hashes of every file in the folder (`known`: those the writing ranks
+    already computed), written last: the save's seal."""
     files = {p.name: known.get(p.name) or file_record(p) for p in sorted(folder.iterdir())
              if p.name != MANIFEST}
-    (folder / MANIFEST).write_text(json.dumps({**fields, "files": files}, indent=1))
+    write_text_atomic(folder / MANIFEST, json.dumps({**fields, "files": files}, indent=1))
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -115,7 +125,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
         files = manifest["files"]
         if not isinstance(files, dict) or not all(
                 isinstance(v, dict) and type(v.get("bytes")) is int and v["bytes"] >= 0
-                and type(v.get("xxh3")) is int for v in files.values()):
+                and type(v.get("xxh3")) is int and set(v) == {"bytes", "xxh3"}
+                for v in files.values()):
             raise ValueError("bad file record")
         if not all(_FILE_NAME.match(name) for name in files):
             raise ValueError("a file name is not a plain name in the folder")

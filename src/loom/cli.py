@@ -29,7 +29,8 @@ from loom.preflight import check_outdir
 from loom.runtime import rank_info
 from loom.watchdog import report, watch_launcher, write_error_file
 
-USAGE = """usage: loom {train,launch,export,plan,tokenize,eval,generate} [FLAGS]  |  loom --version
+USAGE = """usage: loom {train,launch,export,plan,tokenize,eval,generate,digest} [FLAGS]
+       loom --version
 
   loom train [FLAGS]          train in this process group (see `loom train --help`)
   loom launch [-n N] CMD...   start CMD on every rank (elastic agent, srun or mpiexec)
@@ -39,11 +40,13 @@ USAGE = """usage: loom {train,launch,export,plan,tokenize,eval,generate} [FLAGS]
   loom tokenize SRC OUT       tokenize a corpus into memory-mapped shards (--dataset OUT)
   loom eval CKPT --dataset D  validation loss of a checkpoint
   loom generate CKPT --prompt TEXT   sample text from a checkpoint or HF folder
+  loom digest CKPT            a checkpoint's SHA-256 digest, to publish and compare
 """
 
 
 COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan.command",
-            "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate"}
+            "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate",
+            "digest": "loom.digest"}
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
 
 
