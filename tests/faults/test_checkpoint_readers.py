@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from loom.checkpoint_trust import UnusableCheckpoint, verify_checkpoint
 from loom.config import ConfigError
+from loom.data.shards import read_manifest as read_shard_manifest
 from loom.export import load_model_state
 from loom.safe_io import MAX_JSON_BYTES, read_json_capped
 from tests.faults.test_checkpoint_trust import (
@@ -210,3 +212,55 @@ def test_auto_resume_skips_a_fifo_in_the_newest_checkpoint(run: Path, tmp_path: 
     assert proc.returncode == 0, proc.stderr
     assert "skipping step-2 (checkpoint step-2 is corrupt: __0_0.distcp is a FIFO" in proc.stdout
     assert f"resumed from {step1} at step 1" in proc.stdout
+
+
+def shard_folder(root: Path) -> Path:
+    """A hand-made two-shard folder as `loom tokenize` writes one (6 uint16 tokens)."""
+    root.mkdir()
+    (root / "shard-00000.bin").write_bytes(bytes(8))
+    (root / "shard-00001.bin").write_bytes(bytes(4))
+    (root / "manifest.json").write_text(json.dumps({
+        "format": 1, "dtype": "uint16", "shard_tokens": 4, "n_tokens": 6,
+        "shards": [{"file": "shard-00000.bin", "tokens": 4},
+                   {"file": "shard-00001.bin", "tokens": 2}]}))
+    return root
+
+
+def edit_shards(folder: Path, change) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    change(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+SHARD_CRAFTS = {
+    "a-list": (lambda m: m.clear(), "shard format None"),
+    "dtype-list": (lambda m: m.update(dtype=["uint16"]), "dtype ['uint16'] is not one of"),
+    "dtype-object": (lambda m: m.update(dtype="object"), "dtype 'object' is not one of"),
+    "traversal": (lambda m: m["shards"][0].update(file="../../etc/passwd"),
+                  "shards is not a list of"),
+    "negative": (lambda m: m["shards"][1].update(tokens=-2), "shards is not a list of"),
+    "lying-total": (lambda m: m.update(n_tokens=2**40), "n_tokens is not the shards' sum"),
+    "string-count": (lambda m: m.update(shard_tokens="4"), "shard_tokens or n_tokens"),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARD_CRAFTS))
+def test_a_crafted_shard_manifest_is_one_line(tmp_path: Path, name: str) -> None:
+    folder = shard_folder(tmp_path / "shards")
+    assert read_shard_manifest(folder)["n_tokens"] == 6
+    change, message = SHARD_CRAFTS[name]
+    if name == "a-list":
+        (folder / "manifest.json").write_text("[]")
+    else:
+        edit_shards(folder, change)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_shard_manifest(folder)
+
+
+@pytest.mark.parametrize("replace", [replace_with_fifo, replace_with_dir, replace_with_link],
+                         ids=["fifo", "directory", "symlink"])
+def test_a_shard_that_is_no_regular_file_is_refused(tmp_path: Path, replace) -> None:
+    folder = shard_folder(tmp_path / "shards")
+    replace(folder / "shard-00001.bin")
+    with pytest.raises(ConfigError, match="shard-00001.bin is missing, not a regular file"):
+        read_shard_manifest(folder)
