@@ -68,7 +68,8 @@ def step_of(path: Path) -> int:
 def complete_checkpoints(outdir: Path) -> list[Path]:
     """Finished checkpoints, oldest first (temporary folders of interrupted saves ignored)."""
     root = checkpoint_dir(outdir)
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name)] if root.is_dir() else []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()
+             and not p.is_symlink()] if root.is_dir() else []
     return sorted(found, key=step_of)
 
 

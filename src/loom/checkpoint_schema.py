@@ -168,8 +168,8 @@ def _null(value: Any, where: str) -> None:
 
 
 def _model_args(value: Any) -> None:
-    args = _object(value, "model_args", {*_MODEL_INTS, *_MODEL_FLOATS},
-                   {"ffn_dim_multiplier", "hidden_dim"})
+    args = _object(value, "model_args", {*_MODEL_INTS, *_MODEL_FLOATS, "ffn_dim_multiplier",
+                                         "hidden_dim"})
     for key in _MODEL_INTS:
         _integer(args[key], f"model_args.{key}", 1, 2**31 - 1)
     for key in _MODEL_FLOATS:

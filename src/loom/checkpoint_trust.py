@@ -133,7 +133,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise UnusableCheckpoint(f"checkpoint {path} has no {MANIFEST}: not a complete loom "
                                  "checkpoint") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UnusableCheckpoint(f"checkpoint {path} is corrupt: {MANIFEST} is unreadable "
                                  f"({e})") from None
     return manifest

@@ -127,7 +127,7 @@ def restore_data_state(loader: Any, saved: dict[str, Any]) -> None:
     if not isinstance(loader, StreamLoader):
         return
     positions = saved.get("stream_positions", {})
-    if len(positions) != loader.stream.dp_size:
+    if set(positions) != {str(rank) for rank in range(loader.stream.dp_size)}:
         raise ConfigError(f"--streaming resume needs the checkpoint's dp degree "
                           f"({len(positions) or 'not a streaming checkpoint'}), got "
                           f"{loader.stream.dp_size}")
