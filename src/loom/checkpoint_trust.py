@@ -34,8 +34,8 @@ SECURE_HASH = "sha256"
 """The cryptographic hash `loom digest` computes per file (xxh3 only detects accidents:
 anyone can recompute it after tampering)."""
 _CHUNK = 1 << 22
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
-"""A manifest names files of its own folder only: no separators, no `..`, no hidden names."""
+_FILE_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.][A-Za-z0-9_.-]{0,200}$")
+"""A manifest names files of its own folder only: no separators, no `.` or `..`."""
 
 
 class UnusableCheckpoint(ConfigError):
