@@ -92,7 +92,8 @@ def check_is_ours(outdir: Path, overwrite: bool, adopt: bool) -> None:
     if not adopt and any(p.name != LOCK_NAME for p in outdir.iterdir()):
         raise ConfigError(f"--outdir {outdir} is a non-empty folder that is not a loom run "
                           f"(no {MARKER}); choose a new or empty --outdir, or pass "
-                          "--adopt-outdir to use it (loom's files in it are overwritten)")
+                          "--adopt-outdir to use it (so too for a run folder of a loom "
+                          "older than the marker)")
 
 
 def take_lock(outdir: Path) -> IO[str]:

@@ -147,3 +147,16 @@ def test_loom_train_refuses_a_linked_config_json_in_one_line(tmp_path: Path) -> 
                                    "loom never writes through links in a run folder: remove "
                                    "it or choose another folder"), proc.stderr
     assert rc.read_text() == "echo hi\n" and not list(tmp_path.glob("run.old-*"))
+
+
+def test_a_run_of_a_loom_before_the_marker_resumes_once_adopted(tmp_path: Path) -> None:
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.json").write_text("{}\n")
+    (legacy / "metrics-0.jsonl").write_text('{"train/iter": 1}\n')
+    with pytest.raises(ConfigError, match="older than the marker"):
+        claim(legacy, resume=True, overwrite=False)
+    lock, _ = claim(legacy, resume=True, overwrite=False, adopt=True)
+    lock.close()
+    assert (legacy / MARKER).is_file()
+    claim(legacy, resume=True, overwrite=False)[0].close()  # marked now: no flag needed
