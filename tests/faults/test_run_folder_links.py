@@ -4,6 +4,8 @@ folders with loom's marker are treated (or moved aside) as runs."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from loom.config import ConfigError, parse_args
+from loom.metrics import read_rows
 from loom.rundir import LOCK_NAME, MARKER, claim
 from loom.safe_io import open_append, open_lock_file, read_json_capped, write_text_atomic
 from tests.faults.procs import digest
@@ -160,3 +163,21 @@ def test_a_run_of_a_loom_before_the_marker_resumes_once_adopted(tmp_path: Path) 
     lock.close()
     assert (legacy / MARKER).is_file()
     claim(legacy, resume=True, overwrite=False)[0].close()  # marked now: no flag needed
+
+
+def test_crafted_metrics_rows_are_left_out_not_a_traceback(tmp_path: Path, caplog) -> None:
+    good = {"train/iter": 1, "train/loss": 4.2, "train/tokens_seen": 16}
+    path = tmp_path / "metrics-0.jsonl"
+    path.write_text("\n".join([json.dumps(good), '{"train/iter": "x"}', "[" * 100_000,
+                               json.dumps({**good, "train/iter": 2, "train/loss": "$(id)"}),
+                               "not json", "", json.dumps({**good, "train/iter": 3})]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert [r["train/iter"] for r in read_rows(path)] == [1, 3]
+    assert caplog.messages == [f"{path}: 4 lines that are not step rows left out"]
+    path.unlink()
+    os.mkfifo(path)
+    assert read_rows(path) == []  # a FIFO: refused at once, never read
+    path.unlink()
+    with path.open("wb") as f:
+        f.truncate(8 << 30)  # sparse: one 8 GB line of zero bytes
+    assert read_rows(path) == []

@@ -4,6 +4,7 @@ and reading the rows back (a resumed run appends, so readers take `run_history`)
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ from typing import Any
 import torch
 
 from loom import flops
-from loom.safe_io import open_append
+from loom.safe_io import open_append, open_regular
+
+logger = logging.getLogger("loom")
 
 
 class StepClock:
@@ -56,8 +59,45 @@ class RowWriter:
         self.file.close()
 
 
+MAX_ROWS_BYTES = 4 << 30
+"""Rows read back for the summary: ~8 million steps of ~500 bytes; a larger file is crafted."""
+MAX_ROW_BYTES = 1 << 20
+
+
+def _row(line: bytes) -> dict[str, Any] | None:
+    """A step row: a JSON object of numbers (or nulls) with an integer `train/iter`."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(row, dict) or type(row.get("train/iter")) is not int or not all(
+            v is None or type(v) in (int, float) for v in row.values()):
+        return None
+    return row
+
+
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    """The step rows of a metrics file. A resumed run folder may come from elsewhere: a
+    link, a FIFO or a line that is no step row (a crafted string where a number belongs)
+    is left out with one warning, never a traceback at the end of a run."""
+    rows, skipped = [], 0
+    try:
+        with open_regular(path) as f:
+            while line := f.readline(MAX_ROW_BYTES + 1):
+                if len(line) > MAX_ROW_BYTES or f.tell() > MAX_ROWS_BYTES:
+                    raise ValueError("a line or the file is longer than a metrics file's")
+                row = _row(line) if line.strip() else {}
+                if row is None:
+                    skipped += 1
+                elif row:
+                    rows.append(row)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        logger.warning("%s: not read further (%s)", path, e)
+    if skipped:
+        logger.warning("%s: %d lines that are not step rows left out", path, skipped)
+    return rows
 
 
 def run_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
