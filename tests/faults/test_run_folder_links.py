@@ -15,6 +15,7 @@ import pytest
 
 from loom.config import ConfigError, parse_args
 from loom.metrics import read_rows
+from loom.metrics.rows import is_step_row
 from loom.rundir import LOCK_NAME, MARKER, claim
 from loom.safe_io import open_append, open_lock_file, read_json_capped, write_text_atomic
 from tests.faults.procs import digest
@@ -172,7 +173,7 @@ def test_crafted_metrics_rows_are_left_out_not_a_traceback(tmp_path: Path, caplo
                                json.dumps({**good, "train/iter": 2, "train/loss": "$(id)"}),
                                "not json", "", json.dumps({**good, "train/iter": 3})]) + "\n")
     with caplog.at_level(logging.WARNING, logger="loom"):
-        assert [r["train/iter"] for r in read_rows(path)] == [1, 3]
+        assert [r["train/iter"] for r in read_rows(path, is_step_row)] == [1, 3]
     assert caplog.messages == [f"{path}: 4 lines that are not step rows left out"]
     path.unlink()
     os.mkfifo(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,32 +65,39 @@ MAX_ROWS_BYTES = 4 << 30
 MAX_ROW_BYTES = 1 << 20
 
 
-def _row(line: bytes) -> dict[str, Any] | None:
-    """A step row: a JSON object of numbers (or nulls) with an integer `train/iter`."""
+def _parsed(line: bytes) -> Any:
     try:
-        row = json.loads(line)
+        return json.loads(line)
     except (ValueError, RecursionError):
-        return None
-    if not isinstance(row, dict) or type(row.get("train/iter")) is not int or not all(
-            v is None or type(v) in (int, float) for v in row.values()):
-        return None
-    return row
+        return _BAD
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The step rows of a metrics file. A resumed run folder may come from elsewhere: a
-    link, a FIFO or a line that is no step row (a crafted string where a number belongs)
-    is left out with one warning, never a traceback at the end of a run."""
+_BAD = object()
+
+
+def is_step_row(row: Any) -> bool:
+    """A JSON object of numbers (or nulls) with an integer `train/iter`."""
+    return isinstance(row, dict) and type(row.get("train/iter")) is int and all(
+        v is None or type(v) in (int, float) for v in row.values())
+
+
+def read_rows(path: Path, check: Callable[[Any], bool] = lambda row: True) -> list[Any]:
+    """The JSON lines of a file that pass `check` (`is_step_row` for metrics). A resumed run
+    folder may come from elsewhere: a link, a FIFO, an endless line or a line that fails
+    (a crafted string where a number belongs, bad JSON) is left out with one warning,
+    never a traceback at the end of a run."""
     rows, skipped = [], 0
     try:
         with open_regular(path) as f:
             while line := f.readline(MAX_ROW_BYTES + 1):
                 if len(line) > MAX_ROW_BYTES or f.tell() > MAX_ROWS_BYTES:
                     raise ValueError("a line or the file is longer than a metrics file's")
-                row = _row(line) if line.strip() else {}
-                if row is None:
+                if not line.strip():
+                    continue
+                row = _parsed(line)
+                if row is _BAD or not check(row):
                     skipped += 1
-                elif row:
+                else:
                     rows.append(row)
     except FileNotFoundError:
         return []
