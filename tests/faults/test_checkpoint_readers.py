@@ -264,3 +264,23 @@ def test_a_shard_that_is_no_regular_file_is_refused(tmp_path: Path, replace) -> 
     replace(folder / "shard-00001.bin")
     with pytest.raises(ConfigError, match="shard-00001.bin is missing, not a regular file"):
         read_shard_manifest(folder)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("command", ["train", "export"])
+def test_a_tensor_missing_from_resealed_metadata_is_one_line(run: Path, tmp_path: Path,
+                                                             command: str) -> None:
+    """DCP's CheckpointException is a BaseException: it must not escape as a traceback."""
+    outdir = copy_run(run, tmp_path)
+    checkpoint = outdir / "checkpoints" / "step-2"
+    edit_metadata(checkpoint, lambda tensors: tensors.pop("model.norm.weight"))
+    reseal(checkpoint)
+    argv = (["train", *TINY, "--max-steps", "3", "--outdir", str(outdir), "--resume",
+             str(checkpoint)] if command == "train" else
+            ["export", str(checkpoint), str(tmp_path / "out")])
+    proc = loom(*argv)
+    assert proc.returncode == 2, proc.stderr
+    line = one_line(proc)
+    assert line.startswith(f"error: checkpoint {checkpoint} cannot be loaded: ") and \
+        "model.norm.weight" in line, line
+    assert "Traceback" not in proc.stderr + proc.stdout
