@@ -10,7 +10,7 @@ keys loom never writes are refused. A problem is one line naming the file and th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,7 @@ def _number(value: Any, where: str, low: float, high: float) -> float:
     return value
 
 
-def _object(value: Any, where: str, required: set[str], optional: set[str] = frozenset()
+def _object(value: Any, where: str, required: Set[str], optional: Set[str] = frozenset()
             ) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise SchemaError(f"{where} is not an object")
@@ -132,7 +132,7 @@ def _param_group(value: Any, where: str) -> None:
     for key, (low, high) in _FLOAT_GROUP_KEYS.items():
         if key in group:
             _number(group[key], f"{where}.{key}", low, high)
-    _list(group["betas"], f"{where}.betas", lambda v, w: _number(v, w, 0.0, 0.999999), 2)
+    _list(group["betas"], f"{where}.betas", _beta, 2)
     for key, expected in _FIXED_GROUP_KEYS.items():
         if key in group and group[key] is not expected:
             raise SchemaError(f"{where}.{key} is {group[key]!r}; loom's AdamW always has "
@@ -150,15 +150,30 @@ def _name(value: Any, where: str) -> None:
 
 def _scheduler(value: Any, groups: int) -> None:
     s = _object(value, "scheduler", _SCHEDULER_KEYS, _OPTIONAL_SCHEDULER_KEYS)
-    lr = lambda v, w: _number(v, w, 0.0, math.inf)  # noqa: E731
-    _list(s["base_lrs"], "scheduler.base_lrs", lr, groups)
-    _list(s["_last_lr"], "scheduler._last_lr", lr, groups)
+    _list(s["base_lrs"], "scheduler.base_lrs", _learning_rate, groups)
+    _list(s["_last_lr"], "scheduler._last_lr", _learning_rate, groups)
     _integer(s["last_epoch"], "scheduler.last_epoch", -1)
     _integer(s["_step_count"], "scheduler._step_count")
     for key in ("_is_initial", "_get_lr_called_within_step", "verbose"):
         if key in s and not isinstance(s[key], bool):
             raise SchemaError(f"scheduler.{key} is {s[key]!r}, not true or false")
     _list(s["lr_lambdas"], "scheduler.lr_lambdas", _null, groups)
+
+
+def _learning_rate(value: Any, where: str) -> None:
+    _number(value, where, 0.0, math.inf)
+
+
+def _byte(value: Any, where: str) -> None:
+    _integer(value, where, 0, 255)
+
+
+def _word(value: Any, where: str) -> None:
+    _integer(value, where, 0, 2**32 - 1)
+
+
+def _beta(value: Any, where: str) -> None:
+    _number(value, where, 0.0, 0.999999)
 
 
 def _null(value: Any, where: str) -> None:
@@ -233,15 +248,21 @@ def check_rng(state: Any, torch_bytes: int, cuda_bytes: int | None) -> None:
     py = state["python"]
     if not isinstance(py, list) or len(py) != 3 or py[0] != 3:
         raise SchemaError("rng.python is not [3, words, gauss]")
-    _list(py[1], "rng.python[1]", lambda v, w: _integer(v, w, 0, 2**32 - 1), RNG_WORDS)
+    _list(py[1], "rng.python[1]", _word, RNG_WORDS)
     if py[1][-1] > 624:
         raise SchemaError("rng.python[1] position is past 624")
     if py[2] is not None:
         _number(py[2], "rng.python[2]", -math.inf, math.inf)
-    byte = lambda v, w: _integer(v, w, 0, 255)  # noqa: E731
-    _list(state["torch"], "rng.torch", byte, torch_bytes)
+    _list(state["torch"], "rng.torch", _byte, torch_bytes)
     if "cuda" in state and cuda_bytes is not None:
-        _list(state["cuda"], "rng.cuda", byte, cuda_bytes)
+        _list(state["cuda"], "rng.cuda", _byte, cuda_bytes)
+
+
+def _shown(value: Any) -> str:
+    """A flag's value as the message names it (a switch: given or not)."""
+    if value is None or value is False:
+        return "not given"
+    return "given" if value is True else str(value)
 
 
 def check_read_settings(saved: Mapping[str, Any], current: Mapping[str, Any],
@@ -254,13 +275,8 @@ def check_read_settings(saved: Mapping[str, Any], current: Mapping[str, Any],
         for name in (n for n in names if n in saved):
             if saved[name] == current[name]:
                 continue
-            flag = f"--{name.replace('_', '-')}"
-            shown = {True: "given", False: "not given", None: "not given"}
-            was = shown[saved[name]] if isinstance(saved[name], bool) or saved[name] is None \
-                else saved[name]
-            now = shown[current[name]] if isinstance(current[name], bool) or \
-                current[name] is None else current[name]
-            difference = f"{flag}: checkpoint {was}, this run {now}"
+            difference = (f"--{name.replace('_', '-')}: checkpoint {_shown(saved[name])}, "
+                          f"this run {_shown(current[name])}")
             if not new_data or section == "model":
                 hint = ("pass --resume-new-data to continue on other data"
                         if section == "data" else "give the same flag again")
