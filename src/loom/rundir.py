@@ -140,8 +140,10 @@ def move_aside(outdir: Path) -> Path:
 def claim(outdir: Path, resume: bool, overwrite: bool, adopt: bool = False
           ) -> tuple[IO[str] | None, str]:
     """Rank 0's decision: (held lock, note to log), or ConfigError."""
+    if outdir.is_symlink():
+        check_no_links(outdir)
+    check_is_ours(outdir, overwrite, adopt)  # first: a stranger's big folder is not walked
     check_no_links(outdir)
-    check_is_ours(outdir, overwrite, adopt)
     lock = take_lock(outdir)
     note = ""
     if holds_run(outdir) and not resume:

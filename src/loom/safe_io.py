@@ -84,7 +84,12 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     rename it over `path`: readers see the old or the new file, and a link at `path` is
     replaced, never written through."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileExistsError:  # left by a killed process of the same pid, or planted: the
+        tmp.unlink()  # name (a link included, never its target) goes, and O_EXCL again
+        fd = os.open(tmp, flags, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

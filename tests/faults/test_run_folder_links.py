@@ -57,9 +57,11 @@ def test_a_link_among_the_known_entries_is_refused_and_nothing_is_written(
     (run / entry).unlink(missing_ok=True)
     os.symlink(target, run / entry)
     before = digest(tmp_path)
+    message = f"{entry} is a symbolic link; loom never writes through links"
+    if entry == MARKER:  # a linked marker marks nothing: the folder is no loom run
+        message = "is not a loom run folder|non-empty folder that is not a loom run"
     for resume, overwrite in [(True, False), (False, True), (False, False)]:
-        with pytest.raises(ConfigError, match=f"{entry} is a symbolic link; loom never "
-                                              "writes through links"):
+        with pytest.raises(ConfigError, match=message):
             claim(run, resume=resume, overwrite=overwrite)
     assert digest(tmp_path) == before
     assert target.exists() is not dangling
@@ -182,3 +184,12 @@ def test_crafted_metrics_rows_are_left_out_not_a_traceback(tmp_path: Path, caplo
     with path.open("wb") as f:
         f.truncate(8 << 30)  # sparse: one 8 GB line of zero bytes
     assert read_rows(path) == []
+
+
+def test_a_planted_temporary_name_is_replaced_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    os.symlink(victim, tmp_path / f".summary.json.{os.getpid()}.tmp")
+    write_text_atomic(tmp_path / "summary.json", "{}\n")
+    assert victim.read_text() == "keep\n" and (tmp_path / "summary.json").read_text() == "{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "victim"]
