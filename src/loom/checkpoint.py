@@ -61,6 +61,10 @@ def checkpoint_dir(outdir: Path) -> Path:
     return outdir / "checkpoints"
 
 
+def is_step_dir(path: Path) -> bool:
+    return _STEP_DIR.match(path.name) is not None
+
+
 def step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.checkpoint import checkpoint_dir, complete_checkpoints, step_of
+from loom.checkpoint import checkpoint_dir, complete_checkpoints, is_step_dir, step_of
 from loom.checkpoint_schema import (
     READ_SETTINGS,
     RUN_SETTINGS,
@@ -75,6 +75,9 @@ def open_checkpoint(path: Path) -> ResumePoint:
     files, and all raise the same error)."""
     manifest = verify_checkpoint(path, dist.get_rank(), dist.get_world_size(), _gather)
     saved = read_loop(path)
+    if is_step_dir(path) and step_of(path) != saved["step"]:
+        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: loop.json has step "
+                                 f"{saved['step']}, its folder {path.name}")
     rngs = sorted(n for n in manifest["files"] if n.startswith("rng-"))
     problems = _gather(rng_problems(path, rngs[dist.get_rank()::dist.get_world_size()]))
     if problems:

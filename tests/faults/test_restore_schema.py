@@ -149,6 +149,20 @@ def test_a_maximizing_checkpoint_is_one_line_and_auto_falls_back(run: Path, tmp_
 
 
 @pytest.mark.multirank
+def test_a_step_other_than_its_folder_s_is_refused(run: Path, tmp_path: Path) -> None:
+    """A step-2 folder whose loop.json says 1000 would name later saves past every real
+    one (the inverse of a negative step)."""
+    outdir = copy_run(run, tmp_path)
+    step2 = outdir / "checkpoints" / "step-2"
+    edit_loop(step2, lambda loop: loop.__setitem__("step", 1000))
+    proc = loom("train", *TINY, "--max-steps", "3", "--outdir", str(outdir), "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr
+    assert "skipping step-2 (checkpoint " in proc.stdout and \
+        "loop.json has step 1000, its folder step-2" in proc.stdout
+    assert sorted(p.name for p in (outdir / "checkpoints").iterdir()) == ["step-2", "step-3"]
+
+
+@pytest.mark.multirank
 def test_a_checkpoint_that_reads_another_dataset_stops_in_one_line(run: Path, tmp_path: Path
                                                                    ) -> None:
     outdir = copy_run(run, tmp_path)
