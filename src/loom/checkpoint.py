@@ -33,12 +33,14 @@ from loom.checkpoint_format import METADATA, TensorReader, TensorWriter
 from loom.checkpoint_trust import (
     MANIFEST,
     HashingFileSystem,
+    UnusableCheckpoint,
     file_record,
     read_json,
     write_manifest,
 )
 from loom.errors import CheckpointWriteError
 from loom.parallel.init import clean_name
+from loom.safe_io import read_json_capped
 
 logger = logging.getLogger("loom")
 
@@ -59,6 +61,10 @@ def checkpoint_dir(outdir: Path) -> Path:
     return outdir / "checkpoints"
 
 
+def is_step_dir(path: Path) -> bool:
+    return _STEP_DIR.match(path.name) is not None
+
+
 def step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
@@ -66,13 +72,14 @@ def step_of(path: Path) -> int:
 def complete_checkpoints(outdir: Path) -> list[Path]:
     """Finished checkpoints, oldest first (temporary folders of interrupted saves ignored)."""
     root = checkpoint_dir(outdir)
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name)] if root.is_dir() else []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()
+             and not p.is_symlink()] if root.is_dir() else []
     return sorted(found, key=step_of)
 
 
 def run_id_of(path: Path) -> str | None:
     try:
-        return json.loads((path / MANIFEST).read_text()).get("run_id")
+        return read_json_capped(path / MANIFEST).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -291,8 +298,17 @@ class Checkpointer:
         """Load a verified checkpoint's model and optimizer (resharded to this mesh) and this
         rank's RNG state; `saved` is its loop.json."""
         model_sd, optim_sd, own_name = plain_state_dict(model, optimizer)
+        # Group counts, not parameter names: a pipeline stage's groups list its own parameters.
+        if len(saved["param_groups"]) != len(optim_sd["param_groups"]):
+            raise UnusableCheckpoint(f"checkpoint {path}: it has {len(saved['param_groups'])} "
+                                     "optimizer groups, this run "
+                                     f"{len(optim_sd['param_groups'])}")
         state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
-        dcp.load(state, storage_reader=TensorReader(path))
+        try:
+            dcp.load(state, storage_reader=TensorReader(path))
+        except CheckpointException as e:  # a BaseException: escapes `except Exception`
+            raise UnusableCheckpoint(f"checkpoint {path} cannot be loaded: "
+                                     f"{_describe(e)[0]}") from None
         model_sd, optim_sd = renamed(state["model"], {
             "state": state["optim"]["state"],
             "param_groups": _groups_from_json(saved["param_groups"])}, own_name)

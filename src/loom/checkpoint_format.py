@@ -12,7 +12,10 @@ cannot be described on load.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -39,6 +42,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+
+from loom.safe_io import read_json_capped
 
 METADATA = "metadata.json"
 FORMAT = "loom-dcp-1"
@@ -74,18 +79,63 @@ def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
     return {"format": FORMAT, "tensors": tensors}
 
 
+MAX_DIMS = 8
+MAX_EXTENT = 1 << 48
+"""No tensor dimension, offset or byte count of a real checkpoint comes near 2**48."""
+MAX_GRID_CELLS = 1 << 20
+"""Bound on the pieces the coverage check cuts a tensor's chunk boundaries into."""
+
+
 def _ints(value: Any, what: str, length: int | None = None) -> list[int]:
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
-        raise ValueError(f"{what} is not a list of non-negative integers")
+    if not isinstance(value, list) or len(value) > MAX_DIMS or \
+            not all(type(v) is int and 0 <= v <= MAX_EXTENT for v in value):
+        raise ValueError(f"{what} is not a list of at most {MAX_DIMS} integers in "
+                         f"[0, 2**48]")
     if length is not None and len(value) != length:
         raise ValueError(f"{what} has {len(value)} dimensions, expected {length}")
     return value
 
 
 def _nonnegative(value: Any, what: str) -> int:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"{what} is not a non-negative integer")
+    if type(value) is not int or not 0 <= value <= MAX_EXTENT:
+        raise ValueError(f"{what} is not an integer in [0, 2**48]")
     return value
+
+
+def check_coverage(fqn: str, size: list[int], chunks: list[ChunkStorageMetadata]) -> None:
+    """The chunks cover the tensor exactly: every element in one chunk, none in two, none
+    in no chunk (else a load leaves memory uninitialised, or one chunk overwrites another).
+    Each chunk is a box; cutting the tensor at every chunk boundary gives a grid whose
+    cells each lie wholly inside or outside each box, so counting per cell is exact."""
+    if math.prod(size) == 0:
+        return
+    cuts = [sorted({0, n, *(c.offsets[d] for c in chunks),
+                    *(c.offsets[d] + c.sizes[d] for c in chunks)}) for d, n in enumerate(size)]
+    if math.prod(len(c) - 1 for c in cuts) > MAX_GRID_CELLS:
+        raise ValueError(f"{fqn} is cut into too many chunks")
+    count = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
+    for chunk in chunks:
+        box = tuple(slice(bisect.bisect_left(cut, o), bisect.bisect_left(cut, o + s))
+                    for cut, o, s in zip(cuts, chunk.offsets, chunk.sizes, strict=True))
+        count[box] += 1
+    if bool((count > 1).any()):
+        raise ValueError(f"chunks of {fqn} overlap")
+    if bool((count == 0).any()):
+        raise ValueError(f"chunks of {fqn} leave part of it uncovered")
+
+
+def check_byte_ranges(storage: dict[MetadataIndex, StoredChunk]) -> None:
+    """No two chunks share bytes of a file: the tensors declared can then hold no more
+    than the data files' bytes, whatever sizes the metadata states."""
+    by_file: dict[str, list[StoredChunk]] = {}
+    for stored in storage.values():
+        if stored.length:
+            by_file.setdefault(stored.file, []).append(stored)
+    for name, ranges in by_file.items():
+        ranges.sort(key=lambda r: r.offset)
+        for before, after in itertools.pairwise(ranges):
+            if before.offset + before.length > after.offset:
+                raise ValueError(f"two chunks share bytes of {name}")
 
 
 def _chunk(fqn: str, entry: dict[str, Any], chunk: Any, dtype: torch.dtype,
@@ -102,7 +152,7 @@ def _chunk(fqn: str, entry: dict[str, Any], chunk: Any, dtype: torch.dtype,
         raise ValueError(f"{where} points at {chunk['file']!r}, which is not a data file of "
                          "this checkpoint")
     length = _nonnegative(chunk["length"], f"{where}: length")
-    numel = torch.Size(sizes).numel()
+    numel = math.prod(sizes)
     if length != numel * dtype.itemsize:
         raise ValueError(f"{where} has {length} bytes, its sizes need "
                          f"{numel * dtype.itemsize}")
@@ -121,25 +171,30 @@ def metadata_from_json(value: Any) -> Metadata:
         if not isinstance(entry, dict) or set(entry) != {"dtype", "size", "chunks"}:
             raise ValueError(f"entry {fqn} is not a tensor (loom checkpoints hold only "
                              "tensors in DCP)")
-        if entry["dtype"] not in DTYPES:
+        if not isinstance(entry["dtype"], str) or entry["dtype"] not in DTYPES:
             raise ValueError(f"entry {fqn} has dtype {entry['dtype']!r}")
         dtype = DTYPES[entry["dtype"]]
         _ints(entry["size"], f"size of {fqn}")
-        if not isinstance(entry["chunks"], list):
-            raise ValueError(f"chunks of {fqn} is not a list")
+        if not isinstance(entry["chunks"], list) or len(entry["chunks"]) > MAX_GRID_CELLS:
+            raise ValueError(f"chunks of {fqn} is not a list of at most {MAX_GRID_CELLS}")
         chunks = []
         for record in entry["chunks"]:
             chunk, stored = _chunk(fqn, entry, record, dtype)
             chunks.append(chunk)
-            storage[MetadataIndex(fqn, chunk.offsets)] = stored
+            index = MetadataIndex(fqn, chunk.offsets)
+            if index in storage:
+                raise ValueError(f"chunks of {fqn} overlap")
+            storage[index] = stored
+        check_coverage(fqn, entry["size"], chunks)
         entries[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype),
                                              torch.Size(entry["size"]), chunks)
+    check_byte_ranges(storage)
     return Metadata(entries, storage_data=storage)
 
 
 def load_metadata(folder: Path) -> Metadata:
     """`folder`'s metadata.json as DCP `Metadata` (OSError, ValueError: unusable)."""
-    return metadata_from_json(json.loads((folder / METADATA).read_text()))
+    return metadata_from_json(read_json_capped(folder / METADATA))
 
 
 class TensorWriter(FileSystemWriter):

@@ -10,9 +10,11 @@ manifest), and loop, optimizer hyperparameters and RNG states are JSON.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,10 +25,17 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 from loom.checkpoint_format import METADATA, load_metadata
+from loom.checkpoint_schema import SchemaError, check_loop
 from loom.config import ConfigError
+from loom.safe_io import open_regular, read_json_capped, regular_size, write_text_atomic
 
 MANIFEST = "manifest.json"
+SECURE_HASH = "sha256"
+"""The cryptographic hash `loom digest` computes per file (xxh3 only detects accidents:
+anyone can recompute it after tampering)."""
 _CHUNK = 1 << 22
+_FILE_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.][A-Za-z0-9_.-]{0,200}$")
+"""A manifest names files of its own folder only: no separators, no `.` or `..`."""
 
 
 class UnusableCheckpoint(ConfigError):
@@ -38,17 +47,23 @@ def read_metadata(path: Path) -> Metadata:
     stored in this folder's data files, is an UnusableCheckpoint naming the file."""
     try:
         return load_metadata(path)
-    except (OSError, ValueError, RecursionError) as e:
+    except (OSError, ValueError, RecursionError, OverflowError) as e:
         raise UnusableCheckpoint(f"checkpoint {path} is unsafe: {METADATA} {e}") from None
 
 
-def file_record(path: Path) -> dict[str, int]:
-    digest, size = xxhash.xxh3_64(), 0
-    with open(path, "rb") as f:
+def file_record(path: Path, secure: bool = False) -> dict[str, Any]:
+    """Size and xxh3-64 of a file, and (`secure`: for `loom digest`) its SHA-256 in hex."""
+    digest, sha, size = xxhash.xxh3_64(), hashlib.sha256(), 0
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
+            if secure:
+                sha.update(chunk)
             size += len(chunk)
-    return {"bytes": size, "xxh3": digest.intdigest()}
+    record: dict[str, Any] = {"bytes": size, "xxh3": digest.intdigest()}
+    if secure:
+        record[SECURE_HASH] = sha.hexdigest()
+    return record
 
 
 class _HashingStream(io.RawIOBase):
@@ -96,25 +111,29 @@ class HashingFileSystem(FileSystem):
 
 
 def write_manifest(folder: Path, known: dict[str, Any], **fields: Any) -> None:
-    """Sizes and xxh3 hashes of every file in the folder (`known`: those the writing ranks already
-    computed), written last: the save's seal."""
+    """Sizes and xxh3 hashes of every file in the folder (`known`: those the writing ranks
+    already computed), written last: the save's seal."""
     files = {p.name: known.get(p.name) or file_record(p) for p in sorted(folder.iterdir())
              if p.name != MANIFEST}
-    (folder / MANIFEST).write_text(json.dumps({**fields, "files": files}, indent=1))
+    write_text_atomic(folder / MANIFEST, json.dumps({**fields, "files": files}, indent=1))
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest as plain JSON; UnusableCheckpoint if it is missing or malformed."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_json_capped(path / MANIFEST)
         files = manifest["files"]
-        if not all(isinstance(v.get("bytes"), int) and isinstance(v.get("xxh3"), int)
-                   for v in files.values()):
+        if not isinstance(files, dict) or not all(
+                isinstance(v, dict) and type(v.get("bytes")) is int and v["bytes"] >= 0
+                and type(v.get("xxh3")) is int and set(v) == {"bytes", "xxh3"}
+                for v in files.values()):
             raise ValueError("bad file record")
+        if not all(_FILE_NAME.match(name) for name in files):
+            raise ValueError("a file name is not a plain name in the folder")
     except FileNotFoundError:
         raise UnusableCheckpoint(f"checkpoint {path} has no {MANIFEST}: not a complete loom "
                                  "checkpoint") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UnusableCheckpoint(f"checkpoint {path} is corrupt: {MANIFEST} is unreadable "
                                  f"({e})") from None
     return manifest
@@ -125,13 +144,18 @@ def file_problems(path: Path, manifest: dict[str, Any], names: list[str]) -> lis
     problems = []
     for name in names:
         expected, file = manifest["files"][name], path / name
-        if not file.is_file():
+        try:
+            size = regular_size(file)
+            if size != expected["bytes"]:
+                problems.append(f"{name} has {size} bytes, expected {expected['bytes']}")
+            elif file_record(file)["xxh3"] != expected["xxh3"]:
+                problems.append(f"{name} checksum mismatch")
+        except FileNotFoundError:
             problems.append(f"{name} is missing")
-        elif file.stat().st_size != expected["bytes"]:
-            problems.append(f"{name} has {file.stat().st_size} bytes, expected "
-                            f"{expected['bytes']}")
-        elif file_record(file)["xxh3"] != expected["xxh3"]:
-            problems.append(f"{name} checksum mismatch")
+        except ValueError as e:  # a link, a FIFO, a directory
+            problems.append(str(e))
+        except OSError as e:
+            problems.append(f"{name} is unreadable ({e.strerror})")
     return problems
 
 
@@ -162,10 +186,21 @@ def verify_checkpoint(path: Path, rank: int = 0, world: int = 1,
 
 
 def read_json(path: Path, name: str) -> dict[str, Any]:
+    """A JSON object from a regular file of the checkpoint, its size capped."""
     try:
-        value = json.loads((path / name).read_text())
+        value = read_json_capped(path / name)
     except (OSError, ValueError) as e:
         raise UnusableCheckpoint(f"checkpoint {path} is corrupt: {name} ({e})") from None
     if not isinstance(value, dict):
         raise UnusableCheckpoint(f"checkpoint {path} is corrupt: {name} is not an object")
     return value
+
+
+def read_loop(path: Path) -> dict[str, Any]:
+    """loop.json, checked against `loom.checkpoint_schema` before anything reads it."""
+    loop = read_json(path, "loop.json")
+    try:
+        check_loop(loop)
+    except SchemaError as e:
+        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: loop.json {e}") from None
+    return loop

@@ -42,12 +42,13 @@ USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
   loom doctor [--json]        what this machine offers loom (paste it into bug reports)
   loom verify --layouts "dp4" "dp2 tp2" ... [--steps N] [FLAGS]
                               train each layout from the same seed and data; compare
+  loom digest CKPT            a checkpoint's SHA-256 digest, to publish and compare
 """
 
 
 COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan.command",
             "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate",
-            "doctor": "loom.doctor", "verify": "loom.verify"}
+            "doctor": "loom.doctor", "verify": "loom.verify", "digest": "loom.digest"}
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
 
 

@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from loom.checkpoint_trust import read_loop
 from loom.config import ConfigError, JobConfig, parse_args
 from loom.data.loaders import build_dataloader
 from loom.losses import IGNORE_INDEX
 from loom.mesh import ParallelDims
 from loom.parallel.context import shard_batch
+from loom.safe_io import write_text_atomic
 from loom.step import StepExecutor
 
 logger = logging.getLogger("loom")
@@ -82,11 +84,11 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
     are evaluated, else --dataset); the model's shape comes from the checkpoint, and the
     run writes only to `<run>/eval-step-N/`."""
-    loop = checkpoint / "loop.json"
-    if not loop.is_file():
+    if not (checkpoint / "loop.json").is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
-    shape = json.loads(loop.read_text())["model_args"]
+    shape = read_loop(checkpoint)["model_args"]
     cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
+                      "--resume-new-data",  # evaluating other data is the point
                       "--outdir", str(checkpoint.parent.parent / f"eval-{checkpoint.name}")])
     model = replace(cfg.model, **{k: shape[k] for k in MODEL_FIELDS})
     return replace(cfg, model=model, output=replace(cfg.output, metrics=False))
@@ -108,8 +110,9 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
     result = evaluator.evaluate()
     if info.is_main:
         out = trainer.metrics.outdir / "eval.json"
-        out.write_text(json.dumps({"checkpoint": str(checkpoint), "dataset": cfg.data.dataset,
-                                   **result}, indent=2) + "\n")
+        write_text_atomic(out, json.dumps({"checkpoint": str(checkpoint),
+                                           "dataset": cfg.data.dataset, **result}, indent=2)
+                          + "\n")
         print(f"{checkpoint}: val/loss {result['val/loss']:.4f}  val/ppl "
               f"{result['val/ppl']:.2f}  over {result['val/tokens']:,} tokens ({out})")
     trainer.close()

@@ -10,7 +10,6 @@ whole window again, which is fine for the short samples this is meant for.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -26,24 +25,24 @@ Logits = Callable[[torch.Tensor], torch.Tensor]
 """Token ids (1, T) -> logits (1, T, V)."""
 
 
-def load_model(path: Path) -> tuple[nn.Module, int, str | None]:
+def load_model(path: Path, trust_remote_code: bool = False
+               ) -> tuple[nn.Module, int, str | None]:
     """(model in eval mode, context length, tokenizer recorded by the run or None)."""
     if (path / "loop.json").is_file():
-        from loom.export import load_model_state
+        from loom.export import load_model_state, run_config
         from loom.models.llama import Transformer
 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # by design
         state, args = load_model_state(path)
         model = Transformer(args)
         model.load_state_dict(state)
-        config = path.parent.parent / "config.json"  # <run>/checkpoints/step-N
-        tokenizer = json.loads(config.read_text())["data"]["tokenizer_name"] \
-            if config.is_file() else None
+        tokenizer = run_config(path).get("data", {}).get("tokenizer_name")
         return model.eval(), args.max_seq_len, tokenizer
     if (path / "config.json").is_file():
         from loom.models.hf import load_hf_model
 
-        model = load_hf_model(ModelConfig(model=str(path.resolve())))
+        model = load_hf_model(ModelConfig(model=str(path.resolve()),
+                                          trust_remote_code=trust_remote_code))
         has_tokenizer = (path / "tokenizer_config.json").is_file()
         return model.eval(), model.hf.config.max_position_embeddings, \
             str(path) if has_tokenizer else None
@@ -72,10 +71,11 @@ def sample(logits_of: Logits, ids: list[int], max_new_tokens: int, *, context: i
 
 
 def generate(path: Path, prompt: str, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, tokenizer_name: str | None = None) -> str:
+             top_k: int = 0, seed: int = 0, tokenizer_name: str | None = None,
+             trust_remote_code: bool = False) -> str:
     """The prompt and its continuation, as text."""
-    model, context, recorded = load_model(path)
-    tokenizer: TextTokenizer = load_tokenizer(tokenizer_name or recorded)
+    model, context, recorded = load_model(path, trust_remote_code)
+    tokenizer: TextTokenizer = load_tokenizer(tokenizer_name or recorded, trust_remote_code)
     check_vocab(model, tokenizer, path)
     ids = tokenizer.encode([prompt])[0] or [tokenizer.eot_id]
     out = sample(model, ids, max_new_tokens, context=context, temperature=temperature,
@@ -107,13 +107,16 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer-name", "--tokenizer_name", default=None,
                         help="default: the run's tokenizer (or the shipped GPT-2)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the code a Hugging Face folder or tokenizer ships")
     opts = parser.parse_args(list(argv))
     try:
         if opts.max_new_tokens < 0 or opts.top_k < 0 or opts.temperature < 0:
             raise ConfigError("--max-new-tokens, --top-k and --temperature must be >= 0")
         print(generate(opts.checkpoint, opts.prompt, opts.max_new_tokens,
                        temperature=opts.temperature, top_k=opts.top_k, seed=opts.seed,
-                       tokenizer_name=opts.tokenizer_name))
+                       tokenizer_name=opts.tokenizer_name,
+                       trust_remote_code=opts.trust_remote_code))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

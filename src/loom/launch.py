@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 DEFAULT_PORT = "29500"
+JOB_PORTS = (15000, 15000)
+"""(first, count) of the rendezvous ports a Slurm or PBS job's id picks from: below Linux's
+ephemeral range (32768+), so no outgoing connection holds one; consecutive job ids sharing
+a node get different ports (a fixed 29500 made the second job's rendezvous fail)."""
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -140,13 +145,25 @@ def _flags(**values: object) -> list[str]:
     return [f"--{name.replace('_', '-')}={value}" for name, value in values.items()]
 
 
+def job_port(job_id: str) -> str:
+    """The rendezvous port of a scheduler job: its numeric id (`1234`, PBS's `1234.server`)
+    modulo the range, else a CRC of the whole id (array jobs: `1234[5].server`)."""
+    first, count = JOB_PORTS
+    numeric = re.fullmatch(r"(\d+)(\..*)?", job_id)
+    key = int(numeric.group(1)) if numeric else zlib.crc32(job_id.encode())
+    return str(first + key % count)
+
+
 def _master(
-    opts: argparse.Namespace, environ: Mapping[str, str], first_host: str
+    opts: argparse.Namespace, environ: Mapping[str, str], first_host: str,
+    default_port: str = DEFAULT_PORT,
 ) -> dict[str, str]:
+    """MASTER_ADDR/PORT: --rdzv-endpoint, else the first host and $MASTER_PORT, else
+    `default_port` (a scheduler job's own, from `job_port`)."""
     if opts.rdzv_endpoint:
         addr, _, port = opts.rdzv_endpoint.partition(":")
-        return {"MASTER_ADDR": addr, "MASTER_PORT": port or DEFAULT_PORT}
-    return {"MASTER_ADDR": first_host, "MASTER_PORT": environ.get("MASTER_PORT", DEFAULT_PORT)}
+        return {"MASTER_ADDR": addr, "MASTER_PORT": port or default_port}
+    return {"MASTER_ADDR": first_host, "MASTER_PORT": environ.get("MASTER_PORT", default_port)}
 
 
 def slurm_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host) -> Command:
@@ -158,7 +175,8 @@ def slurm_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Ho
         raise LaunchError("SLURM_JOB_NODELIST is not set; pass --rdzv-endpoint HOST:PORT")
     cpus_on_node = _env_int(environ, "SLURM_CPUS_ON_NODE")
     exports = {
-        **_master(opts, environ, slurm_hosts(nodelist)[0] if nodelist else ""),
+        **_master(opts, environ, slurm_hosts(nodelist)[0] if nodelist else "",
+                  job_port(environ.get("SLURM_JOB_ID", ""))),
         **omp_threads(environ, host, nproc, cpus_on_node),
     }
     argv = ["srun", *_flags(nodes=nodes, ntasks=nodes * nproc, ntasks_per_node=nproc)]
@@ -179,7 +197,8 @@ def pbs_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host
         raise LaunchError(f"PBS_NODEFILE {nodefile} lists no hosts")
     nodes = opts.nnodes or len(hosts)
     nproc = opts.nproc or host.accelerators or 1
-    env = {**_master(opts, environ, hosts[0]), **omp_threads(environ, host, nproc)}
+    env = {**_master(opts, environ, hosts[0], job_port(environ.get("PBS_JOBID", ""))),
+           **omp_threads(environ, host, nproc)}
     argv = ["mpiexec", "-n", str(nodes * nproc), "--ppn", str(nproc), "--hostfile", nodefile]
     argv += ["--cpu-bind", "depth", "-d", str(max(1, host.cpus // nproc))]
     for name, value in env.items():

@@ -3,8 +3,11 @@ object API on the Agg canvas, so no GUI backend or global pyplot state is touche
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
+
+from loom.safe_io import write_bytes_atomic
 
 X_LABELS = {"train/tokens_seen": "tokens seen", "train/iter": "step"}
 PLOTS = {  # file: (x key, y keys, title, y label)
@@ -42,6 +45,8 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         if len(y_keys) > 1:
             ax.legend()
-        fig.savefig(folder / name)
+        image = io.BytesIO()
+        fig.savefig(image, format="png")
+        write_bytes_atomic(folder / name, image.getvalue())
         written.append(folder / name)
     return written

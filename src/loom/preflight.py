@@ -34,10 +34,21 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_model_fits(n_params: int, shards: int, device_bytes: int | None) -> None:
+def check_host_fits(needed: int, what: str) -> None:
+    """Refuse, before allocating, what would exceed the host's available memory (a crafted
+    checkpoint's sizes would otherwise meet the OOM killer, or a MemoryError traceback)."""
+    free = available_memory_bytes()
+    if free is not None and needed > free:
+        raise ConfigError(f"{what} needs ~{needed / GiB:,.1f} GiB of memory, more than the "
+                          f"{free / GiB:,.1f} GiB available; nothing was allocated")
+
+
+def check_model_fits(n_params: int, shards: int, device_bytes: int | None,
+                     buffer_bytes: int = 0) -> None:
     """Refuse a model whose fp32 weights, gradients and AdamW states (16 bytes a parameter,
-    split over the `shards` ranks that shard it) exceed the free memory."""
-    needed = 16 * n_params / shards
+    split over the `shards` ranks that shard it) and buffers (the RoPE table, whole on every
+    rank) exceed the free memory."""
+    needed = 16 * n_params / shards + buffer_bytes
     if device_bytes is not None and needed > device_bytes:
         raise ConfigError(
             f"the model has {n_params / 1e6:,.0f}M parameters: weights, gradients and AdamW "

@@ -55,12 +55,14 @@ def check_fits(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None
     if is_hf(cfg.model):
         return
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in plain_model(cfg).parameters())
+        model = plain_model(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = available_memory_bytes() if device.type == "cpu" else None
-    check_model_fits(n_params, dims.dp_shard * dims.cp * dims.tp, free)
+    check_model_fits(n_params, dims.dp_shard * dims.cp * dims.tp, free, buffers)
 
 
 def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device,
@@ -68,7 +70,8 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     """The final config of a job whose process group and mesh are up (collective: rank 0
     reads checkpoints and HF configs and shares them, each node tokenizes once)."""
     resume = find_resume(flags.checkpoint.resume, outdir)
-    cfg = flags if resume is None else apply_saved_settings(flags, resume.saved["settings"])
+    cfg = flags if resume is None else apply_saved_settings(flags, resume.saved["settings"],
+                                                                   resume.path)
     seed_everything(cfg.train.seed)
     precision = resolve_precision(cfg.parallel.dtype, device)
     logger.info("precision: %s (%s)", precision.dtype, precision.reason)

@@ -6,31 +6,28 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from loom.checkpoint import checkpoint_dir, complete_checkpoints, step_of
-from loom.checkpoint_trust import UnusableCheckpoint, read_json, verify_checkpoint
+from loom.checkpoint import checkpoint_dir, complete_checkpoints, is_step_dir, step_of
+from loom.checkpoint_schema import (
+    READ_SETTINGS,
+    RUN_SETTINGS,
+    SchemaError,
+    check_read_settings,
+    check_rng,
+)
+from loom.checkpoint_trust import UnusableCheckpoint, read_json, read_loop, verify_checkpoint
 from loom.config import ConfigError, JobConfig
 from loom.models.hf import is_hf
 from loom.models.llama import ModelArgs
 
 logger = logging.getLogger("loom")
 
-RUN_SETTINGS = {
-    "optim": ("lr", "max_grad_norm", "lr_schedule", "warmup_steps", "min_lr_ratio",
-              "decay_fraction"),
-    "train": ("epochs", "seed", "max_steps", "skip_nonfinite"),
-    "checkpoint": ("checkpoint_interval", "keep_checkpoints", "async_checkpoint",
-                   "sigterm_grace_s"),
-    "data": ("dataset", "tokenizer_name", "seq_len", "hf_split", "hf_text_column", "hf_limit"),
-}
-"""Kept from the checkpoint on resume unless the flag is given again."""
-
-_LOOP_KEYS = ("step", "tokens_seen", "samples_seen", "scheduler", "param_groups", "settings",
-              "architecture", "model_args")
 _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
 """What every model's parameter shapes depend on (an HF model's, as read from its config)."""
 _LOOM_FIELDS = ("ffn_hidden_dim",)
@@ -59,13 +56,32 @@ def _gather(problems: list[str]) -> list[str]:
     return [p for found in shared for p in found]
 
 
+def rng_problems(path: Path, names: list[str]) -> list[str]:
+    """Which of the checkpoint's RNG files are out of schema for this build of torch."""
+    torch_bytes = torch.get_rng_state().numel()
+    cuda_bytes = torch.cuda.get_rng_state().numel() if torch.cuda.is_available() else None
+    problems = []
+    for name in names:
+        try:
+            check_rng(read_json(path, name), torch_bytes, cuda_bytes)
+        except (SchemaError, UnusableCheckpoint) as e:
+            problems.append(f"{name} {e}")
+    return problems
+
+
 def open_checkpoint(path: Path) -> ResumePoint:
-    """Verify a checkpoint (collective) and read its loop state."""
+    """Verify a checkpoint (collective) and read its loop state; every value it restores is
+    checked against `loom.checkpoint_schema` first (each rank checks a share of the RNG
+    files, and all raise the same error)."""
     manifest = verify_checkpoint(path, dist.get_rank(), dist.get_world_size(), _gather)
-    saved = read_json(path, "loop.json")
-    missing = [k for k in _LOOP_KEYS if k not in saved]
-    if missing:
-        raise UnusableCheckpoint(f"checkpoint {path}: loop.json lacks {missing[0]}")
+    saved = read_loop(path)
+    if is_step_dir(path) and step_of(path) != saved["step"]:
+        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: loop.json has step "
+                                 f"{saved['step']}, its folder {path.name}")
+    rngs = sorted(n for n in manifest["files"] if n.startswith("rng-"))
+    problems = _gather(rng_problems(path, rngs[dist.get_rank()::dist.get_world_size()]))
+    if problems:
+        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: {problems[0]}")
     return ResumePoint(path, saved, str(manifest.get("run_id")))
 
 
@@ -111,15 +127,37 @@ def find_resume(resume: str | None, outdir: Path) -> ResumePoint | None:
     return None
 
 
+def set_aside_later(outdir: Path, resumed: Path, step: int) -> Path | None:
+    """After `--resume PATH` at `step`, the run folder's checkpoints past that step belong
+    to the branch this run abandons: moved into `checkpoints/abandoned-<time>/` (kept, but
+    no longer `step-N`), so `--resume auto` continues the new branch, never the old one.
+    Returns that folder, or None when there was nothing to move."""
+    later = [p for p in complete_checkpoints(outdir)
+             if step_of(p) > step and p.resolve() != resumed.resolve()]
+    if not later:
+        return None
+    aside = checkpoint_dir(outdir) / f"abandoned-{datetime.now():%Y%m%d-%H%M%S-%f}"
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    return aside
+
+
 def run_settings(cfg: JobConfig) -> dict[str, Any]:
+    """What a checkpoint records: the run settings it restores, and what the run read."""
     return {name: getattr(getattr(cfg, section), name)
-            for section, names in RUN_SETTINGS.items() for name in names}
+            for group in (RUN_SETTINGS, READ_SETTINGS)
+            for section, names in group.items() for name in names}
 
 
-def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any]) -> JobConfig:
-    """The checkpoint's run settings, except those given again (one info line lists those
-    that differ); `loom.resolve` validates the result with the other start-up facts."""
-    changed, kept = [], {}
+def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any], path: Path) -> JobConfig:
+    """The checkpoint's run settings, except those given again; what the run reads must be
+    what the command line says (`check_read_settings`). One info line lists every restored
+    setting and every difference; `loom.resolve` validates the result with the other
+    start-up facts."""
+    changed = check_read_settings(saved, run_settings(cfg), path,
+                                  cfg.checkpoint.resume_new_data)
+    kept: dict[str, dict[str, Any]] = {}
     for section, names in RUN_SETTINGS.items():
         for name in (n for n in names if n in saved):
             now = getattr(getattr(cfg, section), name)
@@ -129,8 +167,9 @@ def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any]) -> JobConfig:
             else:
                 kept.setdefault(section, {})[name] = saved[name]
     cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in kept.items()})
-    if changed:
-        logger.info("resume: run settings as saved, except %s", ", ".join(changed))
+    restored = ", ".join(f"{n} {v}" for kw in kept.values() for n, v in kw.items()) or "none"
+    logger.info("resume: restored from %s: %s%s", path.name, restored,
+                f"; given again: {', '.join(changed)}" if changed else "")
     return cfg
 
 

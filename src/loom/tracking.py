@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from loom.config import OutputConfig
 from loom.parallel.init import clean_name
+from loom.safe_io import open_append
 
 logger = logging.getLogger("loom")
 
@@ -153,7 +154,7 @@ class Histograms:
             record = {"step": step, "grad_norms": norms,
                       "histograms": {k: {"min": v[0], "max": v[1], "counts": v[2:]}
                                      for k, v in hists.items()}}
-            with self.path.open("a") as f:
+            with open_append(self.path) as f:
                 f.write(json.dumps(record) + "\n")
             if wandb is not None:
                 wandb.log_histograms(hists, norms, step)

@@ -37,7 +37,14 @@ from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import split_stages
 from loom.profiling import maybe_profile
 from loom.resolve import resolve
-from loom.resume import ResumePoint, architecture, new_run_id, rescale_lr, run_settings
+from loom.resume import (
+    ResumePoint,
+    architecture,
+    new_run_id,
+    rescale_lr,
+    run_settings,
+    set_aside_later,
+)
 from loom.rundir import RunFolder
 from loom.runtime import RankInfo, backend_for, init_distributed, teardown
 from loom.step import Batch, StepResult, parts_module
@@ -66,7 +73,8 @@ class Trainer:
         dims.build_mesh(device.type)
         outdir = agree_on_outdir(flags.output.outdir)
         self.run_folder = RunFolder(outdir, info.rank, resume=flags.checkpoint.resume is not None,
-                                    overwrite=flags.output.overwrite)
+                                    overwrite=flags.output.overwrite,
+                                    adopt=flags.output.adopt_outdir)
         if self.run_folder.note:
             logger.info(self.run_folder.note)
         start = resolve(flags, info, dims, device, outdir)
@@ -128,6 +136,13 @@ class Trainer:
                            "samples consumed: continuing from the last whole step",
                            self.global_batch, loop.samples_seen)
         logger.info("resumed from %s at step %d", path, loop.step)
+        explicit = self.cfg.checkpoint.resume not in ("auto", "latest")
+        if explicit and self.info.rank == 0:
+            aside = set_aside_later(self.checkpointer.root.parent, path, loop.step)
+            if aside is not None:
+                logger.info("--resume %s: the later checkpoints of the branch it leaves "
+                            "were moved to %s (--resume auto continues this one)", path.name,
+                            aside)
         return loop
 
     def build_model_parts(self) -> list[nn.Module]:

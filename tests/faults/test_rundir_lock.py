@@ -10,7 +10,7 @@ import pytest
 
 from loom.config import ConfigError
 from loom.metrics import run_history
-from loom.rundir import LOCK_NAME, claim
+from loom.rundir import LOCK_NAME, MARKER, claim
 from tests.faults.procs import (
     digest,
     error_lines,
@@ -25,6 +25,7 @@ def fake_run(folder: Path) -> None:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}\n")
     (folder / "metrics-0.jsonl").write_text('{"train/iter": 1}\n')
+    (folder / MARKER).write_text("a loom run folder\n")
 
 
 def test_a_used_folder_is_refused_unless_resume_or_overwrite(tmp_path: Path) -> None:
@@ -40,7 +41,8 @@ def test_a_used_folder_is_refused_unless_resume_or_overwrite(tmp_path: Path) -> 
     lock, note = claim(run, resume=False, overwrite=True)
     (aside,) = tmp_path.glob("run.old-*")
     assert f"moved to {aside}" in note
-    assert digest(aside) == before and [p.name for p in run.iterdir()] == [LOCK_NAME]
+    assert digest(aside) == before
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME, MARKER]
     lock.close()
 
 

@@ -193,5 +193,5 @@ def test_metrics_off_writes_only_the_config(tmp_path):
                     env={"LOOM_METRICS": "0"})
     assert job.ok, job.describe()
     written = sorted(p.name for p in (tmp_path / "run").iterdir())
-    assert written == [".lock", "config.json"], written  # .lock: the run folder's flock file
+    assert written == [".lock", ".loom-run", "config.json"], written  # flock file, marker
     assert not any(line.startswith("step") for line in job.ranks[0].stdout.splitlines())

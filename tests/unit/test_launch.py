@@ -52,7 +52,7 @@ def test_slurm_dry_run(monkeypatch, capsys):
         monkeypatch.setenv(name, value)
     assert dry_run(capsys, "-n", "8", "loom", "train") == (
         "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --kill-on-bad-exit=1 --cpus-per-task=8 "
-        "--export=ALL,MASTER_ADDR=nid007,MASTER_PORT=29500,OMP_NUM_THREADS=8 loom train"
+        "--export=ALL,MASTER_ADDR=nid007,MASTER_PORT=15001,OMP_NUM_THREADS=8 loom train"
     )
 
 
@@ -77,7 +77,7 @@ def test_pbs_dry_run(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("PBS_NODEFILE", str(nodefile))
     assert dry_run(capsys, "-n", "4", "loom", "train", "--tp", "2") == (
         f"mpiexec -n 8 --ppn 4 --hostfile {nodefile} --cpu-bind depth -d 16 "
-        "--env MASTER_ADDR=x3001 --env MASTER_PORT=29500 --env OMP_NUM_THREADS=16 "
+        "--env MASTER_ADDR=x3001 --env MASTER_PORT=15042 --env OMP_NUM_THREADS=16 "
         "loom train --tp 2"
     )
 
@@ -183,3 +183,27 @@ def test_summary_names_the_cause_not_the_ranks_that_lost_it(capsys, tmp_path):
     assert launch._report_failure(ChildFailedError("loom", failures)) == 128 + 9
     assert capsys.readouterr().err == \
         "loom launch: rank 1 (local 1) was killed by SIGKILL; 1 other rank(s) failed too\n"
+
+
+@pytest.mark.parametrize(("job_id", "port"), [
+    ("1", "15001"), ("1234567", str(15000 + 1234567 % 15000)), ("42.pbs01", "15042"),
+    ("14999", "29999"), ("15000", "15000"),
+])
+def test_the_rendezvous_port_comes_from_the_job_id(job_id: str, port: str) -> None:
+    assert launch.job_port(job_id) == port
+
+
+def test_neighbouring_and_array_jobs_get_different_ports() -> None:
+    ports = {launch.job_port(str(job)) for job in range(9000, 9100)}
+    assert len(ports) == 100 and all(15000 <= int(p) < 30000 for p in ports)
+    array = {launch.job_port(f"77[{i}].server") for i in range(50)}
+    assert len(array) == 50 and all(15000 <= int(p) < 30000 for p in array)
+
+
+def test_master_port_still_overrides_the_job_port(monkeypatch, capsys) -> None:
+    for name, value in {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n1",
+                        "MASTER_PORT": "23456"}.items():
+        monkeypatch.setenv(name, value)
+    assert "MASTER_PORT=23456" in dry_run(capsys, "loom", "train")
+    monkeypatch.delenv("MASTER_PORT")
+    assert "MASTER_PORT=15009" in dry_run(capsys, "loom", "train")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,11 +26,15 @@ def test_saved_settings_hold_unless_given_again(caplog) -> None:
                                      "--max-steps", "10", "--dataset", "random"]))
     with caplog.at_level(logging.INFO, logger="loom"):
         cfg = apply_saved_settings(parse_args(["--resume", "--max-steps", "20",
-                                               "--batch-size", "4"]), saved)
+                                               "--batch-size", "4", "--dataset", "random"]),
+                                   saved, Path("step-5"))
     assert (cfg.checkpoint.checkpoint_interval, cfg.checkpoint.keep_checkpoints) == (5, 3)
     assert (cfg.optim.lr, cfg.optim.lr_schedule, cfg.train.seed) == (1e-3, "cosine", 7)
     assert (cfg.train.max_steps, cfg.train.batch_size, cfg.data.dataset) == (20, 4, "random")
-    assert caplog.messages == ["resume: run settings as saved, except --max-steps 10 -> 20"]
+    (line,) = caplog.messages
+    assert line.startswith("resume: restored from step-5: lr 0.001, max_grad_norm 1.0, "
+                           "lr_schedule cosine, "), line
+    assert "seed 7" in line and line.endswith("; given again: --max-steps 10 -> 20"), line
 
 
 def test_a_different_model_is_named_by_its_field() -> None:

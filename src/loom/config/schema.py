@@ -194,6 +194,9 @@ class CheckpointConfig:
     resume: str | None = flag(None, "continue from the latest checkpoint in --outdir (bare "
                               "flag: there must be one; 'auto': if there is one) or from a "
                               "checkpoint folder", type=str, const="latest")
+    resume_new_data: bool = flag(False, "resume with a --dataset, --tokenizer-name, "
+                                 "--hf-split or --hf-text-column other than the checkpoint's "
+                                 "(without it a difference stops the run)")
     sigterm_grace_s: float = flag(25.0, "on SIGTERM, save a final checkpoint only if the last "
                                   "save took at most this long (schedulers kill ~30 s later)")
 
@@ -202,6 +205,8 @@ class CheckpointConfig:
 class OutputConfig:
     outdir: str | None = flag(None, "run folder (default: outputs/<timestamp>)", type=str)
     overwrite: bool = flag(False, "move a previous run in --outdir aside and start anew")
+    adopt_outdir: bool = flag(False, "use a non-empty --outdir that is not a loom run folder "
+                              "(no .loom-run marker) as the run folder")
     profile: bool = flag(False, "torch profiler trace in the run folder")
     profile_rank0_only: bool = flag(False, "--profile: only rank 0 records (default: every "
                                     "rank writes its own trace)")

@@ -41,6 +41,10 @@ SYNONYMS = {"float32": "fp32", "bfloat16": "bf16"}
 """Other spellings an environment variable may use for a choice (torch's dtype names)."""
 COMMA_LISTS = ("hist", "hist_layers")
 """Settings that are comma-separated lists: an environment value may space its commas."""
+PATH_SETTINGS = ("outdir", "resume")
+"""Folders loom writes to or restores from: `~` is expanded wherever they were given (a
+shell expands `--outdir ~/x` but neither `--outdir=~/x` nor a TOML or environment value),
+and relative ones stay relative to the working directory, as a flag's are."""
 
 
 def _from_environment(name: str, f: Field, raw: str) -> Any:
@@ -119,6 +123,9 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     values.update(environment)
     given = {*environment, *flagged}
     values.update(explicit)
+    for name in PATH_SETTINGS:
+        if isinstance(values.get(name), str):
+            values[name] = os.path.expanduser(values[name])
     if values.get("activation_checkpoint") == "full":
         values["activation_checkpoint"] = "block"
     if model_name is not None and is_hf_model(model_name):

@@ -173,7 +173,8 @@ def token_stream(dataset: str | None, cfg: JobConfig, local_rank: int,
     tokenizer = tokenizer_name(data.tokenizer_name, cfg.model.model)
     root = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
     cache = TokenCache(root, cache_key(cache_parts(source, data, tokenizer)))
-    on_node_leaders(lambda: prepare_tokens(cache, source, data, tokenizer, root),
+    on_node_leaders(lambda: prepare_tokens(cache, source, data, tokenizer, root,
+                                           cfg.model.trust_remote_code),
                     leader=local_rank == 0)
     return cache.stream(), cache.meta(), source.name
 

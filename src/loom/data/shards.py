@@ -7,17 +7,21 @@ whatever the corpus size.
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from loom.config import ConfigError
+from loom.safe_io import read_json_capped, regular_size
 
 MANIFEST = "manifest.json"
 SHARD_FORMAT = 1
 """Bumped whenever the layout of a shard folder changes."""
+TOKEN_DTYPES = ("uint16", "uint32")
+"""What `loom.data.cache.token_dtype` picks."""
+SHARD_FILE = re.compile(r"^shard-\d{5,}\.bin$")
 
 
 def is_shard_folder(path: str | Path) -> bool:
@@ -28,21 +32,51 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.bin"
 
 
+def _check_layout(manifest: Any) -> None:
+    """What the stream uses, as `loom tokenize` writes it (ValueError names the field): a
+    shard folder may come from anyone, and its names and counts index files and memory."""
+    if not isinstance(manifest, dict):
+        raise ValueError("not an object")
+    if manifest.get("dtype") not in TOKEN_DTYPES:
+        raise ValueError(f"dtype {manifest.get('dtype')!r} is not one of {TOKEN_DTYPES}")
+    counts = [manifest.get("shard_tokens"), manifest.get("n_tokens")]
+    if not all(type(n) is int and 0 <= n < 2**53 for n in counts) or counts[0] < 1:
+        raise ValueError("shard_tokens or n_tokens is not a count")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("file"), str)
+            and SHARD_FILE.match(s["file"]) and type(s.get("tokens")) is int
+            and 0 <= s["tokens"] <= counts[0] for s in shards):
+        raise ValueError("shards is not a list of {file: shard-NNNNN.bin, tokens}")
+    if sum(s["tokens"] for s in shards) != counts[1]:
+        raise ValueError("n_tokens is not the shards' sum")
+
+
 def read_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest, checked against the files on disk (sizes only: nothing is read)."""
+    """The manifest, checked against the files on disk (sizes only: nothing is read; the
+    shards must be regular files, never links)."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = read_json_capped(folder / MANIFEST)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--dataset {folder}: unreadable {MANIFEST} ({e})") from None
-    if manifest.get("format") != SHARD_FORMAT:
-        raise ConfigError(f"--dataset {folder}: shard format {manifest.get('format')}, "
-                          f"expected {SHARD_FORMAT}; run `loom tokenize` again")
+    if not isinstance(manifest, dict) or manifest.get("format") != SHARD_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ConfigError(f"--dataset {folder}: shard format {found}, expected "
+                          f"{SHARD_FORMAT}; run `loom tokenize` again")
+    try:
+        _check_layout(manifest)
+    except ValueError as e:
+        raise ConfigError(f"--dataset {folder}: {MANIFEST} is malformed ({e}); run "
+                          "`loom tokenize` again") from None
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for shard in manifest["shards"]:
-        path = folder / shard["file"]
-        if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
-            raise ConfigError(f"--dataset {folder}: {shard['file']} is missing or has the "
-                              "wrong size; run `loom tokenize` again")
+        try:
+            size = regular_size(folder / shard["file"])
+        except (OSError, ValueError):
+            size = -1
+        if size != shard["tokens"] * itemsize:
+            raise ConfigError(f"--dataset {folder}: {shard['file']} is missing, not a regular "
+                              "file or has the wrong size; run `loom tokenize` again")
     return manifest
 
 

@@ -127,7 +127,7 @@ def restore_data_state(loader: Any, saved: dict[str, Any]) -> None:
     if not isinstance(loader, StreamLoader):
         return
     positions = saved.get("stream_positions", {})
-    if len(positions) != loader.stream.dp_size:
+    if set(positions) != {str(rank) for rank in range(loader.stream.dp_size)}:
         raise ConfigError(f"--streaming resume needs the checkpoint's dp degree "
                           f"({len(positions) or 'not a streaming checkpoint'}), got "
                           f"{loader.stream.dp_size}")
@@ -142,5 +142,5 @@ def build_stream_spec(cfg: JobConfig, tokenizer_name: str | None) -> StreamSpec:
     pieces = [Piece("hub", (source.name,))] if source.kind == "hub" else \
         plan_pieces(source.files, source.builder)
     return StreamSpec(tuple(pieces), data.hf_text_column, data.hf_split,
-                      load_tokenizer(tokenizer_name), data.seq_len,
+                      load_tokenizer(tokenizer_name, cfg.model.trust_remote_code), data.seq_len,
                       batches=(cfg.train.max_steps or 0) * cfg.train.grad_accum_steps)

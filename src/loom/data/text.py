@@ -179,14 +179,16 @@ def tokenize(docs: datasets.Dataset, column: str, tokenizer: TextTokenizer) -> n
 
 
 def prepare_tokens(cache: TokenCache, source: TextSource, data: DataConfig,
-                   tokenizer_name: str | None, cache_dir: Path) -> None:
-    """Tokenize the source into `cache` unless an earlier run already did."""
+                   tokenizer_name: str | None, cache_dir: Path,
+                   trust_remote_code: bool = False) -> None:
+    """Tokenize the source into `cache` unless an earlier run already did
+    (`trust_remote_code`: --trust-remote-code, for a tokenizer that ships code)."""
     if cache.exists():
         return
     start = time.perf_counter()
     if source.kind == "hub":  # fail in seconds, before slow imports and downloads
         ensure_hub_reachable(source.name, "dataset", "--dataset", LOCAL_FILES_HINT)
-    tokenizer = load_tokenizer(tokenizer_name)
+    tokenizer = load_tokenizer(tokenizer_name, trust_remote_code)
     docs = load_documents(source, data.hf_split, cache_dir)
     check_text_column(docs, data.hf_text_column, source.name)
     docs = select_rows(docs, data.hf_limit, data.hf_limit_seed)

@@ -16,6 +16,7 @@ import tokenizers
 from loom.config import ConfigError
 from loom.data.cache import files_fingerprint
 from loom.data.hub import ensure_hub_reachable, looks_like_hub_id
+from loom.safe_io import read_json_capped
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_TOKENIZER = ASSETS / "gpt2-tokenizer"
@@ -70,7 +71,7 @@ def tokenizer_identity(name: str | None) -> str:
     return f"hub:{name}"
 
 
-def save_tokenizer(name: str | None, outdir: Path) -> None:
+def save_tokenizer(name: str | None, outdir: Path, trust_remote_code: bool = False) -> None:
     """Write a tokenizer as a Hugging Face tokenizer folder (AutoTokenizer loads it)."""
     if name is None:
         text = gzip.decompress((SHIPPED_TOKENIZER / "tokenizer.json.gz").read_bytes())
@@ -80,11 +81,40 @@ def save_tokenizer(name: str | None, outdir: Path) -> None:
         return
     from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(name).save_pretrained(str(outdir))
+    check_remote_code(name, trust_remote_code)
+    AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code
+                                  ).save_pretrained(str(outdir))
 
 
-def load_tokenizer(name: str | None) -> TextTokenizer:
-    return load_shipped_tokenizer() if name is None else load_auto_tokenizer(name)
+def load_tokenizer(name: str | None, trust_remote_code: bool = False) -> TextTokenizer:
+    """The shipped tokenizer (None) or AutoTokenizer's; code a tokenizer folder ships runs
+    only with `trust_remote_code` (--trust-remote-code)."""
+    return load_shipped_tokenizer() if name is None else \
+        load_auto_tokenizer(name, trust_remote_code)
+
+
+REMOTE_CODE_FILES = ("tokenizer_config.json", "config.json")
+"""Where a Hugging Face folder declares code of its own (`auto_map`)."""
+
+
+def check_remote_code(name: str, trust_remote_code: bool) -> None:
+    """A local tokenizer folder that ships code is refused in one line without
+    --trust-remote-code. transformers is also always given `trust_remote_code` explicitly:
+    left unset, it asks "run this code? [y/N]" on an open stdin, and a piped `yes` would
+    run the folder's Python."""
+    path = Path(name).expanduser()
+    if trust_remote_code or not path.is_dir():
+        return
+    for file in REMOTE_CODE_FILES:
+        try:
+            config = read_json_capped(path / file)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--tokenizer-name {name}: {file} is unreadable ({e})") from None
+        if isinstance(config, dict) and "auto_map" in config:
+            raise ConfigError(f"--tokenizer-name {name}: {file} names code of its own "
+                              "(auto_map); pass --trust-remote-code if you trust it")
 
 
 def load_shipped_tokenizer() -> TextTokenizer:
@@ -95,7 +125,7 @@ def load_shipped_tokenizer() -> TextTokenizer:
                          backend.token_to_id(config["eos_token"]), pad_id=None)
 
 
-def load_auto_tokenizer(name: str) -> TextTokenizer:
+def load_auto_tokenizer(name: str, trust_remote_code: bool = False) -> TextTokenizer:
     """A hub id or local folder through AutoTokenizer; encodes with its Rust backend if any."""
     hint, path = "pass a local tokenizer folder instead", Path(name).expanduser()
     if looks_like_hub_id(name, bare_ok=True):
@@ -106,10 +136,14 @@ def load_auto_tokenizer(name: str) -> TextTokenizer:
         from transformers import AutoTokenizer
     except ImportError:
         raise ConfigError("--tokenizer-name needs transformers: pip install 'loom[hf]'") from None
+    check_remote_code(name, trust_remote_code)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
+        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name,
+                                            trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         reason = " ".join(str(e).split()).rstrip(": ")  # whole, on one line
+        if "trust_remote_code" in reason:
+            hint = "pass --trust-remote-code if you trust the code it ships"
         raise ConfigError(f"--tokenizer-name {name}: cannot load it ({reason}); "
                           f"{hint}") from None
     if tok.eos_token_id is None:

@@ -38,6 +38,7 @@ from loom.metrics.health import (
 from loom.metrics.rows import RowWriter, StepClock, timing_spread
 from loom.metrics.summary import write_summary
 from loom.progress import Progress
+from loom.safe_io import write_text_atomic
 from loom.tracking import Histograms, WandbRun
 
 logger = logging.getLogger("loom")
@@ -78,7 +79,7 @@ def write_config(outdir: Path, rank: int, config: dict[str, Any]) -> None:
     names = hostnames()
     if rank == 0:
         text = json.dumps({**config, "hostnames": names}, indent=2, default=str)
-        (outdir / "config.json").write_text(text + "\n")
+        write_text_atomic(outdir / "config.json", text + "\n")
 
 
 class NullMetrics:

@@ -5,7 +5,9 @@ take `run_history`)."""
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,9 @@ import torch
 import torch.distributed as dist
 
 from loom import flops
+from loom.safe_io import open_append, open_regular
+
+logger = logging.getLogger("loom")
 
 
 class StepClock:
@@ -47,7 +52,7 @@ class RowWriter:
     """Appends rows, never truncates: the folder is new, or resumed (see `run_history`)."""
 
     def __init__(self, path: Path):
-        self.file = path.open("a")
+        self.file = open_append(path)
 
     def write(self, row: dict[str, Any]) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -57,8 +62,52 @@ class RowWriter:
         self.file.close()
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+MAX_ROWS_BYTES = 4 << 30
+"""Rows read back for the summary: ~8 million steps of ~500 bytes; a larger file is crafted."""
+MAX_ROW_BYTES = 1 << 20
+
+
+def _parsed(line: bytes) -> Any:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return _BAD
+
+
+_BAD = object()
+
+
+def is_step_row(row: Any) -> bool:
+    """A JSON object of numbers (or nulls) with an integer `train/iter`."""
+    return isinstance(row, dict) and type(row.get("train/iter")) is int and all(
+        v is None or type(v) in (int, float) for v in row.values())
+
+
+def read_rows(path: Path, check: Callable[[Any], bool] = lambda row: True) -> list[Any]:
+    """The JSON lines of a file that pass `check` (`is_step_row` for metrics). A resumed run
+    folder may come from elsewhere: a link, a FIFO, an endless line or a line that fails
+    (a crafted string where a number belongs, bad JSON) is left out with one warning,
+    never a traceback at the end of a run."""
+    rows, skipped = [], 0
+    try:
+        with open_regular(path) as f:
+            while line := f.readline(MAX_ROW_BYTES + 1):
+                if len(line) > MAX_ROW_BYTES or f.tell() > MAX_ROWS_BYTES:
+                    raise ValueError("a line or the file is longer than a metrics file's")
+                if not line.strip():
+                    continue
+                row = _parsed(line)
+                if row is _BAD or not check(row):
+                    skipped += 1
+                else:
+                    rows.append(row)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        logger.warning("%s: not read further (%s)", path, e)
+    if skipped:
+        logger.warning("%s: %d lines that are not step rows left out", path, skipped)
+    return rows
 
 
 def run_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -8,9 +8,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from loom.metrics.rows import read_rows, run_history
+from loom.metrics.rows import is_step_row, read_rows, run_history
 from loom.plots import write_plots
 from loom.progress import text_plot
+from loom.safe_io import write_text_atomic
 
 logger = logging.getLogger("loom")
 
@@ -38,11 +39,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def write_summary(outdir: Path, facts: dict[str, Any], timings: dict[str, float]
                   ) -> dict[str, Any]:
     """summary.json from rank 0's rows as the run stands; plots and closing lines if any."""
-    rows = run_history(read_rows(outdir / "metrics-0.jsonl"))
+    rows = run_history(read_rows(outdir / "metrics-0.jsonl", is_step_row))
     summary = {"steps": len(rows), "tokens": rows[-1]["train/tokens_seen"] if rows else 0,
                "steady_from_step": steady_start(len(rows)), "timings": timings, **facts,
                "metrics": summarize(rows)}
-    (outdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(outdir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if rows:
         write_plots(rows, outdir / "plots")
         log_closing(rows, summary, outdir)
