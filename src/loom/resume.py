@@ -43,6 +43,24 @@ class ResumePoint:
     run_id: str
 
 
+def resume_on_restart(cfg: JobConfig, restarts: int) -> JobConfig:
+    """A restarted job (torchrun's --max-restarts, a Slurm requeue) continues its own run
+    from the newest complete checkpoint in --outdir, as `--resume auto` would, without the
+    user adding the flag: the restarted command line is the one that started the job. An
+    explicit --resume wins; without --outdir every attempt would get a new folder, so the
+    restart says it starts over."""
+    if restarts == 0 or cfg.checkpoint.resume is not None:
+        return cfg
+    if cfg.output.outdir is None:
+        note = (f"restart {restarts} of this job starts a new run: pass --outdir so that a "
+                "restart continues the same run folder")
+        return replace(cfg, warnings=(*cfg.warnings, note))
+    note = (f"restart {restarts} of this job: continuing from the newest complete checkpoint "
+            f"in {cfg.output.outdir} (--resume auto)")
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"),
+                   warnings=(*cfg.warnings, note))
+
+
 def new_run_id() -> str:
     """Chosen by rank 0, shared with every rank; marks the checkpoints this run may prune."""
     chosen = [uuid.uuid4().hex[:12]]

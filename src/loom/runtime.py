@@ -23,6 +23,9 @@ logger = logging.getLogger("loom")
 
 _RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 _WORLD_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+_RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+"""Set by torch's elastic agent on every (re)start of the workers, and by Slurm on a
+requeued job's later runs."""
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID",
                     "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
@@ -34,6 +37,11 @@ class RankInfo:
     local_rank: int
     master_addr: str
     master_port: int
+    restarts: int = 0
+    """How often the launcher has started this job's ranks again (torchrun's
+    --max-restarts, a Slurm requeue): 0 on the first attempt."""
+    agent_store: bool = False
+    """torch's elastic agent hosts the job's store (rank 0 must not start one)."""
 
     @property
     def is_main(self) -> bool:
@@ -56,6 +64,8 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
         local_rank=_first(env, _LOCAL_RANK_VARS, 0),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=int(env.get("MASTER_PORT", "29500")),
+        restarts=_first(env, _RESTART_VARS, 0),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 
@@ -86,11 +96,23 @@ def init_distributed(info: RankInfo, timeout_s: float = 600.0) -> torch.device:
     if info.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
-            backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-            rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=timeout_s),
+            backend, store=job_store(info, timeout), rank=info.rank,
+            world_size=info.world_size, timeout=timeout,
             device_id=device if device.type in ("cuda", "xpu") else None)
     return device
+
+
+def job_store(info: RankInfo, timeout: timedelta) -> dist.Store:
+    """The store the process group meets in, with this attempt's own key space. Under
+    torch's elastic agent the ranks use the agent's store, which outlives a restart: the
+    previous attempt's keys (a dead rank's gloo address) would be read as this attempt's,
+    and the group would try to connect to a process that is gone."""
+    store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                          is_master=info.rank == 0 and not info.agent_store, timeout=timeout,
+                          multi_tenant=not info.agent_store)
+    return dist.PrefixStore(f"loom/attempt-{info.restarts}", store)
 
 
 def seed_everything(seed: int) -> None:

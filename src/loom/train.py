@@ -42,6 +42,7 @@ from loom.resume import (
     architecture,
     new_run_id,
     rescale_lr,
+    resume_on_restart,
     run_settings,
     set_aside_later,
 )
@@ -168,7 +169,7 @@ class Trainer:
                 "mesh": self.dims.degrees, "device": str(self.device),
                 "global_batch_size": self.global_batch, "precision": vars(self.precision),
                 **self.executor.layout(),
-                "environment": environment_facts()}
+                "environment": {**environment_facts(), "restarts": self.info.restarts}}
 
     def train_step(self, micro_batches: list[Batch]) -> StepResult:
         """Forward and backward (the executor), clip, step. One host read (`step_state`)
@@ -242,7 +243,8 @@ class Trainer:
         self.metrics.begin(total, start_step=self.loop.step, tokens_seen=self.loop.tokens_seen,
                            input_iter=self.loop.samples_seen // micro_batch)
         previous = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM,
-                                                                      signal.SIGINT)}
+                                                                      signal.SIGINT,
+                                                                      signal.SIGUSR1)}
         watchdog = StepWatchdog(self.cfg.train.comm_timeout_s, self.metrics.outdir,
                                 self.info.rank, self.info.world_size,
                                 heartbeat_store(self.cfg.train.comm_timeout_s),
@@ -284,9 +286,10 @@ class Trainer:
                               samples_seen=self.loop.samples_seen + self.global_batch)
 
     def request_stop(self, signum: int, _frame: object) -> None:
-        """Schedulers send SIGTERM before the kill, users press Ctrl-C: finish the step,
-        then stop. A second Ctrl-C interrupts at once."""
-        self.stop_signal = signum
+        """Schedulers send SIGTERM before the kill (or SIGUSR1 as Slurm's `--signal=USR1@S`
+        warning, taken as SIGTERM: save and exit 143, which a requeue script looks for),
+        users press Ctrl-C: finish the step, then stop. A second Ctrl-C interrupts at once."""
+        self.stop_signal = signal.SIGTERM if signum == signal.SIGUSR1 else signum
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             logger.warning("Ctrl-C: stopping after this step (press again to abort)")
@@ -333,6 +336,7 @@ def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
 def main(cfg: JobConfig, info: RankInfo) -> None:
     """Train a validated config (see `loom.cli.run_train`, which checks the flags and the
     mesh before any heavy import or collective)."""
+    cfg = resume_on_restart(cfg, info.restarts)
     for warning in cfg.warnings:
         logger.warning(warning)
     device = init_distributed(info, collective_timeout_s(cfg.train.comm_timeout_s))

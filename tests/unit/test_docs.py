@@ -169,7 +169,7 @@ def test_documented_command_runs_in_its_cheap_form(page, argv, tmp_path, capsys,
             json.loads(out)
     elif command == "eval":
         check_train(rest[1:], 1, tmp_path)
-    elif command in ("export", "generate", "tokenize"):
+    elif command in ("export", "generate", "tokenize", "digest"):
         parse_only_when()
         with pytest.raises(Parsed):
             loom_main(argv)

@@ -15,8 +15,10 @@ from loom.resume import (
     architecture,
     check_architecture,
     rescale_lr,
+    resume_on_restart,
     run_settings,
 )
+from loom.runtime import rank_info
 from loom.train import model_args
 
 
@@ -67,3 +69,25 @@ def test_lr_given_again_rescales_the_loaded_schedule() -> None:
     optimizer.step()
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 5 / 10, rel=1e-12)
+
+
+def test_a_restarted_job_resumes_its_run_folder_unless_told_otherwise() -> None:
+    """torchrun's restart count (or a Slurm requeue's) turns a plain command into --resume
+    auto; the first attempt, an explicit --resume and a run without --outdir are left be."""
+    flags = parse_args(["--model", "debug", "--outdir", "runs/a"])
+    assert resume_on_restart(flags, 0) == flags
+    restarted = resume_on_restart(flags, 2)
+    assert restarted.checkpoint.resume == "auto"
+    assert any("restart 2 of this job: continuing" in w for w in restarted.warnings)
+    explicit = parse_args(["--model", "debug", "--outdir", "runs/a", "--resume", "runs/a/x"])
+    assert resume_on_restart(explicit, 1).checkpoint.resume == "runs/a/x"
+    nowhere = resume_on_restart(parse_args(["--model", "debug"]), 1)
+    assert nowhere.checkpoint.resume is None
+    assert any("pass --outdir" in w for w in nowhere.warnings)
+
+
+def test_the_restart_count_comes_from_torchrun_or_slurm() -> None:
+    assert rank_info({}).restarts == 0
+    assert rank_info({"TORCHELASTIC_RESTART_COUNT": "3"}).restarts == 3
+    assert rank_info({"SLURM_RESTART_COUNT": "1"}).restarts == 1
+    assert rank_info({"TORCHELASTIC_USE_AGENT_STORE": "True"}).agent_store

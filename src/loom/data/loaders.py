@@ -110,8 +110,11 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size
             f"step needs batch size {batch_size} x dp degree {dp_size} = "
             f"{sampler.global_batch}; lower --batch-size, use fewer data-parallel ranks "
             "(--dp-shard/--dp-replicate or more --tp), shorten --seq-len or add data")
+    # Its own generator: each iterator draws a worker seed, which from the global RNG would
+    # move torch's random state by how often the loop started an epoch or was resumed.
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
-                      num_workers=num_workers, persistent_workers=num_workers > 0)
+                      num_workers=num_workers, persistent_workers=num_workers > 0,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def build_dataset(cfg: JobConfig, local_rank: int) -> tuple[Dataset, JobConfig]:
