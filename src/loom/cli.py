@@ -47,7 +47,7 @@ USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
 
 
 COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan.command",
-            "tokenize": "loom.tokenize", "eval": "loom.evaluate", "generate": "loom.generate",
+            "tokenize": "loom.tokenize", "eval": "loom.eval_command", "generate": "loom.generate",
             "doctor": "loom.doctor", "verify": "loom.verify", "digest": "loom.digest"}
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
 

@@ -20,6 +20,9 @@ from torch import nn
 
 from loom.config import ConfigError, ModelConfig
 from loom.data.tokenizers import TextTokenizer, load_tokenizer
+from loom.export import load_model_state, run_config
+from loom.models.hf import load_hf_model
+from loom.models.llama import Transformer
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 """Token ids (1, T) -> logits (1, T, V)."""
@@ -29,9 +32,6 @@ def load_model(path: Path, trust_remote_code: bool = False
                ) -> tuple[nn.Module, int, str | None]:
     """(model in eval mode, context length, tokenizer recorded by the run or None)."""
     if (path / "loop.json").is_file():
-        from loom.export import load_model_state, run_config
-        from loom.models.llama import Transformer
-
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # by design
         state, args = load_model_state(path)
         model = Transformer(args)
@@ -39,8 +39,6 @@ def load_model(path: Path, trust_remote_code: bool = False
         tokenizer = run_config(path).get("data", {}).get("tokenizer_name")
         return model.eval(), args.max_seq_len, tokenizer
     if (path / "config.json").is_file():
-        from loom.models.hf import load_hf_model
-
         model = load_hf_model(ModelConfig(model=str(path.resolve()),
                                           trust_remote_code=trust_remote_code))
         has_tokenizer = (path / "tokenizer_config.json").is_file()
