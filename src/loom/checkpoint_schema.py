@@ -54,6 +54,11 @@ _CHOICE_GROUP_KEYS = {"foreach": (None, True, False), "fused": (None, True, Fals
 _MODEL_INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                "max_seq_len")
 _MODEL_FLOATS = ("rope_theta", "norm_eps")
+_MOE_INTS = {"n_experts": 1, "top_k": 1, "n_shared_experts": 0, "n_dense_layers": 0}
+"""Integer MoE fields and their lowest value."""
+_MOE_FLOATS = ("route_scale", "load_balance_coeff", "aux_loss_coeff")
+_SCORE_FUNCS = ("sigmoid", "softmax")
+_MOE_KEYS = {*_MOE_INTS, *_MOE_FLOATS, "moe_hidden_dim", "score_func", "route_norm"}
 _POSITION_KEYS = ("epoch", "piece", "document", "offset")
 _ARCH_KINDS = ("dense", "moe", "hf")
 
@@ -182,9 +187,26 @@ def _null(value: Any, where: str) -> None:
                           "null")
 
 
+def _moe_args(args: dict[str, Any]) -> None:
+    """The mixture-of-experts fields a MoE model's args add (loom.models.moe.MoEArgs)."""
+    for key, low in _MOE_INTS.items():
+        if key in args:
+            _integer(args[key], f"model_args.{key}", low, 2**31 - 1)
+    if args.get("moe_hidden_dim") is not None:
+        _integer(args["moe_hidden_dim"], "model_args.moe_hidden_dim", 1, 2**31 - 1)
+    for key in _MOE_FLOATS:
+        if key in args:
+            _number(args[key], f"model_args.{key}", 0.0, 1e30)
+    if "score_func" in args and args["score_func"] not in _SCORE_FUNCS:
+        raise SchemaError(f"model_args.score_func is not one of {', '.join(_SCORE_FUNCS)}")
+    if "route_norm" in args and not isinstance(args["route_norm"], bool):
+        raise SchemaError("model_args.route_norm is not true or false")
+
+
 def _model_args(value: Any) -> None:
     args = _object(value, "model_args", {*_MODEL_INTS, *_MODEL_FLOATS, "ffn_dim_multiplier",
-                                         "hidden_dim"})
+                                         "hidden_dim"}, _MOE_KEYS)
+    _moe_args(args)
     for key in _MODEL_INTS:
         _integer(args[key], f"model_args.{key}", 1, 2**31 - 1)
     for key in _MODEL_FLOATS:

@@ -10,9 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.checkpoint_schema import SchemaError, check_read_settings, check_rng
+from loom.checkpoint_schema import (
+    _MOE_KEYS,
+    SchemaError,
+    check_loop,
+    check_read_settings,
+    check_rng,
+)
 from loom.checkpoint_trust import UnusableCheckpoint, read_loop
 from loom.config import ConfigError
+from loom.models.moe import MOE_FIELDS
 from tests.faults.test_checkpoint_trust import TINY, copy_run, loom, one_line, reseal
 
 
@@ -91,6 +98,21 @@ def test_an_out_of_schema_loop_json_is_refused_naming_the_key(run: Path, tmp_pat
 def test_the_saved_loop_json_is_in_schema(run: Path) -> None:
     for checkpoint in (run / "checkpoints").iterdir():
         read_loop(checkpoint)
+
+
+def test_a_mixture_of_experts_model_args_are_in_schema(run: Path) -> None:
+    """A MoE run's model_args carry MoEArgs' fields (the schema names exactly those); a
+    value out of range or of the wrong kind is still refused."""
+    assert set(MOE_FIELDS) == _MOE_KEYS
+    loop = json.loads((sorted((run / "checkpoints").iterdir())[-1] / "loop.json").read_text())
+    loop["model_args"].update(n_experts=8, top_k=2, n_shared_experts=1, moe_hidden_dim=None,
+                              n_dense_layers=1, score_func="sigmoid", route_norm=True,
+                              route_scale=1.0, load_balance_coeff=1e-3, aux_loss_coeff=0.0)
+    check_loop(loop)
+    for key, bad in (("score_func", "exec"), ("top_k", 0), ("route_norm", "yes"),
+                     ("aux_loss_coeff", -1.0), ("moe_hidden_dim", 0)):
+        with pytest.raises(SchemaError, match=f"model_args.{key}"):
+            check_loop({**loop, "model_args": {**loop["model_args"], key: bad}})
 
 
 @pytest.mark.parametrize(("change", "message"), [
