@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import json
 import multiprocessing
 import os
 import resource
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -93,37 +92,54 @@ class Job:
     block_chars: int
 
 
+def batches(fragments: Iterable[tuple[str, bool]], block_chars: int,
+            ) -> Iterator[list[tuple[str, bool]]]:
+    """(text, ends a document) pairs grouped into tokenizer calls of about `block_chars`
+    characters or ENCODE_BATCH documents."""
+    batch, chars = [], 0
+    for fragment, ends in fragments:
+        batch.append((fragment, ends))
+        chars += len(fragment)
+        if chars >= block_chars or len(batch) >= ENCODE_BATCH:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def encode_batch(batch: list[tuple[str, bool]], tokenizer: TextTokenizer, dtype: np.dtype,
+                 ) -> np.ndarray:
+    """The batch's tokens, end-of-text after each fragment that ends a document."""
+    flat: list[int] = []
+    for ids, (_, ends) in zip(tokenizer.encode([text for text, _ in batch]), batch,
+                              strict=True):
+        flat += ids
+        if ends:
+            flat.append(tokenizer.eot_id)
+    return np.array(flat, dtype=dtype)
+
+
 def encode_piece(job: Job, tokenizer: TextTokenizer,
                  report: Callable[[int, int], None]) -> dict[str, int]:
-    """Tokenize a piece block by block into its part file; `report(bytes, tokens)` after
-    each batch. Memory holds one batch of text and its tokens, whatever the piece's size."""
+    """Tokenize a piece batch by batch into a temporary file, renamed when whole, then its
+    note; `report(bytes, tokens)` after each batch. Memory holds one batch of text and its
+    tokens, whatever the piece's size."""
     parts, dtype = Parts(Path(job.out)), token_dtype(tokenizer.size)
     reader = PieceReader(job.piece, job.column, job.block_chars, tokenizer.encode)
     tmp = parts.root / f".{job.index:06d}.bin.tmp"
     tokens = documents = reported = 0
     with tmp.open("wb") as f:
-        batch: list[tuple[str, bool]] = []
-        chars = 0
-        for fragment, ends in itertools.chain(reader, [("", False)]):
-            if fragment or ends:
-                batch.append((fragment, ends))
-                chars += len(fragment)
-            if batch and (chars >= job.block_chars or len(batch) >= ENCODE_BATCH
-                          or not (fragment or ends)):
-                ids = tokenizer.encode([text for text, _ in batch])
-                flat = np.fromiter(itertools.chain.from_iterable(
-                    [*row, tokenizer.eot_id] if end else row
-                    for row, (_, end) in zip(ids, batch, strict=True)), dtype)
-                flat.tofile(f)
-                tokens += flat.size
-                documents += sum(end for _, end in batch)
-                report(reader.consumed - reported, flat.size)
-                reported, batch, chars = reader.consumed, [], 0
+        for batch in batches(reader, job.block_chars):
+            flat = encode_batch(batch, tokenizer, dtype)
+            flat.tofile(f)
+            tokens += flat.size
+            documents += sum(ends for _, ends in batch)
+            report(reader.consumed - reported, flat.size)
+            reported = reader.consumed
     tmp.rename(parts.root / f"{job.index:06d}.bin")
     info = {"tokens": tokens, "documents": documents, "bytes": job.piece.size}
     parts.finish(job.index, info)
-    return {**info, "reported": reported,
-            "peak_rss_mb": peak_rss_mb()}
+    return {**info, "peak_rss_mb": peak_rss_mb()}
 
 
 def peak_rss_mb() -> int:
