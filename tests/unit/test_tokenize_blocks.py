@@ -134,6 +134,22 @@ def test_a_missing_or_non_text_parquet_column_is_one_line_and_exit_2(tmp_path, c
         f"error: {path}: column 'n' holds int64, not strings"
 
 
+@pytest.mark.parametrize("name, data, message", [
+    ("a.jsonl.gz", gzip.compress(b'{"text": "a b c"}\n' * 500)[:-40],
+     "corrupt or truncated compressed data"),
+    ("a.txt.zst", zstandard.ZstdCompressor().compress(text_of(2000).encode())[:-30],
+     "corrupt or truncated zstd data"),
+    ("a.txt", b"fine text then \xff\xfe bad bytes", "not UTF-8 text near byte 15"),
+])
+def test_corrupt_compressed_or_non_utf8_files_are_one_line_and_exit_2(tmp_path, capsys,
+                                                                       name, data, message):
+    (tmp_path / name).write_bytes(data)
+    assert tok.main([str(tmp_path / name), str(tmp_path / "out"), "-j", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {tmp_path / name}") and message in err[-1], err
+    assert sum("error" in line for line in err) == 1
+
+
 def _children(pid: int) -> list[int]:
     kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(k) for k in kids]

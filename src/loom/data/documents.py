@@ -17,6 +17,7 @@ import gzip
 import io
 import itertools
 import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,9 +160,38 @@ def open_binary(path: str) -> tuple[BinaryIO, BinaryIO]:
             raw.close()
             raise ConfigError(f"{path}: .zst files need zstandard (pip install zstandard)"
                               ) from None
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        return io.BufferedReader(reader, READ_BYTES), raw  # type: ignore[arg-type]
+        return io.BufferedReader(ZstdFrames(raw, zstandard), READ_BYTES), raw
     return raw, raw
+
+
+class ZstdFrames(io.RawIOBase):
+    """A .zst file's frames decompressed one after another. A file that ends inside a frame
+    is a ZstdError: zstandard's own stream reader returns the short data silently."""
+
+    def __init__(self, raw: BinaryIO, zstandard: Any):
+        self.raw, self.zstandard = raw, zstandard
+        self.frame: Any = None
+        self.out, self.pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self.pos == len(self.out):
+            data = b""
+            if self.frame is not None and self.frame.eof:  # the next frame starts here
+                data, self.frame = self.frame.unused_data, None
+            if not data and not (data := self.raw.read(READ_BYTES)):
+                if self.frame is not None:
+                    raise self.zstandard.ZstdError("the file ends inside a frame (truncated)")
+                return 0
+            if self.frame is None:
+                self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+            self.out, self.pos = self.frame.decompress(data), 0
+        n = min(len(buffer), len(self.out) - self.pos)
+        buffer[:n] = self.out[self.pos:self.pos + n]
+        self.pos += n
+        return n
 
 
 class PieceReader:
@@ -176,6 +206,18 @@ class PieceReader:
         self.consumed = 0
 
     def __iter__(self) -> Iterator[tuple[str, bool]]:
+        try:
+            yield from self._read()
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise ConfigError(f"{self.piece.describe()}: corrupt or truncated compressed "
+                              f"data ({e})") from None
+        except Exception as e:
+            if type(e).__name__ != "ZstdError":
+                raise
+            raise ConfigError(f"{self.piece.describe()}: corrupt or truncated zstd data "
+                              f"({e})") from None
+
+    def _read(self) -> Iterator[tuple[str, bool]]:
         kind = self.piece.kind
         if kind == "text":
             for path in self.piece.paths:
@@ -213,17 +255,19 @@ class PieceReader:
                 stream.seek(start)
 
             def chunks() -> Iterator[str]:
-                decoder, pos = codecs.getincrementaldecoder("utf-8")(), start
-                size = self.block_chars
-                while data := stream.read(size if end < 0 else min(size, end - pos)):
+                decoder, pos, size = codecs.getincrementaldecoder("utf-8")(), start, \
+                    self.block_chars
+                while True:
+                    data = stream.read(size if end < 0 else min(size, end - pos))
                     self.consumed = done + raw.tell() - start
                     try:
-                        yield decoder.decode(data)
+                        yield decoder.decode(data, final=not data)
                     except UnicodeDecodeError as e:
                         raise ConfigError(f"{path}: not UTF-8 text near byte {pos + e.start:,}"
                                           ) from None
+                    if not data:
+                        return
                     pos += len(data)
-                yield decoder.decode(b"", final=True)
 
             yield from ((block, False) for block in self._blocks(chunks(), path))
         if end < 0:

@@ -265,15 +265,17 @@ def tokenize_local(pieces: list[Piece], parts: Parts, column: str, tokenizer: st
             for w in workers:
                 if w.job is None and pending:
                     w.job = pending.popleft()
-                    w.conn.send(w.job)
+                    with contextlib.suppress(OSError):  # a dead worker is reported below
+                        w.conn.send(w.job)
             wait([w.conn for w in workers] + [w.process.sentinel for w in workers], timeout=5)
             for w in workers:
                 with contextlib.suppress(EOFError, OSError):
                     while w.conn.poll():
                         _handle(w, w.conn.recv(), progress, peaks)
                 if not w.process.is_alive():
-                    where = w.job.piece.describe() if w.job else "(between pieces)"
-                    raise WorkerDied(f"the worker tokenizing {where} died: "
+                    where = f"tokenizing {w.job.piece.describe()}" if w.job else \
+                        "between pieces"
+                    raise WorkerDied(f"the worker {where} died: "
                                      f"{exit_cause(w.process.exitcode)}; its part is "
                                      "unfinished, rerun to resume")
     finally:
