@@ -51,12 +51,16 @@ def encode(documents: Iterable[str], tokenizer: TextTokenizer, dtype: np.dtype,
 
 
 class Throughput:
-    """A progress bar with MB/s and tokens/s (redrawn on a terminal, else every 10%)."""
+    """A progress bar with MB/s and tokens/s on stderr (redrawn on a terminal, else a line
+    every 10% and at least every LINE_EVERY seconds: one huge file is one long piece)."""
 
-    def __init__(self, total_bytes: int, stream: TextIO = sys.stderr):
-        self.total, self.stream, self.t0 = max(total_bytes, 1), stream, time.perf_counter()
+    LINE_EVERY = 30.0
+
+    def __init__(self, total_bytes: int, stream: TextIO | None = None):
+        self.total, self.t0 = max(total_bytes, 1), time.perf_counter()
+        self.stream = stream or sys.stderr
         self.bytes = self.tokens = 0
-        self.last_tenth = -1
+        self.last_tenth, self.last_line = -1, self.t0
 
     def line(self) -> str:
         """The bar when the total is known (local files), else only the counts (hub)."""
@@ -73,8 +77,9 @@ class Throughput:
         tenth = int(10 * self.bytes / self.total)
         if self.stream.isatty():
             self.stream.write("\r" + self.line())
-        elif tenth > self.last_tenth:
+        elif tenth > self.last_tenth or time.perf_counter() - self.last_line > self.LINE_EVERY:
             self.stream.write(self.line() + "\n")
+            self.last_line = time.perf_counter()
         self.last_tenth = tenth
         self.stream.flush()
 
@@ -84,6 +89,7 @@ class Throughput:
             self.stream.write(("\r" if self.stream.isatty() else "") + self.line() + "\n")
         return {"seconds": elapsed, "mb_per_s": self.bytes / 2**20 / max(elapsed, 1e-9),
                 "tokens_per_s": self.tokens / max(elapsed, 1e-9)}
+
 
 def tokenize_hub(name: str, parts: Parts, split: str, column: str, tokenizer: TextTokenizer,
                  progress: Throughput) -> int:

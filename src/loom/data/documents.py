@@ -54,7 +54,7 @@ class Piece:
         if self.kind == "parquet":
             return f"{where} (row group {self.start})"
         if self.start or self.end >= 0:
-            return f"{where} (bytes {self.start:,}-{self.end if self.end >= 0 else 'end'})"
+            return f"{where} (bytes {self.start:,}-{f'{self.end:,}' if self.end >= 0 else 'end'})"
         return where
 
 
