@@ -211,3 +211,28 @@ def test_worker_memory_does_not_grow_with_the_file(tmp_path):
     small = _peak_rss(tmp_path, "small.txt", text_of(100_000), 2**16)
     large = _peak_rss(tmp_path, "large.txt", text_of(1_600_000, seed=1), 2**16)
     assert 0 < large <= 1.5 * small, (small, large)
+
+
+def _jsonl_gz(path: Path, megabytes: int) -> None:
+    """Documents of 50-500 words, written to a .jsonl.gz (one piece: one worker reads it
+    all) in 1 MB pieces, so the test itself holds little."""
+    rng, written = random.Random(0), 0
+    with gzip.open(path, "wt", compresslevel=1) as f:
+        while written < megabytes * 2**20:
+            lines = "".join(json.dumps({"text": text_of(rng.randint(50, 500), rng.random())})
+                            + "\n" for _ in range(300))
+            f.write(lines)
+            written += len(lines)
+
+
+@pytest.mark.slow
+def test_worker_memory_is_flat_from_1_to_64_mb_of_compressed_jsonl_at_the_default_block(
+        tmp_path):
+    """The default BLOCK_CHARS on one streamed .jsonl.gz piece: 64 MB vs 1 MB."""
+    peaks = []
+    for megabytes in (1, 64):
+        _jsonl_gz(tmp_path / f"{megabytes}.jsonl.gz", megabytes)
+        manifest = tok.tokenize(str(tmp_path / f"{megabytes}.jsonl.gz"),
+                                tmp_path / f"out-{megabytes}", jobs=1)
+        peaks.append(manifest["speed"]["worker_peak_rss_mb"])
+    assert 0 < peaks[1] <= 1.5 * peaks[0], peaks
