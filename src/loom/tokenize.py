@@ -12,7 +12,6 @@ import argparse
 import hashlib
 import itertools
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -26,17 +25,14 @@ import numpy as np
 
 from loom.config import ConfigError
 from loom.data.cache import token_dtype
-from loom.data.documents import Piece, hub_documents, plan_pieces, read_piece
+from loom.data.documents import hub_documents, plan_pieces
 from loom.data.shards import MANIFEST, SHARD_FORMAT, shard_name
 from loom.data.text import resolve_source
 from loom.data.tokenizers import TextTokenizer, load_tokenizer, tokenizer_identity
+from loom.data.workers import BLOCK_CHARS, ENCODE_BATCH, Parts, WorkerDied, tokenize_local
 
-ENCODE_BATCH = 256
-"""Documents per tokenizer call."""
 HUB_DOCS_PER_PART = 20_000
 """A streamed hub dataset is cut into parts of this many documents."""
-
-_worker_tokenizer: list[TextTokenizer] = []
 
 
 def encode(documents: Iterable[str], tokenizer: TextTokenizer, dtype: np.dtype,
@@ -54,50 +50,17 @@ def encode(documents: Iterable[str], tokenizer: TextTokenizer, dtype: np.dtype,
     return (np.concatenate(chunks) if chunks else np.empty(0, dtype)), count
 
 
-class Parts:
-    """`OUT/.parts/`: numbered token files plus a JSON note each; the note is written after
-    the tokens and renamed into place, so a part with a note is complete."""
-
-    def __init__(self, out: Path):
-        self.root = out / ".parts"
-
-    def note(self, index: int) -> Path:
-        return self.root / f"{index:06d}.json"
-
-    def done(self, index: int) -> bool:
-        return self.note(index).is_file()
-
-    def write(self, index: int, tokens: np.ndarray, documents: int, size: int) -> None:
-        tokens.tofile(self.root / f"{index:06d}.bin")
-        tmp = self.root / f".{index:06d}.json.tmp"
-        tmp.write_text(json.dumps({"tokens": int(tokens.size), "documents": documents,
-                                   "bytes": size}))
-        tmp.rename(self.note(index))
-
-    def read(self, index: int, dtype: np.dtype) -> np.ndarray:
-        return np.fromfile(self.root / f"{index:06d}.bin", dtype=dtype)
-
-    def info(self, index: int) -> dict[str, int]:
-        return json.loads(self.note(index).read_text())
-
-    def claim(self, plan: dict[str, Any]) -> None:
-        """Start or resume; a folder left by a different source or tokenizer is refused."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        plan = json.loads(json.dumps(plan))  # tuples as lists, as read back
-        path = self.root / "plan.json"
-        if path.is_file() and json.loads(path.read_text()) != plan:
-            raise ConfigError(f"{self.root.parent} holds an interrupted tokenization of a "
-                              "different source or tokenizer; delete it or pick another OUT")
-        path.write_text(json.dumps(plan))
-
-
 class Throughput:
-    """A progress bar with MB/s and tokens/s (redrawn on a terminal, else every 10%)."""
+    """A progress bar with MB/s and tokens/s on stderr (redrawn on a terminal, else a line
+    every 10% and at least every LINE_EVERY seconds: one huge file is one long piece)."""
 
-    def __init__(self, total_bytes: int, stream: TextIO = sys.stderr):
-        self.total, self.stream, self.t0 = max(total_bytes, 1), stream, time.perf_counter()
+    LINE_EVERY = 30.0
+
+    def __init__(self, total_bytes: int, stream: TextIO | None = None):
+        self.total, self.t0 = max(total_bytes, 1), time.perf_counter()
+        self.stream = stream or sys.stderr
         self.bytes = self.tokens = 0
-        self.last_tenth = -1
+        self.last_tenth, self.last_line = -1, self.t0
 
     def line(self) -> str:
         """The bar when the total is known (local files), else only the counts (hub)."""
@@ -114,8 +77,9 @@ class Throughput:
         tenth = int(10 * self.bytes / self.total)
         if self.stream.isatty():
             self.stream.write("\r" + self.line())
-        elif tenth > self.last_tenth:
+        elif tenth > self.last_tenth or time.perf_counter() - self.last_line > self.LINE_EVERY:
             self.stream.write(self.line() + "\n")
+            self.last_line = time.perf_counter()
         self.last_tenth = tenth
         self.stream.flush()
 
@@ -125,36 +89,6 @@ class Throughput:
             self.stream.write(("\r" if self.stream.isatty() else "") + self.line() + "\n")
         return {"seconds": elapsed, "mb_per_s": self.bytes / 2**20 / max(elapsed, 1e-9),
                 "tokens_per_s": self.tokens / max(elapsed, 1e-9)}
-
-
-def _init_worker(tokenizer: str | None) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # -j sets the parallelism
-    _worker_tokenizer.append(load_tokenizer(tokenizer))
-
-
-def _tokenize_piece(job: tuple[int, Piece, str, str]) -> tuple[int, int, int, int]:
-    index, piece, column, out = job
-    tokenizer = _worker_tokenizer[0]
-    tokens, documents = encode(read_piece(piece, column), tokenizer,
-                               token_dtype(tokenizer.size))
-    Parts(Path(out)).write(index, tokens, documents, piece.size)
-    return index, piece.size, int(tokens.size), documents
-
-
-def tokenize_local(pieces: list[Piece], parts: Parts, column: str, tokenizer: str | None,
-                   jobs: int, progress: Throughput) -> None:
-    pending = [(i, p, column, str(parts.root.parent)) for i, p in enumerate(pieces)
-               if not parts.done(i)]
-    if len(pending) < len(pieces):
-        print(f"resuming: {len(pieces) - len(pending)} of {len(pieces)} pieces already "
-              "tokenized", file=sys.stderr)
-    progress.total = max(1, sum(job[1].size for job in pending))  # this run's work only
-    if not pending:
-        return
-    context = multiprocessing.get_context("spawn")  # Rust tokenizer threads do not fork safely
-    with context.Pool(min(jobs, len(pending)), _init_worker, (tokenizer,)) as pool:
-        for _, size, tokens, _ in pool.imap_unordered(_tokenize_piece, pending):
-            progress.update(size, tokens)
 
 
 def tokenize_hub(name: str, parts: Parts, split: str, column: str, tokenizer: TextTokenizer,
@@ -189,7 +123,7 @@ def write_shards(parts: Parts, n_parts: int, out: Path, shard_tokens: int,
         data.tofile(tmp)
         tmp.rename(out / name)
         shards.append({"file": name, "tokens": int(filled),
-                       "sha256": hashlib.sha256(data.tobytes()).hexdigest()})
+                       "sha256": hashlib.sha256(memoryview(data)).hexdigest()})
         filled = 0
 
     for index in range(n_parts):
@@ -207,7 +141,7 @@ def write_shards(parts: Parts, n_parts: int, out: Path, shard_tokens: int,
 
 def tokenize(src: str, out: Path, *, tokenizer_name: str | None = None, jobs: int = 1,
              shard_tokens: int = 100_000_000, split: str = "train", column: str = "text",
-             ) -> dict[str, Any]:
+             block_chars: int = BLOCK_CHARS) -> dict[str, Any]:
     """Tokenize `src` into `out` (resuming an interrupted run); returns the manifest."""
     if (out / MANIFEST).is_file():
         raise ConfigError(f"{out} already holds tokenized shards ({MANIFEST}); delete it "
@@ -216,7 +150,8 @@ def tokenize(src: str, out: Path, *, tokenizer_name: str | None = None, jobs: in
     tokenizer = load_tokenizer(tokenizer_name)
     dtype = token_dtype(tokenizer.size)
     parts = Parts(out)
-    pieces = plan_pieces(source.files, source.builder) if source.kind != "hub" else []
+    pieces = [] if source.kind == "hub" else plan_pieces(source.files, source.builder,
+                                                          tokenizer.encode)
     parts.claim({"source": source.identity(), "split": split, "column": column,
                  "tokenizer": tokenizer_identity(tokenizer_name),
                  "pieces": [asdict(p) for p in pieces]})
@@ -224,9 +159,12 @@ def tokenize(src: str, out: Path, *, tokenizer_name: str | None = None, jobs: in
     if source.kind == "hub":
         n_parts = tokenize_hub(source.name, parts, split, column, tokenizer, progress)
     else:
-        tokenize_local(pieces, parts, column, tokenizer_name, jobs, progress)
+        progress.total = max(1, sum(p.size for i, p in enumerate(pieces)
+                                    if not parts.done(i)))  # this run's work only
+        peaks = tokenize_local(pieces, parts, column, tokenizer_name, jobs, progress.update,
+                               block_chars)
         n_parts = len(pieces)
-    speed = progress.close()
+    speed = {**progress.close(), "worker_peak_rss_mb": max(peaks, default=0)}
     infos = [parts.info(i) for i in range(n_parts)]
     n_tokens = sum(i["tokens"] for i in infos)
     if n_tokens == 0:
@@ -244,7 +182,8 @@ def tokenize(src: str, out: Path, *, tokenizer_name: str | None = None, jobs: in
     shutil.rmtree(parts.root)
     print(f"{src}: {manifest['documents']:,} documents, {n_tokens:,} tokens in "
           f"{len(manifest['shards'])} shards -> {out} ({speed['seconds']:.1f} s, "
-          f"{speed['mb_per_s']:.1f} MB/s, {speed['tokens_per_s']:,.0f} tok/s)")
+          f"{speed['mb_per_s']:.1f} MB/s, {speed['tokens_per_s']:,.0f} tok/s, worker peak RSS "
+          f"{speed['worker_peak_rss_mb']:,} MB)")
     return {**manifest, "speed": speed}
 
 
@@ -271,6 +210,9 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WorkerDied as e:
+        print(f"error: loom tokenize: {e}", file=sys.stderr)
+        return 1
     except (OSError, RuntimeError, ValueError) as e:
         print(f"error: loom tokenize failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -38,7 +38,8 @@ logger = logging.getLogger("loom")
 EMBEDDED_CORPUS = ASSETS / "corpus"
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
             ".csv": "csv"}
-"""Local file suffix -> `datasets` builder (.gz is read through for text, json and csv)."""
+"""Local file suffix -> `datasets` builder (.gz and .zst are read through for text, json and
+csv)."""
 ENCODE_BATCH = 1000
 """Documents per tokenizer call: big enough for the Rust tokenizer to use every core."""
 
@@ -70,7 +71,7 @@ class TextSource:
 def builder_for(path: Path) -> str | None:
     """The `datasets` builder that reads this file, None if it is not a data file."""
     name = path.name.lower()
-    inner = name.removesuffix(".gz")
+    inner = name.removesuffix(".gz").removesuffix(".zst")
     builder = BUILDERS.get(Path(inner).suffix)
     return None if builder == "parquet" and inner != name else builder
 
@@ -97,7 +98,7 @@ def local_source(path: Path) -> TextSource:
     builders = {builder_for(p) for p in files}
     if not files or None in builders:
         raise ConfigError(f"--dataset {path}: expected .txt, .jsonl, .json, .parquet or .csv "
-                          "files (optionally .gz, except parquet)")
+                          "files (optionally .gz or .zst, except parquet)")
     if len(builders) > 1:
         raise ConfigError(f"--dataset {path} mixes formats ({', '.join(sorted(builders))}); "
                           "point it at files of one kind")
