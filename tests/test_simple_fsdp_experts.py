@@ -21,7 +21,7 @@ LAYOUTS = {  # name: flags on 4 ranks (dp 4, global batch 4)
 EXPERT_WEIGHTS = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3")
 
 
-def job(world: int, runs: list[list[str]]) -> None:
+def job(world: int, runs: list[dict]) -> None:
     result = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs), "--shares"],
                        timeout=1200)
     assert result.ok, result.describe()
@@ -30,9 +30,11 @@ def job(world: int, runs: list[list[str]]) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("simple_fsdp_experts")
-    job(1, [[*COMMON, *FEW_EXPERTS, "--batch-size", "4", "--outdir", str(root / "single")]])
-    job(4, [[*COMMON, *FEW_EXPERTS, *SIMPLE, *flags, "--batch-size", "1",
-             "--outdir", str(root / name)] for name, flags in LAYOUTS.items()])
+    job(1, [{"argv": [*COMMON, *FEW_EXPERTS, "--batch-size", "4", "--outdir",
+                      str(root / "single")], "routing": "record"}])
+    job(4, [{"argv": [*COMMON, *FEW_EXPERTS, *SIMPLE, *flags, "--batch-size", "1",
+                      "--outdir", str(root / name)], "routing": str(root / "single")}
+            for name, flags in LAYOUTS.items()])  # routing replayed: see tests/routing.py
     return root
 
 
