@@ -95,7 +95,7 @@ def run_train(argv: Sequence[str]) -> int:
             quiet_upstream_notices()
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
         check_outdir(cfg.output.outdir)
-        from loom import train
+        from loom import train  # lazy: bad flags fail before the model/parallel imports
 
         train.main(cfg, info)
     except ConfigError as e:

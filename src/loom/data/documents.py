@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 from loom.config import ConfigError
 from loom.data.blocks import CONTEXT, FRAGMENT_CHARS, Encode, NoSafeCut, fragments, safe_cuts
+from loom.data.hub import LOCAL_FILES_HINT, ensure_hub_reachable
 
 PIECE_BYTES = 16 * 2**20
 """Target input per piece: small enough to balance processes, big enough to batch well."""
@@ -382,9 +383,7 @@ def read_piece(piece: Piece, column: str, split: str = "train") -> Iterator[str]
 
 def hub_documents(name: str, split: str, column: str, skip: int = 0) -> Iterator[str]:
     """A hub dataset streamed (nothing downloaded whole), from row `skip` on."""
-    import datasets
-
-    from loom.data.hub import LOCAL_FILES_HINT, ensure_hub_reachable
+    import datasets  # optional at run time: only a hub dataset needs it
 
     ensure_hub_reachable(name, "dataset", "--dataset", LOCAL_FILES_HINT)
     stream = datasets.load_dataset(name, split=split, streaming=True).skip(skip)

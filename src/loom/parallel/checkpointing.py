@@ -9,13 +9,11 @@ The wrapper strips its `_checkpoint_wrapped_module.` prefix from state-dict keys
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-if TYPE_CHECKING:
-    from loom.parallel.model_plan import ModelPlan
+from loom.parallel.model_plan import ModelPlan
 
 logger = logging.getLogger("loom")
 

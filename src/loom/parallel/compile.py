@@ -10,14 +10,13 @@ of their own, none of which a full graph can capture.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch._functorch.config as functorch_config  # the attribute exists only once imported
 from torch import nn
 
-if TYPE_CHECKING:
-    from loom.parallel.model_plan import ModelPlan
+from loom.parallel.model_plan import ModelPlan
 
 logger = logging.getLogger("loom")
 

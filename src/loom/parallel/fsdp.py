@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,10 +14,8 @@ from torch.distributed.tensor import DTensor, Shard
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
 from loom.parallel.gloo_comm import use_pairwise_collectives
+from loom.parallel.model_plan import ModelPlan
 from loom.precision import torch_dtype
-
-if TYPE_CHECKING:
-    from loom.parallel.model_plan import ModelPlan
 
 logger = logging.getLogger("loom")
 

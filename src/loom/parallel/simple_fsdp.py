@@ -17,7 +17,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 import torch._inductor.config as inductor_config
@@ -42,10 +41,9 @@ from torch.utils.checkpoint import (
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
 from loom.parallel.fsdp import REDUCE_DTYPES, expert_placement
+from loom.parallel.model_plan import ModelPlan
 from loom.precision import torch_dtype
 
-if TYPE_CHECKING:
-    from loom.parallel.model_plan import ModelPlan
 
 class _ScaleGrad(torch.autograd.Function):
     """Identity in forward; multiplies the gradient by `factor` in backward."""

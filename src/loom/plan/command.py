@@ -20,6 +20,7 @@ from loom.logs import setup_logging
 from loom.losses import resolve_loss_impl
 from loom.mesh import ParallelDims
 from loom.plan.peaks import predict_memory
+from loom.plan.search import search
 from loom.plan.speed import predict_step_time
 from loom.plan.trace import fake_world
 from loom.precision import resolve_precision
@@ -153,8 +154,6 @@ def main(argv: Sequence[str]) -> int:
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
             default_cache_dir()
         if options.search:
-            from loom.plan.search import search
-
             return search(cfg, options.world_size, device_memory, options.device,
                           cache, train_argv, as_json=options.json)
         with fake_world(options.world_size):
