@@ -73,7 +73,7 @@ def load(mode: str, folder: str) -> None:
 
     from loom.config import parse_args
     from loom.mesh import ParallelDims
-    from loom.models.hf import load_hf_model
+    from loom.models.transformers.model import load_hf_model
     from loom.parallel import hf_load
     from loom.parallel.hf import resolve_hf_model
     from loom.parallel.parallelize import parallelize

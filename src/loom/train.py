@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Iterator
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,12 @@ from loom.executor import build_executor
 from loom.host_memory import retain_freed_memory
 from loom.mesh import ParallelDims
 from loom.metrics import RunPlace, build_metrics, environment_facts
-from loom.modeling import model_args, plain_model
-from loom.models.hf import is_hf
+from loom.modeling import model_args, plain_model, resolve_model
 from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from loom.parallel.context import shard_batch
 from loom.parallel.expert import update_expert_bias
-from loom.parallel.hf_load import build_hf_model
-from loom.parallel.init import init_weights
+from loom.parallel.hf_load import build_hf_model, open_native_checkpoint
+from loom.parallel.init import init_weights, load_weights
 from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import split_stages
 from loom.profiling import maybe_profile
@@ -148,17 +148,29 @@ class Trainer:
 
     def build_model_parts(self) -> list[nn.Module]:
         """This rank's model parts: the whole model, or its pipeline stages, each built on
-        the meta device, parallelized, then filled by the name-seeded init."""
-        if is_hf(self.cfg.model):  # pretrained weights, read on rank 0 and broadcast as shards
-            parts = [build_hf_model(self.cfg, self.dims, self.device, backend_for(self.device))]
+        the meta device, parallelized, then filled: by the name-seeded init, or from a
+        Hugging Face checkpoint a native family imports (each tensor read by the first rank
+        of its mesh and scattered). transformers' module has its own loader."""
+        cfg = self.cfg
+        if cfg.model.runs_transformers:
+            return self.log_size([build_hf_model(cfg, self.dims, self.device,
+                                                 backend_for(self.device))])
+        with torch.device("meta"):
+            whole = plain_model(cfg)
+            parts = split_stages(whole, cfg.parallel, self.dims)
+        if cfg.model.from_hub_format:
+            read = open_native_checkpoint(cfg, whole).read
+            fill = partial(load_weights, device=self.device, read=read)
         else:
-            with torch.device("meta"):
-                parts = split_stages(plain_model(self.cfg), self.cfg.parallel, self.dims)
-            for part in parts:
-                parallelize(part, self.dims, self.cfg.parallel,
-                            loss_parallel=self.cfg.loss.loss_impl == "loss-parallel",
-                            backend=backend_for(self.device))
-                init_weights(part, self.seed, self.device)
+            fill = partial(init_weights, seed=self.seed, device=self.device)
+        for part in parts:
+            parallelize(part, self.dims, cfg.parallel,
+                        loss_parallel=cfg.loss.loss_impl == "loss-parallel",
+                        backend=backend_for(self.device))
+            fill(part)
+        return self.log_size(parts)
+
+    def log_size(self, parts: list[nn.Module]) -> list[nn.Module]:
         n_params = sum(p.numel() for part in parts for p in part.parameters())
         logger.info("model: %s, %.2fM parameters in this rank's part(s)",
                     self.cfg.model.model or "custom", n_params / 1e6)
@@ -336,7 +348,7 @@ def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
 def main(cfg: JobConfig, info: RankInfo) -> None:
     """Train a validated config (see `loom.cli.run_train`, which checks the flags and the
     mesh before any heavy import or collective)."""
-    cfg = resume_on_restart(cfg, info.restarts)
+    cfg = resolve_model(resume_on_restart(cfg, info.restarts))
     for warning in cfg.warnings:
         logger.warning(warning)
     device = init_distributed(info, collective_timeout_s(cfg.train.comm_timeout_s))

@@ -30,7 +30,6 @@ from loom.data.text import (
     resolve_source,
 )
 from loom.data.tokenizers import tokenizer_name
-from loom.presets import is_hf_model
 
 logger = logging.getLogger("loom")
 
@@ -209,7 +208,7 @@ def sized_to_tokenizer(cfg: JobConfig, meta: dict) -> JobConfig:
     size = int(meta["vocab_size"])
     if size == cfg.model.vocab_size:
         return cfg
-    if cfg.model.model is not None and is_hf_model(cfg.model.model):  # its embedding is given
+    if cfg.model.from_hub_format:  # its embedding is given
         if size > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer {meta['tokenizer']} has {size} tokens but the model "
                               f"{cfg.model.model} embeds only {cfg.model.vocab_size}")

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from loom.mesh import ParallelDims
-from loom.models.moe import ExpertWeights, MoE
+from loom.models.moe.model import ExpertWeights, MoE
 
 logger = logging.getLogger("loom")
 
@@ -206,7 +206,7 @@ def apply_moe_parallel(model: nn.Module, dims: ParallelDims) -> None:
         return
     tp_mesh = dims.get_mesh("tp") if dims.tp_enabled else None
     ep_group = dims.get_mesh("ep").get_group() if dims.ep_enabled else None
-    moe_blocks = [b for b in model.layers.values() if isinstance(getattr(b, "moe", None), MoE)]
+    moe_blocks = [b for b in model.modules() if isinstance(getattr(b, "moe", None), MoE)]
     if not moe_blocks:  # a dense model: nothing to place, nothing to say
         return
     for block in moe_blocks:
