@@ -112,7 +112,9 @@ def read_state(checkpoint: Path, state: dict[str, torch.Tensor]) -> None:
     """Fill `state` (names as in the model) from the checkpoint with loom's pickle-free
     reader; only the named tensors are read."""
     try:
-        dcp.load({"model": state}, storage_reader=TensorReader(checkpoint), no_dist=True)
+        with warnings.catch_warnings():  # its note that it loads in one process: intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, storage_reader=TensorReader(checkpoint), no_dist=True)
     except CheckpointException as e:  # a BaseException: names the first rank's failure
         failure = next(iter(e.failures.values()), (e,))[0]
         reason = f"{type(failure).__name__}: {failure}"

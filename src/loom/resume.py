@@ -214,10 +214,11 @@ def architecture(cfg: JobConfig, args: ModelArgs) -> dict[str, Any]:
         arch["model"] = m.model
     if kind != "hf" and m.family is not None:  # absent before families had names
         arch["family"] = m.family
-    if kind != "hf" and args.qk_norm:
+    if kind != "hf" and getattr(args, "qk_norm", False):
         arch["qk_norm"] = 1
-    if kind != "hf" and args.head_dim != args.dim // args.n_heads:
-        arch["head_dim"] = args.head_dim
+    head_dim = getattr(args, "head_dim", None)
+    if kind != "hf" and head_dim is not None and head_dim != args.dim // args.n_heads:
+        arch["head_dim"] = head_dim
     names = _SHAPE_FIELDS if kind == "hf" else (*_SHAPE_FIELDS, *_LOOM_FIELDS)
     arch.update({f: getattr(args, f) for f in names})
     if kind == "moe":

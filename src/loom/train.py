@@ -19,11 +19,12 @@ from torch import nn
 from loom import flight
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
-from loom.data.loaders import build_dataloader
+from loom.data.loaders import build_dataloader, on_node_leaders
 from loom.data.streaming import data_state, restore_data_state
 from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
 from loom.executor import build_executor
+from loom.export import export
 from loom.host_memory import retain_freed_memory
 from loom.mesh import ParallelDims
 from loom.metrics import RunPlace, build_metrics, environment_facts
@@ -320,6 +321,18 @@ class Trainer:
         if ckpt.due(step) or (final and ckpt.enabled):
             self.save_checkpoint()
 
+    def save_hf(self) -> None:
+        """Global rank 0 exports the final checkpoint to <outdir>/hf as `loom export` does;
+        the other ranks wait, and a failure ends every rank with rank 0's line."""
+        checkpoint = self.checkpointer.root / f"step-{self.loop.step}"
+        target = self.checkpointer.root.parent / "hf"
+
+        def write() -> None:
+            done = export(checkpoint, target, trust_remote_code=self.cfg.model.trust_remote_code)
+            logger.info("--save-hf: %s -> %s (%s)", checkpoint, target, done)
+
+        on_node_leaders(write, leader=self.info.rank == 0)
+
     def save_checkpoint(self) -> None:
         start = time.perf_counter()
         self.checkpointer.save(self.loop.step, self.model, self.optimizer, {
@@ -340,6 +353,8 @@ def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
     trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size), device)
     try:
         trainer.fit()
+        if trainer.cfg.checkpoint.save_hf:
+            trainer.save_hf()
     finally:
         trainer.close()
     return trainer

@@ -222,6 +222,8 @@ class CheckpointConfig:
     checkpoint_interval: int = flag(0, "save a checkpoint every N steps and at the end "
                                     "(0 = no checkpoints)")
     keep_checkpoints: int = flag(2, "keep the newest K complete checkpoints")
+    save_hf: bool = flag(False, "after training, write the final checkpoint as a Hugging Face "
+                         "folder, <outdir>/hf (what loom export writes, checked the same way)")
     async_checkpoint: bool = flag(False, "write checkpoints in a background thread")
     resume: str | None = flag(None, "continue from the latest checkpoint in --outdir (bare "
                               "flag: there must be one; 'auto': if there is one) or from a "

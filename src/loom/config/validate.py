@@ -190,6 +190,8 @@ def validate(cfg: JobConfig) -> None:
                           f"got {o.min_lr_ratio} and {o.decay_fraction}")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
+    if cfg.checkpoint.save_hf and not cfg.checkpoint.checkpoint_interval:
+        raise ConfigError("--save-hf exports the final checkpoint: give --checkpoint-interval")
     _validate_output(cfg.output)
     _validate_eval(cfg.eval)
     if d.streaming and (t.max_steps is None or cfg.eval.val_fraction
