@@ -25,6 +25,7 @@ from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
 from loom.executor import build_executor
 from loom.export import export
+from loom.extensions import convert_model
 from loom.host_memory import retain_freed_memory
 from loom.mesh import ParallelDims
 from loom.metrics import RunPlace, build_metrics, environment_facts
@@ -165,6 +166,7 @@ class Trainer:
         else:
             fill = partial(init_weights, seed=self.seed, device=self.device)
         for part in parts:
+            convert_model(part, cfg)  # float8, QAT...: before tensor parallel sees the modules
             parallelize(part, self.dims, cfg.parallel,
                         loss_parallel=cfg.loss.loss_impl == "loss-parallel",
                         backend=backend_for(self.device))

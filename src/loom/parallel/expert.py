@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from loom.extensions import StepContext, StepHook, register_step_hook
 from loom.mesh import ParallelDims
 from loom.models.moe.model import ExpertWeights, MoE
 
@@ -252,3 +253,11 @@ def moe_metrics(counts: torch.Tensor, aux: torch.Tensor | None) -> dict[str, flo
         values.append(aux.sum())
         keys.append("aux_loss")
     return dict(zip([f"moe/{k}" for k in keys], torch.stack(values).tolist(), strict=True))
+
+
+def _expert_bias_hook(context: StepContext) -> dict[str, float]:
+    return update_expert_bias(context.model, context.dp_group)
+
+
+register_step_hook(StepHook(
+    "moe-expert-bias", enabled=lambda cfg: cfg.model.n_experts > 0, run=_expert_bias_hook))
