@@ -192,13 +192,16 @@ def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any], path: Path) -> J
 
 def rescale_lr(optimizer: Any, scheduler: Any, saved_lr: float, lr: float) -> None:
     """--lr given again on resume: the loaded optimizer and scheduler state carry the saved
-    peak lr, and every scheduled lr is proportional to it."""
+    peak lr, and every scheduled lr is proportional to it. The scheduler is changed through
+    its state dict (its public interface), never by writing its attributes."""
     if saved_lr == 0:
         raise ConfigError(f"--lr {lr}: the checkpoint was trained at --lr 0, whose schedule "
                           "cannot be rescaled; start a new run from it instead")
     scale = lr / saved_lr
-    scheduler.base_lrs = [base * scale for base in scheduler.base_lrs]
-    scheduler._last_lr = [last * scale for last in scheduler.get_last_lr()]
+    state = scheduler.state_dict()
+    for key in ("base_lrs", "_last_lr"):
+        state[key] = [value * scale for value in state[key]]
+    scheduler.load_state_dict(state)
     for group in optimizer.param_groups:
         group["lr"] *= scale
         group["initial_lr"] *= scale

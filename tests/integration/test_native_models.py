@@ -118,7 +118,7 @@ def dp(flags: list[str], world: int) -> int:
 @pytest.fixture(scope="module")
 def native_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("native")
-    for arch in LAYOUTS:
+    for arch in (*LAYOUTS, "qwen2"):
         save_tiny_model(root / arch, arch)
     (root / "text.txt").write_text(corpus_sample())
     env = {"LOOM_CACHE_DIR": str(root / "cache")}
@@ -128,6 +128,7 @@ def native_runs(tmp_path_factory) -> Path:
         for name, (world, flags) in layouts.items():
             by_world.setdefault(world, []).append(run_args(root, arch, name, flags, world))
     by_world[1].append(run_args(root, "llama31", "zero", ["--lr", "0"], 1))
+    by_world[1].append(run_args(root, "qwen2", "single", [], 1))  # transformers' path
     for world, runs in sorted(by_world.items()):
         job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs)],
                         timeout=1200, env=env)
@@ -175,7 +176,8 @@ def test_import_zero_steps_export_gives_every_tensor_back(native_runs: Path,
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("arch", [pytest.param("llama31", marks=pytest.mark.slow),
-                                  pytest.param("qwen3", marks=pytest.mark.slow), "qwen3_moe"])
+                                  pytest.param("qwen3", marks=pytest.mark.slow), "qwen3_moe",
+                                  "qwen2"])
 def test_trained_export_generates_as_loom_does(native_runs: Path, tmp_path: Path,
                                                arch: str) -> None:
     step = native_runs / "runs" / f"{arch}-single" / "checkpoints" / "step-4"
