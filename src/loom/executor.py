@@ -15,11 +15,15 @@ from loom.step import AccumulationExecutor, StepExecutor
 
 
 def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
-                   device: torch.device) -> StepExecutor:
+                   device: torch.device, eot_id: int | None = None) -> StepExecutor:
     """The pipelined executor under --pp > 1, else the accumulation loop; the criterion
-    projects through the head of the last part (held by the pipeline's last stage)."""
+    projects through the head of the last part (held by the pipeline's last stage).
+    `eot_id`: the data's end-of-text id, which --doc-mask splits documents at."""
     criterion = build_criterion(cfg.loss, getattr(parts[-1], "output", None), dims.tp)
     if dims.pp_enabled:
-        return PipelineExecutor(parts, criterion, cfg, dims, device)
-    return AccumulationExecutor(parts, criterion, dims, device,
-                                defer_reduction=cfg.train.accum_reduce == "step")
+        executor: StepExecutor = PipelineExecutor(parts, criterion, cfg, dims, device)
+    else:
+        executor = AccumulationExecutor(parts, criterion, dims, device,
+                                        defer_reduction=cfg.train.accum_reduce == "step")
+    executor.eot_id = eot_id if cfg.data.doc_mask else None
+    return executor

@@ -36,12 +36,17 @@ logger = logging.getLogger("loom")
 
 RANDOM_DATASET_SAMPLES = 8192
 """Length of the synthetic dataset: an epoch of `random` is this many samples."""
+RANDOM_EOT_ID = 0
+"""The synthetic data's end-of-text: its most frequent id (about one token in seven at a
+512 vocabulary), so --doc-mask has many short documents to keep apart."""
 
 
 class RandomTokens(Dataset):
     """Synthetic tokens with Zipf-like frequencies, as in natural text, so the loss has
     somewhere to fall. Sample i is a pure function of (seed, i): every mesh sees identical
     data without any I/O."""
+
+    eot_id = RANDOM_EOT_ID
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int,
                  num_samples: int = RANDOM_DATASET_SAMPLES):
@@ -115,6 +120,13 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                       num_workers=num_workers, persistent_workers=num_workers > 0,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def end_of_text(dataset: Dataset | StreamSpec) -> int:
+    """The end-of-text id between the dataset's packed documents (--doc-mask splits there)."""
+    if isinstance(dataset, StreamSpec):
+        return dataset.tokenizer.eot_id
+    return int(dataset.eot_id)
 
 
 def build_dataset(cfg: JobConfig, local_rank: int) -> tuple[Dataset, JobConfig]:
