@@ -19,17 +19,19 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from loom.config import ConfigError, JobConfig
 from loom.data.cache import TokenCache, cache_key, default_cache_dir
+from loom.data.chat import ChatTokens, encode_chat, held_out, is_chat_source
 from loom.data.shards import ShardStream, is_shard_folder, read_manifest
 from loom.data.split import held_out_cut
 from loom.data.streaming import PackedStream, StreamLoader, StreamSpec, build_stream_spec
 from loom.data.text import (
     PackedTokens,
+    TextSource,
     TokenStream,
     cache_parts,
     prepare_tokens,
     resolve_source,
 )
-from loom.data.tokenizers import tokenizer_name
+from loom.data.tokenizers import load_tokenizer, tokenizer_name
 from loom.presets import is_hf_model
 
 logger = logging.getLogger("loom")
@@ -147,6 +149,10 @@ def build_datasets(cfg: JobConfig, local_rank: int,
                            max(1, round(len(train) * ev.val_fraction))) \
             if ev.val_fraction else None
         return train, val, cfg
+    source = None if data.dataset is None or is_shard_folder(data.dataset) else \
+        resolve_source(data.dataset)
+    if source is not None and is_chat_source(source):
+        return chat_datasets(cfg, source)
     if data.streaming:
         spec = build_stream_spec(cfg, tokenizer_name(data.tokenizer_name, cfg.model.model))
         val = None if ev.val_dataset is None else PackedTokens(
@@ -172,6 +178,47 @@ def build_datasets(cfg: JobConfig, local_rank: int,
                 len(train), data.seq_len + 1,
                 "" if val is None else f"; validation {val.n_tokens} tokens")
     return train, val, sized_to_tokenizer(cfg, meta)
+
+
+def chat_datasets(cfg: JobConfig, source: TextSource,
+                  ) -> tuple[ChatTokens, ChatTokens | None, JobConfig]:
+    """Conversations (chat.py) as (training set, validation set or None, `cfg` sized to the
+    tokenizer, with --doc-mask on: a window packs several conversations, and none may see
+    another). A --val-fraction holds out whole conversations at the end."""
+    data, ev, m = cfg.data, cfg.eval, cfg.model
+    hf = m.model is not None and is_hf_model(m.model)
+    if data.streaming:
+        raise ConfigError(f"--dataset {source.name} holds conversations, which are read "
+                          "whole, not streamed; drop --streaming")
+    if cfg.parallel.cp > 1 and not hf:
+        raise ConfigError(f"--dataset {source.name} holds conversations, which train with "
+                          f"--doc-mask, and --cp {cfg.parallel.cp} does not support it yet")
+    tokenizer = load_tokenizer(tokenizer_name(data.tokenizer_name, m.model),
+                               m.trust_remote_code)
+    corpus = encode_chat(source.files, tokenizer, source.name)
+    train_part, val = (0, len(corpus.ends)), None
+    if ev.val_fraction:
+        cut = held_out(corpus, ev.val_fraction)
+        train_part = (0, cut)
+        val = ChatTokens(corpus, tokenizer.eot_id, data.seq_len, (cut, len(corpus.ends)))
+    elif ev.val_dataset is not None:
+        val_source = resolve_source(ev.val_dataset)
+        if not is_chat_source(val_source):
+            raise ConfigError(f"--val-dataset {ev.val_dataset} holds no conversations but "
+                              f"--dataset {source.name} does; give both in one format")
+        val = ChatTokens(encode_chat(val_source.files, tokenizer, val_source.name),
+                         tokenizer.eot_id, data.seq_len)
+    train = ChatTokens(corpus, tokenizer.eot_id, data.seq_len, train_part)
+    logger.info("data: %s, %d conversations, %d tokens (%d trained on), %d windows of %d "
+                "tokens%s", source.name, train.n_conversations, train.n_tokens,
+                int(train.trained.sum()), len(train), data.seq_len + 1,
+                "" if val is None else f"; validation {val.n_conversations} conversations")
+    cfg = sized_to_tokenizer(cfg, {"vocab_size": tokenizer.size, "tokenizer": tokenizer.name})
+    if hf:
+        logger.warning("chat data under the Hugging Face model %s: conversations are packed "
+                       "without --doc-mask (it needs loom's own model)", m.model)
+        return train, val, cfg
+    return train, val, replace(cfg, data=replace(cfg.data, doc_mask=True))
 
 
 def token_stream(dataset: str | None, cfg: JobConfig, local_rank: int,
