@@ -92,7 +92,8 @@ def generate(path: Path, prompt: str, max_new_tokens: int, *, temperature: float
     if not chat:
         return tokenizer.decode(out)
     answer = out[len(ids):]
-    return tokenizer.decode(answer[:-1] if answer[-1:] == [tokenizer.eot_id] else answer)
+    text = tokenizer.decode(answer[:-1] if answer[-1:] == [tokenizer.eot_id] else answer)
+    return text.strip()  # a template's turn ends in a line break, print adds one
 
 
 @torch.no_grad()
