@@ -6,6 +6,7 @@ hand from the shipped template; a bad conversation is one line naming file and l
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from loom.config import ConfigError
 from loom.data.chat import ChatTokens, encode_chat
-from loom.data.tokenizers import load_shipped_tokenizer
+from loom.data.tokenizers import load_shipped_tokenizer, load_tokenizer, save_tokenizer
 from loom.losses import IGNORE_INDEX
 from tests.harness import run_ranks
 
@@ -82,3 +83,28 @@ def test_a_bad_conversation_leaves_nothing_behind(tmp_path: Path) -> None:
     assert rank.returncode == 2 and rank.stderr.strip().splitlines() == [
         f"error: {data}: line 2 is an empty conversation"], job.describe()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
+
+
+def test_a_template_reaching_python_internals_is_refused(tmp_path: Path) -> None:
+    """The sandbox stops a template from walking to Python objects: one line, no code run."""
+    tok = replace(load_shipped_tokenizer(),
+                  chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    data = write_jsonl(tmp_path / "chat.jsonl", [GOOD])
+    with pytest.raises(ConfigError, match=r"line 1 cannot be rendered by the chat template"):
+        encode_chat((data,), tok, str(data))
+
+
+def test_a_tokenizer_folder_brings_its_own_template(tmp_path: Path) -> None:
+    """AutoTokenizer's `chat_template` is the one used (here the shipped tokenizer saved as
+    a Hugging Face folder, as `loom export` writes it, with a template of its own)."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    save_tokenizer(None, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                               "{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(folder))
+    corpus = encode_chat((write_jsonl(tmp_path / "c.jsonl", [GOOD]),), tok, "c.jsonl")
+    trained = corpus.ids[corpus.trained].tolist()
+    assert trained[-1] == tok.eot_id and tok.decode(trained[:-1]) == "[assistant] b\n"
