@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.config import ConfigError
+from loom.config import ConfigError, JobConfig, parse_args
 from loom.data.chat import ChatTokens, encode_chat
+from loom.data.loaders import build_datasets
 from loom.data.tokenizers import load_shipped_tokenizer, load_tokenizer, save_tokenizer
 from loom.losses import IGNORE_INDEX
 from tests.harness import run_ranks
@@ -108,3 +109,22 @@ def test_a_tokenizer_folder_brings_its_own_template(tmp_path: Path) -> None:
     corpus = encode_chat((write_jsonl(tmp_path / "c.jsonl", [GOOD]),), tok, "c.jsonl")
     trained = corpus.ids[corpus.trained].tolist()
     assert trained[-1] == tok.eot_id and tok.decode(trained[:-1]) == "[assistant] b\n"
+
+
+def chat_config(data: Path, *flags: str) -> JobConfig:
+    return parse_args(["--model", "debug", "--dataset", str(data), "--seq-len", "16",
+                       "--max-steps", "1", *flags])
+
+
+def test_chat_data_holds_out_whole_conversations_and_turns_the_mask_on(tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 8)
+    train, val, cfg = build_datasets(chat_config(data, "--val-fraction", "0.25"), 0)
+    assert (train.n_conversations, val.n_conversations) == (6, 2)
+    assert train.n_tokens + val.n_tokens == 8 * (train.n_tokens // 6)
+    assert cfg.data.doc_mask and not chat_config(data).data.doc_mask
+
+
+def test_chat_data_with_context_parallel_is_refused(tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 4)
+    with pytest.raises(ConfigError, match="train with --doc-mask, and --cp 2"):
+        build_datasets(chat_config(data, "--cp", "2", "--dp-shard", "1"), 0)
