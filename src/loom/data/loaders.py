@@ -141,7 +141,8 @@ def build_datasets(cfg: JobConfig, local_rank: int,
                    ) -> tuple[Dataset | StreamSpec, Dataset | None, JobConfig]:
     """(training set, validation set or None, `cfg` sized to the tokenizer). A
     --val-fraction holds out the tail of the training tokens, cut between documents;
-    --streaming gives a stream spec that `build_dataloader` deals out to the dp ranks."""
+    --streaming gives a stream spec that `build_dataloader` deals out to the dp ranks; a
+    JSONL file of conversations is chat data (`chat_datasets`)."""
     data, ev = cfg.data, cfg.eval
     if data.dataset == "random":
         train = RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed)
