@@ -1,6 +1,7 @@
-"""--doc-mask under tp2 (with activation checkpointing) and pp2 against one process: the
-same first-step gradients, losses, gradient norms and final parameters (fp32). A pipeline
-stage that did not get the batch's documents would attend across them and differ.
+"""--doc-mask under tp2 (with activation checkpointing), pp2 and cp2 against one process:
+the same first-step gradients, losses, gradient norms and final parameters (fp32). A
+pipeline stage that did not get the batch's documents, or a cp rank whose mask did not
+follow its load-balanced chunks (documents span them), would differ.
 The synthetic data's end-of-text is its most frequent id, so every window packs many
 documents."""
 
@@ -17,6 +18,7 @@ DOC_MASK = [*COMMON, "--doc-mask"]
 LAYOUTS = {  # name: (world size, dp degree, flags)
     "tp2_ac": (2, 1, ["--tp", "2", "--ac", "block"]),
     "pp2": (2, 1, PP2),
+    "cp2": (2, 1, ["--cp", "2"]),
 }
 
 

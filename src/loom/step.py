@@ -20,6 +20,7 @@ from torch import nn
 
 from loom.losses import IGNORE_INDEX, Criterion
 from loom.mesh import ParallelDims
+from loom.parallel.context import gather_sequence
 from loom.parallel.grad_sync import set_gradient_sync
 
 Batch = dict[str, torch.Tensor]
@@ -90,8 +91,14 @@ class StepExecutor(ABC):
                 batch["labels"].to(self.device, non_blocking=True))
 
     def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """The batch's document indices under --doc-mask, else None."""
-        return None if self.eot_id is None else document_ids(inputs, self.eot_id)
+        """The batch's document indices under --doc-mask, else None: of the whole sequences
+        under context parallel (`inputs` are this rank's shards; a document may span them),
+        which the model's cp hook turns into this shard's positions and mask."""
+        if self.eot_id is None:
+            return None
+        if self.dims.cp_enabled:
+            inputs = gather_sequence(inputs, self.dims.get_mesh("cp"))
+        return document_ids(inputs, self.eot_id)
 
     @abstractmethod
     def forward_backward(self, micro_batches: list[Batch],

@@ -29,7 +29,7 @@ MISTAKES = {  # id: (flags, message)
     "n-experts-negative": (["--n-experts", "-4"], "--n-experts must be >= 0 (0 = dense model)"),
     "max-skipped-steps-0": (["--max-skipped-steps", "0"], "--max-skipped-steps must be >= 1"),
     "lr-not-a-number": (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
-    "doc-mask-cp": (["--doc-mask", "--cp", "2"], "--doc-mask with --cp 2 is not supported yet"),
+    "doc-mask-hf": (["--doc-mask", "--model", "owner/name"], "--doc-mask needs loom's own model"),
 }
 
 

@@ -123,8 +123,3 @@ def test_chat_data_holds_out_whole_conversations_and_turns_the_mask_on(tmp_path)
     assert train.n_tokens + val.n_tokens == 8 * (train.n_tokens // 6)
     assert cfg.data.doc_mask and not chat_config(data).data.doc_mask
 
-
-def test_chat_data_with_context_parallel_is_refused(tmp_path):
-    data = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 4)
-    with pytest.raises(ConfigError, match="train with --doc-mask, and --cp 2"):
-        build_datasets(chat_config(data, "--cp", "2", "--dp-shard", "1"), 0)

@@ -157,10 +157,7 @@ def _validate_doc_mask(cfg: JobConfig) -> None:
     """Layouts --doc-mask cannot run with, as one line each."""
     if not cfg.data.doc_mask:
         return
-    m, p = cfg.model, cfg.parallel
-    if p.cp > 1:
-        raise ConfigError(f"--doc-mask with --cp {p.cp} is not supported yet (the document "
-                          "mask does not follow the load-balanced chunks); use one of them")
+    m = cfg.model
     if m.model is not None and is_hf_model(m.model):
         raise ConfigError(f"--doc-mask needs loom's own model, not the Hugging Face model "
                           f"{m.model} (the mask is built into loom's attention)")

@@ -191,9 +191,6 @@ def chat_datasets(cfg: JobConfig, source: TextSource,
     if data.streaming:
         raise ConfigError(f"--dataset {source.name} holds conversations, which are read "
                           "whole, not streamed; drop --streaming")
-    if cfg.parallel.cp > 1 and not hf:
-        raise ConfigError(f"--dataset {source.name} holds conversations, which train with "
-                          f"--doc-mask, and --cp {cfg.parallel.cp} does not support it yet")
     tokenizer = load_tokenizer(tokenizer_name(data.tokenizer_name, m.model),
                                m.trust_remote_code)
     corpus = encode_chat(source.files, tokenizer, source.name)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.models.documents import document_mask, document_positions
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -65,22 +67,6 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
-
-
-def document_positions(documents: torch.Tensor) -> torch.Tensor:
-    """(B, T) document indices -> (B, T) index of each token within its document."""
-    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    return index - torch.where(starts, index, 0).cummax(dim=1).values
-
-
-def document_mask(documents: torch.Tensor) -> torch.Tensor:
-    """(B, T) document indices -> (B, 1, T, T) bool: query i may attend key j when j <= i
-    and both are in one document (block-diagonal causal; one mask serves every head)."""
-    seqlen = documents.shape[1]
-    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=documents.device).tril()
-    return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
 
 
 class RMSNorm(nn.Module):
@@ -196,15 +182,17 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
                 positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """`tokens`: ids, or a previous pipeline stage's hidden states when this stage has no
         embedding. `positions` (T,): the global position of each token when the sequence is a
         shard of a longer one (context parallel); default 0 ... T-1. `documents` (B, T): the
         document index of each token of a packed batch (--doc-mask): a token attends only
         to earlier tokens of its document, and positions count from each document's start.
-        Every pipeline stage is given it, so each builds the same mask."""
+        Every pipeline stage is given it, so each builds the same mask. Or, for a shard of
+        the sequence, `positions` (B, T) and `mask` (B, 1, T, S) as prepared from the whole
+        sequence's documents (context parallel)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        mask = None
         if documents is not None:
             positions, mask = document_positions(documents), document_mask(documents)
         rope = self.rope if positions is None else self.rope[positions]
