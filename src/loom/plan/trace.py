@@ -213,9 +213,12 @@ callback runs between two micro-batches of a pipeline stage."""
 
 
 def traced_documents(tokens: torch.Tensor, cfg: JobConfig) -> torch.Tensor | None:
-    """Under --doc-mask, document ids for the traced tokens, so the (B, 1, T, T) mask each
-    forward builds is counted (its size, not its pattern, is what memory depends on)."""
-    return document_ids(tokens, 0) if cfg.data.doc_mask else None
+    """Under --doc-mask, document ids of the whole sequences the traced tokens belong to
+    (a cp rank's tokens are a shard of them), so the mask each forward builds is counted
+    (its size, not its pattern, is what memory depends on)."""
+    if not cfg.data.doc_mask:
+        return None
+    return document_ids(tokens.new_zeros(tokens.shape[0], cfg.data.seq_len), 0)
 
 
 def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> Step:
