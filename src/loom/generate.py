@@ -82,8 +82,8 @@ def generate(path: Path, prompt: str, max_new_tokens: int, *, temperature: float
     tokenizer: TextTokenizer = load_tokenizer(tokenizer_name or recorded, trust_remote_code)
     check_vocab(model, tokenizer, path)
     if chat:
-        text = template_of(tokenizer, str(path)).render([{"role": "user", "content": prompt}],
-                                                        add_generation_prompt=True)
+        template = template_of(tokenizer, "loom generate --chat")
+        text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         text = prompt
     ids = tokenizer.encode([text])[0] or [tokenizer.eot_id]

@@ -160,11 +160,11 @@ class ChatCorpus:
     """Token offset after each conversation, in order."""
 
 
-def template_of(tokenizer: TextTokenizer, dataset: str) -> ChatTemplate:
+def template_of(tokenizer: TextTokenizer, user: str) -> ChatTemplate:
+    """The tokenizer's chat template, which `user` (what needs it, for the error) renders."""
     if not tokenizer.chat_template:
-        raise ConfigError(f"--dataset {dataset} holds conversations but tokenizer "
-                          f"{tokenizer.name} has no chat template (chat_template in its "
-                          "tokenizer_config.json)")
+        raise ConfigError(f"{user} needs a chat template but tokenizer {tokenizer.name} has "
+                          "none (chat_template in its tokenizer_config.json)")
     try:
         return ChatTemplate(tokenizer.chat_template, tokenizer)
     except TemplateError as e:
@@ -176,7 +176,7 @@ def encode_chat(files: tuple[Path, ...], tokenizer: TextTokenizer, dataset: str,
                 ) -> ChatCorpus:
     """Every conversation of the files rendered and tokenized, in file and line order; a
     conversation with nothing to train on is a ConfigError naming its file and line."""
-    template = template_of(tokenizer, dataset)
+    template = template_of(tokenizer, f"--dataset {dataset} (conversations)")
     ids: list[np.ndarray] = []
     trained: list[np.ndarray] = []
     ends: list[int] = []
