@@ -1,6 +1,7 @@
 """A chat fine-tune of the tiny model end to end: it trains with validation on held-out
 conversations, its loss counts the assistant's tokens only (`labels/valid`), `loom eval`
-scores its checkpoint on the chat data and `loom generate --chat` answers."""
+scores its checkpoint on the chat data and `loom generate --chat` answers. A tiny Hugging
+Face model folder fine-tunes on the same data with its tokenizer's own template."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import json
 from pathlib import Path
 
 from tests.harness import run_ranks
+from tests.hf_models import save_tiny_model
 
 QUESTIONS = [("What is 2 + 2?", "4."), ("Name a primary color.", "Red."),
              ("Say hello.", "Hello!")]
 
 
-def test_chat_fine_tune_trains_evaluates_and_answers(tmp_path: Path) -> None:
-    data = tmp_path / "chat.jsonl"
+def write_chat(data: Path) -> None:
     with data.open("w") as f:
         for i in range(30):
             q, a = QUESTIONS[i % 3]
@@ -22,6 +23,11 @@ def test_chat_fine_tune_trains_evaluates_and_answers(tmp_path: Path) -> None:
                 {"role": "system", "content": "Be brief."}, {"role": "user", "content": q},
                 {"role": "assistant", "content": a}]}
             f.write(json.dumps(row) + "\n")
+
+
+def test_chat_fine_tune_trains_evaluates_and_answers(tmp_path: Path) -> None:
+    data = tmp_path / "chat.jsonl"
+    write_chat(data)
     env = {"HF_HUB_OFFLINE": "1"}
     run = tmp_path / "run"
     train = ["--model", "debug", "--fp32", "--seq-len", "32", "--batch-size", "2"]
@@ -44,3 +50,26 @@ def test_chat_fine_tune_trains_evaluates_and_answers(tmp_path: Path) -> None:
     out = run_ranks(1, ["-m", "loom", "generate", str(step), "--chat", "--prompt",
                         "Say hello.", "--max-new-tokens", "4"], timeout=300, env=env)
     assert out.ok and out.ranks[0].stdout.strip(), out.describe()
+
+
+def test_a_hugging_face_model_fine_tunes_with_its_tokenizers_template(tmp_path: Path) -> None:
+    """The transformers path: the folder's tokenizer template renders the conversations
+    (its role markers are plain text to this tokenizer); packed without the document mask,
+    which loom's attention provides, with a warning."""
+    folder = save_tiny_model(tmp_path / "llama", "llama")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}"
+                               "\n{% endfor %}{% if add_generation_prompt %}### assistant: "
+                               "{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    data = tmp_path / "chat.jsonl"
+    write_chat(data)
+    run = tmp_path / "run"
+    job = run_ranks(1, ["-m", "loom", "train", "--model", str(folder), "--dataset", str(data),
+                        "--fp32", "--seq-len", "32", "--batch-size", "2", "--max-steps", "2",
+                        "--outdir", str(run)], timeout=600, env={"HF_HUB_OFFLINE": "1"})
+    assert job.ok, job.describe()
+    assert "packed without --doc-mask" in job.ranks[0].stdout + job.ranks[0].stderr, \
+        job.describe()
+    rows = [json.loads(line) for line in (run / "metrics-0.jsonl").read_text().splitlines()]
+    assert all(0 < r["labels/valid"] < 32 for r in rows if "labels/valid" in r), rows
