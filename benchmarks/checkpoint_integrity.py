@@ -47,7 +47,7 @@ try:
     from loom.digest import checkpoint_digest
 except ImportError:  # a checkout from before `loom digest` (--compare-with)
     checkpoint_digest = None
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, Transformer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_integrity.json"
 

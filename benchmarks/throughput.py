@@ -136,7 +136,7 @@ def bare_loop(flags: list[str], steps: int, warmup: int, dtype: str) -> dict:
 
     from loom.config import parse_args
     from loom.modeling import model_args
-    from loom.models.llama import Transformer
+    from loom.models.llama.model import Transformer
     from loom.parallel.init import init_weights
 
     cfg = parse_args([*flags, "--fp32"])

@@ -23,7 +23,18 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "gpt_neox": ("GPTNeoXConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    "llama31": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                    rope_parameters=dict(rope_type="llama3", rope_theta=5e5,
+                                                         factor=8.0, low_freq_factor=1.0,
+                                                         high_freq_factor=4.0,
+                                                         original_max_position_embeddings=32))),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16,
+                                         norm_topk_prob=True, tie_word_embeddings=False)),
 }
+"""Native families serve llama, llama31 (RoPE scaling, tied), qwen3 and qwen3_moe; qwen2 and
+gpt_neox take transformers' path."""
 
 
 def corpus_sample(chars: int = 60_000) -> str:
@@ -51,6 +62,11 @@ def save_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
     config_class, extra = ARCHITECTURES[arch]
     config = getattr(transformers, config_class)(**SHAPE, **extra)
     torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms start at ones: a wrong permutation of them would not show
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder)
     save_tokenizer(folder, corpus_sample())
     return folder

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from loom.models.moe import TokenChoiceRouter
+from loom.models.moe.model import TokenChoiceRouter
 from loom.parallel.init import clean_name
 
 ROUTING_FILE = "routing.pt"

@@ -203,7 +203,7 @@ def test_export_loads_in_transformers_with_the_same_logits(resume_runs: Path,
                                                            tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from loom.export import export, load_model_state
-    from loom.models.llama import Transformer
+    from loom.models.llama.model import Transformer
 
     checkpoint = resume_runs / "dp2-resumed" / "checkpoints" / "step-20"
     export(checkpoint, tmp_path / "hf")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, Transformer
 
 
 def tiny_model(args: ModelArgs, seed: int = 0) -> Transformer:

@@ -54,6 +54,12 @@ _CHOICE_GROUP_KEYS = {"foreach": (None, True, False), "fused": (None, True, Fals
 _MODEL_INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                "max_seq_len")
 _MODEL_FLOATS = ("rope_theta", "norm_eps")
+_FAMILY_INTS = ("head_dim", "rope_original_max_seq_len")
+_FAMILY_FLOATS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
+_FAMILY_BOOLS = ("qk_norm", "tie_embeddings")
+_FAMILY_KEYS = {*_FAMILY_INTS, *_FAMILY_FLOATS, *_FAMILY_BOOLS}
+"""Model fields the Llama family added for Hugging Face imports (absent from older
+checkpoints, so optional)."""
 _MOE_INTS = {"n_experts": 1, "top_k": 1, "n_shared_experts": 0, "n_dense_layers": 0}
 """Integer MoE fields and their lowest value."""
 _MOE_FLOATS = ("route_scale", "load_balance_coeff", "aux_loss_coeff")
@@ -188,7 +194,7 @@ def _null(value: Any, where: str) -> None:
 
 
 def _moe_args(args: dict[str, Any]) -> None:
-    """The mixture-of-experts fields a MoE model's args add (loom.models.moe.MoEArgs)."""
+    """The mixture-of-experts fields a MoE model's args add (loom.models.moe.model.MoEArgs)."""
     for key, low in _MOE_INTS.items():
         if key in args:
             _integer(args[key], f"model_args.{key}", low, 2**31 - 1)
@@ -205,8 +211,17 @@ def _moe_args(args: dict[str, Any]) -> None:
 
 def _model_args(value: Any) -> None:
     args = _object(value, "model_args", {*_MODEL_INTS, *_MODEL_FLOATS, "ffn_dim_multiplier",
-                                         "hidden_dim"}, _MOE_KEYS)
+                                         "hidden_dim"}, {*_MOE_KEYS, *_FAMILY_KEYS})
     _moe_args(args)
+    for key in _FAMILY_INTS:
+        if key in args:
+            _integer(args[key], f"model_args.{key}", 1, 2**31 - 1)
+    for key in _FAMILY_FLOATS:
+        if key in args:
+            _number(args[key], f"model_args.{key}", 1e-6, 1e6)
+    for key in _FAMILY_BOOLS:
+        if key in args and type(args[key]) is not bool:
+            raise SchemaError(f"model_args.{key} is not true or false")
     for key in _MODEL_INTS:
         _integer(args[key], f"model_args.{key}", 1, 2**31 - 1)
     for key in _MODEL_FLOATS:

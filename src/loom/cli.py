@@ -95,9 +95,8 @@ def run_train(argv: Sequence[str]) -> int:
             quiet_upstream_notices()
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
         check_outdir(cfg.output.outdir)
-        from loom import train  # lazy: bad flags fail before the model/parallel imports
-
-        train.main(cfg, info)
+        # Loaded by name, as COMMANDS are: bad flags fail before the model/parallel imports.
+        importlib.import_module("loom.train").main(cfg, info)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

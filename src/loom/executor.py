@@ -10,6 +10,7 @@ from torch import nn
 from loom.config import JobConfig
 from loom.losses import build_criterion
 from loom.mesh import ParallelDims
+from loom.models.registry import named_part
 from loom.parallel.pipeline import PipelineExecutor
 from loom.step import AccumulationExecutor, StepExecutor
 
@@ -19,7 +20,7 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
     """The pipelined executor under --pp > 1, else the accumulation loop; the criterion
     projects through the head of the last part (held by the pipeline's last stage).
     `eot_id`: the data's end-of-text id, which --doc-mask splits documents at."""
-    criterion = build_criterion(cfg.loss, getattr(parts[-1], "output", None), dims.tp)
+    criterion = build_criterion(cfg.loss, named_part(parts[-1], "output"), dims.tp)
     if dims.pp_enabled:
         executor: StepExecutor = PipelineExecutor(parts, criterion, cfg, dims, device)
     else:

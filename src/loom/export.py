@@ -1,116 +1,141 @@
-"""`loom export`: a checkpoint's model as safetensors in Hugging Face Llama layout.
+"""`loom export`: a checkpoint's model as a Hugging Face folder transformers loads.
 
-loom's RoPE rotates interleaved channel pairs (2i, 2i+1); Hugging Face Llama rotates the
-two halves of each head (i, i + d/2). The q and k projections' rows are permuted per head
-so that the exported model computes the same logits.
+A native family's run goes to the architecture its adapter names (Llama, Qwen3, or
+Qwen3-MoE where the MoE has that shape; otherwise one line names the feature with no
+Hugging Face equivalent); a transformers-path run to its own architecture. Tensors are read
+from the checkpoint and written one at a time (safetensors, sharded with an index above
+5 GB), into a staging folder renamed into place only after the export checked itself:
+transformers loads it, without remote code, and its logits on a fixed batch match loom's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
+import struct
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from loom.checkpoint_format import DATA_FILE, TensorReader
 from loom.checkpoint_trust import UnusableCheckpoint, read_loop, verify_checkpoint
-from loom.config import ConfigError
-from loom.data.tokenizers import SHIPPED_FLAG, load_tokenizer, save_tokenizer, tokenizer_name
-from loom.models.llama import ModelArgs, Transformer
+from loom.config import ConfigError, ModelConfig
+from loom.data.tokenizers import (
+    SHIPPED_FLAG,
+    TextTokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_name,
+)
+from loom.models.hf_checkpoint import INDEX, SINGLE
+from loom.models.registry import export_adapter, family
+from loom.models.spec import ModelSpec
+from loom.models.transformers.model import hf_model_from_config, load_hf_model
 from loom.preflight import check_host_fits
 from loom.safe_io import read_json_capped, write_text_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-KINDS = {"moe": "a mixture-of-experts model", "hf": "the Hugging Face model"}
-
-
-def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's output rows from pairs (2i, 2i+1) to halves (i, i + d/2)."""
-    out_dim, in_dim = weight.shape
-    head_dim = out_dim // n_heads
-    return (weight.view(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2)
-            .reshape(out_dim, in_dim))
-
-
-def hf_state_dict(model_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Rename (and for q/k permute) loom's parameters into transformers' LlamaForCausalLM."""
-    out = {"model.embed_tokens.weight": model_sd["tok_embeddings.weight"],
-           "model.norm.weight": model_sd["norm.weight"],
-           "lm_head.weight": model_sd["output.weight"]}
-    names = {"attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
-             "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm",
-             "ffn_norm": "post_attention_layernorm"}
-    for i in range(args.n_layers):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        for ours, theirs in names.items():
-            out[f"{dst}{theirs}.weight"] = model_sd[f"{src}{ours}.weight"]
-        out[f"{dst}self_attn.q_proj.weight"] = interleaved_to_halves(
-            model_sd[f"{src}attention.wq.weight"], args.n_heads)
-        out[f"{dst}self_attn.k_proj.weight"] = interleaved_to_halves(
-            model_sd[f"{src}attention.wk.weight"], args.n_kv_heads)
-    return out
-
-
-def hf_config(args: ModelArgs, dtype: str) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
-            "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
-            "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
-            "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
-            "mlp_bias": False, "torch_dtype": "float32" if dtype == "fp32" else "bfloat16"}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
+MAX_SHARD_BYTES = 5 * 1024**3
+"""Shard size above which the weights are split across files with an index, as the Hub
+does."""
+VERIFY_TOLERANCE = 1e-4
+"""Largest |logit difference| / max |logit| accepted between transformers and loom."""
 
 
 HOST_COPIES = 3
-"""Copies of the weights export and generate hold at once (loaded, converted or a second
+"""Copies of the weights `loom generate` and export's check hold at once (loaded, a second
 model, serialised), for the memory check."""
 
 
-def check_model_bytes(args: ModelArgs, checkpoint: Path, manifest: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class RunModel:
+    """What a checkpoint holds: its family, the family's arguments and the run's model
+    settings (transformers-path runs: the Hugging Face name)."""
+
+    spec: ModelSpec
+    args: Any
+    model_cfg: ModelConfig
+    checkpoint: Path
+
+    def build(self) -> nn.Module:
+        if self.spec.name == "transformers":
+            return hf_model_from_config(self.model_cfg, dtype=torch.float32)
+        return self.spec.build(self.args)
+
+
+def run_model(checkpoint: Path) -> RunModel:
+    """Verify a checkpoint and say which model it holds (nothing loaded yet)."""
+    manifest = verify_checkpoint(checkpoint)
+    loop = read_loop(checkpoint)
+    arch = loop["architecture"]
+    if arch.get("kind") == "hf":
+        settings = run_config(checkpoint).get("model", {})
+        model_cfg = ModelConfig(model=arch.get("model"), model_impl="transformers",
+                                trust_remote_code=bool(settings.get("trust_remote_code")))
+        return RunModel(family("transformers"), model_cfg, model_cfg, checkpoint)
+    name = arch.get("family") or ("moe" if arch.get("kind") == "moe" else "llama")
+    spec = family(name)
+    model_cfg = ModelConfig(**loop["model_args"], family=name)
+    held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint)
+    check_model_bytes(held, manifest)
+    return held
+
+
+def check_model_bytes(held: RunModel, manifest: dict[str, Any]) -> None:
     """The model that `model_args` describe is no larger than the checkpoint's data files
     (which hold its fp32 weights), and fits in memory with its buffers, before anything is
     allocated: a crafted `max_seq_len` or `dim` stops here in one line."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = held.build()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     stored = sum(r["bytes"] for name, r in manifest["files"].items() if DATA_FILE.match(name))
     if weights > stored:
-        raise UnusableCheckpoint(f"checkpoint {checkpoint} is unsafe: loop.json model_args "
-                                 f"describe {weights:,} bytes of weights, its data files hold "
-                                 f"{stored:,}")
-    check_host_fits(HOST_COPIES * weights + buffers, f"the model of {checkpoint}")
+        raise UnusableCheckpoint(f"checkpoint {held.checkpoint} is unsafe: loop.json "
+                                 f"model_args describe {weights:,} bytes of weights, its data "
+                                 f"files hold {stored:,}")
+    check_host_fits(HOST_COPIES * weights + buffers, f"the model of {held.checkpoint}")
 
 
-def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], ModelArgs]:
-    """Verify a checkpoint and read its full (unsharded) model in this one process."""
-    manifest = verify_checkpoint(checkpoint)
-    loop = read_loop(checkpoint)
-    kind, name = loop["architecture"].get("kind"), loop["architecture"].get("model")
-    if kind != "dense":
-        held = KINDS.get(kind, f"a {kind} model") + (f" {name}" if name else "")
-        raise ConfigError(f"cannot export {checkpoint}: it holds {held}; loom export writes "
-                          "dense loom models only; nothing was written")
-    args = ModelArgs(**loop["model_args"])
-    check_model_bytes(args, checkpoint, manifest)
-    state = {"model": Transformer(args).state_dict()}
+def read_state(checkpoint: Path, state: dict[str, torch.Tensor]) -> None:
+    """Fill `state` (names as in the model) from the checkpoint with loom's pickle-free
+    reader; only the named tensors are read."""
     try:
-        dcp.load(state, storage_reader=TensorReader(checkpoint), no_dist=True)
+        with warnings.catch_warnings():  # its note that it loads in one process: intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, storage_reader=TensorReader(checkpoint), no_dist=True)
     except CheckpointException as e:  # a BaseException: names the first rank's failure
         failure = next(iter(e.failures.values()), (e,))[0]
         reason = f"{type(failure).__name__}: {failure}"
         raise UnusableCheckpoint(f"checkpoint {checkpoint} cannot be loaded: "
                                  f"{' '.join(reason.split())[:300]}") from None
-    return state["model"], args
+
+
+def load_run_model(checkpoint: Path) -> tuple[nn.Module, RunModel]:
+    """The checkpoint's whole model in this one process (fp32, training mode)."""
+    held = run_model(checkpoint)
+    model = held.build()
+    state = model.state_dict()
+    read_state(checkpoint, state)
+    model.load_state_dict(state)
+    return model, held
+
+
+def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """The checkpoint's full model state and its family's arguments."""
+    model, held = load_run_model(checkpoint)
+    return model.state_dict(), held.args
 
 
 def run_tokenizer(checkpoint: Path) -> str | None:
@@ -139,33 +164,180 @@ def run_config(checkpoint: Path) -> dict[str, Any]:
     return tables
 
 
-def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
-           trust_remote_code: bool = False) -> str:
-    """Write the model, and the run's tokenizer when the embedding covers it; returns what
-    was written, for the one line `loom export` prints."""
-    from safetensors.torch import save_file
+Tensors = Callable[[Callable[[str], torch.Tensor]], Iterator[tuple[str, torch.Tensor]]]
+"""Given a reader of loom tensors by name, the exported (name, tensor) pairs in order."""
 
-    model_sd, args = load_model_state(checkpoint)
-    tensors = {name: value.to(DTYPES[dtype]).contiguous()
-               for name, value in hf_state_dict(model_sd, args).items()}
+
+def export_plan(held: RunModel, dtype: str) -> tuple[dict[str, Any], Tensors, dict[str, Any]]:
+    """(config.json, the tensors to write, loom shapes by name) of the export; a model with
+    no Hugging Face equivalent fails here, in one line, before anything is written."""
+    with torch.device("meta"):
+        model = held.build()
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if held.spec.name == "transformers":
+        config = json.loads(model.hf.config.to_json_string())
+        config["dtype"] = "float32" if dtype == "fp32" else "bfloat16"
+        names = [name for name, _ in model.named_parameters()] + [
+            name for name, _ in model.named_buffers() if name in shapes]
+
+        def tensors(read: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name in names:
+                yield name.removeprefix("hf."), read(name)
+
+        return config, tensors, shapes
+    try:
+        adapter = export_adapter(held.spec, held.args)
+    except ConfigError as e:
+        raise ConfigError(f"cannot export {held.checkpoint}: {e}; nothing was written") from None
+    args = adapter.settle(held.args, reader(held.checkpoint, shapes))
+    return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(args, read), shapes
+
+
+def shard_layout(entries: list[tuple[str, torch.Size, torch.dtype]],
+                 limit: int) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+    """Consecutive tensors grouped into shards of at most `limit` bytes (a larger tensor
+    gets a shard of its own)."""
+    shards: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
+    size = 0
+    for name, shape, dt in entries:
+        nbytes = math.prod(shape) * dt.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape, dt))
+        size += nbytes
+    return shards
+
+
+def safetensors_header(shard: list[tuple[str, torch.Size, torch.dtype]]) -> bytes:
+    """The header of a safetensors file holding `shard` in order: an 8-byte length, then
+    JSON padded with spaces to a multiple of 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dt in shard:
+        nbytes = math.prod(shape) * dt.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dt], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_weights(folder: Path, tensors: Tensors, read: Callable[[str], torch.Tensor],
+                  shapes: dict[str, Any], dt: torch.dtype, limit: int) -> int:
+    """Stream the exported tensors into safetensors files (one in memory at a time); the
+    layout is planned first from meta tensors of the same shapes. Returns the file count."""
+    entries = [(name, tuple(t.shape), dt) for name, t in
+               tensors(lambda n: torch.empty(shapes[n], device="meta"))]
+    shards = shard_layout(entries, limit)
+    files = ([SINGLE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    stream = tensors(read)
+    weight_map = {}
+    for file, shard in zip(files, shards, strict=True):
+        with open(folder / file, "wb") as f:
+            f.write(safetensors_header(shard))
+            for name, shape, _ in shard:
+                got, tensor = next(stream)
+                assert got == name and tuple(tensor.shape) == shape, (got, name)
+                f.write(tensor.detach().to(dt).contiguous().view(torch.uint8).numpy().tobytes())
+                weight_map[name] = file
+    if len(files) > 1:
+        total = sum(math.prod(s) * dt.itemsize for _, s, _ in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_text_atomic(folder / INDEX, json.dumps(index, indent=2) + "\n")
+    return len(files)
+
+
+def reader(checkpoint: Path, shapes: dict[str, Any]) -> Callable[[str], torch.Tensor]:
+    def read(name: str) -> torch.Tensor:
+        state = {name: torch.empty(shapes[name])}
+        read_state(checkpoint, state)
+        return state[name]
+
+    return read
+
+
+def generation_config(tokenizer: TextTokenizer | None) -> dict[str, Any]:
+    eos = None if tokenizer is None else tokenizer.eot_id
+    return {"bos_token_id": eos, "eos_token_id": eos, "do_sample": False,
+            "transformers_version": "loom"}
+
+
+def verify_export(folder: Path, checkpoint: Path, dtype: str) -> float:
+    """Load the export with transformers (CPU, no remote code) and compare its logits on a
+    fixed batch with loom's own model of the checkpoint (its weights rounded to `dtype` as
+    exported); returns the largest difference relative to the largest logit."""
+    model, _ = load_run_model(checkpoint)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.copy_(tensor.to(DTYPES[dtype]))
+    hf = load_hf_model(ModelConfig(model=str(folder.resolve())))
+    vocab = hf.hf.config.vocab_size
+    tokens = torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.eval()(tokens).float()
+        theirs = hf.eval()(tokens).float()
+    diff = float((ours - theirs).abs().max() / ours.abs().max().clamp(min=1e-30))
+    if not diff <= VERIFY_TOLERANCE:
+        raise ConfigError(f"export check failed: transformers' logits differ from loom's by "
+                          f"{diff:.2e} of the largest (tolerance {VERIFY_TOLERANCE:g}); "
+                          "nothing was written")
+    return diff
+
+
+def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
+           trust_remote_code: bool = False, verify: bool = True,
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+    """Write the model, its config and generation config, and the run's tokenizer when the
+    embedding covers it; returns what was written, for the one line `loom export` prints."""
+    held = run_model(checkpoint)
+    config, tensors, shapes = export_plan(held, dtype)
+    tokenizer_id = run_tokenizer(checkpoint)
+    tokenizer = load_tokenizer(tokenizer_id, trust_remote_code)
+    vocab = config.get("vocab_size", 0)
+    staging = outdir.parent / f".{outdir.name}.partial"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        n_files = write_weights(staging, tensors, reader(checkpoint, shapes), shapes,
+                                DTYPES[dtype], max_shard_bytes)
+        write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
+        covered = tokenizer.size <= vocab
+        write_text_atomic(staging / "generation_config.json", json.dumps(
+            generation_config(tokenizer if covered else None), indent=2) + "\n")
+        if covered:
+            save_tokenizer(tokenizer_id, staging, trust_remote_code)
+        checked = ""
+        if verify:
+            diff = verify_export(staging, checkpoint, dtype)
+            checked = f"; checked: transformers' logits match loom's (max diff {diff:.1e})"
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     outdir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(outdir / "model.safetensors"), metadata={"format": "pt"})
-    write_text_atomic(outdir / "config.json", json.dumps(hf_config(args, dtype), indent=2) + "\n")
-    tokenizer = run_tokenizer(checkpoint)
-    size = load_tokenizer(tokenizer, trust_remote_code).size
-    if size > args.vocab_size:  # e.g. a --dataset random run with a small --vocab-size
-        return (f"model only: its {args.vocab_size}-row embedding is smaller than tokenizer "
-                f"{tokenizer or SHIPPED_FLAG} ({size} tokens)")
-    save_tokenizer(tokenizer, outdir, trust_remote_code)
-    return f"model and tokenizer {tokenizer or SHIPPED_FLAG}"
+    for item in staging.iterdir():
+        item.replace(outdir / item.name)
+    staging.rmdir()
+    what = (f"model and tokenizer {tokenizer_id or SHIPPED_FLAG}" if covered else
+            f"model only: its {vocab}-row embedding is smaller than tokenizer "
+            f"{tokenizer_id or SHIPPED_FLAG} ({tokenizer.size} tokens)")
+    return f"{config['architectures'][0]}, {n_files} safetensors file(s), {what}{checked}"
 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="loom export",
-                                     description="write a checkpoint as a HF Llama model")
+                                     description="write a checkpoint as a Hugging Face model")
     parser.add_argument("checkpoint", type=Path, help="a checkpoints/step-N folder")
-    parser.add_argument("outdir", type=Path, help="folder for model.safetensors + config.json")
+    parser.add_argument("outdir", type=Path, help="folder for the Hugging Face model")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES,
+                        help="split the weights into files of at most this size (with an "
+                        "index)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip loading the export with transformers to compare logits")
     parser.add_argument("--verbose", action="store_true", help="show upstream notices")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the code the run's tokenizer folder or repo ships")
@@ -176,7 +348,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: {opts.checkpoint} is not a loom checkpoint folder", file=sys.stderr)
         return 2
     try:
-        written = export(opts.checkpoint, opts.outdir, opts.dtype, opts.trust_remote_code)
+        written = export(opts.checkpoint, opts.outdir, opts.dtype, opts.trust_remote_code,
+                         verify=not opts.no_verify, max_shard_bytes=opts.max_shard_bytes)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """`loom generate CHECKPOINT --prompt TEXT`: continue a prompt with a trained model, in one
 process, so a user can see what training produced.
 
-A loom checkpoint is read through `loom.export.load_model_state` (DCP with loom's
+A loom checkpoint is read through `loom.export.load_run_model` (DCP with loom's
 pickle-free reader); a Hugging Face folder (e.g. from `loom export`) through transformers.
 Greedy by default; --temperature and --top-k sample. No KV cache: each new token runs the
 whole window again, which is fine for the short samples this is meant for.
@@ -21,9 +21,8 @@ from torch import nn
 from loom.config import ConfigError, ModelConfig
 from loom.data.chat import template_of
 from loom.data.tokenizers import TextTokenizer, load_tokenizer
-from loom.export import load_model_state, run_config
-from loom.models.hf import load_hf_model
-from loom.models.llama import Transformer
+from loom.export import load_run_model, run_tokenizer
+from loom.models.transformers.model import load_hf_model
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 """Token ids (1, T) -> logits (1, T, V)."""
@@ -34,11 +33,11 @@ def load_model(path: Path, trust_remote_code: bool = False
     """(model in eval mode, context length, tokenizer recorded by the run or None)."""
     if (path / "loop.json").is_file():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # by design
-        state, args = load_model_state(path)
-        model = Transformer(args)
-        model.load_state_dict(state)
-        tokenizer = run_config(path).get("data", {}).get("tokenizer_name")
-        return model.eval(), args.max_seq_len, tokenizer
+        model, held = load_run_model(path)
+        tokenizer = run_tokenizer(path)
+        context = (held.args.max_seq_len if held.spec.name != "transformers"
+                   else model.hf.config.max_position_embeddings)
+        return model.eval(), context, tokenizer
     if (path / "config.json").is_file():
         model = load_hf_model(ModelConfig(model=str(path.resolve()),
                                           trust_remote_code=trust_remote_code))

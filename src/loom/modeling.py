@@ -1,29 +1,96 @@
-"""The model a config describes: its arguments, taken from the config fields of the same
-name (never copied by hand), and the unparallelized module."""
+"""The model a config describes: which family builds it (resolved once, here), its
+arguments (taken from the config fields of the same name) and the unparallelized module."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from torch import nn
 
-from loom.config import JobConfig
-from loom.models.hf import hf_model_from_config, is_hf
-from loom.models.llama import ModelArgs, Transformer
-from loom.models.moe import MoEArgs, MoETransformer
+from loom.config import ConfigError, JobConfig
+from loom.config.sources import fit_transformers_model
+from loom.models.registry import families, for_architectures, for_config
+from loom.models.transformers.model import hf_source
+from loom.models.transformers.spec import LIMITS
+from loom.safe_io import read_json_capped
+
+logger = logging.getLogger("loom")
+
+BEHAVIOUR_FIELDS = ("load_balance_coeff", "aux_loss_coeff")
+"""Fields an import fills (the checkpoint has no such setting) but an explicit flag keeps."""
 
 
-def model_args(cfg: JobConfig) -> ModelArgs:
-    """The arguments of loom's model: MoEArgs when --n-experts > 0, else ModelArgs; each
-    field comes from the config field of the same name."""
-    cls = MoEArgs if cfg.model.n_experts else ModelArgs
-    return cls(**{f.name: getattr(cfg.model, f.name) for f in fields(cls)})
+def model_args(cfg: JobConfig) -> Any:
+    """The arguments of the config's family (loom's: a frozen dataclass)."""
+    return for_config(cfg.model).args_from_config(cfg.model)
 
 
 def plain_model(cfg: JobConfig) -> nn.Module:
-    """The unparallelized model on the current device: dense, or MoE when --n-experts > 0
-    (a Hugging Face --model: its architecture with fresh weights)."""
-    if is_hf(cfg.model):
-        return hf_model_from_config(cfg.model)
-    args = model_args(cfg)
-    return MoETransformer(args) if isinstance(args, MoEArgs) else Transformer(args)
+    """The unparallelized model on the current device (a transformers-path model: its
+    architecture with fresh weights)."""
+    spec = for_config(cfg.model)
+    return spec.build(spec.args_from_config(cfg.model))
+
+
+def hub_config(name: str) -> dict[str, Any]:
+    """A Hugging Face model's config.json (a local folder's, or the hub's, cached), read as
+    data with a size cap: nothing in it runs."""
+    source = hf_source(name)
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        from huggingface_hub import hf_hub_download  # optional: only hub ids reach here
+
+        path = Path(hf_hub_download(source, "config.json"))
+    try:
+        config = read_json_capped(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {name}: its config.json is unusable ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--model {name}: its config.json is not a JSON object")
+    return config
+
+
+def resolve_model(cfg: JobConfig) -> JobConfig:
+    """For a Hugging Face --model, decide once which implementation runs it and record why:
+    a native family (its shape filled from config.json) where one serves the architecture
+    and --model-impl allows, else transformers' module. Other models pass unchanged."""
+    m = cfg.model
+    if not m.from_hub_format or m.model_impl_reason is not None:
+        for_config(m)  # an unknown --family fails here, in one line
+        return cfg
+    hf = hub_config(m.model)
+    architectures = hf.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ConfigError(f"--model {m.model}: config.json's architectures is not a list of names")
+    found = for_architectures(architectures)
+    served = sorted({a for s in families() for adapter in s.hf for a in adapter.architectures})
+    shown = ", ".join(architectures) or "no architecture"
+    if m.model_impl == "native" and found is None:
+        raise ConfigError(f"--model-impl native: no native family serves {shown} (native: "
+                          f"{', '.join(served)}); use --model-impl auto or transformers")
+    if m.model_impl == "transformers" or found is None:
+        why = ("--model-impl transformers" if m.model_impl == "transformers"
+               else f"no native family serves {shown}")
+        logger.info("model %s: transformers' module (%s); that path cannot use %s", m.model,
+                    why, LIMITS)
+        model = replace(m, model_impl="transformers", model_impl_reason=why)
+        return fit_transformers_model(replace(cfg, model=model))
+    spec, adapter = found
+    try:
+        fields = adapter.fields_from_hf(hf)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--model {m.model}: {shown} with {e} has no native equivalent; "
+                          "pass --model-impl transformers") from None
+    for name in BEHAVIOUR_FIELDS:
+        if name in cfg.explicit:
+            fields.pop(name, None)
+    if cfg.data.seq_len > fields["max_seq_len"]:
+        raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's "
+                          f"max_position_embeddings {fields['max_seq_len']}")
+    why = f"{shown} is served by loom's {spec.name} family"
+    logger.info("model %s: native (%s)", m.model, why)
+    return replace(cfg, model=replace(m, **fields, model_impl="native", family=spec.name,
+                                      model_impl_reason=why))

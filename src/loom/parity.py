@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from loom.config import parse_args
 from loom.mesh import ParallelDims
+from loom.modeling import resolve_model
 from loom.parallel.context import shard_batch
 from loom.parallel.init import clean_name
 from loom.runtime import RankInfo
@@ -56,7 +57,7 @@ def build_trainer(argv: Sequence[str], info: RankInfo, device: torch.device) -> 
     """A trainer for `loom train` flags in the already initialised process group. Compiled
     code of an earlier configuration is dropped first: dynamo would reuse it as it is."""
     torch._dynamo.reset()
-    cfg = parse_args(argv)
+    cfg = resolve_model(parse_args(argv))
     return Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size), device)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-PRESETS: dict[str, dict[str, int | float | str]] = {
+PRESETS: dict[str, dict[str, int | float | str | bool]] = {
     "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=128,
                   seq_len=256, batch_size=1),
     "s": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, multiple_of=256,
@@ -36,6 +36,26 @@ PRESETS: dict[str, dict[str, int | float | str]] = {
                      hidden_dim=18432, n_experts=256, top_k=8, n_shared_experts=1,
                      moe_hidden_dim=2048, n_dense_layers=3, route_scale=2.5,
                      seq_len=4096, batch_size=1),  # DeepSeek-V3 shape: 672B total, 38.7B active
+    # The Hub's checkpoints people start from, by shape (plan them offline; train them
+    # with --model <their folder>, which fills these fields from its config.json).
+    "llama-3.2-1b": dict(family="llama", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                         hidden_dim=8192, vocab_size=128256, rope_theta=500000.0,
+                         rope_factor=32.0, tie_embeddings=True, max_seq_len=131072,
+                         seq_len=2048, batch_size=1),
+    "llama-3.1-8b": dict(family="llama", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         hidden_dim=14336, vocab_size=128256, rope_theta=500000.0,
+                         rope_factor=8.0, max_seq_len=131072, seq_len=8192, batch_size=1),
+    "qwen3-0.6b": dict(family="qwen3", dim=1024, n_layers=28, n_heads=16, n_kv_heads=8,
+                       head_dim=128, qk_norm=True, hidden_dim=3072, vocab_size=151936,
+                       rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+                       max_seq_len=40960, seq_len=4096, batch_size=1),
+    "qwen3-30b-a3b": dict(family="qwen3-moe", dim=2048, n_layers=48, n_heads=32,
+                          n_kv_heads=4, head_dim=128, qk_norm=True, hidden_dim=6144,
+                          vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6,
+                          n_experts=128, top_k=8, n_shared_experts=0, moe_hidden_dim=768,
+                          n_dense_layers=0, score_func="softmax", route_norm=True,
+                          load_balance_coeff=0.0, max_seq_len=40960, seq_len=4096,
+                          batch_size=1),
 }
 
 ALIASES: dict[str, str] = {
@@ -53,7 +73,7 @@ def is_hf_model(name: str) -> bool:
     return "/" in name
 
 
-def resolve_preset(name: str) -> tuple[str, dict[str, int | float | str]]:
+def resolve_preset(name: str) -> tuple[str, dict[str, int | float | str | bool]]:
     """Return the canonical preset name and its fields; raise ValueError listing the choices."""
     canonical = ALIASES.get(name, name)
     if canonical not in PRESETS:

@@ -21,7 +21,6 @@ from loom.data.loaders import build_datasets
 from loom.losses import resolve_loss_impl
 from loom.mesh import ParallelDims
 from loom.modeling import model_args, plain_model
-from loom.models.hf import is_hf
 from loom.parallel.hf import resolve_hf_model
 from loom.precision import Precision, resolve_precision
 from loom.preflight import available_memory_bytes, check_model_fits
@@ -52,7 +51,7 @@ class Resolved:
 def check_fits(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
     """Fail in one line, before the data or the model is allocated, on a model too large
     for this device (the vocab is the flag's: a tokenizer may replace it with its own)."""
-    if is_hf(cfg.model):
+    if cfg.model.runs_transformers:
         return
     with torch.device("meta"):
         model = plain_model(cfg)

@@ -23,8 +23,7 @@ from loom.checkpoint_schema import (
 )
 from loom.checkpoint_trust import UnusableCheckpoint, read_json, read_loop, verify_checkpoint
 from loom.config import ConfigError, JobConfig
-from loom.models.hf import is_hf
-from loom.models.llama import ModelArgs
+from loom.models.llama.model import ModelArgs
 
 logger = logging.getLogger("loom")
 
@@ -194,6 +193,9 @@ def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any], path: Path) -> J
 def rescale_lr(optimizer: Any, scheduler: Any, saved_lr: float, lr: float) -> None:
     """--lr given again on resume: the loaded optimizer and scheduler state carry the saved
     peak lr, and every scheduled lr is proportional to it."""
+    if saved_lr == 0:
+        raise ConfigError(f"--lr {lr}: the checkpoint was trained at --lr 0, whose schedule "
+                          "cannot be rescaled; start a new run from it instead")
     scale = lr / saved_lr
     scheduler.base_lrs = [base * scale for base in scheduler.base_lrs]
     scheduler._last_lr = [last * scale for last in scheduler.get_last_lr()]
@@ -206,10 +208,17 @@ def architecture(cfg: JobConfig, args: ModelArgs) -> dict[str, Any]:
     """What the parameters' shapes depend on: the kind of model (dense, moe or hf) and its
     sizes; a resumed run must match it field by field."""
     m = cfg.model
-    kind = "hf" if is_hf(m) else "moe" if m.n_experts else "dense"
+    kind = "hf" if m.runs_transformers else "moe" if m.n_experts else "dense"
     arch: dict[str, Any] = {"kind": kind}
     if kind == "hf":
         arch["model"] = m.model
+    if kind != "hf" and m.family is not None:  # absent before families had names
+        arch["family"] = m.family
+    if kind != "hf" and getattr(args, "qk_norm", False):
+        arch["qk_norm"] = 1
+    head_dim = getattr(args, "head_dim", None)
+    if kind != "hf" and head_dim is not None and head_dim != args.dim // args.n_heads:
+        arch["head_dim"] = head_dim
     names = _SHAPE_FIELDS if kind == "hf" else (*_SHAPE_FIELDS, *_LOOM_FIELDS)
     arch.update({f: getattr(args, f) for f in names})
     if kind == "moe":

@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Iterator
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +19,22 @@ from torch import nn
 from loom import flight
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
-from loom.data.loaders import build_dataloader, end_of_text
+from loom.data.loaders import build_dataloader, end_of_text, on_node_leaders
 from loom.data.streaming import data_state, restore_data_state
 from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
 from loom.executor import build_executor
+from loom.export import export
+from loom.extensions import convert_model
 from loom.host_memory import retain_freed_memory
 from loom.mesh import ParallelDims
 from loom.metrics import RunPlace, build_metrics, environment_facts
-from loom.modeling import model_args, plain_model
-from loom.models.hf import is_hf
+from loom.modeling import model_args, plain_model, resolve_model
 from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from loom.parallel.context import shard_batch
 from loom.parallel.expert import update_expert_bias
-from loom.parallel.hf_load import build_hf_model
-from loom.parallel.init import init_weights
+from loom.parallel.hf_load import build_hf_model, open_native_checkpoint
+from loom.parallel.init import init_weights, load_weights
 from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import split_stages
 from loom.profiling import maybe_profile
@@ -149,17 +151,30 @@ class Trainer:
 
     def build_model_parts(self) -> list[nn.Module]:
         """This rank's model parts: the whole model, or its pipeline stages, each built on
-        the meta device, parallelized, then filled by the name-seeded init."""
-        if is_hf(self.cfg.model):  # pretrained weights, read on rank 0 and broadcast as shards
-            parts = [build_hf_model(self.cfg, self.dims, self.device, backend_for(self.device))]
+        the meta device, parallelized, then filled: by the name-seeded init, or from a
+        Hugging Face checkpoint a native family imports (each tensor read by the first rank
+        of its mesh and scattered). transformers' module has its own loader."""
+        cfg = self.cfg
+        if cfg.model.runs_transformers:
+            return self.log_size([build_hf_model(cfg, self.dims, self.device,
+                                                 backend_for(self.device))])
+        with torch.device("meta"):
+            whole = plain_model(cfg)
+            parts = split_stages(whole, cfg.parallel, self.dims)
+        if cfg.model.from_hub_format:
+            read = open_native_checkpoint(cfg, whole).read
+            fill = partial(load_weights, device=self.device, read=read)
         else:
-            with torch.device("meta"):
-                parts = split_stages(plain_model(self.cfg), self.cfg.parallel, self.dims)
-            for part in parts:
-                parallelize(part, self.dims, self.cfg.parallel,
-                            loss_parallel=self.cfg.loss.loss_impl == "loss-parallel",
-                            backend=backend_for(self.device))
-                init_weights(part, self.seed, self.device)
+            fill = partial(init_weights, seed=self.seed, device=self.device)
+        for part in parts:
+            convert_model(part, cfg)  # float8, QAT...: before tensor parallel sees the modules
+            parallelize(part, self.dims, cfg.parallel,
+                        loss_parallel=cfg.loss.loss_impl == "loss-parallel",
+                        backend=backend_for(self.device))
+            fill(part)
+        return self.log_size(parts)
+
+    def log_size(self, parts: list[nn.Module]) -> list[nn.Module]:
         n_params = sum(p.numel() for part in parts for p in part.parameters())
         logger.info("model: %s, %.2fM parameters in this rank's part(s)",
                     self.cfg.model.model or "custom", n_params / 1e6)
@@ -309,6 +324,18 @@ class Trainer:
         if ckpt.due(step) or (final and ckpt.enabled):
             self.save_checkpoint()
 
+    def save_hf(self) -> None:
+        """Global rank 0 exports the final checkpoint to <outdir>/hf as `loom export` does;
+        the other ranks wait, and a failure ends every rank with rank 0's line."""
+        checkpoint = self.checkpointer.root / f"step-{self.loop.step}"
+        target = self.checkpointer.root.parent / "hf"
+
+        def write() -> None:
+            done = export(checkpoint, target, trust_remote_code=self.cfg.model.trust_remote_code)
+            logger.info("--save-hf: %s -> %s (%s)", checkpoint, target, done)
+
+        on_node_leaders(write, leader=self.info.rank == 0)
+
     def save_checkpoint(self) -> None:
         start = time.perf_counter()
         self.checkpointer.save(self.loop.step, self.model, self.optimizer, {
@@ -329,6 +356,8 @@ def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
     trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size), device)
     try:
         trainer.fit()
+        if trainer.cfg.checkpoint.save_hf:
+            trainer.save_hf()
     finally:
         trainer.close()
     return trainer
@@ -337,7 +366,7 @@ def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
 def main(cfg: JobConfig, info: RankInfo) -> None:
     """Train a validated config (see `loom.cli.run_train`, which checks the flags and the
     mesh before any heavy import or collective)."""
-    cfg = resume_on_restart(cfg, info.restarts)
+    cfg = resolve_model(resume_on_restart(cfg, info.restarts))
     for warning in cfg.warnings:
         logger.warning(warning)
     device = init_distributed(info, collective_timeout_s(cfg.train.comm_timeout_s))

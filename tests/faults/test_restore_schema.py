@@ -5,12 +5,16 @@ the command line says)."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
 from loom.checkpoint_schema import (
+    _FAMILY_KEYS,
+    _MODEL_FLOATS,
+    _MODEL_INTS,
     _MOE_KEYS,
     SchemaError,
     check_loop,
@@ -19,7 +23,8 @@ from loom.checkpoint_schema import (
 )
 from loom.checkpoint_trust import UnusableCheckpoint, read_loop
 from loom.config import ConfigError
-from loom.models.moe import MOE_FIELDS
+from loom.models.llama.model import ModelArgs
+from loom.models.moe.model import MOE_FIELDS
 from tests.faults.test_checkpoint_trust import TINY, copy_run, loom, one_line, reseal
 
 
@@ -198,3 +203,14 @@ def test_a_checkpoint_that_reads_another_dataset_stops_in_one_line(run: Path, tm
     assert one_line(proc) == (f"error: --resume {step2}: what the run reads differs from the "
                               f"checkpoint's: --dataset: checkpoint {secret}, this run random; "
                               "pass --resume-new-data to continue on other data")
+
+
+def test_every_dense_model_field_is_in_schema(run: Path) -> None:
+    """The schema names exactly ModelArgs' fields; an imported family's field of the wrong
+    kind is refused."""
+    named = {*_MODEL_INTS, *_MODEL_FLOATS, "ffn_dim_multiplier", "hidden_dim", *_FAMILY_KEYS}
+    assert {f.name for f in fields(ModelArgs)} == named
+    loop = json.loads((sorted((run / "checkpoints").iterdir())[-1] / "loop.json").read_text())
+    for key, bad in (("qk_norm", 1), ("head_dim", 0), ("rope_factor", float("inf"))):
+        with pytest.raises(SchemaError, match=f"model_args.{key}"):
+            check_loop({**loop, "model_args": {**loop["model_args"], key: bad}})

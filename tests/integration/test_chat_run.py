@@ -1,12 +1,15 @@
 """A chat fine-tune of the tiny model end to end: it trains with validation on held-out
 conversations, its loss counts the assistant's tokens only (`labels/valid`), `loom eval`
 scores its checkpoint on the chat data and `loom generate --chat` answers. A tiny Hugging
-Face model folder fine-tunes on the same data with its tokenizer's own template."""
+Face model folder fine-tunes on the same data with its tokenizer's own template, imported
+natively and through transformers."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from tests.harness import run_ranks
 from tests.hf_models import save_tiny_model
@@ -52,10 +55,12 @@ def test_chat_fine_tune_trains_evaluates_and_answers(tmp_path: Path) -> None:
     assert out.ok and out.ranks[0].stdout.strip(), out.describe()
 
 
-def test_a_hugging_face_model_fine_tunes_with_its_tokenizers_template(tmp_path: Path) -> None:
-    """The transformers path: the folder's tokenizer template renders the conversations
-    (its role markers are plain text to this tokenizer); packed without the document mask,
-    which loom's attention provides, with a warning."""
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_a_hugging_face_model_fine_tunes_with_its_tokenizers_template(tmp_path: Path,
+                                                                      impl: str) -> None:
+    """A tiny Hugging Face Llama folder, imported natively (a loom family: the document
+    mask applies) or run as transformers' module (packed without it, with a warning); the
+    folder's tokenizer template renders the conversations either way."""
     folder = save_tiny_model(tmp_path / "llama", "llama")
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = ("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}"
@@ -65,11 +70,13 @@ def test_a_hugging_face_model_fine_tunes_with_its_tokenizers_template(tmp_path: 
     data = tmp_path / "chat.jsonl"
     write_chat(data)
     run = tmp_path / "run"
-    job = run_ranks(1, ["-m", "loom", "train", "--model", str(folder), "--dataset", str(data),
-                        "--fp32", "--seq-len", "32", "--batch-size", "2", "--max-steps", "2",
-                        "--outdir", str(run)], timeout=600, env={"HF_HUB_OFFLINE": "1"})
+    job = run_ranks(1, ["-m", "loom", "train", "--model", str(folder), "--model-impl", impl,
+                        "--dataset", str(data), "--fp32", "--seq-len", "32", "--batch-size",
+                        "2", "--max-steps", "2", "--outdir", str(run)], timeout=600,
+                    env={"HF_HUB_OFFLINE": "1"})
     assert job.ok, job.describe()
-    assert "packed without --doc-mask" in job.ranks[0].stdout + job.ranks[0].stderr, \
-        job.describe()
+    warned = "packed without --doc-mask" in job.ranks[0].stdout + job.ranks[0].stderr
+    config = json.loads((run / "config.json").read_text())
+    assert (warned, config["data"]["doc_mask"]) == (impl == "transformers", impl == "native")
     rows = [json.loads(line) for line in (run / "metrics-0.jsonl").read_text().splitlines()]
     assert all(0 < r["labels/valid"] < 32 for r in rows if "labels/valid" in r), rows

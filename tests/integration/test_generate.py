@@ -16,7 +16,7 @@ from loom.config import parse_args
 from loom.data.text import EMBEDDED_CORPUS
 from loom.data.tokenizers import load_shipped_tokenizer
 from loom.generate import sample
-from loom.models.llama import Transformer
+from loom.models.llama.model import Transformer
 from loom.parallel.init import init_weights
 from loom.train import model_args
 from tests.harness import run_ranks

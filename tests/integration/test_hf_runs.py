@@ -37,7 +37,8 @@ KNOBS = {"ac": ["--ac", "block"], "compile": ["--compile"],
 
 
 def run_args(root: Path, arch: str, name: str, flags: list[str], world: int) -> list[str]:
-    common = ["--model", str(root / arch), "--dataset", str(root / "text.txt"), "--seq-len",
+    common = ["--model", str(root / arch), "--model-impl", "transformers",
+              "--dataset", str(root / "text.txt"), "--seq-len",
               "32", "--fp32", "--max-steps", "5", "--seed", "5", "--lr", "3e-3"]
     return [*common, *flags, "--batch-size", str(GLOBAL_BATCH // world),
             "--outdir", str(root / "runs" / f"{arch}-{name}")]

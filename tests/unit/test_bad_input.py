@@ -12,8 +12,8 @@ from loom.cli import run_train
 
 BASE = ["--model", "debug", "--dataset", "random", "--max-steps", "1", "--fp32"]
 MISTAKES = {  # id: (flags, message)
-    "lr-negative": (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
-    "lr-nan": (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    "lr-negative": (["--lr", "-1"], "--lr must be a finite number >= 0, got -1.0"),
+    "lr-nan": (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
     "multiple-of-0": (["--multiple-of", "0"], "--multiple-of must be >= 1, got 0"),
     "vocab-0": (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
     "vocab-negative": (["--vocab-size", "-5"], "--vocab-size must be >= 1, got -5"),
@@ -29,7 +29,8 @@ MISTAKES = {  # id: (flags, message)
     "n-experts-negative": (["--n-experts", "-4"], "--n-experts must be >= 0 (0 = dense model)"),
     "max-skipped-steps-0": (["--max-skipped-steps", "0"], "--max-skipped-steps must be >= 1"),
     "lr-not-a-number": (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
-    "doc-mask-hf": (["--doc-mask", "--model", "owner/name"], "--doc-mask needs loom's own model"),
+    "doc-mask-transformers": (["--doc-mask", "--model", "owner/name", "--model-impl",
+                               "transformers"], "--doc-mask needs loom's own model"),
 }
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from loom.config import ConfigError, config_from_flags, parse_args
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, Transformer
 from loom.presets import ALIASES, PRESETS
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from loom.cli import run_train
 from loom.mesh import MESH_DIMS, ParallelDims
-from loom.models.llama import CausalAttention
+from loom.models.llama.model import CausalAttention
 from loom.parallel.context import (
     causal_offset_mask,
     prefix_causal_attention,

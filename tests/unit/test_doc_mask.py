@@ -9,7 +9,7 @@ import torch
 from loom.config import LossConfig
 from loom.losses import IGNORE_INDEX, build_criterion
 from loom.models.documents import document_mask, document_positions
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, Transformer
 from loom.step import document_ids
 from tests.tiny import tiny_model
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from loom.export import hf_config, hf_state_dict
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama.hf import LlamaAdapter
+from loom.models.llama.model import ModelArgs, Transformer
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,10 +16,11 @@ def test_exported_weights_give_the_same_logits_in_transformers():
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
-    config = hf_config(ARGS, "fp32")
+    adapter, state = LlamaAdapter(), model.state_dict()
+    config = adapter.hf_config(ARGS, "fp32")
     config.pop("architectures")
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
-    missing, unexpected = hf.load_state_dict(hf_state_dict(model.state_dict(), ARGS),
+    missing, unexpected = hf.load_state_dict(dict(adapter.hf_tensors(ARGS, state.__getitem__)),
                                              strict=False)
     assert not unexpected and all("rotary" in name for name in missing)
     tokens = torch.randint(ARGS.vocab_size, (2, 24))

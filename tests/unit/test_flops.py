@@ -14,7 +14,7 @@ from loom.config import parse_args
 from loom.mesh import ParallelDims
 from loom.metrics import run_facts, step_flops
 from loom.modeling import plain_model
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, Transformer
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
 BATCH, SEQ = 2, 256
@@ -176,7 +176,7 @@ def test_datasheet_peak_is_not_remeasured(caplog):
 def test_moe_flops_are_counted_exactly_with_grouped_mm():
     """Routed experts: 3 matmuls (w1, w3, w2) over tokens x top-k rows, forward + 2x backward,
     checked against the same model with one expert and top-1 (everything else equal)."""
-    from loom.models.moe import MoEArgs, MoETransformer
+    from loom.models.moe.model import MoEArgs, MoETransformer
 
     args = MoEArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
                    n_experts=4, top_k=2, n_shared_experts=1, moe_hidden_dim=64,

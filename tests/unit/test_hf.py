@@ -18,7 +18,7 @@ from loom import flops
 from loom.config import ConfigError, LossConfig, config_from_flags, parse_args
 from loom.data.loaders import sized_to_tokenizer
 from loom.losses import build_loss, resolve_loss_impl
-from loom.models.hf import (
+from loom.models.transformers.model import (
     HFCausalLM,
     hf_model_from_config,
     load_hf_config,
@@ -46,16 +46,19 @@ def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
 
 
 def test_hf_model_runs_at_tp_one_with_one_warning() -> None:
-    cfg = config_from_flags({"model": "org/model", "tp": 2}, environ={})
+    cfg = config_from_flags({"model": "org/model", "model_impl": "transformers", "tp": 2},
+                            environ={})
     assert cfg.parallel.tp == 1 and cfg.parallel.dp_shard == -1
     assert len([w for w in cfg.warnings if "--tp 2 ignored" in w]) == 1
-    explicit = config_from_flags({"model": "org/model", "tp": 2, "dp_shard": 2}, environ={})
+    explicit = config_from_flags({"model": "org/model", "model_impl": "transformers", "tp": 2,
+                                  "dp_shard": 2}, environ={})
     assert explicit.parallel.dp_shard == 4, "the tp ranks join dp_shard"
     assert config_from_flags({"model": "org/model"}, environ={}).warnings == ()
 
 
 def test_selective_ac_becomes_the_models_own_block_checkpointing() -> None:
-    cfg = config_from_flags({"model": "org/model", "activation_checkpoint": "selective"},
+    cfg = config_from_flags({"model": "org/model", "model_impl": "transformers",
+                             "activation_checkpoint": "selective"},
                             environ={})
     assert cfg.parallel.activation_checkpoint == "block" and len(cfg.warnings) == 1
     loom_cfg = config_from_flags({"model": "debug", "activation_checkpoint": "selective"},
@@ -175,7 +178,8 @@ def test_models_own_checkpointing_recomputes_blocks_with_equal_gradients() -> No
 
 
 def test_fused_linear_falls_back_to_compiled_on_a_hf_model(llama_folder: Path) -> None:
-    cfg = parse_args(["--model", str(llama_folder), "--loss-impl", "fused-linear"])
+    cfg = parse_args(["--model", str(llama_folder), "--model-impl", "transformers",
+                      "--loss-impl", "fused-linear"])
     assert resolve_loss_impl(cfg).loss.loss_impl == "compiled"
 
 

@@ -21,7 +21,7 @@ from loom.losses import (
     resolve_loss_impl,
     vocab_parallel_cross_entropy,
 )
-from loom.models.llama import ModelArgs
+from loom.models.llama.model import ModelArgs
 from tests.tiny import tiny_model
 
 SEQ, DIM, VOCAB, CHUNK = 38, 16, 101, 8  # 8 does not divide the 38 rows

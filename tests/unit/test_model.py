@@ -1,6 +1,6 @@
 import torch
 
-from loom.models.llama import CausalAttention, ModelArgs, apply_rope, rope_table
+from loom.models.llama.model import CausalAttention, ModelArgs, apply_rope, rope_table
 from tests.tiny import tiny_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32,
@@ -40,7 +40,7 @@ def test_attention_keeps_keys_and_values_at_gqa_width():
 
 
 def test_rope_preserves_norm_and_is_relative():
-    table = rope_table(16, 32, 10000.0)
+    table = rope_table(ModelArgs(dim=32, n_heads=2, max_seq_len=32))
     x = torch.randn(1, 8, 2, 16)
     torch.testing.assert_close(apply_rope(x, table).norm(dim=-1), x.norm(dim=-1))
     q, k = torch.randn(16), torch.randn(16)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from loom.models.moe import (
+from loom.models.moe.model import (
     GroupedExperts,
     MoE,
     MoEArgs,

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from loom.config import ConfigError, parse_args
 from loom.mesh import ParallelDims
 from loom.modeling import plain_model
-from loom.models.moe import MoE, MoEArgs, MoETransformer, active_param_count
+from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
 from loom.parallel.expert import update_expert_bias
 
 

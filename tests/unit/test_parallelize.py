@@ -9,8 +9,8 @@ import torch
 import loom.parallel.parallelize as recipe
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
-from loom.models.llama import ModelArgs, Transformer
-from loom.models.moe import MoEArgs, MoETransformer
+from loom.models.llama.model import ModelArgs, Transformer
+from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import compile_targets
 from loom.parallel.model_plan import model_plan

@@ -13,7 +13,7 @@ from loom.config.pipeline import (
     choose_microbatches,
     stage_indices,
 )
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, Transformer
 from loom.parallel.pipeline import layer_costs, stage_module
 
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from loom.checkpoint import plain_state_dict
 from loom.config import ConfigError, ParallelConfig, config_from_flags
 from loom.mesh import ParallelDims
-from loom.models.moe import MoEArgs, MoETransformer
+from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.parallel import simple_fsdp as sf
 from loom.parallel.init import clean_name, init_weights
 from loom.parallel.parallelize import parallelize
@@ -35,8 +35,8 @@ def test_flag_defaults_to_fsdp2_and_accepts_simple_fsdp() -> None:
 
 def test_hugging_face_models_are_refused_with_one_line() -> None:
     with pytest.raises(ConfigError, match="--data-parallel simple-fsdp needs loom's own model"):
-        config_from_flags({"model": "org/tiny-llama", "data_parallel": "simple-fsdp"},
-                          environ={})
+        config_from_flags({"model": "org/tiny-llama", "model_impl": "transformers",
+                           "data_parallel": "simple-fsdp"}, environ={})
 
 
 def test_compile_with_ac_warns_under_simple_fsdp() -> None:

@@ -17,7 +17,7 @@ import loom.train as train
 from loom.config import ConfigError, ModelConfig, parse_args
 from loom.logs import setup_logging
 from loom.mesh import ParallelDims
-from loom.models.hf import HFCausalLM, load_hf_model
+from loom.models.transformers.model import HFCausalLM, load_hf_model
 from loom.parallel.parallelize import parallelize
 from loom.runtime import init_distributed, rank_info, teardown
 from tests.workers.parity_worker import full

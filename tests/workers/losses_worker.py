@@ -27,7 +27,7 @@ from loom.losses import (
 )
 from loom.mesh import ParallelDims
 from loom.metrics import read_rows
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, Transformer
 from loom.parallel.init import clean_name, init_weights
 from loom.parallel.parallelize import parallelize
 from loom.runtime import init_distributed, rank_info, teardown

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
-from loom.models.llama import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, Transformer
 from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.init import clean_name, init_weights
 from loom.parallel.parallelize import parallelize

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from loom.config.schema import JobConfig, ParallelConfig
 from loom.errors import ConfigError
-from loom.presets import is_hf_model
 
 SINGLE = {"gpipe": "GPipe", "1f1b": "1F1B"}
 LOOPED = {"interleaved-1f1b": "Interleaved1F1B"}
@@ -118,7 +117,7 @@ def validate_pipeline(cfg: JobConfig) -> None:
     if p.pp * per_rank > units:
         raise ConfigError(f"--pp {p.pp} x {per_rank} stages per rank exceeds the "
                           f"{units} layers (embedding, {m.n_layers} blocks, head) to split")
-    if m.model is not None and is_hf_model(m.model):
+    if m.runs_transformers:
         raise ConfigError("--pp needs loom's own model (a Hugging Face model is one module)")
     if p.data_parallel != "fsdp2":
         raise ConfigError("--pp needs --data-parallel fsdp2 (SimpleFSDP stages are not "

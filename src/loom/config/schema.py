@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from loom.presets import is_hf_model
+
 
 def flag(default: Any, help: str, *, aliases: Sequence[str] = (), type: Callable | None = None,
          choices: Sequence[str] | None = None, hidden: bool = False,
@@ -53,6 +55,36 @@ class ModelConfig:
     aux_loss_coeff: float = flag(0.0, "MoE: weight of the sequence-wise balance loss (0 = off)")
     trust_remote_code: bool = flag(False, "Hugging Face --model: run the modelling code the "
                                    "repo ships (only for repos you trust)")
+    model_impl: str = flag(
+        "auto", "Hugging Face --model: loom's native family for its architecture (every "
+        "parallelism applies) or transformers' own module (FSDP/HSDP only); auto: native "
+        "where a family serves the architecture", choices=("auto", "native", "transformers"))
+    model_impl_reason: str | None = flag(None, "why --model-impl resolved as it did (set by "
+                                         "loom, recorded in config.json)", type=str,
+                                         hidden=True)
+    family: str | None = flag(None, "model family (default: llama, or moe when --n-experts > "
+                              "0; a Hugging Face import sets it)", type=str)
+    head_dim: int = flag(0, "width of one attention head (0: dim / n-heads)")
+    qk_norm: bool = flag(False, "RMSNorm each head's queries and keys before RoPE (Qwen3)")
+    rope_factor: float = flag(1.0, "Llama 3.1 RoPE scaling factor (1: no scaling)")
+    rope_low_freq_factor: float = flag(1.0, "Llama 3.1 RoPE scaling: low-frequency factor")
+    rope_high_freq_factor: float = flag(4.0, "Llama 3.1 RoPE scaling: high-frequency factor")
+    rope_original_max_seq_len: int = flag(8192, "Llama 3.1 RoPE scaling: the context length "
+                                          "the model was pretrained at")
+    tie_embeddings: bool = flag(False, "the source ties output and embedding weights (trained "
+                                "as two tensors that start equal; export ties them again)")
+
+    @property
+    def from_hub_format(self) -> bool:
+        """--model names a Hugging Face repo or folder (not a preset): weights and shape come
+        from it, natively or through transformers."""
+        return self.model is not None and is_hf_model(self.model)
+
+    @property
+    def runs_transformers(self) -> bool:
+        """The model is transformers' own module (resolved by `loom.modeling.resolve_model`;
+        `--model-impl transformers` decides it before then)."""
+        return self.from_hub_format and self.model_impl == "transformers"
 
 
 @dataclass(frozen=True)
@@ -194,6 +226,8 @@ class CheckpointConfig:
     checkpoint_interval: int = flag(0, "save a checkpoint every N steps and at the end "
                                     "(0 = no checkpoints)")
     keep_checkpoints: int = flag(2, "keep the newest K complete checkpoints")
+    save_hf: bool = flag(False, "after training, write the final checkpoint as a Hugging Face "
+                         "folder, <outdir>/hf (what loom export writes, checked the same way)")
     async_checkpoint: bool = flag(False, "write checkpoints in a background thread")
     resume: str | None = flag(None, "continue from the latest checkpoint in --outdir (bare "
                               "flag: there must be one; 'auto': if there is one) or from a "

@@ -83,21 +83,20 @@ def environment_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def _fit_hf_model(values: dict[str, Any], warnings: list[str]) -> None:
-    """loom's TP plan and selective AC name loom's own modules: a Hugging Face model runs at
-    tp 1 (an explicit --dp-shard takes the tp ranks) and recomputes whole blocks."""
-    tp = values.get("tp", 1)
-    if tp != 1:
-        values["tp"] = 1
-        if values.get("dp_shard", -1) > 0:
-            values["dp_shard"] *= tp
-        warnings.append(f"--tp {tp} ignored for the Hugging Face model {values['model']} "
-                        "(loom's tensor-parallel plan names its own modules); its ranks shard "
-                        "data instead")
-    if values.get("activation_checkpoint") == "selective":
-        values["activation_checkpoint"] = "block"
-        warnings.append("--ac selective on a Hugging Face model: its own gradient "
+def fit_transformers_model(cfg: JobConfig) -> JobConfig:
+    """transformers' own module has no TP plan and no attention child to recompute alone: it
+    runs at tp 1 (an explicit --dp-shard takes the tp ranks) and recomputes whole blocks."""
+    p, warnings = cfg.parallel, list(cfg.warnings)
+    if p.tp != 1:
+        p = replace(p, tp=1, dp_shard=p.dp_shard * p.tp if p.dp_shard > 0 else p.dp_shard)
+        warnings.append(f"--tp {cfg.parallel.tp} ignored for transformers' module of "
+                        f"{cfg.model.model} (loom's tensor-parallel plans are for its native "
+                        "families); its ranks shard data instead")
+    if p.activation_checkpoint == "selective":
+        p = replace(p, activation_checkpoint="block")
+        warnings.append("--ac selective on transformers' module: its own gradient "
                         "checkpointing recomputes whole blocks (--ac block)")
+    return replace(cfg, parallel=p, warnings=tuple(warnings))
 
 
 def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None,
@@ -128,8 +127,6 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
             values[name] = os.path.expanduser(values[name])
     if values.get("activation_checkpoint") == "full":
         values["activation_checkpoint"] = "block"
-    if model_name is not None and is_hf_model(model_name):
-        _fit_hf_model(values, warnings)
     sections = flag_fields()
     by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for name, value in values.items():
@@ -139,5 +136,7 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in by_section.items()})
     warnings += knob_warnings(cfg.parallel, budget_given=budget_given)
     cfg = replace(cfg, warnings=tuple(warnings), explicit=tuple(sorted(given)))
+    if cfg.model.runs_transformers:
+        cfg = fit_transformers_model(cfg)
     validate(cfg)
     return cfg

@@ -9,7 +9,6 @@ import math
 from loom.config.pipeline import validate_pipeline
 from loom.config.schema import EvalConfig, JobConfig, ModelConfig, OutputConfig, ParallelConfig
 from loom.errors import ConfigError
-from loom.presets import is_hf_model
 
 HIST_KINDS = ("logits", "grads", "acts", "attn", "ffn")
 
@@ -100,8 +99,8 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
 def _validate_numbers(cfg: JobConfig) -> None:
     """Values that argparse accepts (nan, negatives, empty strings) but no run can use."""
     o, d, c = cfg.optim, cfg.data, cfg.checkpoint
-    if not (math.isfinite(o.lr) and o.lr > 0):
-        raise ConfigError(f"--lr must be a finite number > 0, got {o.lr}")
+    if not (math.isfinite(o.lr) and o.lr >= 0):  # 0: weights stay (an import's round trip)
+        raise ConfigError(f"--lr must be a finite number >= 0, got {o.lr}")
     if math.isnan(o.max_grad_norm):
         raise ConfigError("--max-grad-norm must be a number (<= 0 disables clipping), got nan")
     if not c.sigterm_grace_s >= 0:  # also rejects nan
@@ -142,7 +141,7 @@ def _validate_cp(cfg: JobConfig) -> None:
     if (seq // p.cp) % p.tp:
         raise ConfigError(f"--seq-len {seq} / --cp {p.cp} = {seq // p.cp} tokens per cp rank "
                           f"is not divisible by --tp {p.tp} (sequence parallel splits them)")
-    if m.model is not None and is_hf_model(m.model):
+    if m.runs_transformers:
         raise ConfigError(f"--cp {p.cp} needs loom's own model, not the Hugging Face model "
                           f"{m.model} (context parallel replaces loom's attention)")
     if m.n_experts:
@@ -158,15 +157,18 @@ def _validate_doc_mask(cfg: JobConfig) -> None:
     if not cfg.data.doc_mask:
         return
     m = cfg.model
-    if m.model is not None and is_hf_model(m.model):
-        raise ConfigError(f"--doc-mask needs loom's own model, not the Hugging Face model "
-                          f"{m.model} (the mask is built into loom's attention)")
+    if m.runs_transformers:
+        raise ConfigError(f"--doc-mask needs loom's own model, not transformers' module for "
+                          f"{m.model} (the mask is built into loom's attention; --model-impl "
+                          "auto or native imports it natively where a family serves it)")
 
 
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
-    hf = m.model is not None and is_hf_model(m.model)
+    shape_unknown = m.runs_transformers or (m.from_hub_format and m.model_impl == "auto")
+    """Until `loom.modeling.resolve_model` reads the checkpoint's config, its shape is not
+    known; transformers' module has no loom shape at all."""
     positive = {"--dim": m.dim, "--n-layers": m.n_layers, "--n-heads": m.n_heads,
                 "--n-kv-heads": m.n_kv_heads, "--tp": p.tp, "--dp-replicate": p.dp_replicate,
                 "--batch-size": t.batch_size, "--seq-len": d.seq_len,
@@ -199,6 +201,8 @@ def validate(cfg: JobConfig) -> None:
                           f"got {o.min_lr_ratio} and {o.decay_fraction}")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
+    if cfg.checkpoint.save_hf and not cfg.checkpoint.checkpoint_interval:
+        raise ConfigError("--save-hf exports the final checkpoint: give --checkpoint-interval")
     _validate_output(cfg.output)
     _validate_eval(cfg.eval)
     if d.streaming and (t.max_steps is None or cfg.eval.val_fraction
@@ -209,16 +213,17 @@ def validate(cfg: JobConfig) -> None:
     if d.dataset == "random" and cfg.eval.val_dataset is not None:
         raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
                           "use --val-fraction)")
-    _validate_moe(m, p)
+    if not shape_unknown:
+        _validate_moe(m, p)
     _validate_cp(cfg)
     _validate_doc_mask(cfg)
     validate_pipeline(cfg)
-    if hf and p.data_parallel != "fsdp2":
+    if m.runs_transformers and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "
                           f"Hugging Face model {m.model} (use fsdp2)")
-    if hf:
+    if shape_unknown:
         return
-    if m.dim % m.n_heads:
+    if m.dim % m.n_heads and not m.head_dim:
         raise ConfigError(f"--dim {m.dim} is not divisible by --n-heads {m.n_heads}")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"--n-kv-heads {m.n_kv_heads} does not divide --n-heads {m.n_heads}")

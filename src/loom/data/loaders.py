@@ -32,7 +32,6 @@ from loom.data.text import (
     resolve_source,
 )
 from loom.data.tokenizers import load_tokenizer, tokenizer_name
-from loom.presets import is_hf_model
 
 logger = logging.getLogger("loom")
 
@@ -187,7 +186,7 @@ def chat_datasets(cfg: JobConfig, source: TextSource,
     tokenizer, with --doc-mask on: a window packs several conversations, and none may see
     another). A --val-fraction holds out whole conversations at the end."""
     data, ev, m = cfg.data, cfg.eval, cfg.model
-    hf = m.model is not None and is_hf_model(m.model)
+    hf = m.runs_transformers
     if data.streaming:
         raise ConfigError(f"--dataset {source.name} holds conversations, which are read "
                           "whole, not streamed; drop --streaming")
@@ -213,8 +212,8 @@ def chat_datasets(cfg: JobConfig, source: TextSource,
                 "" if val is None else f"; validation {val.n_conversations} conversations")
     cfg = sized_to_tokenizer(cfg, {"vocab_size": tokenizer.size, "tokenizer": tokenizer.name})
     if hf:
-        logger.warning("chat data under the Hugging Face model %s: conversations are packed "
-                       "without --doc-mask (it needs loom's own model)", m.model)
+        logger.warning("chat data under transformers' module for %s: conversations are "
+                       "packed without --doc-mask (it needs loom's own model)", m.model)
         return train, val, cfg
     return train, val, replace(cfg, data=replace(cfg.data, doc_mask=True))
 
@@ -266,7 +265,7 @@ def sized_to_tokenizer(cfg: JobConfig, meta: dict) -> JobConfig:
     size = int(meta["vocab_size"])
     if size == cfg.model.vocab_size:
         return cfg
-    if cfg.model.model is not None and is_hf_model(cfg.model.model):  # its embedding is given
+    if cfg.model.from_hub_format:  # its embedding is given
         if size > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer {meta['tokenizer']} has {size} tokens but the model "
                               f"{cfg.model.model} embeds only {cfg.model.vocab_size}")

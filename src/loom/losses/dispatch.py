@@ -25,7 +25,6 @@ from loom.losses.cross_entropy import (
     vocab_parallel_cross_entropy,
 )
 from loom.losses.fused_linear import fused_head_loss
-from loom.presets import is_hf_model
 
 logger = logging.getLogger("loom")
 
@@ -49,9 +48,8 @@ def effective_loss_impl(mode: str, tp: int, hf_model: bool) -> tuple[str, str | 
 
 def resolve_loss_impl(cfg: JobConfig) -> JobConfig:
     """`cfg` with the effective --loss-impl; a fallback is logged as one warning line."""
-    requested, name = cfg.loss.loss_impl, cfg.model.model
-    mode, reason = effective_loss_impl(requested, cfg.parallel.tp,
-                                       name is not None and is_hf_model(name))
+    requested = cfg.loss.loss_impl
+    mode, reason = effective_loss_impl(requested, cfg.parallel.tp, cfg.model.runs_transformers)
     if reason is not None:
         logger.warning("--loss-impl %s %s; using %s", requested, reason, mode)
     return replace(cfg, loss=replace(cfg.loss, loss_impl=mode))

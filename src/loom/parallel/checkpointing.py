@@ -13,7 +13,7 @@ import logging
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from loom.parallel.model_plan import ModelPlan
+from loom.models.spec import ModelPlan
 
 logger = logging.getLogger("loom")
 

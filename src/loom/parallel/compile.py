@@ -16,7 +16,8 @@ import torch
 import torch._functorch.config as functorch_config  # the attribute exists only once imported
 from torch import nn
 
-from loom.parallel.model_plan import ModelPlan
+from loom.models.registry import named_part
+from loom.models.spec import ModelPlan
 
 logger = logging.getLogger("loom")
 
@@ -50,8 +51,9 @@ def prepare_compile(model: nn.Module, act_mem_budget: float) -> None:
     zero), so the embedding output gets its own storage first.
     """
     set_act_mem_budget(act_mem_budget)
-    if isinstance(getattr(model, "tok_embeddings", None), nn.Module):  # absent on later PP stages
-        model.tok_embeddings.register_forward_hook(_own_storage)
+    embedding = named_part(model, "embedding")
+    if embedding is not None:  # absent on later pipeline stages
+        embedding.register_forward_hook(_own_storage)
 
 
 def compile_targets(module: nn.Module, eager: set[nn.Module]) -> list[nn.Module]:

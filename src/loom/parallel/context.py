@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from loom.mesh import ParallelDims
 from loom.models.documents import shard_document_mask
+from loom.models.registry import for_model
 
 logger = logging.getLogger("loom")
 
@@ -193,8 +194,12 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Swap every block's `attention.core` for the context-parallel one and make the model
     index RoPE by global position. The core has no parameters: names, init and checkpoints
     stay the same."""
-    for block in model.layers.values():
-        block.attention.core = ContextParallelAttention(mesh)
+    parts = for_model(model).parts
+    if parts is None or parts.attention_core is None:
+        raise ValueError(f"{type(model).__name__} names no attention core to replace")
+    for block in getattr(model, parts.blocks).values():
+        owner, _, name = parts.attention_core.rpartition(".")
+        setattr(block.get_submodule(owner), name, ContextParallelAttention(mesh))
     model.register_forward_pre_hook(_add_positions(mesh), with_kwargs=True)
     logger.info("context parallel: cp=%d, all-gather K/V, load-balanced causal chunks",
                 mesh.size())

@@ -36,8 +36,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from loom.extensions import StepContext, StepHook, register_step_hook
 from loom.mesh import ParallelDims
-from loom.models.moe import ExpertWeights, MoE
+from loom.models.moe.model import ExpertWeights, MoE
 
 logger = logging.getLogger("loom")
 
@@ -206,7 +207,7 @@ def apply_moe_parallel(model: nn.Module, dims: ParallelDims) -> None:
         return
     tp_mesh = dims.get_mesh("tp") if dims.tp_enabled else None
     ep_group = dims.get_mesh("ep").get_group() if dims.ep_enabled else None
-    moe_blocks = [b for b in model.layers.values() if isinstance(getattr(b, "moe", None), MoE)]
+    moe_blocks = [b for b in model.modules() if isinstance(getattr(b, "moe", None), MoE)]
     if not moe_blocks:  # a dense model: nothing to place, nothing to say
         return
     for block in moe_blocks:
@@ -252,3 +253,11 @@ def moe_metrics(counts: torch.Tensor, aux: torch.Tensor | None) -> dict[str, flo
         values.append(aux.sum())
         keys.append("aux_loss")
     return dict(zip([f"moe/{k}" for k in keys], torch.stack(values).tolist(), strict=True))
+
+
+def _expert_bias_hook(context: StepContext) -> dict[str, float]:
+    return update_expert_bias(context.model, context.dp_group)
+
+
+register_step_hook(StepHook(
+    "moe-expert-bias", enabled=lambda cfg: cfg.model.n_experts > 0, run=_expert_bias_hook))

@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
+from loom.models.spec import ModelPlan
 from loom.parallel.gloo_comm import use_pairwise_collectives
-from loom.parallel.model_plan import ModelPlan
 from loom.precision import torch_dtype
 
 logger = logging.getLogger("loom")

@@ -29,7 +29,15 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from loom.config import JobConfig, ModelConfig
 from loom.data.loaders import on_node_leaders
 from loom.mesh import ParallelDims
-from loom.models.hf import HFCausalLM, hf_model_from_config, load_hf_model
+from loom.models.hf_checkpoint import HFCheckpoint
+from loom.models.registry import for_config
+from loom.models.transformers.model import (
+    HFCausalLM,
+    hf_model_from_config,
+    hf_source,
+    load_hf_model,
+)
+from loom.parallel.init import clean_name
 from loom.parallel.parallelize import parallelize
 
 logger = logging.getLogger("loom")
@@ -173,3 +181,31 @@ def build_hf_model(cfg: JobConfig, dims: ParallelDims, device: torch.device,
             compute_non_persistent_buffers(model)
             stream_weights(model, files)
     return model
+
+
+def local_folder(m: ModelConfig) -> Path:
+    """The model's folder on this machine: a local one as given, a hub id's snapshot of its
+    safetensors and JSON files (fetched by the caller's node leader, cached for the rest)."""
+    source = hf_source(m.model, probe=False)
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download  # optional: only hub ids reach here
+
+    return Path(snapshot_download(source, allow_patterns=["*.safetensors", "*.json"]))
+
+
+def open_native_checkpoint(cfg: JobConfig, model: nn.Module) -> HFCheckpoint:
+    """The checkpoint a native import reads, checked once by global rank 0 against `model`
+    (the meta-built whole model) before any rank allocates: a missing shard or tensor, or
+    a shape its config.json does not imply, fails every rank with rank 0's one line."""
+    spec = for_config(cfg.model)
+    args = spec.args_from_config(cfg.model)
+    opened: list[HFCheckpoint] = []
+
+    def open_and_check() -> None:
+        checkpoint = HFCheckpoint(local_folder(cfg.model), spec.hf[0], args)
+        checkpoint.check(model, clean_name)
+        opened.append(checkpoint)
+
+    on_node_leaders(open_and_check, leader=dist.get_rank() == 0)
+    return opened[0] if opened else HFCheckpoint(local_folder(cfg.model), spec.hf[0], args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -47,4 +48,31 @@ def init_weights(model: nn.Module, seed: int, device: torch.device) -> None:
             param.to_local().copy_(local)
         else:
             param.copy_(full)
+    model.init_buffers(device)
+
+
+def is_source(tensor: DTensor) -> bool:
+    """Whether this rank holds coordinate 0 of the tensor's mesh: the rank that reads it."""
+    coordinate = tensor.device_mesh.get_coordinate()
+    return coordinate is not None and not any(coordinate)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, device: torch.device,
+                 read: Callable[[str], torch.Tensor]) -> None:
+    """Materialise a meta-built, parallelized model on `device` and fill every parameter
+    with `read(name)`, the full tensor, which only the first rank of each parameter's mesh
+    calls; `distribute_tensor` scatters the shards from it. Host memory per reader: its
+    shards plus one full tensor at a time."""
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        name = clean_name(name)
+        if not isinstance(param, DTensor):
+            param.copy_(read(name))
+            continue
+        full = (read(name) if is_source(param)
+                else torch.empty(param.shape, dtype=param.dtype)).to(device, param.dtype)
+        local = distribute_tensor(full, param.device_mesh, param.placements,
+                                  src_data_rank=0).to_local()
+        param.to_local().copy_(local)
     model.init_buffers(device)

@@ -33,52 +33,72 @@ from loom.config.pipeline import (
 )
 from loom.losses import Criterion
 from loom.mesh import ParallelDims
+from loom.models.registry import for_model
+from loom.models.spec import ModelParts
 from loom.precision import torch_dtype
 from loom.step import Accumulated, Batch, StepExecutor
 
 logger = logging.getLogger("loom")
 
 
-def _count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _count(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
 
 
-def _active(block: nn.Module) -> float:
-    """Parameters a token multiplies in a block: routed experts count by top-k / E."""
-    moe = getattr(block, "moe", None)
-    if moe is None:
-        return _count(block)
-    experts = _count(moe.experts)
-    return _count(block) - experts + experts * moe.top_k / moe.expert_bias.numel()
+def model_parts(model: nn.Module) -> ModelParts:
+    """The names of the model's embedding, blocks and head (its family spec's)."""
+    parts = for_model(model).parts
+    if parts is None:
+        raise ValueError(f"{type(model).__name__} cannot be cut into pipeline stages")
+    return parts
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleDict:
+    return getattr(model, model_parts(model).blocks)
+
+
+def has_embedding(stage: nn.Module) -> bool:
+    name = model_parts(stage).embedding
+    return name is not None and getattr(stage, name) is not None
+
+
+def has_head(stage: nn.Module) -> bool:
+    return getattr(stage, model_parts(stage).head[0]) is not None
 
 
 def layer_costs(model: nn.Module) -> list[float]:
-    """Per layer (embedding, each block, norm + head): parameters (memory) plus the
-    parameters a token multiplies (FLOPs); the embedding is a lookup, with no FLOPs."""
-    head = _count(model.norm) + _count(model.output)
-    return [_count(model.tok_embeddings),
-            *(_count(b) + _active(b) for b in model.layers.values()), 2 * head]
+    """Per layer (embedding, each block, head): parameters (memory) plus the parameters a
+    token multiplies (FLOPs; the family's block cost); the embedding is a lookup, with no
+    FLOPs."""
+    spec, parts = for_model(model), model_parts(model)
+    active = spec.block_cost or _count
+    head = sum(_count(getattr(model, name)) for name in parts.head)
+    embedding = _count(getattr(model, parts.embedding)) if parts.embedding else 0
+    return [embedding, *(_count(b) + active(b) for b in blocks_of(model).values()), 2 * head]
 
 
 def stage_module(model: nn.Module, layers: range) -> nn.Module:
     """A copy of the (meta) model holding only `layers` (0: embedding, 1..L: blocks,
-    L + 1: norm and head)."""
-    stage, n_blocks = copy.deepcopy(model), len(model.layers)
-    if 0 not in layers:
-        stage.tok_embeddings = None
-    for name in [n for i, n in enumerate(model.layers) if i + 1 not in layers]:
-        del stage.layers[name]
+    L + 1: the head)."""
+    parts = model_parts(model)
+    stage, n_blocks = copy.deepcopy(model), len(blocks_of(model))
+    if 0 not in layers and parts.embedding is not None:
+        setattr(stage, parts.embedding, None)
+    blocks = blocks_of(stage)
+    for name in [n for i, n in enumerate(blocks_of(model)) if i + 1 not in layers]:
+        del blocks[name]
     if n_blocks + 1 not in layers:
-        stage.norm = stage.output = None
+        for name in parts.head:
+            setattr(stage, name, None)
     return stage
 
 
 def held_layers(stage: nn.Module, n_blocks: int) -> list[int]:
     """The first and last layer a stage holds, numbered as in `stage_module`."""
-    layers = [1 + int(name) for name in stage.layers]
-    if stage.tok_embeddings is not None:
+    layers = [1 + int(name) for name in blocks_of(stage)]
+    if has_embedding(stage):
         layers.insert(0, 0)
-    if stage.norm is not None:
+    if has_head(stage):
         layers.append(n_blocks + 1)
     return [layers[0], layers[-1]]
 
@@ -92,7 +112,7 @@ def split_stages(model: nn.Module, p: ParallelConfig, dims: ParallelDims) -> lis
     ranges = balanced_split(layer_costs(model), dims.pp * per_rank)
     indices = stage_indices(dims.pp_rank, dims.pp, per_rank, p.pp_schedule)
     logger.info("pipeline split (layer 0 = embedding, %d = head): %s; this rank holds "
-                "stage(s) %s", len(model.layers) + 1,
+                "stage(s) %s", len(blocks_of(model)) + 1,
                 ", ".join(f"{r.start}-{r.stop - 1}" for r in ranges), indices)
     return [stage_module(model, ranges[i]) for i in indices]
 
@@ -105,11 +125,11 @@ def stage_io(part: nn.Module, cfg: JobConfig, tp: int, microbatch: int, hidden: 
     seq, dim, dtype = cfg.data.seq_len, cfg.model.dim, torch_dtype(cfg.parallel.dtype)
     act = torch.empty(microbatch, seq // tp, dim, dtype=dtype, device="meta",
                       requires_grad=True)  # its gradient goes back to the previous stage
-    if part.tok_embeddings is not None:
+    if has_embedding(part):
         inputs = torch.empty(microbatch, seq, dtype=torch.long, device="meta")
     else:
         inputs = act
-    if part.norm is None:
+    if not has_head(part):
         return inputs, act
     width = dim if hidden else cfg.model.vocab_size
     return inputs, torch.empty(microbatch, seq, width, dtype=dtype, device="meta",

@@ -40,8 +40,8 @@ from torch.utils.checkpoint import (
 
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
+from loom.models.spec import ModelPlan
 from loom.parallel.fsdp import REDUCE_DTYPES, expert_placement
-from loom.parallel.model_plan import ModelPlan
 from loom.precision import torch_dtype
 
 

@@ -19,6 +19,7 @@ from loom.data.cache import default_cache_dir
 from loom.logs import setup_logging
 from loom.losses import resolve_loss_impl
 from loom.mesh import ParallelDims
+from loom.modeling import resolve_model
 from loom.plan.peaks import predict_memory
 from loom.plan.search import search
 from loom.plan.speed import predict_step_time
@@ -94,8 +95,9 @@ def planned_collectives(requested: str, device: str) -> str:
 def check_supported(cfg: JobConfig) -> None:
     """What the fake trace cannot follow yet, said before any work."""
     m, p = cfg.model, cfg.parallel
-    if m.model is not None and "/" in m.model:
-        raise ConfigError("loom plan supports loom's own models, not Hugging Face --model")
+    if m.runs_transformers:
+        raise ConfigError(f"loom plan traces native families, not transformers' module of "
+                          f"{m.model}")
     if p.data_parallel != "fsdp2":
         raise ConfigError("loom plan traces --data-parallel fsdp2 only")
     if m.n_experts and p.pp > 1:
@@ -140,7 +142,7 @@ def main(argv: Sequence[str]) -> int:
         if options.world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {options.world_size}")
         device_memory = parse_size(options.device_memory)
-        cfg = parse_args(train_argv)
+        cfg = resolve_model(parse_args(train_argv))
         p = cfg.parallel
         cfg = replace(cfg, parallel=replace(
             p, dtype=planned_dtype(p.dtype, options.device),

@@ -23,7 +23,7 @@ from loom.config.pipeline import bubble_fraction, choose_microbatches, stages_pe
 from loom.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
 from loom.mesh import ParallelDims
 from loom.modeling import model_args, plain_model
-from loom.models.moe import active_param_count
+from loom.models.moe.model import active_param_count
 from loom.plan.memory import traced_depths
 from loom.plan.pipeline import compute_share
 from loom.plan.trace import with_layers

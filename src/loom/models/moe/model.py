@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.models.llama import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
+from loom.models.llama.model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
 
 
 @dataclass(frozen=True)

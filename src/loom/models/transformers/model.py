@@ -18,13 +18,8 @@ from torch import nn
 
 from loom.config import ConfigError, JobConfig, ModelConfig
 from loom.data.hub import ensure_hub_reachable, first_line, looks_like_hub_id
-from loom.presets import is_hf_model
 
 LOCAL_MODEL_HINT = "pass a local model folder (saved with save_pretrained) instead"
-
-
-def is_hf(model: ModelConfig) -> bool:
-    return model.model is not None and is_hf_model(model.model)
 
 
 def hf_source(name: str, probe: bool = True) -> str:

@@ -1,4 +1,9 @@
-"""Tensor + sequence parallel plan for loom's Transformer (module names are the contract)."""
+"""The Llama family's parallel plan: tensor + sequence parallel by module name, and the
+FSDP units, AC and compile targets the generic recipe reads.
+
+Only this folder names the model's submodules; the model itself stays free of
+`torch.distributed`.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from loom.models.llama import TransformerBlock
+from loom.mesh import ParallelDims
+from loom.models.llama.model import Transformer, TransformerBlock
+from loom.models.spec import ModelPlan
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
@@ -44,6 +51,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
         }
+        if block.attention.q_norm is not None:  # per head: its input is sharded over heads
+            per_head = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan.update({"attention.q_norm": per_head, "attention.k_norm": per_head})
         if isinstance(block, TransformerBlock):
             plan.update({
                 "feed_forward": PrepareModuleInput(
@@ -54,3 +64,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
                 "feed_forward.w3": ColwiseParallel(),
             })
         parallelize_module(block, tp_mesh, plan)
+
+
+def dense_plan(model: Transformer) -> ModelPlan:
+    """Embedding, blocks, [norm + output] as FSDP units (a pipeline stage holds the
+    embedding only if first, norm and output only if last); the TP plan above."""
+
+    def tensor_parallel(dims: ParallelDims, loss_parallel: bool) -> None:
+        if dims.tp_enabled:
+            apply_tp(model, dims.get_mesh("tp"), loss_parallel=loss_parallel)
+
+    before = [] if model.tok_embeddings is None else [model.tok_embeddings]
+    after = [] if model.norm is None else [[model.norm, model.output]]
+    return ModelPlan(model, model.layers, type(model).__name__, before=before, after=after,
+                     lookups=before, tensor_parallel=tensor_parallel)

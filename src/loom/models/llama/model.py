@@ -30,10 +30,23 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     max_seq_len: int = 32768
+    head_dim: int = 0
+    """Width of one attention head; 0: dim // n_heads (Qwen3 sets it apart from dim)."""
+    qk_norm: bool = False
+    """RMSNorm each head's queries and keys before RoPE (Qwen3)."""
+    rope_factor: float = 1.0
+    """Llama 3.1 RoPE scaling: long wavelengths divided by this (1: no scaling)."""
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    tie_embeddings: bool = False
+    """The source ties the output projection to the embedding. loom trains them as two
+    tensors that start equal, so tensor and pipeline parallel can place them apart; export
+    writes them tied again while they are still equal."""
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -46,11 +59,29 @@ class ModelArgs:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """(head_dim // 2,) rotation frequencies; with Llama 3.1 scaling, wavelengths beyond
+    original_max_seq_len / low_freq_factor slow down by `rope_factor`, those below
+    original / high_freq_factor stay, and the band between blends the two linearly."""
+    d = args.head_dim
+    freqs = 1.0 / args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    if args.rope_factor == 1.0:
+        return freqs
+    wavelength = 2 * math.pi / freqs
+    low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
+    blend = (args.rope_original_max_seq_len / wavelength - low) / (high - low)
+    blended = (1 - blend) * freqs / args.rope_factor + blend * freqs
+    long_wave = wavelength > args.rope_original_max_seq_len / low
+    short_wave = wavelength < args.rope_original_max_seq_len / high
+    return torch.where(long_wave, freqs / args.rope_factor,
+                       torch.where(short_wave, freqs, blended))
+
+
+def rope_table(args: ModelArgs) -> torch.Tensor:
     """(max_seq_len, head_dim // 2, 2) table of cos and sin, kept real so compile and
     DTensor never see complex numbers."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    freqs = rope_frequencies(args)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
@@ -103,6 +134,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
@@ -113,6 +146,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
         return self.wo(out.reshape(bsz, seqlen, -1))
@@ -173,8 +208,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = OutputHead(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta),
-                             persistent=False)
+        self.register_buffer("rope", rope_table(args), persistent=False)
 
     def build_block(self, layer_id: int) -> nn.Module:
         """Block `layer_id`; variants (the MoE model) override this."""
@@ -215,5 +249,5 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device) -> None:
         """Recompute non-persistent buffers after `to_empty` left them uninitialised."""
         args = self.args
-        self.rope = rope_table(args.head_dim, args.max_seq_len, args.rope_theta).to(device)
+        self.rope = rope_table(args).to(device)
 

@@ -1,0 +1,85 @@
+"""Extension points: features that act on every model family without editing the trainer.
+
+- A **model converter** changes each built model part in place on the meta device, before
+  tensor parallel and the rest of the recipe (e.g. swapping linears for float8 ones, or
+  quantisation-aware-training wrappers). Parameter names it keeps are those the init and
+  the checkpoints see.
+- A **step hook** runs after every optimizer step that updated the weights (e.g. float8
+  scale precompute, an EMA of the weights, the MoE expert-bias update) and may return
+  metrics for the step's row.
+
+Each is registered once with a predicate on the resolved config that says whether the run
+uses it; the trainer only calls `convert_model` and `after_optimizer_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from loom.config import JobConfig
+
+Enabled = Callable[[JobConfig], bool]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a step hook may act on: every parameter this rank holds and the groups over
+    which per-rank statistics are reduced."""
+
+    model: nn.Module
+    dp_group: dist.ProcessGroup
+    cfg: JobConfig
+
+
+@dataclass(frozen=True)
+class ModelConverter:
+    name: str
+    enabled: Enabled
+    convert: Callable[[nn.Module, JobConfig], None]
+
+
+@dataclass(frozen=True)
+class StepHook:
+    name: str
+    enabled: Enabled
+    run: Callable[[StepContext], dict[str, float]]
+
+
+_CONVERTERS: dict[str, ModelConverter] = {}
+_STEP_HOOKS: dict[str, StepHook] = {}
+
+
+def register_converter(converter: ModelConverter) -> ModelConverter:
+    _CONVERTERS[converter.name] = converter
+    return converter
+
+
+def register_step_hook(hook: StepHook) -> StepHook:
+    _STEP_HOOKS[hook.name] = hook
+    return hook
+
+
+def active_converters(cfg: JobConfig) -> list[ModelConverter]:
+    return [c for c in _CONVERTERS.values() if c.enabled(cfg)]
+
+
+def active_step_hooks(cfg: JobConfig) -> list[StepHook]:
+    return [h for h in _STEP_HOOKS.values() if h.enabled(cfg)]
+
+
+def convert_model(part: nn.Module, cfg: JobConfig) -> None:
+    """Apply every enabled converter, in registration order, to one model part."""
+    for converter in active_converters(cfg):
+        converter.convert(part, cfg)
+
+
+def after_optimizer_step(context: StepContext) -> dict[str, float]:
+    """Run every enabled step hook; their metrics, merged."""
+    metrics: dict[str, float] = {}
+    for hook in active_step_hooks(context.cfg):
+        metrics.update(hook.run(context))
+    return metrics

@@ -1,0 +1,1 @@
+"""The Llama family: model, parallel plan, Hugging Face adapter, spec."""

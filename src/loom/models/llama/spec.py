@@ -1,0 +1,22 @@
+"""The Llama family: loom's dense decoder, and Hugging Face Llama checkpoints natively."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from loom.config import ModelConfig
+from loom.models.llama.hf import LlamaAdapter
+from loom.models.llama.model import ModelArgs, Transformer
+from loom.models.llama.parallelize import dense_plan
+from loom.models.spec import ModelSpec
+
+
+def dense_args(m: ModelConfig) -> ModelArgs:
+    """Every field from the config field of the same name (never copied by hand)."""
+    return ModelArgs(**{f.name: getattr(m, f.name) for f in fields(ModelArgs)})
+
+
+LLAMA = ModelSpec(
+    name="llama", model_cls=Transformer, args_from_config=dense_args, build=Transformer,
+    plan=dense_plan, hf=(LlamaAdapter(),),
+    description="GQA attention with RoPE (Llama 3.1 scaling), SwiGLU, RMSNorm")

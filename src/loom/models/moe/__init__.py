@@ -1,0 +1,1 @@
+"""The mixture-of-experts family: model and spec (expert parallel: loom.parallel.expert)."""

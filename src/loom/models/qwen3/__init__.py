@@ -1,0 +1,1 @@
+"""The Qwen3 families: Llama and MoE configurations with their Hugging Face adapters."""

@@ -1,0 +1,145 @@
+"""What the rest of loom knows of a model family: one `ModelSpec`, read, never reached around.
+
+A family lives in one folder, `loom/models/<family>/`, with the plain-PyTorch model, how its
+arguments come from the config, and a spec. Everything outside the folder (the parallelize
+recipe, pipeline cuts, context parallel, compile, init, FLOP counting, Hugging Face import
+and export) asks the spec, so a new family touches no module outside its folder.
+
+The model protocol a spec promises (written down because the recipe relies on it):
+- `forward(tokens, positions=None, return_hidden=False)`: ids (B, T) -> logits (B, T, V);
+  `tokens` may be the previous pipeline stage's hidden states when the embedding is None;
+  `positions` (T,) are the global positions of a sequence shard (context parallel).
+- A pipeline stage is the model with its embedding, or its head modules, set to None and
+  blocks deleted from the block container (a `ModuleDict` keyed by layer index, so the
+  remaining parameters keep their names); `forward` skips what is None and returns hidden
+  states when the head is gone.
+- `init_std(name) -> float | None`: the initial std of a parameter by name (None: ones);
+  `init_buffers(device)`: recompute non-persistent buffers after `to_empty`. Parameters are
+  drawn from (seed, name), so every layout starts from the same weights.
+- `hidden_output`: a class attribute a pipeline's last stage sets to return hidden states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Attribute names of a family's parts, as the generic code reaches them."""
+
+    embedding: str | None = "tok_embeddings"
+    """The token embedding (a lookup: no weight gradient needs it gathered for backward)."""
+    blocks: str = "layers"
+    """The block container, a ModuleDict keyed by layer index."""
+    head: tuple[str, ...] = ("norm", "output")
+    """The modules after the blocks, in order; a pipeline's last stage holds them together."""
+    output: str | None = "output"
+    """The output projection (logit histograms, fused-linear losses reach its weight)."""
+    attention: str | None = "attention"
+    """Each block's attention child: what `--ac selective` recomputes."""
+    attention_core: str | None = "attention.core"
+    """Within a block, the (q, k, v) -> out module that context parallel replaces."""
+
+
+@dataclass
+class ModelPlan:
+    """What each parallelism acts on in one built model (or pipeline stage)."""
+
+    model: nn.Module
+    layers: nn.ModuleDict | nn.ModuleList
+    """The blocks; activation checkpointing replaces its entries with wrapped ones."""
+    name: str = ""
+    """What the log calls the model."""
+    attention: str | None = "attention"
+    """Each block's attention child: what `--ac selective` recomputes (None: no such child)."""
+    before: list[nn.Module] = field(default_factory=list)
+    after: list[list[nn.Module]] = field(default_factory=list)
+    """FSDP2 units before and after the blocks (a list: modules sharded as one unit)."""
+    lookups: list[nn.Module] = field(default_factory=list)
+    """Units whose backward needs no weight (embedding tables): not gathered for backward."""
+    experts: list[nn.Module] = field(default_factory=list)
+    """Routed experts: data-dependent, so left eager by compile; own dp mesh under EP."""
+    tensor_parallel: Callable[[Any, bool], None] | None = None
+    """The model's TP (and EP) plan, given the ParallelDims and whether the logits stay
+    vocab-sharded; None: the model runs at tp 1."""
+    own_ac: Callable[[], None] | None = None
+    """The model's own activation checkpointing, used instead of wrapping blocks."""
+    fullgraph: bool = True
+    """Compile blocks fullgraph (a graph break is an error) or let code loom does not own break."""
+
+    def blocks(self) -> list[nn.Module]:
+        """The container's current entries (wrapped ones once AC has run)."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return list(self.layers.values())
+        return list(self.layers)
+
+    def fsdp_units(self) -> list[nn.Module | list[nn.Module]]:
+        """FSDP2 units in forward order; the root comes last, added by the wrapper."""
+        return [*self.before, *self.blocks(), *self.after]
+
+
+class HFAdapter(Protocol):
+    """How a family's weights and shape map to and from one Hugging Face architecture."""
+
+    architectures: tuple[str, ...]
+    """The `architectures` entries of a config.json this adapter reads."""
+
+    def fields_from_hf(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+        """loom's model config fields for a Hugging Face config.json; raises ValueError naming
+        the setting loom cannot reproduce."""
+        ...
+
+    def sources(self, args: Any) -> dict[str, tuple[list[str], Callable]]:
+        """loom parameter name -> (Hugging Face tensor names, function of those tensors that
+        returns loom's tensor)."""
+        ...
+
+    def export_refusal(self, args: Any) -> str | None:
+        """Why this model has no Hugging Face equivalent (one phrase), or None."""
+        ...
+
+    def settle(self, args: Any, read: Callable[[str], torch.Tensor]) -> Any:
+        """The arguments to export with, given the trained tensors (a tie that training
+        broke is written untied)."""
+        ...
+
+    def hf_config(self, args: Any, dtype: str) -> dict[str, Any]:
+        """The config.json of the exported model."""
+        ...
+
+    def hf_tensors(self, args: Any, read: Callable[[str], torch.Tensor]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The exported tensors one at a time, reading loom's by name through `read`."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family: how to build it and what every parallelism acts on."""
+
+    name: str
+    model_cls: type[nn.Module]
+    """Instances of this class (and subclasses not registered themselves) use this spec."""
+    args_from_config: Callable[[Any], Any]
+    """ModelConfig -> the family's arguments."""
+    build: Callable[[Any], nn.Module]
+    """Arguments -> the unparallelized model (built under whatever device is current)."""
+    plan: Callable[[nn.Module], ModelPlan]
+    """The parallel plan of a built model or pipeline stage."""
+    parts: ModelParts | None = ModelParts()
+    """Attribute names of the parts; None: the model cannot be cut or context-parallel."""
+    block_cost: Callable[[nn.Module], float] | None = None
+    """A block's FLOP-bearing parameters per token (routed experts count by top-k / E);
+    None: all of them."""
+    hf: tuple[HFAdapter, ...] = ()
+    """Hugging Face architectures served natively by this family."""
+    description: str = ""
+
+    def part(self, model: nn.Module, name: str | None) -> nn.Module | None:
+        return None if name is None else getattr(model, name, None)

@@ -1,0 +1,1 @@
+"""transformers' own modules, for architectures no native family serves."""

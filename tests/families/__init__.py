@@ -1,0 +1,1 @@
+"""Model families defined outside src/, registered by the tests that use them."""

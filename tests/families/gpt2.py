@@ -1,0 +1,164 @@
+"""A GPT-2-style family defined and registered from the tests: learned positions, LayerNorm
+with biases, GELU MLP, biased projections. Nothing under src/ knows it; it trains under
+dp, tp and pp through its spec alone (tests/integration/test_custom_family.py).
+
+Importing this module registers the family as `gpt2-test`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from loom.config import ModelConfig
+from loom.mesh import ParallelDims
+from loom.models.registry import register
+from loom.models.spec import ModelParts, ModelPlan, ModelSpec
+
+
+@dataclass(frozen=True)
+class GPT2Args:
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    max_seq_len: int
+
+    @property
+    def n_kv_heads(self) -> int:  # what the run's recorded architecture asks of any family
+        return self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return 4 * self.dim
+
+
+def gpt2_args(m: ModelConfig) -> GPT2Args:
+    return GPT2Args(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.max_seq_len)
+
+
+class Embeddings(nn.Module):
+    """Token plus learned position embeddings, (B, T) -> (B, T, dim)."""
+
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.wte = nn.Embedding(args.vocab_size, args.dim)
+        self.wpe = nn.Embedding(args.max_seq_len, args.dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.wte(tokens) + self.wpe(positions)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.head_dim = args.dim // args.n_heads
+        self.q, self.k, self.v = (nn.Linear(args.dim, args.dim) for _ in range(3))
+        self.proj = nn.Linear(args.dim, args.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q, k, v = (f(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))  # (B, H, T, D); H local under tp
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.fc = nn.Linear(args.dim, args.ffn_hidden_dim)
+        self.proj = nn.Linear(args.ffn_hidden_dim, args.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(args.dim), SelfAttention(args)
+        self.ln_2, self.mlp = nn.LayerNorm(args.dim), MLP(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    hidden_output = False
+
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.args = args
+        self.embed = Embeddings(args)
+        self.blocks = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.ln_f = nn.LayerNorm(args.dim)
+        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(tokens) if self.embed is not None else tokens
+        for block in self.blocks.values():
+            h = block(h)
+        if self.ln_f is None:
+            return h
+        h = self.ln_f(h)
+        return h if return_hidden or self.hidden_output else self.head(h)
+
+    def init_std(self, name: str) -> float | None:
+        if name.endswith("bias"):
+            return 0.0
+        if ".ln_" in name or name.startswith("ln_f"):
+            return None
+        return 0.02
+
+    def init_buffers(self, device: torch.device) -> None:
+        """No buffers."""
+
+
+def gpt2_plan(model: GPT2) -> ModelPlan:
+    def tensor_parallel(dims: ParallelDims, loss_parallel: bool) -> None:
+        if not dims.tp_enabled:
+            return
+        mesh = dims.get_mesh("tp")
+        outer = {"embed": PrepareModuleOutput(output_layouts=Replicate(),
+                                              desired_output_layouts=Shard(1)),
+                 "ln_f": SequenceParallel(),
+                 "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+        parallelize_module(model, mesh, {k: v for k, v in outer.items()
+                                         if getattr(model, k) is not None})
+        for block in model.blocks.values():
+            parallelize_module(block, mesh, {
+                "ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),)),
+                "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),)),
+                "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))})
+
+    before = [] if model.embed is None else [model.embed]
+    after = [] if model.ln_f is None else [[model.ln_f, model.head]]
+    return ModelPlan(model, model.blocks, "GPT2 (test family)", attention="attn",
+                     before=before, after=after, tensor_parallel=tensor_parallel)
+
+
+GPT2_SPEC = register(ModelSpec(
+    name="gpt2-test", model_cls=GPT2, args_from_config=gpt2_args, build=GPT2, plan=gpt2_plan,
+    parts=ModelParts(embedding="embed", blocks="blocks", head=("ln_f", "head"), output="head",
+                     attention="attn", attention_core=None)))
