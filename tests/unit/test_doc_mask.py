@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.config import LossConfig
+from loom.config import ConfigError, LossConfig
+from loom.executor import check_takes_documents
 from loom.losses import IGNORE_INDEX, build_criterion
 from loom.models.documents import document_mask, document_positions
 from loom.models.llama.model import ModelArgs, Transformer
@@ -77,3 +78,14 @@ def test_packed_loss_and_grads_equal_documents_alone(loss_impl: str) -> None:
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
     unmasked, _ = loss_and_grads(model, loss_impl, [(inputs, labels, None)])
     assert not torch.allclose(unmasked, ref_loss, rtol=1e-4), "the mask changed nothing"
+
+
+class NoDocuments(torch.nn.Module):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+
+def test_a_model_without_documents_is_refused_in_one_line() -> None:
+    check_takes_documents([tiny_model(ARGS)])  # loom's model takes them
+    with pytest.raises(ConfigError, match="--doc-mask: the NoDocuments model takes no document"):
+        check_takes_documents([tiny_model(ARGS), NoDocuments()])
