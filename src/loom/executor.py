@@ -4,10 +4,12 @@ two needs both, so it lives above them."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
-from loom.config import JobConfig
+from loom.config import ConfigError, JobConfig
 from loom.losses import build_criterion
 from loom.mesh import ParallelDims
 from loom.models.registry import named_part
@@ -16,11 +18,28 @@ from loom.step import AccumulationExecutor, StepExecutor
 
 
 def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
-                   device: torch.device) -> StepExecutor:
+                   device: torch.device, eot_id: int | None = None) -> StepExecutor:
     """The pipelined executor under --pp > 1, else the accumulation loop; the criterion
-    projects through the head of the last part (held by the pipeline's last stage)."""
+    projects through the head of the last part (held by the pipeline's last stage).
+    `eot_id`: the data's end-of-text id, which --doc-mask splits documents at."""
     criterion = build_criterion(cfg.loss, named_part(parts[-1], "output"), dims.tp)
     if dims.pp_enabled:
-        return PipelineExecutor(parts, criterion, cfg, dims, device)
-    return AccumulationExecutor(parts, criterion, dims, device,
-                                defer_reduction=cfg.train.accum_reduce == "step")
+        executor: StepExecutor = PipelineExecutor(parts, criterion, cfg, dims, device)
+    else:
+        executor = AccumulationExecutor(parts, criterion, dims, device,
+                                        defer_reduction=cfg.train.accum_reduce == "step")
+    if cfg.data.doc_mask:
+        check_takes_documents(parts)
+    executor.eot_id = eot_id if cfg.data.doc_mask else None
+    return executor
+
+
+def check_takes_documents(parts: list[nn.Module]) -> None:
+    """--doc-mask hands every model part the batch's `documents`: a family whose model has
+    no such argument (no document mask) is refused in one line before the first step, not
+    a TypeError inside it."""
+    for part in parts:
+        params = inspect.signature(part.forward).parameters.values()
+        if not any(p.name == "documents" or p.kind is p.VAR_KEYWORD for p in params):
+            raise ConfigError(f"--doc-mask: the {type(part).__name__} model takes no document "
+                              "ids (its family has no document mask); drop --doc-mask")

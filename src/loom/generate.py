@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from loom.config import ConfigError, ModelConfig
+from loom.data.chat import template_of
 from loom.data.tokenizers import TextTokenizer, load_tokenizer
 from loom.export import load_run_model, run_tokenizer
 from loom.models.transformers.model import load_hf_model
@@ -49,8 +50,9 @@ def load_model(path: Path, trust_remote_code: bool = False
 
 @torch.no_grad()
 def sample(logits_of: Logits, ids: list[int], max_new_tokens: int, *, context: int,
-           temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> list[int]:
-    """The prompt ids followed by `max_new_tokens` new ones."""
+           temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+           stop: int | None = None) -> list[int]:
+    """The prompt ids followed by `max_new_tokens` new ones, or fewer ending with `stop`."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([ids], dtype=torch.long)
     for _ in range(max_new_tokens):
@@ -64,20 +66,33 @@ def sample(logits_of: Logits, ids: list[int], max_new_tokens: int, *, context: i
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
         tokens = torch.cat([tokens, nxt], dim=1)
+        if stop is not None and nxt.item() == stop:
+            break
     return tokens[0].tolist()
 
 
 def generate(path: Path, prompt: str, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, tokenizer_name: str | None = None,
-             trust_remote_code: bool = False) -> str:
-    """The prompt and its continuation, as text."""
+             trust_remote_code: bool = False, chat: bool = False) -> str:
+    """The prompt and its continuation, as text; with `chat`, the prompt is a user turn
+    rendered through the tokenizer's chat template and only the answer is returned (up to
+    end-of-text, which a chat fine-tune learns to emit after an answer)."""
     model, context, recorded = load_model(path, trust_remote_code)
     tokenizer: TextTokenizer = load_tokenizer(tokenizer_name or recorded, trust_remote_code)
     check_vocab(model, tokenizer, path)
-    ids = tokenizer.encode([prompt])[0] or [tokenizer.eot_id]
+    if chat:
+        template = template_of(tokenizer, "loom generate --chat")
+        text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        text = prompt
+    ids = tokenizer.encode([text])[0] or [tokenizer.eot_id]
     out = sample(model, ids, max_new_tokens, context=context, temperature=temperature,
-                 top_k=top_k, seed=seed)
-    return tokenizer.decode(out)
+                 top_k=top_k, seed=seed, stop=tokenizer.eot_id if chat else None)
+    if not chat:
+        return tokenizer.decode(out)
+    answer = out[len(ids):]
+    text = tokenizer.decode(answer[:-1] if answer[-1:] == [tokenizer.eot_id] else answer)
+    return text.strip()  # a template's turn ends in a line break, print adds one
 
 
 @torch.no_grad()
@@ -97,6 +112,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("checkpoint", type=Path, help="a checkpoints/step-N folder or an "
                         "exported Hugging Face folder")
     parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--chat", action="store_true", help="answer --prompt as a user turn "
+                        "of the tokenizer's chat template; print the answer only")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely "
@@ -113,7 +130,7 @@ def main(argv: Sequence[str]) -> int:
         print(generate(opts.checkpoint, opts.prompt, opts.max_new_tokens,
                        temperature=opts.temperature, top_k=opts.top_k, seed=opts.seed,
                        tokenizer_name=opts.tokenizer_name,
-                       trust_remote_code=opts.trust_remote_code))
+                       trust_remote_code=opts.trust_remote_code, chat=opts.chat))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

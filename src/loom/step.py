@@ -20,9 +20,18 @@ from torch import nn
 
 from loom.losses import IGNORE_INDEX, Criterion
 from loom.mesh import ParallelDims
+from loom.parallel.context import gather_sequence
 from loom.parallel.grad_sync import set_gradient_sync
 
 Batch = dict[str, torch.Tensor]
+
+
+def document_ids(inputs: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """(B, T) input ids -> (B, T) index of the packed document each token belongs to: an
+    end-of-text token closes its document, the token after it opens the next (--doc-mask).
+    Derived from the ids themselves, so every loader, layout and pipeline stage agrees."""
+    ends = (inputs == eot_id).long()
+    return ends.cumsum(dim=1) - ends
 
 
 @dataclass
@@ -52,6 +61,9 @@ class StepExecutor(ABC):
     norm_group: dist.ProcessGroup | None = None
     """Where gradient-norm squares are summed besides each parameter's own mesh."""
 
+    eot_id: int | None = None
+    """--doc-mask: the end-of-text id that separates packed documents (None: no mask)."""
+
     def __init__(self, parts: list[nn.Module], criterion: Criterion, dims: ParallelDims,
                  device: torch.device):
         self.parts, self.criterion, self.dims, self.device = parts, criterion, dims, device
@@ -77,6 +89,16 @@ class StepExecutor(ABC):
     def to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return (batch["input"].to(self.device, non_blocking=True),
                 batch["labels"].to(self.device, non_blocking=True))
+
+    def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The batch's document indices under --doc-mask, else None: of the whole sequences
+        under context parallel (`inputs` are this rank's shards; a document may span them),
+        which the model's cp hook turns into this shard's positions and mask."""
+        if self.eot_id is None:
+            return None
+        if self.dims.cp_enabled:
+            inputs = gather_sequence(inputs, self.dims.get_mesh("cp"))
+        return document_ids(inputs, self.eot_id)
 
     @abstractmethod
     def forward_backward(self, micro_batches: list[Batch],
@@ -110,7 +132,8 @@ class AccumulationExecutor(StepExecutor):
             if len(micro_batches) > 1 and self.defer_reduction:
                 set_gradient_sync(model, last)
             inputs, labels = self.to_device(batch)
-            micro_sum, _ = self.criterion(self.criterion.forward(model, inputs), labels)
+            micro_sum, _ = self.criterion(
+                self.criterion.forward(model, inputs, self.documents(inputs)), labels)
             if last:
                 forward_done()
             (micro_sum * scale).backward()
@@ -120,8 +143,8 @@ class AccumulationExecutor(StepExecutor):
     @torch.no_grad()
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         inputs, labels = self.to_device(batch)
-        return self.owned(self.criterion(self.criterion.forward(self.parts[0], inputs),
-                                         labels)[0])
+        output = self.criterion.forward(self.parts[0], inputs, self.documents(inputs))
+        return self.owned(self.criterion(output, labels)[0])
 
 
 def parts_module(parts: list[nn.Module]) -> nn.Module:

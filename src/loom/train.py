@@ -19,7 +19,7 @@ from torch import nn
 from loom import flight
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
-from loom.data.loaders import build_dataloader, on_node_leaders
+from loom.data.loaders import build_dataloader, end_of_text, on_node_leaders
 from loom.data.streaming import data_state, restore_data_state
 from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
@@ -90,7 +90,8 @@ class Trainer:
         self.steps_per_epoch = self.optimizer_steps_per_epoch()
         self.model_parts = self.build_model_parts()
         self.model = parts_module(self.model_parts)  # every parameter this rank holds
-        self.executor = build_executor(self.model_parts, cfg, dims, device)
+        self.executor = build_executor(self.model_parts, cfg, dims, device,
+                                       end_of_text(start.dataset))
         self.evaluator = build_evaluator(start.val_dataset, cfg, dims, self.executor, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())

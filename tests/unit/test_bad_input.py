@@ -29,6 +29,8 @@ MISTAKES = {  # id: (flags, message)
     "n-experts-negative": (["--n-experts", "-4"], "--n-experts must be >= 0 (0 = dense model)"),
     "max-skipped-steps-0": (["--max-skipped-steps", "0"], "--max-skipped-steps must be >= 1"),
     "lr-not-a-number": (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+    "doc-mask-transformers": (["--doc-mask", "--model", "owner/name", "--model-impl",
+                               "transformers"], "--doc-mask needs loom's own model"),
 }
 
 

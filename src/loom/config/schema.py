@@ -205,6 +205,10 @@ class DataConfig:
     cache_dir: str | None = flag(None, "tokenization cache folder ($LOOM_CACHE_DIR; "
                                  "default ~/.cache/loom)", type=str, hidden=True,
                                  env="LOOM_CACHE_DIR")
+    doc_mask: bool = flag(False, "attention stays inside each packed document (split at the "
+                          "tokenizer's end-of-text) and RoPE positions restart at each")
+    """Packing puts several documents in one window; without the mask a token attends to the
+    documents before it and its position counts on across them."""
 
 
 @dataclass(frozen=True)

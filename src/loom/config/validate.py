@@ -152,6 +152,17 @@ def _validate_cp(cfg: JobConfig) -> None:
                           "reduce gradients over cp yet)")
 
 
+def _validate_doc_mask(cfg: JobConfig) -> None:
+    """Layouts --doc-mask cannot run with, as one line each."""
+    if not cfg.data.doc_mask:
+        return
+    m = cfg.model
+    if m.runs_transformers:
+        raise ConfigError(f"--doc-mask needs loom's own model, not transformers' module for "
+                          f"{m.model} (the mask is built into loom's attention; --model-impl "
+                          "auto or native imports it natively where a family serves it)")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
@@ -205,6 +216,7 @@ def validate(cfg: JobConfig) -> None:
     if not shape_unknown:
         _validate_moe(m, p)
     _validate_cp(cfg)
+    _validate_doc_mask(cfg)
     validate_pipeline(cfg)
     if m.runs_transformers and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "

@@ -19,28 +19,35 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from loom.config import ConfigError, JobConfig
 from loom.data.cache import TokenCache, cache_key, default_cache_dir
+from loom.data.chat import ChatTokens, encode_chat, held_out, is_chat_source
 from loom.data.shards import ShardStream, is_shard_folder, read_manifest
 from loom.data.split import held_out_cut
 from loom.data.streaming import PackedStream, StreamLoader, StreamSpec, build_stream_spec
 from loom.data.text import (
     PackedTokens,
+    TextSource,
     TokenStream,
     cache_parts,
     prepare_tokens,
     resolve_source,
 )
-from loom.data.tokenizers import tokenizer_name
+from loom.data.tokenizers import load_tokenizer, tokenizer_name
 
 logger = logging.getLogger("loom")
 
 RANDOM_DATASET_SAMPLES = 8192
 """Length of the synthetic dataset: an epoch of `random` is this many samples."""
+RANDOM_EOT_ID = 0
+"""The synthetic data's end-of-text: its most frequent id (about one token in seven at a
+512 vocabulary), so --doc-mask has many short documents to keep apart."""
 
 
 class RandomTokens(Dataset):
     """Synthetic tokens with Zipf-like frequencies, as in natural text, so the loss has
     somewhere to fall. Sample i is a pure function of (seed, i): every mesh sees identical
     data without any I/O."""
+
+    eot_id = RANDOM_EOT_ID
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int,
                  num_samples: int = RANDOM_DATASET_SAMPLES):
@@ -116,6 +123,13 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size
                       generator=torch.Generator().manual_seed(seed))
 
 
+def end_of_text(dataset: Dataset | StreamSpec) -> int:
+    """The end-of-text id between the dataset's packed documents (--doc-mask splits there)."""
+    if isinstance(dataset, StreamSpec):
+        return dataset.tokenizer.eot_id
+    return int(dataset.eot_id)
+
+
 def build_dataset(cfg: JobConfig, local_rank: int) -> tuple[Dataset, JobConfig]:
     """The training dataset, and `cfg` with the vocabulary sized from its tokenizer."""
     train, _, cfg = build_datasets(cfg, local_rank)
@@ -126,7 +140,8 @@ def build_datasets(cfg: JobConfig, local_rank: int,
                    ) -> tuple[Dataset | StreamSpec, Dataset | None, JobConfig]:
     """(training set, validation set or None, `cfg` sized to the tokenizer). A
     --val-fraction holds out the tail of the training tokens, cut between documents;
-    --streaming gives a stream spec that `build_dataloader` deals out to the dp ranks."""
+    --streaming gives a stream spec that `build_dataloader` deals out to the dp ranks; a
+    JSONL file of conversations is chat data (`chat_datasets`)."""
     data, ev = cfg.data, cfg.eval
     if data.dataset == "random":
         train = RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed)
@@ -134,6 +149,10 @@ def build_datasets(cfg: JobConfig, local_rank: int,
                            max(1, round(len(train) * ev.val_fraction))) \
             if ev.val_fraction else None
         return train, val, cfg
+    source = None if data.dataset is None or is_shard_folder(data.dataset) else \
+        resolve_source(data.dataset)
+    if source is not None and is_chat_source(source):
+        return chat_datasets(cfg, source)
     if data.streaming:
         spec = build_stream_spec(cfg, tokenizer_name(data.tokenizer_name, cfg.model.model))
         val = None if ev.val_dataset is None else PackedTokens(
@@ -159,6 +178,44 @@ def build_datasets(cfg: JobConfig, local_rank: int,
                 len(train), data.seq_len + 1,
                 "" if val is None else f"; validation {val.n_tokens} tokens")
     return train, val, sized_to_tokenizer(cfg, meta)
+
+
+def chat_datasets(cfg: JobConfig, source: TextSource,
+                  ) -> tuple[ChatTokens, ChatTokens | None, JobConfig]:
+    """Conversations (chat.py) as (training set, validation set or None, `cfg` sized to the
+    tokenizer, with --doc-mask on: a window packs several conversations, and none may see
+    another). A --val-fraction holds out whole conversations at the end."""
+    data, ev, m = cfg.data, cfg.eval, cfg.model
+    hf = m.runs_transformers
+    if data.streaming:
+        raise ConfigError(f"--dataset {source.name} holds conversations, which are read "
+                          "whole, not streamed; drop --streaming")
+    tokenizer = load_tokenizer(tokenizer_name(data.tokenizer_name, m.model),
+                               m.trust_remote_code)
+    corpus = encode_chat(source.files, tokenizer, source.name)
+    train_part, val = (0, len(corpus.ends)), None
+    if ev.val_fraction:
+        cut = held_out(corpus, ev.val_fraction)
+        train_part = (0, cut)
+        val = ChatTokens(corpus, tokenizer.eot_id, data.seq_len, (cut, len(corpus.ends)))
+    elif ev.val_dataset is not None:
+        val_source = resolve_source(ev.val_dataset)
+        if not is_chat_source(val_source):
+            raise ConfigError(f"--val-dataset {ev.val_dataset} holds no conversations but "
+                              f"--dataset {source.name} does; give both in one format")
+        val = ChatTokens(encode_chat(val_source.files, tokenizer, val_source.name),
+                         tokenizer.eot_id, data.seq_len)
+    train = ChatTokens(corpus, tokenizer.eot_id, data.seq_len, train_part)
+    logger.info("data: %s, %d conversations, %d tokens (%d trained on), %d windows of %d "
+                "tokens%s", source.name, train.n_conversations, train.n_tokens,
+                int(train.trained.sum()), len(train), data.seq_len + 1,
+                "" if val is None else f"; validation {val.n_conversations} conversations")
+    cfg = sized_to_tokenizer(cfg, {"vocab_size": tokenizer.size, "tokenizer": tokenizer.name})
+    if hf:
+        logger.warning("chat data under transformers' module for %s: conversations are "
+                       "packed without --doc-mask (it needs loom's own model)", m.model)
+        return train, val, cfg
+    return train, val, replace(cfg, data=replace(cfg.data, doc_mask=True))
 
 
 def token_stream(dataset: str | None, cfg: JobConfig, local_rank: int,

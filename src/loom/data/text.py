@@ -225,6 +225,7 @@ class PackedTokens(Dataset):
         self.start, end = span or (0, len(stream))
         self.n_tokens = end - self.start
         self.pad_id: int | None = meta["pad_id"]
+        self.eot_id = int(meta["eot_id"])
 
     def __len__(self) -> int:
         return -(-self.n_tokens // (self.seq_len + 1))

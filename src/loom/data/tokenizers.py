@@ -37,6 +37,11 @@ class TextTokenizer:
     eot_id: int
     pad_id: int | None
     """A pad id distinct from end-of-text, else None (masking it would hide real EOTs)."""
+    chat_template: str | None = None
+    """The Jinja chat template (tokenizer_config.json's `chat_template`), if any."""
+    bos_token: str = ""
+    eos_token: str = ""
+    """Special tokens' text, which chat templates may insert."""
 
     @property
     def parallel(self) -> bool:
@@ -122,7 +127,9 @@ def load_shipped_tokenizer() -> TextTokenizer:
     config = json.loads((SHIPPED_TOKENIZER / "tokenizer_config.json").read_text())
     backend = tokenizers.Tokenizer.from_str(text)
     return TextTokenizer(SHIPPED_NAME, backend, backend.get_vocab_size(with_added_tokens=True),
-                         backend.token_to_id(config["eos_token"]), pad_id=None)
+                         backend.token_to_id(config["eos_token"]), pad_id=None,
+                         chat_template=config.get("chat_template"),
+                         bos_token=config["bos_token"], eos_token=config["eos_token"])
 
 
 def load_auto_tokenizer(name: str, trust_remote_code: bool = False) -> TextTokenizer:
@@ -151,5 +158,8 @@ def load_auto_tokenizer(name: str, trust_remote_code: bool = False) -> TextToken
                           "separate documents")
     pad = tok.pad_token_id
     backend = getattr(tok, "backend_tokenizer", None) or tok
+    template = getattr(tok, "chat_template", None)
     return TextTokenizer(name, backend, len(tok), tok.eos_token_id,
-                         None if pad == tok.eos_token_id else pad)
+                         None if pad == tok.eos_token_id else pad,
+                         chat_template=template if isinstance(template, str) else None,
+                         bos_token=str(tok.bos_token or ""), eos_token=str(tok.eos_token))

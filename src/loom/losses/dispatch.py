@@ -96,9 +96,14 @@ class Criterion:
         count = (labels != IGNORE_INDEX).sum()
         return self.mean(output, labels).float() * count, count
 
-    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-        """What a whole (unpipelined) model gives this criterion."""
-        return model(inputs, return_hidden=True) if self.hidden else model(inputs)
+    def forward(self, model: nn.Module, inputs: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """What a whole (unpipelined) model gives this criterion; `documents` (--doc-mask)
+        only when given, so a model without the argument (transformers') is called as
+        before."""
+        kwargs = {} if documents is None else {"documents": documents}
+        return model(inputs, return_hidden=True, **kwargs) if self.hidden else \
+            model(inputs, **kwargs)
 
 
 class _LogitsProbe:

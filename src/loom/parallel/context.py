@@ -15,12 +15,14 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from loom.mesh import ParallelDims
+from loom.models.documents import shard_document_mask
 from loom.models.registry import for_model
 
 logger = logging.getLogger("loom")
@@ -113,10 +115,12 @@ def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def sharded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
-                             rank: int) -> torch.Tensor:
+                             rank: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of cp rank `rank`'s queries q (B, T/cp, H, D), in load-balanced
     order, against the whole sequence's k and v (B, T, Hkv, D), in global order. Chunk c
-    attends to keys 0 ... (c+1)·len - 1 only, so no rank computes masked-out blocks."""
+    attends to keys 0 ... (c+1)·len - 1 only, so no rank computes masked-out blocks.
+    `mask` (B, 1, T/cp, T), rows in the queries' order: the document mask (--doc-mask),
+    which replaces the causal one."""
     n_rep = q.shape[2] // k.shape[2]
     size = q.shape[1] // 2
     outs = []
@@ -124,9 +128,23 @@ def sharded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         end = (chunk + 1) * size
         keys = k[:, :end].repeat_interleave(n_rep, dim=2).transpose(1, 2)
         values = v[:, :end].repeat_interleave(n_rep, dim=2).transpose(1, 2)
-        queries = q[:, local * size:(local + 1) * size].transpose(1, 2)
-        outs.append(prefix_causal_attention(queries, keys, values).transpose(1, 2))
+        rows = slice(local * size, (local + 1) * size)
+        queries = q[:, rows].transpose(1, 2)
+        if mask is None:
+            out = prefix_causal_attention(queries, keys, values)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values,
+                                                 attn_mask=mask[:, :, rows, :end])
+        outs.append(out.transpose(1, 2))
     return torch.cat(outs, dim=1)
+
+
+def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """(B, T/cp) shards of the cp ranks (token ids, no gradient) -> (B, T) in global
+    order: what the step needs to find documents that span shards (--doc-mask)."""
+    shards = [torch.empty_like(x) for _ in range(mesh.size())]
+    dist.all_gather(shards, x.contiguous(), group=mesh.get_group())
+    return unshard_sequence(torch.cat(shards, dim=1), mesh.size(), dim=1)
 
 
 class ContextParallelAttention(nn.Module):
@@ -146,18 +164,27 @@ class ContextParallelAttention(nn.Module):
         full = funcol.all_gather_single_autograd(x.transpose(0, 1).contiguous(), 0, self.mesh)
         return unshard_sequence(full, self.cp, dim=0).transpose(0, 1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sharded_causal_attention(q, self.gather(k), self.gather(v), self.cp, self.rank)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        return sharded_causal_attention(q, self.gather(k), self.gather(v), self.cp, self.rank,
+                                        mask)
 
 
 def _add_positions(mesh: DeviceMesh) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
-    """Forward pre-hook of the model: pass the global RoPE positions of this rank's tokens."""
+    """Forward pre-hook of the model: pass the global RoPE positions of this rank's tokens;
+    under --doc-mask, given the whole sequence's `documents` (B, T), their positions within
+    their documents and their rows of the document mask instead."""
     cp, rank = mesh.size(), mesh.get_local_rank()
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         tokens = args[0] if args else kwargs["tokens"]
         seq_len = tokens.shape[1] * cp
-        kwargs["positions"] = shard_positions(seq_len, cp, rank, device=tokens.device)
+        index = shard_positions(seq_len, cp, rank, device=tokens.device)
+        documents = kwargs.pop("documents", None)
+        if documents is None:
+            kwargs["positions"] = index
+        else:
+            kwargs["positions"], kwargs["mask"] = shard_document_mask(documents, index)
         return args, kwargs
 
     return hook

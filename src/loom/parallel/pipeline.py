@@ -201,8 +201,10 @@ class PipelineExecutor(StepExecutor):
         """One loader batch through `schedule` (step or eval); the owned loss sum."""
         inputs, labels = self.to_device(batch)
         self.sums = []
+        documents = self.documents(inputs)  # a keyword: the schedule hands it to every stage
         schedule(*([inputs] if self.has_first else []),
-                 target=labels if self.has_last else None, return_outputs=False)
+                 target=labels if self.has_last else None, return_outputs=False,
+                 **({} if documents is None else {"documents": documents}))
         return self.owned(torch.stack(self.sums).sum() if self.sums
                           else torch.zeros((), device=self.device))
 

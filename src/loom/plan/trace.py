@@ -34,6 +34,7 @@ from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import stage_module
 from loom.plan.compiled import compiled_loss_memory
 from loom.precision import torch_dtype
+from loom.step import document_ids
 
 Breakdown = dict[str, int]
 """Bytes live at the peak, by FSDPMemTracker category ('Total' excluded)."""
@@ -211,6 +212,15 @@ Step = Callable[[Callable[[], None], Callable[[], None]], None]
 callback runs between two micro-batches of a pipeline stage."""
 
 
+def traced_documents(tokens: torch.Tensor, cfg: JobConfig) -> torch.Tensor | None:
+    """Under --doc-mask, document ids of the whole sequences the traced tokens belong to
+    (a cp rank's tokens are a shard of them), so the mask each forward builds is counted
+    (its size, not its pattern, is what memory depends on)."""
+    if not cfg.data.doc_mask:
+        return None
+    return document_ids(tokens.new_zeros(tokens.shape[0], cfg.data.seq_len), 0)
+
+
 def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> Step:
     """`Trainer.train_step` up to the optimizer step, for one micro-batch of this rank's
     tokens (a 1/cp share of each sequence under context parallel); under --grad-accum-steps
@@ -218,6 +228,7 @@ def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> S
     reduced into the sharded ones, as the accumulation loop leaves them."""
     criterion = traced_criterion(cfg, getattr(model, "output", None), dims.tp)
     tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len // dims.cp, dtype=torch.long)
+    documents = traced_documents(tokens, cfg)
 
     micro_batches = 2 if cfg.train.grad_accum_steps > 1 else 1
     deferred = cfg.train.accum_reduce == "step"
@@ -228,7 +239,7 @@ def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> S
                 between()
             if micro_batches > 1 and deferred:
                 set_gradient_sync(model, i == micro_batches - 1)
-            loss_sum, count = criterion(criterion.forward(model, tokens), tokens)
+            loss_sum, count = criterion(criterion.forward(model, tokens, documents), tokens)
             loss = loss_sum / count
             if i == 0:
                 forward_done()
@@ -251,6 +262,8 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
     mb, seq, dim = stage.microbatch, cfg.data.seq_len, cfg.model.dim
     dtype = torch_dtype(cfg.parallel.dtype)
     tokens = torch.zeros(mb, seq, dtype=torch.long)
+    documents = traced_documents(tokens, cfg)
+    kwargs = {} if documents is None else {"documents": documents}
     hidden = torch.zeros(mb, seq // dims.tp, dim, dtype=dtype, requires_grad=True)
     grad = torch.zeros(mb, seq // dims.tp, dim, dtype=dtype)
     n_stages = max(3, dist.get_world_size())  # over the default group: it sends nothing
@@ -264,7 +277,7 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
         for i in range(min(2, stage.microbatches)):  # the second sees the first's gradients
             if i:
                 between()
-            out = model(tokens if stage.first else hidden)  # kept to its backward, as
+            out = model(tokens if stage.first else hidden, **kwargs)  # kept to backward, as
             loss = criterion(out, tokens)[0] if stage.last else None  # the schedule does
             if i == 0:
                 forward_done()

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.models.documents import document_mask, document_positions
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -85,9 +87,13 @@ def rope_table(args: ModelArgs) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x (B, T, H, D) by the angles of the table's first T rows
-    (positions 0 ... T-1, or the rows a caller picked for a sequence shard)."""
+    (positions 0 ... T-1, or the rows a caller picked for a sequence shard), or by a
+    (B, T, D/2, 2) table of rows picked per sample."""
     seqlen = x.shape[1]
-    cos, sin = table[:seqlen, None, :, 0], table[:seqlen, None, :, 1]  # (T, 1, D/2)
+    if table.dim() == 4:  # (B, T, D/2, 2): positions of their own per sample (--doc-mask)
+        cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]  # (B, T, 1, D/2)
+    else:
+        cos, sin = table[:seqlen, None, :, 0], table[:seqlen, None, :, 1]  # (T, 1, D/2)
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
@@ -110,11 +116,13 @@ class CausalAttention(nn.Module):
     (`enable_gqa`): no widened copies of them are made or saved for backward, and a
     replacement (context parallel) exchanges them small."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, T, H, D), k and v (B, T, Hkv, D) -> (B, T, H, D)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, T, H, D), k and v (B, T, Hkv, D) -> (B, T, H, D). `mask` (B, 1, T, T) bool,
+        True where a query may attend a key, replaces the plain causal mask (--doc-mask)."""
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=q.shape[2] != k.shape[2])
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=mask is None, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
 
 
@@ -130,7 +138,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: see CausalAttention; a keyword, so the tp plan's input layouts (x, rope)
+        and a core without one (context parallel) stay as they are."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, Hkv, D)
@@ -138,7 +149,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        return self.wo(self.core(q, k, v).reshape(bsz, seqlen, -1))
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
+        return self.wo(out.reshape(bsz, seqlen, -1))
 
 
 class FeedForward(nn.Module):
@@ -171,8 +183,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -202,14 +215,23 @@ class Transformer(nn.Module):
         return TransformerBlock(self.args)
 
     def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """`tokens`: ids, or a previous pipeline stage's hidden states when this stage has no
         embedding. `positions` (T,): the global position of each token when the sequence is a
-        shard of a longer one (context parallel); default 0 ... T-1."""
+        shard of a longer one (context parallel); default 0 ... T-1. `documents` (B, T): the
+        document index of each token of a packed batch (--doc-mask): a token attends only
+        to earlier tokens of its document, and positions count from each document's start.
+        Every pipeline stage is given it, so each builds the same mask. Or, for a shard of
+        the sequence, `positions` (B, T) and `mask` (B, 1, T, S) as prepared from the whole
+        sequence's documents (context parallel)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if documents is not None:
+            positions, mask = document_positions(documents), document_mask(documents)
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         if self.norm is None:
             return h
         h = self.norm(h)
