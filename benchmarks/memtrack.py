@@ -1,5 +1,5 @@
 """Peak-memory probes shared by the benchmarks: Linux RSS high-water, and the profiler's
-allocation records (`loom.profiling.peak_live_bytes`, which `loom.plan.measure` uses too)."""
+allocation records (`loom.profiling.peak_live_bytes`, which `tests.plan_measure` uses too)."""
 
 from __future__ import annotations
 

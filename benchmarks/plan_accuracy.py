@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.harness import run_ranks
 
-from loom.plan.accuracy import compare
+from tests.plan_accuracy import compare
 
 RESULTS = Path(__file__).parent / "results" / "plan_accuracy.json"
 BASE = ["--model", "debug", "--fp32", "--dataset", "random", "--seq-len", "128",
@@ -59,7 +59,7 @@ CONFIGS: dict[int, list[list[str]]] = {
 }
 ACTIVATION_HEAVY = ["--seq-len", "512", "--batch-size", "4", "--vocab-size", "2048"]
 AT_ALLOCATOR: list[tuple[int, list[str]]] = [
-    # What the tracker cannot follow, each a job of its own (`loom.plan.measure`).
+    # What the tracker cannot follow, each a job of its own (`tests.plan_measure`).
     (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size", "4"]),
     (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size", "4", *DEEP]),
     (4, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--batch-size", "8"]),
@@ -74,7 +74,7 @@ AT_ALLOCATOR: list[tuple[int, list[str]]] = [
 def measure(ranks: int, runs: list[list[str]], outdir: Path) -> list[str]:
     argv = [[*BASE, *flags, "--outdir", str(outdir / f"{ranks}-{i}")]
             for i, flags in enumerate(runs)]
-    job = run_ranks(ranks, ["-m", "loom.plan.measure", json.dumps(argv)], timeout=900,
+    job = run_ranks(ranks, ["-m", "tests.plan_measure", json.dumps(argv)], timeout=900,
                     env={"LOOM_METRICS": "0"})
     if not job.ok:
         raise SystemExit(f"measurement on {ranks} ranks failed:\n{job.describe()}")

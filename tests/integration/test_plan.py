@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from loom.plan.accuracy import compare
+from tests.plan_accuracy import compare
 from loom.plan.command import main as plan_main
 from loom.plan.command import parse_size
 from tests.harness import run_ranks
@@ -69,7 +69,7 @@ def test_interleaved_pipeline_predicted_within_ten_percent(tmp_path):
 
 def assert_predictions_close(tmp_path, ranks: int, runs: list[list[str]]) -> None:
     argv = [[*BASE, *flags, "--outdir", str(tmp_path / str(i))] for i, flags in enumerate(runs)]
-    job = run_ranks(ranks, ["-m", "loom.plan.measure", json.dumps(argv)], timeout=600,
+    job = run_ranks(ranks, ["-m", "tests.plan_measure", json.dumps(argv)], timeout=600,
                     env={"LOOM_METRICS": "0"})
     assert job.ok, job.describe()
     rows = compare(ranks, [[*BASE, *flags] for flags in runs], [r.stdout for r in job.ranks])

@@ -1,6 +1,6 @@
 """Predicted vs measured per-rank peak for a list of configurations (benchmark and tests).
 
-Measured: real gloo ranks run `loom.plan.measure` (FSDPMemTracker around the second
+Measured: real gloo ranks run `tests.plan_measure` (FSDPMemTracker around the second
 `Trainer.train_step`); the worst rank counts. Predicted: `predict_memory` in this process
 under a fake process group of the same size (CPU: no analytic term is added).
 """
