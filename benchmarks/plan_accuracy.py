@@ -29,7 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.harness import run_ranks
-
 from tests.plan_accuracy import compare
 
 RESULTS = Path(__file__).parent / "results" / "plan_accuracy.json"

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from tests.plan_accuracy import compare
 from loom.plan.command import main as plan_main
 from loom.plan.command import parse_size
 from tests.harness import run_ranks
+from tests.plan_accuracy import compare
 
 BASE = ["--model", "debug", "--fp32", "--dataset", "random", "--seq-len", "128",
         "--batch-size", "2", "--max-steps", "2"]
