@@ -10,17 +10,13 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from loom.config import parse_args
-from loom.logs import setup_logging
-from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import run
+from tests.workers.bootstrap import rank_job
 from tests.workers.parity_worker import full_parameters
 
 
 def main(runs: list[list[str]]) -> None:
-    info = rank_info()
-    setup_logging(info.rank)
-    device = init_distributed(info)
-    try:
+    with rank_job() as (info, device):
         for argv in runs:
             trainer = run(parse_args(argv), info, device)
             params = full_parameters(trainer.model)
@@ -30,8 +26,6 @@ def main(runs: list[list[str]]) -> None:
             if info.rank == 0:
                 torch.save(params, trainer.metrics.outdir / "params.pt")
                 torch.save(optim, trainer.metrics.outdir / "optim.pt")
-    finally:
-        teardown()
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@ import torch
 
 from loom.config import parse_args
 from loom.data.loaders import build_dataloader, build_dataset
-from loom.logs import setup_logging
 from loom.mesh import ParallelDims
-from loom.runtime import init_distributed, rank_info, teardown
+from tests.workers.bootstrap import rank_job
 
 STEPS, BATCH, SEED = 4, 2, 3
 
@@ -26,10 +25,7 @@ def first_batches(dataset, batch: int, dp_rank: int, dp_size: int) -> list[torch
 
 
 def main(source: str, outdir: Path) -> None:
-    info = rank_info()
-    setup_logging(info.rank)
-    init_distributed(info)
-    try:
+    with rank_job() as (info, _):
         cfg = parse_args(["--model", "debug", "--tp", "2", "--dataset", source, "--seq-len", "16",
                           "--seed", str(SEED)])
         dims = ParallelDims(1, -1, 2, info.world_size)
@@ -41,8 +37,6 @@ def main(source: str, outdir: Path) -> None:
                   "imported_datasets": "datasets" in sys.modules,
                   "vocab_size": cfg.model.vocab_size}
         torch.save(record, outdir / f"rank{info.rank}.pt")
-    finally:
-        teardown()
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ import torch.distributed as dist
 import loom.parallel.hf_load as hf_load
 import loom.train as train
 from loom.config import ConfigError, ModelConfig, parse_args
-from loom.logs import setup_logging
 from loom.mesh import ParallelDims
 from loom.models.transformers.model import HFCausalLM, load_hf_model
 from loom.parallel.parallelize import parallelize
-from loom.runtime import init_distributed, rank_info, teardown
+from tests.workers.bootstrap import rank_job
 from tests.workers.parity_worker import full
 
 LOADERS = {"stream": hf_load.build_hf_model, "whole-model": hf_load.build_hf_model,
@@ -54,10 +53,7 @@ def initial_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def main(runs: list[tuple[str, list[str]]]) -> None:
-    info = rank_info()
-    setup_logging(info.rank)
-    device = init_distributed(info)
-    try:
+    with rank_job() as (info, device):
         for loader, argv in runs:
             set_up_loader(loader, info.rank)
             train.build_hf_model = LOADERS[loader]
@@ -71,8 +67,6 @@ def main(runs: list[tuple[str, list[str]]]) -> None:
                 trainer.close()
             if info.rank == 0:
                 torch.save(initial, trainer.metrics.outdir / "initial.pt")
-    finally:
-        teardown()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from loom.config import LossConfig, ParallelConfig, parse_args
-from loom.logs import setup_logging
 from loom.losses import (
     IGNORE_INDEX,
     build_loss,
@@ -30,8 +29,8 @@ from loom.metrics import read_rows
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.parallel.init import clean_name, init_weights
 from loom.parallel.parallelize import parallelize
-from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import run
+from tests.workers.bootstrap import rank_job
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=32,
                  max_seq_len=64)
@@ -163,18 +162,13 @@ def training_runs(root: Path, info, device) -> dict[str, object]:
 
 
 def main(result_file: Path) -> None:
-    info = rank_info()
-    setup_logging(info.rank)
-    device = init_distributed(info)
-    try:
+    with rank_job() as (info, device):
         tp_dims = ParallelDims(1, 1, 2, info.world_size)
         results = {"functional": functional_checks(tp_dims.build_mesh("cpu")["tp"]),
                    "model": model_checks(info.world_size),
                    "training": training_runs(result_file.parent, info, device)}
         if info.rank == 0:
             result_file.write_text(json.dumps(results, indent=1))
-    finally:
-        teardown()
 
 
 if __name__ == "__main__":

@@ -17,12 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from loom.logs import setup_logging
 from loom.parallel.init import clean_name
 from loom.parity import batch_gradients, build_trainer, fit, full, full_parameters, whole_model
-from loom.runtime import init_distributed, rank_info, teardown
 from loom.train import Trainer
 from tests.routing import ROUTING_FILE, RoutingHooks
+from tests.workers.bootstrap import rank_job
 
 __all__ = ["full", "full_parameters"]  # other workers import them from here
 
@@ -47,10 +46,7 @@ def routing_hooks(trainer: Trainer, routing: str | None) -> RoutingHooks | None:
 
 
 def main(runs: list[list[str] | dict], options: list[str]) -> None:
-    info = rank_info()
-    setup_logging(info.rank)
-    device = init_distributed(info)
-    try:
+    with rank_job() as (info, device):
         for run in runs:
             argv, routing = (run, None) if isinstance(run, list) else (run["argv"],
                                                                       run["routing"])
@@ -74,8 +70,6 @@ def main(runs: list[list[str] | dict], options: list[str]) -> None:
                         path.write_text(json.dumps(value))
                     else:
                         torch.save(value, path)
-    finally:
-        teardown()
 
 
 if __name__ == "__main__":
