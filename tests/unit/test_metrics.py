@@ -43,7 +43,7 @@ def test_step_clock_splits_forward_and_backward():
     time.sleep(0.05)
     clock.forward_done()
     time.sleep(0.03)
-    dt, dtf, dtb = clock.stop()
+    dt, dtf, dtb = clock.stop()()
     assert dtf >= 0.05 and dtb >= 0.03, (dtf, dtb)  # each lap holds at least its sleep
     assert dt == pytest.approx(dtf + dtb, rel=1e-9)
 
