@@ -66,8 +66,10 @@ class ParallelConfig:
     sharding_strategy: str | None = flag(None, "deprecated; use --reshard-after-forward",
                                          type=str, hidden=True)
     activation_checkpoint: str = flag(
-        "none", "recompute activations in backward", aliases=("--ac",),
-        choices=("none", "block", "full", "selective"))
+        "none", "recompute activations in backward: block (all of each block), selective "
+        "(each block's attention), op (each block's cheap ops; attention and every other "
+        "matmul saved)", aliases=("--ac",),
+        choices=("none", "block", "full", "selective", "op"))
     compile: bool = flag(False, "torch.compile each transformer block")
     compile_mode: str = flag("default", "torch.compile mode",
                              choices=("default", "reduce-overhead", "max-autotune"))

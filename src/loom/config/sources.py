@@ -94,10 +94,10 @@ def _fit_hf_model(values: dict[str, Any], warnings: list[str]) -> None:
         warnings.append(f"--tp {tp} ignored for the Hugging Face model {values['model']} "
                         "(loom's tensor-parallel plan names its own modules); its ranks shard "
                         "data instead")
-    if values.get("activation_checkpoint") == "selective":
+    if values.get("activation_checkpoint") in ("selective", "op"):
+        warnings.append(f"--ac {values['activation_checkpoint']} on a Hugging Face model: its "
+                        "own gradient checkpointing recomputes whole blocks (--ac block)")
         values["activation_checkpoint"] = "block"
-        warnings.append("--ac selective on a Hugging Face model: its own gradient "
-                        "checkpointing recomputes whole blocks (--ac block)")
 
 
 def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None,
