@@ -24,6 +24,7 @@ from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
 from loom.executor import build_executor
 from loom.host_memory import retain_freed_memory
+from loom.memory_snapshot import MemorySnapshots
 from loom.mesh import ParallelDims
 from loom.metrics import RunPlace, build_metrics, environment_facts
 from loom.modeling import model_args, plain_model
@@ -123,6 +124,8 @@ class Trainer:
         self.unread: list[tuple[int, torch.Tensor]] = []
         """Masked steps whose (applied, loss, gradient norm) the host has not read yet."""
         self.host_group = host_group(info.world_size)
+        self.snapshots = MemorySnapshots(device, outdir, info.rank,
+                                         cfg.output.memory_snapshot)
 
     def optimizer_steps_per_epoch(self) -> int:
         """Each optimizer step takes `accum` loader batches; a ragged remainder is dropped."""
@@ -321,8 +324,12 @@ class Trainer:
             with maybe_profile(out, self.metrics.outdir, self.info.rank, total) as profiler:
                 for epoch, bidx, micro in itertools.islice(self.steps(),
                                                            max(0, total - self.loop.step)):
-                    result = self.train_step(micro)
+                    try:
+                        result = self.train_step(micro)
+                    except torch.OutOfMemoryError as e:
+                        raise self.snapshots.out_of_memory(e) from e
                     self.advance()
+                    self.snapshots.after_step(self.loop.step)
                     step = self.loop.step
                     if (cadence.due(step) or self.checkpointer.due(step) or step == total
                             or self.stop_signal):
@@ -341,6 +348,7 @@ class Trainer:
         else:
             self.metrics.finish()
         finally:
+            self.snapshots.finish()
             watchdog.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)

@@ -218,6 +218,11 @@ class OutputConfig:
     profile_repeat: int = flag(1, "--profile: wait/warmup/active cycles, one trace each "
                                "(0 = until the run ends)")
     profile_memory: bool = flag(False, "--profile: record tensor allocations and frees")
+    memory_snapshot: int = flag(
+        0, "CUDA: record the caching allocator's history from the start and write "
+        "memory-snapshot-rank<r>.pickle to the run folder after N steps (bare flag: 3; 0 = "
+        "off); an out-of-memory error writes memory-oom-rank<r>.pickle either way",
+        const=3)
     profile_shapes: bool = flag(False, "--profile: record operator input shapes")
     profile_stack: bool = flag(False, "--profile: record the Python stack of each operator")
     profile_flops: bool = flag(False, "--profile: estimate FLOPs of matmuls and convolutions")
