@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from loom.parity import build_trainer, fit
 from loom.runtime import RankInfo
+from loom.step import ahead_on_device
 from loom.train import Trainer
 
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
@@ -116,3 +117,20 @@ def test_skipped_steps_are_read_and_warned_at_the_logging_step(tmp_path, monkeyp
     states = list(trainer.optimizer.state.values())
     assert states and all(float(s["step"]) == 1 for s in states), "AdamW counted one update"
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_data_reaches_the_device_one_step_ahead():
+    """When step k is handed out, step k+1's micro-batches were already drawn and their
+    copies queued ("meta" stands in for an accelerator)."""
+    drawn: list[int] = []
+
+    def steps():
+        for k in range(3):
+            drawn.append(k)
+            yield 0, k, [{"input": torch.full((1, 4), k), "labels": torch.full((1, 4), k)}]
+
+    handed = []
+    for _, k, micro in ahead_on_device(steps(), torch.device("meta")):
+        handed.append((k, list(drawn)))
+        assert micro[0]["input"].device.type == "meta"
+    assert handed == [(0, [0, 1]), (1, [0, 1, 2]), (2, [0, 1, 2])]
