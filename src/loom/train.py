@@ -26,7 +26,7 @@ from loom.executor import build_executor
 from loom.host_memory import retain_freed_memory
 from loom.memory_snapshot import MemorySnapshots
 from loom.mesh import ParallelDims
-from loom.metrics import RunPlace, build_metrics, environment_facts
+from loom.metrics import MAX_QUEUED, RunPlace, build_metrics, environment_facts
 from loom.modeling import model_args, plain_model
 from loom.models.hf import is_hf
 from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
@@ -332,7 +332,7 @@ class Trainer:
                     self.snapshots.after_step(self.loop.step)
                     step = self.loop.step
                     if (cadence.due(step) or self.checkpointer.due(step) or step == total
-                            or self.stop_signal):
+                            or self.stop_signal or len(self.unread) >= MAX_QUEUED):
                         self.settle()
                     val = self.maybe_evaluate(final=step == total)
                     self.metrics.log_step(step, epoch, bidx, result.loss,

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import loom.metrics.recorder
+import loom.train
 from loom.parity import build_trainer, fit
 from loom.runtime import RankInfo
 from loom.step import ahead_on_device
@@ -134,3 +136,13 @@ def test_data_reaches_the_device_one_step_ahead():
         handed.append((k, list(drawn)))
         assert micro[0]["input"].device.type == "meta"
     assert handed == [(0, [0, 1]), (1, [0, 1, 2]), (2, [0, 1, 2])]
+
+
+def test_a_rarely_logging_run_is_read_every_max_queued_steps(tmp_path, monkeypatch,
+                                                           process_group):
+    monkeypatch.setattr(loom.train, "MAX_QUEUED", 3)
+    monkeypatch.setattr(loom.metrics.recorder, "MAX_QUEUED", 3)
+    reads, _ = counted_run(tmp_path, monkeypatch, ["--max-steps", "8", "--log-every", "100"])
+    assert {step for step in range(1, 9) if reads.get(step)} == {1, 4, 7, 8}, reads
+    rows = (tmp_path / "run" / "metrics-0.jsonl").read_text().splitlines()
+    assert len(rows) == 8

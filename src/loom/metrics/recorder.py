@@ -45,6 +45,11 @@ from loom.tracking import Histograms, WandbRun
 logger = logging.getLogger("loom")
 
 
+MAX_QUEUED = 1000
+"""Steps whose device values may wait for a read: a run logging rarely (--log-every 10000)
+is read every this many steps instead of holding ever more small device tensors."""
+
+
 @dataclass
 class PendingRow:
     """A step logged but not yet read: its device columns wait for the logging step."""
@@ -238,7 +243,8 @@ class Metrics:
         self.pending.append(PendingRow(step, epoch, bidx, names, torch.cat(values),
                                        self.clock.stop(), self.lr, host))
         row = None
-        if self.progress.due(step) or self.histograms.recorded():
+        if (self.progress.due(step) or self.histograms.recorded()
+                or len(self.pending) >= MAX_QUEUED):
             row = self.flush(spread=self.progress.due(step))
         self.histograms.flush(step, self.wandb)
         self.clock.start()
