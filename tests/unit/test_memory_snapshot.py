@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.errors import DeviceOutOfMemory
+import loom.train
+from loom.cli import run_train
+from loom.errors import FAILURE_EXIT, DeviceOutOfMemory
 from loom.memory_snapshot import MemorySnapshots
 
 
@@ -62,3 +64,18 @@ def test_cpu_keeps_the_error_and_refuses_the_flag(tmp_path):
     assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
     assert "--memory-snapshot records CUDA's caching allocator" in errors[0]
     assert "Traceback" not in out.stderr
+
+
+def test_out_of_memory_ends_the_rank_with_its_line_and_no_traceback(monkeypatch, capsys):
+    """The CLI's end of it: exit 1, the snapshot's line, no traceback."""
+    def out_of_memory(cfg, info):
+        raise DeviceOutOfMemory("CUDA out of memory. Tried to allocate 2.00 GiB; allocator "
+                                "snapshot in run/memory-oom-rank0.pickle: ...")
+
+    monkeypatch.setattr(loom.train, "main", out_of_memory)
+    assert run_train(["--model", "debug", "--dataset", "random"]) == FAILURE_EXIT
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert lines == ["error (rank 0): CUDA out of memory. Tried to allocate 2.00 GiB; "
+                     "allocator snapshot in run/memory-oom-rank0.pickle: ..."], err
+    assert "Traceback" not in err
