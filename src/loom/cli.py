@@ -20,6 +20,7 @@ from loom.errors import (
     SIGINT_EXIT,
     CheckpointWriteError,
     ConfigError,
+    DeviceOutOfMemory,
     NonFiniteLossError,
     Preempted,
 )
@@ -114,6 +115,9 @@ def run_train(argv: Sequence[str]) -> int:
         if rank == 0:
             print("loom: interrupted by Ctrl-C", file=sys.stderr, flush=True)
         return SIGINT_EXIT
+    except DeviceOutOfMemory as e:  # rank-specific: the rank that ran out says so
+        report(f"error (rank {rank}): {e}")
+        return FAILURE_EXIT
     except CheckpointWriteError as e:  # raised on every rank alike
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -42,6 +42,11 @@ class Preempted(Exception):
         return 128 + self.signum
 
 
+class DeviceOutOfMemory(Exception):
+    """The device ran out of memory; the message names the allocator snapshot written for
+    it. Rank-specific (one rank may run out first): that rank reports it in one line."""
+
+
 class CheckpointWriteError(RuntimeError):
     """A save failed on some rank (disk full, permissions); the same line on every rank."""
 

@@ -11,7 +11,7 @@ owned shares over every rank gives the step's loss once.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +43,9 @@ class StepResult:
     grad_norm: torch.Tensor
     valid_tokens: torch.Tensor
     moe: dict[str, float] = field(default_factory=dict)
+    applied: torch.Tensor | None = None
+    """1.0 where the optimizer applied the update, 0.0 where a non-finite step was skipped
+    (on the device: read with the metrics)."""
 
 
 @dataclass
@@ -151,3 +154,19 @@ def parts_module(parts: list[nn.Module]) -> nn.Module:
     """One module holding every parameter of this rank's parts (for the optimizer, the
     checkpoint and the metrics): the part itself when there is one."""
     return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+
+
+def ahead_on_device(steps: Iterator[tuple[int, int, list[Batch]]], device: torch.device
+                    ) -> Iterator[tuple[int, int, list[Batch]]]:
+    """The steps' micro-batches copied to `device` one step ahead: step k+1's copy is
+    queued (non-blocking) before step k is handed out, so it runs behind step k's work on
+    the device's stream and step k+1 finds its data there without a host wait."""
+    queued = None
+    for epoch, bidx, micro in steps:
+        moved = (epoch, bidx, [{k: v.to(device, non_blocking=True) for k, v in b.items()}
+                               for b in micro])
+        if queued is not None:
+            yield queued
+        queued = moved
+    if queued is not None:
+        yield queued

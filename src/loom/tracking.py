@@ -145,6 +145,10 @@ class Histograms:
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             self.norms[layer] = norms.norm()
 
+    def recorded(self) -> bool:
+        """Whether this step recorded something for `flush` to read and write."""
+        return bool(self.hists or self.norms)
+
     def flush(self, step: int, wandb: Any | None) -> None:
         """Write what this step recorded, then arm the hooks for the next step."""
         if self.hists or self.norms:

@@ -20,24 +20,25 @@ from loom import flight
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
 from loom.data.loaders import build_dataloader, end_of_text, on_node_leaders
-from loom.data.streaming import data_state, restore_data_state
+from loom.data.streaming import StreamLoader, data_state, restore_data_state
 from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
 from loom.executor import build_executor
 from loom.export import export
-from loom.extensions import convert_model
+from loom.extensions import StepContext, active_step_hooks, after_optimizer_step, convert_model
 from loom.host_memory import retain_freed_memory
+from loom.memory_snapshot import MemorySnapshots
 from loom.mesh import ParallelDims
-from loom.metrics import RunPlace, build_metrics, environment_facts
+from loom.metrics import MAX_QUEUED, RunPlace, build_metrics, environment_facts
 from loom.modeling import model_args, plain_model, resolve_model
 from loom.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from loom.parallel.context import shard_batch
-from loom.parallel.expert import update_expert_bias
 from loom.parallel.hf_load import build_hf_model, open_native_checkpoint
 from loom.parallel.init import init_weights, load_weights
 from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import split_stages
 from loom.profiling import maybe_profile
+from loom.progress import Progress
 from loom.resolve import resolve
 from loom.resume import (
     ResumePoint,
@@ -50,10 +51,21 @@ from loom.resume import (
 )
 from loom.rundir import RunFolder
 from loom.runtime import RankInfo, backend_for, init_distributed, teardown
-from loom.step import Batch, StepResult, parts_module
+from loom.step import Batch, StepResult, ahead_on_device, parts_module
 from loom.watchdog import StepWatchdog, collective_timeout_s, heartbeat_store
 
 logger = logging.getLogger("loom")
+
+
+def host_group(world_size: int) -> dist.ProcessGroup | None:
+    """A group for host values (the stop request): the default one on gloo, else a gloo
+    group beside the accelerator's, whose collectives would wait on the device queue;
+    None for one process, which needs none."""
+    if world_size == 1:
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
 
 
 def agree_on_outdir(outdir: str | None) -> Path:
@@ -104,9 +116,19 @@ class Trainer:
                                      self.model, self.optimizer, plain_model)
         self.metrics.write_config(self.effective_config())
         self.dp_group = dims.get_mesh("dp").get_group()
-        self.moe_metrics: dict[str, float] = {}  # the last update's, kept over skipped steps
+        self.hook_metrics: dict[str, float] = {}  # the last update's, kept over skipped steps
         self.skipped_in_a_row = 0
         self.stop_signal = 0  # the signal that asked this job to stop, agreed by all ranks
+        # The fused AdamW skips a non-finite step on the device (its found_inf input), so
+        # the step need not read whether to update; step hooks (MoE's expert-bias update)
+        # run only after an update the host knows was applied.
+        self.masked_update = bool(self.optimizer.defaults.get("fused")) \
+            and not active_step_hooks(cfg)
+        self.unread: list[tuple[int, torch.Tensor]] = []
+        """Masked steps whose (applied, loss, gradient norm) the host has not read yet."""
+        self.host_group = host_group(info.world_size)
+        self.snapshots = MemorySnapshots(device, outdir, info.rank,
+                                         cfg.output.memory_snapshot)
 
     def optimizer_steps_per_epoch(self) -> int:
         """Each optimizer step takes `accum` loader batches; a ragged remainder is dropped."""
@@ -188,44 +210,83 @@ class Trainer:
                 "environment": {**environment_facts(), "restarts": self.info.restarts}}
 
     def train_step(self, micro_batches: list[Batch]) -> StepResult:
-        """Forward and backward (the executor), clip, step. One host read (`step_state`)
-        decides the update; the loss and valid-token count stay on the device."""
+        """Forward and backward (the executor), clip, step. Nothing here reads the device
+        under the masked update: whether the step was finite is read with the metrics, at
+        the logging step (`settle`). Otherwise one host read decides the update."""
         micro_batches = [shard_batch(b, self.dims) for b in micro_batches]  # cp rank's part
         done = self.executor.forward_backward(micro_batches, self.metrics.forward_done)
         grad_norm = clip_grad_norm(self.executor.parameters(), self.cfg.optim.max_grad_norm,
                                    across=self.executor.norm_group)
-        step_loss, finite = self.step_state(done.loss_sum, done.valid, grad_norm)
-        if self.update_is_finite(finite, step_loss, grad_norm):
-            self.optimizer.step()
-            self.moe_metrics = update_expert_bias(self.model, self.dp_group)  # {} if dense
+        step_loss = self.step_loss(done.loss_sum, done.valid)
+        finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.float())
+        self.agree_on_stop()
+        step = self.loop.step + 1
+        if self.masked_update:
+            applied = finite.float()
+            self.optimizer.found_inf = 1.0 - applied  # read by the fused kernel: 1 skips
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+            self.unread.append((step, torch.stack([applied, step_loss.float(),
+                                                   grad_norm.float()])))
+        else:
+            ok = bool(finite)  # the host read the masked update avoids
+            if self.update_is_finite(step, ok, *((0.0, 0.0) if ok else (
+                    float(step_loss), float(grad_norm)))):
+                self.optimizer.step()
+                self.hook_metrics = after_optimizer_step(
+                    StepContext(self.model, self.dp_group, self.cfg))
+            applied = torch.tensor(float(ok), device=self.device)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(step_loss, grad_norm, done.valid, self.moe_metrics)
+        return StepResult(step_loss, grad_norm, done.valid, self.hook_metrics, applied)
 
-    def step_state(self, loss_sum: torch.Tensor, total_valid: torch.Tensor,
-                   grad_norm: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """One all-reduce over every rank (the owned loss shares, so the step's loss sum
-        once; whether any rank got SIGTERM or SIGINT, SIGTERM winning) and the step's one
-        host read: the stop request and whether loss and gradient norm are finite."""
-        flags = [float(self.stop_signal == s) for s in (signal.SIGTERM, signal.SIGINT)]
-        packed = torch.cat([loss_sum.float().reshape(1), torch.tensor(flags, device=self.device)])
-        dist.all_reduce(packed)
-        step_loss = packed[0] / total_valid
-        finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.float())
-        term, interrupt, ok = torch.stack([packed[1] > 0, packed[2] > 0, finite]).tolist()
+    def step_loss(self, loss_sum: torch.Tensor, total_valid: torch.Tensor) -> torch.Tensor:
+        """The step's loss: the owned loss shares summed over every rank (so the step's loss
+        sum once), over its valid tokens; stays on the device."""
+        total = loss_sum.float().reshape(1)
+        dist.all_reduce(total)
+        return total[0] / total_valid
+
+    def agree_on_stop(self) -> None:
+        """Whether any rank got SIGTERM or SIGINT (SIGTERM winning), agreed by every rank
+        each step over a host group: the stop request never waits on the device."""
+        if self.host_group is None:
+            return  # one process: its own request is the agreed one
+        flags = torch.tensor([float(self.stop_signal == s)
+                              for s in (signal.SIGTERM, signal.SIGINT)])
+        dist.all_reduce(flags, group=self.host_group)
+        term, interrupt = flags.tolist()  # a host tensor: no device read
         self.stop_signal = signal.SIGTERM if term else signal.SIGINT if interrupt else 0
-        return step_loss, bool(ok)
 
-    def update_is_finite(self, finite: bool, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    def settle(self) -> None:
+        """Read the unread steps' finite flags in one host read and apply the non-finite
+        rules to each in order, as if each had been read at its own step: the update was
+        already skipped on the device; a run that must stop stops here, after writing the
+        metrics rows of the steps before the first that stops it."""
+        if not self.unread:
+            return
+        steps = [step for step, _ in self.unread]
+        values = torch.stack([v for _, v in self.unread]).tolist()
+        self.unread = []
+        for step, (applied, loss, grad_norm) in zip(steps, values, strict=True):
+            try:
+                self.update_is_finite(step, applied > 0.5, loss, grad_norm)
+            except NonFiniteLossError:
+                self.metrics.flush(before=step)
+                raise
+
+    def update_is_finite(self, step: int, finite: bool, loss: float, grad_norm: float) -> bool:
         if finite:
             self.skipped_in_a_row = 0
             return True
-        step, t = self.loop.step + 1, self.cfg.train
+        t = self.cfg.train
         self.skipped_in_a_row += 1
         if not t.skip_nonfinite:
             raise NonFiniteLossError(
-                f"non-finite loss or gradient at step {step} (loss {float(loss)}, gradient "
-                f"norm {float(grad_norm)}); lower --lr, raise --warmup-steps, try --fp32, or "
+                f"non-finite loss or gradient at step {step} (loss {loss}, gradient "
+                f"norm {grad_norm}); lower --lr, raise --warmup-steps, try --fp32, or "
                 "pass --skip-nonfinite to skip such steps")
         if self.skipped_in_a_row >= t.max_skipped_steps:
             raise NonFiniteLossError(
@@ -251,6 +312,14 @@ class Trainer:
             for bidx in range(skip, self.steps_per_epoch):
                 yield epoch, bidx, [next(micro) for _ in range(self.accum)]
 
+    def steps(self) -> Iterator[tuple[int, int, list[Batch]]]:
+        """`batches()`, copied to an accelerator one step ahead (the copy of step k+1 is
+        queued behind step k's work, so the step never waits for its data). Not for a
+        stream, whose checkpointed position would then count the step drawn ahead."""
+        if self.device.type == "cpu" or isinstance(self.loader, StreamLoader):
+            return self.batches()
+        return ahead_on_device(self.batches(), self.device)
+
     def fit(self) -> None:
         """The loop; a SIGTERM or SIGINT ends it after the current step, and the summary
         and plots are written for the steps done either way."""
@@ -266,16 +335,27 @@ class Trainer:
                                 heartbeat_store(self.cfg.train.comm_timeout_s),
                                 flight.waiting_in)
         watchdog.start(self.loop.step)
+        cadence = Progress(out.log_every, enabled=False)  # the metrics' logging steps
+        cadence.begin(total, self.loop.step)
         try:
             with maybe_profile(out, self.metrics.outdir, self.info.rank, total) as profiler:
-                for epoch, bidx, micro in itertools.islice(self.batches(),
+                for epoch, bidx, micro in itertools.islice(self.steps(),
                                                            max(0, total - self.loop.step)):
-                    result = self.train_step(micro)
+                    try:
+                        result = self.train_step(micro)
+                    except torch.OutOfMemoryError as e:
+                        raise self.snapshots.out_of_memory(e) from e
                     self.advance()
-                    val = self.maybe_evaluate(final=self.loop.step == total)
-                    self.metrics.log_step(self.loop.step, epoch, bidx, result.loss,
+                    self.snapshots.after_step(self.loop.step)
+                    step = self.loop.step
+                    if (cadence.due(step) or self.checkpointer.due(step) or step == total
+                            or self.stop_signal or len(self.unread) >= MAX_QUEUED):
+                        self.settle()
+                    val = self.maybe_evaluate(final=step == total)
+                    self.metrics.log_step(step, epoch, bidx, result.loss,
                                           result.grad_norm, {**result.moe, **val},
-                                          valid_tokens=result.valid_tokens, batches=micro)
+                                          valid_tokens=result.valid_tokens, batches=micro,
+                                          applied=result.applied)
                     profiler.step()
                     self.maybe_checkpoint(final=self.loop.step == total)
                     watchdog.beat(self.loop.step)
@@ -285,6 +365,7 @@ class Trainer:
         else:
             self.metrics.finish()
         finally:
+            self.snapshots.finish()
             watchdog.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)

@@ -11,8 +11,8 @@ import sys
 from tests.harness import REPO
 
 SCRIPT = REPO / "benchmarks" / "device_check.sh"
-EXPECTED = ["train-s-eager", "train-s-compiled", "loss-eager-v512", "loss-chunked-v512",
-            "loss-chunked-backward-v512", "loss-fused-linear-v512", "loss-fused-linear-v256"]
+LOSSES = ["eager", "chunked", "fused-linear"]
+EXPECTED = ["train-s-compiled", *(f"loss-{loss}-b{batch}" for batch in (1, 2) for loss in LOSSES)]
 
 
 def run_script(mode: str, runs: str) -> subprocess.CompletedProcess:
@@ -31,11 +31,15 @@ def test_tiny_mode_runs_every_section(tmp_path):
     failed = {name: r["status"] for name, r in runs.items() if r["status"] != "ok"}
     assert not failed, failed
     for name, r in runs.items():
-        assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0, (name, r)
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["alloc_peak_gib"] > 0, (name, r)
         assert r["mfu"] is None or 0 < r["mfu"] <= 100, (name, r)
-    assert runs["loss-fused-linear-v256"]["vocab"] == 256
+        assert r["plan_step_s"] > 0 and r["plan_peak_gib"] > 0, (name, r)
+        assert r["step_err_pct"] is not None and r["alloc_err_pct"] is not None, (name, r)
+    assert runs["train-s-compiled"]["ac"] == "none", "the toy fits without recompute"
+    assert [runs[f"loss-eager-b{b}"]["batch"] for b in (1, 2)] == [1, 2]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(EXPECTED), proc.stdout
+    assert (tmp_path / "device_check.md").read_text().splitlines() == table
 
 
 def test_unknown_mode_is_one_line_and_exit_2(tmp_path):

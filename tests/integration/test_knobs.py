@@ -21,6 +21,7 @@ COMMON = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--s
 LAYOUTS = {"dp2": ["--dp-shard", "2", "--batch-size", "2"],  # global batch 4 in both
            "tp2": ["--tp", "2", "--batch-size", "4"]}
 KNOBS = {"none": [], "block": ["--ac", "block"], "selective": ["--ac", "selective"],
+         "op": ["--ac", "op"],
          "compile": ["--compile"], "compile_budget": ["--compile", "--act-mem-budget", "0.5"]}
 AC_ATOL = 1e-6
 COMPILE_ATOL = 1e-4
@@ -39,7 +40,7 @@ def knob_runs(tmp_path_factory) -> tuple[Path, str]:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("knob", ["block", "selective"])
+@pytest.mark.parametrize("knob", ["block", "selective", "op"])
 def test_activation_checkpointing_matches_plain_run(knob_runs, layout: str, knob: str) -> None:
     root, _ = knob_runs
     plain, ac = root / f"{layout}-none", root / f"{layout}-{knob}"

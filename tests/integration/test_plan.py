@@ -150,3 +150,18 @@ def test_pipeline_plans_with_the_fused_head_and_interleaved_stages(capsys):
         assert plan_main([*base, *flags]) == 0, capsys.readouterr().err
         plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert plan["breakdown"]["pipeline_buffers"] > 0 and plan["layout"]["pp"] == 2, plan
+
+
+def test_op_checkpointing_plans_between_block_and_attention_only(capsys):
+    """--ac op keeps the attention and every other matmul's output: the plan (which traces
+    the checkpointed blocks under fake tensors) puts its activations between --ac block's
+    (a block's input only) and --ac selective's (all but the attention)."""
+    activations = {}
+    for ac in ("block", "op", "selective"):
+        argv = ["--model", "debug", "--fp32", "--seq-len", "512", "--batch-size", "4",
+                "--n-layers", "8", "--world-size", "1", "--device-memory", "8GiB",
+                "--ac", ac, "--json"]
+        assert plan_main(argv) == 0
+        plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        activations[ac] = plan["breakdown"]["activations"]
+    assert activations["block"] < activations["op"] < activations["selective"], activations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.config import ConfigError, config_from_flags
 from loom.models.llama.model import ModelArgs
@@ -219,3 +221,46 @@ def test_compile_backend_comes_from_the_environment_once():
     assert config_from_flags({}, environ=env).parallel.compile_backend == "aot_eager"
     with pytest.raises(ConfigError, match="LOOM_COMPILE_BACKEND must be inductor or aot_eager"):
         config_from_flags({}, environ={"LOOM_COMPILE_BACKEND": "eager"})
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run while it is active (here: a backward, recompute included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops(mode: str) -> tuple[Counter, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    model = tiny_model(ARGS)
+    apply_ac(loom_plan(model), mode)
+    batch = tokens()
+    loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    with OpCounter() as counter:
+        loss.backward()
+    return counter.counts, (loss.detach(), {clean_name(n): p.grad
+                                            for n, p in model.named_parameters()})
+
+
+def test_op_checkpointing_recomputes_every_other_matmul_and_no_attention():
+    """--ac op: the backward redoes 3 of a block's 7 matmuls (wk, wo, w3) and never the
+    attention kernel, where --ac block redoes 6 (all before w2, whose output no backward
+    needs) and the attention; the loss and every
+    gradient equal the un-checkpointed ones (fp32, one process)."""
+    plain, (ref_loss, ref_grads) = backward_ops("none")
+    op, (loss, grads) = backward_ops("op")
+    block, _ = backward_ops("block")
+    attention = [k for k in plain if "scaled_dot_product" in k and "backward" not in k]
+    assert not attention, "no forward attention kernel in a plain backward"
+    assert op["mm"] - plain["mm"] == 3 * ARGS.n_layers
+    assert block["mm"] - plain["mm"] == 6 * ARGS.n_layers  # recompute stops before w2
+    assert not [k for k in op if "scaled_dot_product" in k and "backward" not in k]
+    assert [k for k in block if "scaled_dot_product" in k and "backward" not in k]
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -47,7 +47,9 @@ def test_logits_tracker_folds_micro_batches_and_skips_evaluation():
 
 def test_input_range_and_exact_counts():
     batches = [{"input": torch.tensor([[5, 9, 7]])}, {"input": torch.tensor([[3, 8, 4]])}]
-    assert input_range(batches) == {"input/min": 3, "input/max": 9}
+    big = [{"input": torch.tensor([[2**24 + 1, 2**25 + 3]])}]
+    assert input_range(batches, torch.device("cpu")).tolist() == [0, 3, 0, 9]
+    assert input_range(big, torch.device("cpu")).tolist() == [1, 1, 2, 3], "exact past 2**24"
     count = torch.tensor(2**24 * 3 + 12345, dtype=torch.int64)
     hi, lo = exact_float_parts(count).tolist()
     assert int(hi) * 2**24 + int(lo) == 2**24 * 3 + 12345

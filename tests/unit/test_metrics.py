@@ -43,7 +43,7 @@ def test_step_clock_splits_forward_and_backward():
     time.sleep(0.05)
     clock.forward_done()
     time.sleep(0.03)
-    dt, dtf, dtb = clock.stop()
+    dt, dtf, dtb = clock.stop()()
     assert dtf >= 0.05 and dtb >= 0.03, (dtf, dtb)  # each lap holds at least its sleep
     assert dt == pytest.approx(dtf + dtb, rel=1e-9)
 
@@ -186,3 +186,36 @@ def test_torch_profile_hides_kineto_start_stop_lines_unless_verbose(tmp_path, ca
             prof.step()
     err = capfd.readouterr().err
     assert ("profiler_start" in err) == verbose, err
+
+
+class FakeEvent:
+    """A CUDA event at a fixed device time (ms); `synchronize` is recorded."""
+
+    def __init__(self, ms: float, waits: list[float]):
+        self.ms, self.waits = ms, waits
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.ms - self.ms
+
+    def synchronize(self) -> None:
+        self.waits.append(self.ms)
+
+
+def test_event_clock_splits_laps_ending_at_forward_marks(monkeypatch):
+    """CUDA's clock: marks at start, each forward end and stop; dtf sums the laps that end
+    at a forward mark, read (one wait, on the last event) only when the times are asked."""
+    waits: list[float] = []
+    times = iter([0.0, 30.0, 50.0, 90.0, 130.0])  # start, fwd 1, (bwd), fwd 2, stop
+    monkeypatch.setattr(StepClock, "_event", staticmethod(lambda: FakeEvent(next(times),
+                                                                            waits)))
+    clock = StepClock(CPU)
+    clock.events = True
+    clock.start()
+    clock.forward_done()
+    clock.marks.append(FakeEvent(next(times), waits))  # a lap that is not a forward
+    clock.forward_done()
+    laps = clock.stop()
+    assert waits == [], "stop() reads nothing"
+    dt, dtf, dtb = laps()
+    assert waits == [130.0]
+    assert (dt, dtf, dtb) == pytest.approx((0.130, 0.030 + 0.040, 0.060))

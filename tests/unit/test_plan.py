@@ -33,7 +33,8 @@ def test_candidates_are_valid_and_their_launch_lines_parse_back():
     assert {c.loss.loss_impl for c in found if c.parallel.pp == 1} == {"fused-linear"}
     assert {c.loss.loss_impl for c in found if c.parallel.pp > 1 and c.parallel.tp > 1} \
         == {"chunked-backward"}
-    assert {c.parallel.activation_checkpoint for c in found} == {"none", "selective", "block"}
+    assert {c.parallel.activation_checkpoint for c in found} == {"none", "selective", "op",
+                                                                 "block"}
     piped = [c for c in found if c.parallel.pp > 1]
     assert {(c.train.batch_size, c.parallel.pp_microbatches) for c in piped} == \
         {(2, 2), (4, 2), (4, 4), (8, 2), (8, 4)}

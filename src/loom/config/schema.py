@@ -98,8 +98,10 @@ class ParallelConfig:
     sharding_strategy: str | None = flag(None, "deprecated; use --reshard-after-forward",
                                          type=str, hidden=True)
     activation_checkpoint: str = flag(
-        "none", "recompute activations in backward", aliases=("--ac",),
-        choices=("none", "block", "full", "selective"))
+        "none", "recompute activations in backward: block (all of each block), selective "
+        "(each block's attention), op (each block's cheap ops; attention and every other "
+        "matmul saved)", aliases=("--ac",),
+        choices=("none", "block", "full", "selective", "op"))
     compile: bool = flag(False, "torch.compile each transformer block")
     compile_mode: str = flag("default", "torch.compile mode",
                              choices=("default", "reduce-overhead", "max-autotune"))
@@ -254,6 +256,11 @@ class OutputConfig:
     profile_repeat: int = flag(1, "--profile: wait/warmup/active cycles, one trace each "
                                "(0 = until the run ends)")
     profile_memory: bool = flag(False, "--profile: record tensor allocations and frees")
+    memory_snapshot: int = flag(
+        0, "CUDA: record the caching allocator's history from the start and write "
+        "memory-snapshot-rank<r>.pickle to the run folder after N steps (bare flag: 3; 0 = "
+        "off); an out-of-memory error writes memory-oom-rank<r>.pickle either way",
+        const=3)
     profile_shapes: bool = flag(False, "--profile: record operator input shapes")
     profile_stack: bool = flag(False, "--profile: record the Python stack of each operator")
     profile_flops: bool = flag(False, "--profile: estimate FLOPs of matmuls and convolutions")

@@ -92,10 +92,10 @@ def fit_transformers_model(cfg: JobConfig) -> JobConfig:
         warnings.append(f"--tp {cfg.parallel.tp} ignored for transformers' module of "
                         f"{cfg.model.model} (loom's tensor-parallel plans are for its native "
                         "families); its ranks shard data instead")
-    if p.activation_checkpoint == "selective":
+    if p.activation_checkpoint in ("selective", "op"):
+        warnings.append(f"--ac {p.activation_checkpoint} on transformers' module: its own "
+                        "gradient checkpointing recomputes whole blocks (--ac block)")
         p = replace(p, activation_checkpoint="block")
-        warnings.append("--ac selective on transformers' module: its own gradient "
-                        "checkpointing recomputes whole blocks (--ac block)")
     return replace(cfg, parallel=p, warnings=tuple(warnings))
 
 

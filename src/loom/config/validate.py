@@ -15,7 +15,7 @@ HIST_KINDS = ("logits", "grads", "acts", "attn", "ffn")
 
 def _validate_output(o: OutputConfig) -> None:
     for name in ("log_every", "health_every", "hist_every", "hist_samples", "profile_wait",
-                 "profile_warmup", "profile_repeat"):
+                 "profile_warmup", "profile_repeat", "memory_snapshot"):
         if getattr(o, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(o, name)}")
     for name in ("hist_bins", "profile_active"):

@@ -107,12 +107,18 @@ class LogitsTracker:
         self.handles = []
 
 
-def input_range(batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, int]:
-    """Smallest and largest token id in this rank's inputs of the step (host tensors from
-    the loader, so no device sync): out-of-vocabulary ids show up here first."""
+INPUT_KEYS = ("input/min/high", "input/min/low", "input/max/high", "input/max/low")
+"""The inputs' smallest and largest token id as exact float parts (`exact_float_parts`)."""
+
+
+def input_range(batches: Iterable[dict[str, torch.Tensor]], device: torch.device
+                ) -> torch.Tensor:
+    """Smallest and largest token id in this rank's inputs of the step, as exact float
+    parts on `device` (read with the step's other columns): out-of-vocabulary ids show up
+    here first. The loader's host tensors, or their device copies when prefetched."""
     extremes = torch.stack([torch.stack(torch.aminmax(b["input"])) for b in batches])
     lo, hi = extremes[:, 0].min(), extremes[:, 1].max()
-    return {"input/min": int(lo), "input/max": int(hi)}
+    return torch.cat([exact_float_parts(lo), exact_float_parts(hi)]).to(device)
 
 
 def exact_float_parts(count: torch.Tensor) -> torch.Tensor:

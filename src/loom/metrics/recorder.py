@@ -28,6 +28,7 @@ from loom.metrics.facts import (
 )
 from loom.metrics.health import (
     HEALTH_KEYS,
+    INPUT_KEYS,
     LOGITS_KEYS,
     LogitsTracker,
     exact_float_parts,
@@ -42,6 +43,27 @@ from loom.safe_io import write_text_atomic
 from loom.tracking import Histograms, WandbRun
 
 logger = logging.getLogger("loom")
+
+
+MAX_QUEUED = 1000
+"""Steps whose device values may wait for a read: a run logging rarely (--log-every 10000)
+is read every this many steps instead of holding ever more small device tensors."""
+
+
+@dataclass
+class PendingRow:
+    """A step logged but not yet read: its device columns wait for the logging step."""
+
+    step: int
+    epoch: int
+    bidx: int
+    names: tuple[str, ...]
+    values: torch.Tensor
+    """The step's device columns, flat, in `names` order; read with every pending row's."""
+    times: Callable[[], tuple[float, float, float]]
+    lr: float
+    host: dict[str, Any]
+    """Columns already on the host: memory, the micro-batch count, the MoE and eval ones."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +91,9 @@ class RunMetrics(Protocol):
                  grad_norm: torch.Tensor, extra: dict[str, float] | None = None, *,
                  valid_tokens: torch.Tensor | None = None,
                  batches: list[dict[str, torch.Tensor]] | None = None,
+                 applied: torch.Tensor | None = None,
                  ) -> dict[str, Any] | None: ...
+    def flush(self, before: int | None = None) -> dict[str, Any] | None: ...
     def finish(self) -> None: ...
     def close(self) -> None: ...
 
@@ -102,7 +126,11 @@ class NullMetrics:
     def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
                  grad_norm: torch.Tensor, extra: dict[str, float] | None = None, *,
                  valid_tokens: torch.Tensor | None = None,
-                 batches: list[dict[str, torch.Tensor]] | None = None) -> None:
+                 batches: list[dict[str, torch.Tensor]] | None = None,
+                 applied: torch.Tensor | None = None) -> None:
+        return None
+
+    def flush(self, before: int | None = None) -> None:
         return None
 
     def finish(self) -> None:
@@ -133,6 +161,8 @@ class Metrics:
         self.grad_stats: torch.Tensor | None = None
         self.logits = logits
         self.input_iter = self.opt_iter = 0
+        self.pending: list[PendingRow] = []
+        self.last_lr = 0.0  # what a row shows until the optimizer applies an update
         self.t_begin = time.perf_counter()
 
     def write_config(self, config: dict[str, Any]) -> None:
@@ -152,8 +182,7 @@ class Metrics:
 
     def _before_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         step = self.step + 1
-        self.opt_iter += 1  # not called for a step --skip-nonfinite skips
-        self.lr = float(optimizer.param_groups[0]["lr"])
+        self.lr = float(optimizer.param_groups[0]["lr"])  # a host float: no device read
         if self.health_due(step):
             grads = (p.grad for g in optimizer.param_groups for p in g["params"])
             self.grad_stats = tensor_stats((g for g in grads if g is not None), self.device)
@@ -193,38 +222,95 @@ class Metrics:
                  grad_norm: torch.Tensor, extra: dict[str, float] | None = None, *,
                  valid_tokens: torch.Tensor | None = None,
                  batches: list[dict[str, torch.Tensor]] | None = None,
-                 ) -> dict[str, Any]:
-        """`extra`: more columns for the row (the MoE metrics); `valid_tokens`: the step's
-        valid labels over the loss mesh (on the device); `batches`: this rank's micro-batches
-        as the loader gave them. At logging steps the timings are gathered from every rank."""
-        device = self.device_columns(step, loss, grad_norm, valid_tokens)  # the host sync
-        dt, dtf, dtb = self.clock.stop()
-        self.tokens_seen += self.facts.tokens_per_step
-        row = self.row(step, epoch, bidx, device.pop("train/loss"),
-                       device.pop("grad/norm_preclip"), (dt, dtf, dtb))
-        row.update(device)
-        if batches:
-            self.input_iter += len(batches)
-            row.update(input_range(batches))
-            row["input/iter"] = self.input_iter
-        row["opt/iter"] = self.opt_iter
-        row.update(memory_stats(self.device))
-        if self.progress.due(step):
-            row.update(timing_spread((dt, dtf, dtb), self.device))
-        row.update(extra or {})
+                 applied: torch.Tensor | None = None,
+                 ) -> dict[str, Any] | None:
+        """Queue the step's row; at a logging step (or one with histograms to write) read
+        and write every queued row, returning the last. `extra`: more host columns (the MoE
+        metrics, evaluation); `valid_tokens`: the step's valid labels over the loss mesh (on
+        the device); `batches`: this rank's micro-batches; `applied`: 1.0 where the optimizer
+        applied the update, 0.0 where a non-finite step was skipped (on the device).
+
+        Nothing here reads the device: the step's columns stay there until the logging
+        step, so the host keeps launching work while the device runs."""
         self.step = step
-        self.rows.write(row)
-        self.progress.update(row)
-        if self.wandb:
-            self.wandb.log(row, step)
+        names, values = self.device_columns(step, loss, grad_norm, valid_tokens)
+        host: dict[str, Any] = {**memory_stats(self.device), **(extra or {})}
+        if batches:
+            names, values = (*names, *INPUT_KEYS), [*values, input_range(batches, self.device)]
+            host["micro_batches"] = len(batches)
+        if applied is not None:
+            names, values = (*names, "opt/applied"), [*values, applied.detach().float().reshape(1)]
+        self.pending.append(PendingRow(step, epoch, bidx, names, torch.cat(values),
+                                       self.clock.stop(), self.lr, host))
+        row = None
+        if (self.progress.due(step) or self.histograms.recorded()
+                or len(self.pending) >= MAX_QUEUED):
+            row = self.flush(spread=self.progress.due(step))
         self.histograms.flush(step, self.wandb)
         self.clock.start()
         return row
 
+    def flush(self, before: int | None = None, spread: bool = False) -> dict[str, Any] | None:
+        """Read every queued row's device columns in one host read and write the rows
+        (those of steps before `before` only, dropping the rest: a run that stops there);
+        `spread`: add the ranks' timing spread to the last (a collective: logging steps)."""
+        pending = [p for p in self.pending if before is None or p.step < before]
+        self.pending = []
+        if not pending:
+            return None
+        values = torch.cat([p.values for p in pending]).tolist()
+        row: dict[str, Any] | None = None
+        offset = 0
+        for i, p in enumerate(pending):
+            columns = dict(zip(p.names, values[offset:offset + len(p.names)], strict=True))
+            offset += len(p.names)
+            row = self.write_row(p, columns, spread=spread and i == len(pending) - 1)
+        return row
+
+    def write_row(self, p: PendingRow, columns: dict[str, float],
+                  spread: bool = False) -> dict[str, Any]:
+        """One step's row from its read columns; `opt/iter` and `opt/lr` count only the
+        updates the optimizer applied (a skipped step keeps the last applied one's lr)."""
+        applied = columns.pop("opt/applied", 1.0) > 0.5
+        if applied:
+            self.opt_iter += 1
+            self.last_lr = p.lr
+        elif any(k in columns for k in HEALTH_KEYS[:3]):
+            columns.update({k: float("nan") for k in HEALTH_KEYS[:3]})  # no update read them
+        lr = self.last_lr
+        if "valid/high" in columns:
+            high, low = columns.pop("valid/high"), columns.pop("valid/low")
+            columns["labels/valid"] = int(high) * 2**24 + int(low)
+        self.tokens_seen += self.facts.tokens_per_step
+        dt, dtf, dtb = p.times()
+        row = self.row(p.step, p.epoch, p.bidx, columns.pop("train/loss"),
+                       columns.pop("grad/norm_preclip"), (dt, dtf, dtb), lr)
+        host = dict(p.host)
+        n_batches = host.pop("micro_batches", 0)
+        if "input/min/high" in columns:
+            for key in ("input/min", "input/max"):
+                columns[key] = int(columns.pop(f"{key}/high")) * 2**24 + int(
+                    columns.pop(f"{key}/low"))
+        row.update(columns)
+        if n_batches:
+            self.input_iter += n_batches
+            row["input/iter"] = self.input_iter
+        row["opt/iter"] = self.opt_iter
+        if spread:
+            row.update(timing_spread((dt, dtf, dtb), self.device))
+        row.update(host)
+        self.rows.write(row)
+        self.progress.update(row)
+        if self.wandb:
+            self.wandb.log(row, p.step)
+        return row
+
     def device_columns(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-                       valid_tokens: torch.Tensor | None) -> dict[str, float]:
-        """Every column the step left on the device, read in the step's one host sync: loss,
-        gradient norm, valid labels (exact), the logits' and the health statistics."""
+                       valid_tokens: torch.Tensor | None,
+                       ) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+        """Every column the step left on the device, as float32 values read later in one
+        host read: loss, gradient norm, valid labels (exact), the logits' and the health
+        statistics."""
         named = [(("train/loss", "grad/norm_preclip"),
                   torch.cat([loss.detach().float().reshape(1),
                              grad_norm.detach().float().reshape(1)]))]
@@ -236,15 +322,11 @@ class Metrics:
         health = self._health(step)
         if health:
             named.append((HEALTH_KEYS, torch.cat(health)))
-        values = torch.cat([t.reshape(-1) for _, t in named]).tolist()
-        columns = dict(zip((k for keys, _ in named for k in keys), values, strict=True))
-        if valid_tokens is not None:
-            high, low = columns.pop("valid/high"), columns.pop("valid/low")
-            columns["labels/valid"] = int(high) * 2**24 + int(low)
-        return columns
+        return (tuple(k for keys, _ in named for k in keys),
+                [t.reshape(-1).float() for _, t in named])
 
     def row(self, step: int, epoch: int, bidx: int, loss: float, grad_norm: float,
-            times: tuple[float, float, float]) -> dict[str, Any]:
+            times: tuple[float, float, float], lr: float) -> dict[str, Any]:
         f, (dt, dtf, dtb) = self.facts, times
         return {"train/iter": step, "train/epoch": epoch, "train/bidx": bidx,
                 "train/loss": loss, "train/dt": dt, "train/dtf": dtf, "train/dtb": dtb,
@@ -253,7 +335,7 @@ class Metrics:
                 "train/tps_per_gpu": f.tokens_per_step / dt / f.world_size,
                 "train/tflops": f.flops_per_rank / dt / 1e12,
                 "train/mfu": self.mfu(dt),
-                "grad/norm_preclip": grad_norm, "opt/lr": self.lr}
+                "grad/norm_preclip": grad_norm, "opt/lr": lr}
 
     def timings(self) -> dict[str, float]:
         end = time.perf_counter()
@@ -262,6 +344,8 @@ class Metrics:
 
     def finish(self) -> None:
         """summary.json, plots and the loss text plot (rank 0), then close W&B."""
+        if self.rows is not None:
+            self.flush()
         timings = self.timings()
         if self.rows is not None:
             self.rows.close()

@@ -20,17 +20,38 @@ from loom.safe_io import open_append, open_regular
 logger = logging.getLogger("loom")
 
 
+Times = tuple[float, float, float]
+"""(dt, dtf, dtb) of one step, in seconds."""
+
+
 class StepClock:
-    """Device-synchronised time of a step, split into data+forward+loss (`dtf`) and
-    backward+optimizer (`dtb`); the forward mark may repeat per micro-batch and accumulates."""
+    """Time of a step, split into data+forward+loss (`dtf`) and backward+optimizer (`dtb`);
+    the forward mark may repeat per micro-batch and accumulates. `stop()` returns a callable
+    that gives the times when the metrics are read, not before.
+
+    On CUDA the marks are device events, read at the logging step: the step never waits
+    for the device to time itself, and dt is the device's time from the step's first mark
+    to its last. Elsewhere the marks are host clock readings after a device synchronise
+    (a no-op on the CPU, which runs each op to completion): the time is the step's wall time.
+    """
 
     def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
         self.sync = flops.synchronizer(device)
         self.start()
 
     def start(self) -> None:
         self.t0 = self.last = time.perf_counter()
         self.dtf = 0.0
+        if self.events:
+            self.marks = [self._event()]
+            self.forward_marks: list[int] = []
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _lap(self) -> float:
         self.sync()
@@ -39,13 +60,30 @@ class StepClock:
         return elapsed
 
     def forward_done(self) -> None:
-        self.dtf += self._lap()
+        if self.events:
+            self.forward_marks.append(len(self.marks))
+            self.marks.append(self._event())
+        else:
+            self.dtf += self._lap()
 
-    def stop(self) -> tuple[float, float, float]:
-        """(dt, dtf, dtb); what follows the last forward mark counts as backward."""
+    def stop(self) -> Callable[[], Times]:
+        """The step's (dt, dtf, dtb), to call when they are read; what follows the last
+        forward mark counts as backward."""
+        if self.events:
+            marks, forward = [*self.marks, self._event()], list(self.forward_marks)
+            return lambda: _event_times(marks, forward)
         self._lap()
         dt = self.last - self.t0
-        return dt, self.dtf, dt - self.dtf
+        times = (dt, self.dtf, dt - self.dtf)
+        return lambda: times
+
+
+def _event_times(marks: list[torch.cuda.Event], forward: list[int]) -> Times:
+    """Waits for the step's last event (already done when read a step or more later)."""
+    marks[-1].synchronize()
+    dt = marks[0].elapsed_time(marks[-1]) / 1e3
+    dtf = sum(marks[i - 1].elapsed_time(marks[i]) for i in forward) / 1e3
+    return dt, dtf, dt - dtf
 
 
 class RowWriter:
@@ -125,7 +163,7 @@ TIMING_KEYS = ("train/dt", "train/dtf", "train/dtb")
 SPREAD = ("min", "max", "std")
 
 
-def timing_spread(times: tuple[float, float, float], device: torch.device) -> dict[str, float]:
+def timing_spread(times: Times, device: torch.device) -> dict[str, float]:
     """min / max / std over every rank of the step's dt, dtf and dtb (`train/dt_min`, ...):
     one all-gather, so every rank must call it at the same steps (the logging steps). A slow
     rank shows as max far above min; std says whether it is one rank or all."""

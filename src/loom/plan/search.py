@@ -39,7 +39,7 @@ TOP = 10
 PER_SAMPLE = ("activations", "block_activations", "backward_temps", "inputs",
               "pipeline_buffers")
 MICRO_BATCHES = (8, 4, 2, 1)
-AC_MODES = ("none", "selective", "block")
+AC_MODES = ("none", "selective", "op", "block")
 COMPILE = ((False, 1.0), (True, 0.5))
 LOSSES = ("fused-linear",)
 """The step-time estimate cannot tell the loss modes apart, so searching them only printed
@@ -112,7 +112,8 @@ def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
     return out
 
 
-AC_SAVING = {"none": 0, "selective": 1, "block": 2}
+AC_SAVING = {"none": 0, "selective": 1, "op": 2, "block": 3}
+"""How much activation memory each --ac mode saves, in order (measured by `loom plan`)."""
 
 
 def ruled_out(c: JobConfig, oom_from: dict[tuple, int]) -> bool:

@@ -33,9 +33,11 @@ EFFICIENCY = 0.4
 """Fraction of the matmul peak a training step reaches (assumed; torchtitan's published
 Llama 3 runs on H100 report 35-45 % MFU). The CPU's measured peak gets the same factor."""
 
-RECOMPUTE = {"none": 0.0, "selective": 0.1, "block": 1.0}
+RECOMPUTE = {"none": 0.0, "selective": 0.1, "op": 0.3, "block": 1.0}
 """Extra forward passes recomputed in backward per --ac mode ('selective' recomputes
-attention only: ~10 % of a block's forward FLOPs at the presets' shapes, assumed)."""
+attention only: ~10 % of a block's forward FLOPs at the presets' shapes, assumed; 'op'
+recomputes every other matmul, wk, wo and w3 in loom's block: ~32 % of Llama 3 8B's block
+forward at seq 8192, counted from its shapes)."""
 
 BUDGET_RECOMPUTE = 0.2
 """Extra forward fraction per unit of budget below 1 under --compile: the partitioner

@@ -1,0 +1,148 @@
+"""A training step that is not a logging step reads nothing from the device: every path by
+which torch hands a tensor's value to the host is counted while a short run trains, and the
+steps between logging steps must count zero (issue #33, item 1). On the CPU the reads would
+cost nothing; on an accelerator each one drains the queue and idles the device."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import loom.metrics.recorder
+import loom.train
+from loom.parity import build_trainer, fit
+from loom.runtime import RankInfo
+from loom.step import ahead_on_device
+from loom.train import Trainer
+
+READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+"""The tensor methods that copy a value to the host (and so wait for the device)."""
+
+
+@pytest.fixture
+def process_group():
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def counted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str]
+                ) -> tuple[dict[int, Counter], Trainer]:
+    """Host reads by the step that was running (from its train_step to the next's)."""
+    info = RankInfo(rank=0, world_size=1, local_rank=0, master_addr="localhost", master_port=0)
+    trainer = build_trainer(["--model", "debug", "--dataset", "random", "--vocab-size", "256",
+                             "--seq-len", "32", "--batch-size", "2", "--fp32",
+                             "--outdir", str(tmp_path / "run"), *flags], info,
+                            torch.device("cpu"))
+    reads: dict[int, Counter] = {}
+    current, loading = [0], [False]
+
+    def counting(name: str, original):
+        def read(self, *args, **kwargs):
+            if not loading[0]:
+                reads.setdefault(current[0], Counter())[name] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    batches = trainer.batches
+
+    def loader_steps():
+        """The loader's own reads are of host tensors (the sampler's index order) on
+        every device, never of the device's: not counted."""
+        steps = batches()
+        while True:
+            loading[0] = True
+            try:
+                item = next(steps)
+            except StopIteration:
+                return
+            finally:
+                loading[0] = False
+            yield item
+
+    monkeypatch.setattr(trainer, "batches", loader_steps)
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda *a: reads.setdefault(current[0], Counter()).update(["sync"]))
+    step = trainer.train_step
+
+    def numbered_step(micro):
+        current[0] = trainer.loop.step + 1
+        return step(micro)
+
+    monkeypatch.setattr(trainer, "train_step", numbered_step)
+    fit(trainer)
+    monkeypatch.undo()
+    return reads, trainer
+
+
+LOGGING = {1, 4, 8}
+"""--log-every 4 over 8 steps: the first, every fourth and the last."""
+
+
+def test_no_host_read_on_a_non_logging_step(tmp_path, monkeypatch, process_group):
+    reads, _ = counted_run(tmp_path, monkeypatch, ["--max-steps", "8", "--log-every", "4"])
+    quiet = {step: dict(reads.get(step, {})) for step in range(1, 9) if step not in LOGGING}
+    assert all(not counts for counts in quiet.values()), quiet
+    assert all(reads.get(step) for step in LOGGING), "the counter saw the logging steps' reads"
+
+
+def test_skipped_steps_are_read_and_warned_at_the_logging_step(tmp_path, monkeypatch,
+                                                               process_group, caplog):
+    """lr 1e30 overflows from step 2 on: every later step is skipped on the device, and
+    the host learns of each (in order, by its step number) only at the logging step."""
+    flags = ["--max-steps", "8", "--log-every", "4", "--lr", "1e30", "--warmup-steps", "0",
+             "--skip-nonfinite", "--max-skipped-steps", "100"]
+    with caplog.at_level("WARNING", logger="loom"):
+        reads, trainer = counted_run(tmp_path, monkeypatch, flags)
+    quiet = {step: dict(reads.get(step, {})) for step in range(1, 9) if step not in LOGGING}
+    assert all(not counts for counts in quiet.values()), quiet
+    warned = [r.getMessage() for r in caplog.records if "update skipped" in r.getMessage()]
+    assert warned == [f"step {s}: non-finite loss or gradient, update skipped"
+                      for s in range(2, 9)]
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "metrics-0.jsonl").read_text().splitlines()]
+    assert [r["opt/iter"] for r in rows] == [1] * 8, "only step 1's update was applied"
+    assert all(not math.isfinite(r["train/loss"] * r["grad/norm_preclip"]) for r in rows[1:])
+    assert len({r["opt/lr"] for r in rows}) == 1, "a skipped step shows the applied one's lr"
+    states = list(trainer.optimizer.state.values())
+    assert states and all(float(s["step"]) == 1 for s in states), "AdamW counted one update"
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_data_reaches_the_device_one_step_ahead():
+    """When step k is handed out, step k+1's micro-batches were already drawn and their
+    copies queued ("meta" stands in for an accelerator)."""
+    drawn: list[int] = []
+
+    def steps():
+        for k in range(3):
+            drawn.append(k)
+            yield 0, k, [{"input": torch.full((1, 4), k), "labels": torch.full((1, 4), k)}]
+
+    handed = []
+    for _, k, micro in ahead_on_device(steps(), torch.device("meta")):
+        handed.append((k, list(drawn)))
+        assert micro[0]["input"].device.type == "meta"
+    assert handed == [(0, [0, 1]), (1, [0, 1, 2]), (2, [0, 1, 2])]
+
+
+def test_a_rarely_logging_run_is_read_every_max_queued_steps(tmp_path, monkeypatch,
+                                                           process_group):
+    monkeypatch.setattr(loom.train, "MAX_QUEUED", 3)
+    monkeypatch.setattr(loom.metrics.recorder, "MAX_QUEUED", 3)
+    reads, _ = counted_run(tmp_path, monkeypatch, ["--max-steps", "8", "--log-every", "100"])
+    assert {step for step in range(1, 9) if reads.get(step)} == {1, 4, 7, 8}, reads
+    rows = (tmp_path / "run" / "metrics-0.jsonl").read_text().splitlines()
+    assert len(rows) == 8
