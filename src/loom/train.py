@@ -197,6 +197,7 @@ class Trainer:
         step_loss = packed[0] / total_valid
         finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.float())
         term, interrupt, ok = torch.stack([packed[1] > 0, packed[2] > 0, finite]).tolist()
+        self.metrics.synced()  # every rank leaves the all-reduce together: stragglers' origin
         self.stop_signal = signal.SIGTERM if term else signal.SIGINT if interrupt else 0
         return step_loss, bool(ok)
 
