@@ -62,8 +62,8 @@ class Command:
 
 USAGE = (
     "loom launch [-n NPROC] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]\n"
-    "                   [--rdzv-id ID] [--rdzv-backend c10d] [--max-restarts 0] [--retries 0]\n"
-    "                   [--dry-run]\n"
+    "                   [--rdzv-id ID] [--rdzv-backend c10d] [--rdzv-conf K=V,...]\n"
+    "                   [--max-restarts 0] [--retries 0] [--dry-run]\n"
     "                   [--] CMD..."
 )
 
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous address [in a job: first host]")
     add("--rdzv-id", default="loom", metavar="ID", help="job id shared by all nodes [loom]")
     add("--rdzv-backend", default="c10d", metavar="BACKEND", help="rendezvous backend [c10d]")
+    add("--rdzv-conf", metavar="K=V,...", help="rendezvous options for torchrun, e.g. "
+        "is_host=1 on the node that serves --rdzv-endpoint when it does not recognise that "
+        "address as its own (a second network interface)")
     add("--max-restarts", type=int, default=0, metavar="N", help="local job restarts [0]")
     add("--retries", type=int, default=0, metavar="N",
         help="Slurm/PBS: run srun/mpiexec again after a failure, up to N times; Slurm "
@@ -242,6 +245,8 @@ def local_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Ho
     else:
         argv += _flags(nnodes=nnodes, node_rank=opts.node_rank, rdzv_backend=opts.rdzv_backend)
         argv += _flags(rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id)
+        if opts.rdzv_conf:
+            argv += _flags(rdzv_conf=opts.rdzv_conf)
     return Command([*argv, "--no-python", *opts.cmd], omp_threads(environ, host, nproc))
 
 
