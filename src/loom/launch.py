@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         "address as its own (a second network interface)")
     add("--max-restarts", type=int, default=0, metavar="N", help="local job restarts [0]")
     add("--retries", type=int, default=0, metavar="N",
-        help="Slurm/PBS: run srun/mpiexec again after a failure, up to N times; Slurm "
-        "leaves out the failed node while the allocation has spare nodes [0]")
+        help="run srun/mpiexec (or the local agent) again after a failure, up to N times; "
+        "srun leaves out the failed node while the allocation has spare nodes [0]")
     add("--dry-run", action="store_true", help="print the command instead of running it")
     add("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="what every rank runs")
     return parser
@@ -401,13 +401,14 @@ def exclusion(failed: str | None, excluded: tuple[str, ...], hosts: list[str],
     return (*excluded, failed) if len(hosts) - len(excluded) - 1 >= nodes else excluded
 
 
-def run_with_retries(opts: argparse.Namespace, build: BuildWithExclude) -> int:
-    """Run the scheduler command; after a failure run it again, up to `opts.retries` times,
-    leaving out the node srun names as failed while there are spare nodes."""
+def run_with_retries(opts: argparse.Namespace, build: BuildWithExclude,
+                     runner: Callable[[Command], tuple[int, str | None]]) -> int:
+    """Run the command; after a failure run it again, up to `opts.retries` times, leaving
+    out the node srun names as failed while there are spare nodes."""
     excluded: tuple[str, ...] = ()
     hosts, nodes = slurm_allocation(os.environ), slurm_nodes(opts, os.environ)
     for attempt in range(opts.retries + 1):
-        code, failed = run_scheduler(build(excluded))
+        code, failed = runner(build(excluded))
         if code == 0 or code in NO_RETRY or attempt == opts.retries:
             return code
         excluded_next = exclusion(failed, excluded, hosts, nodes)
@@ -451,14 +452,10 @@ def main(argv: list[str]) -> int:
         print(f"loom launch: --retries must be >= 0, got {opts.retries}", file=sys.stderr)
         return 2
     launcher = choose_launcher(os.environ)
-    if opts.retries and launcher == "local":
-        print("loom launch: --retries re-runs srun or mpiexec inside a Slurm or PBS job; "
-              "outside one use --max-restarts", file=sys.stderr)
-        return 2
     host = detect_host()
     build = scheduler_builder(launcher, opts, host)
     try:
-        command = build(())
+        build(())  # a bad environment is reported here, before anything runs
         if opts.dry_run:
             hosts = slurm_allocation(os.environ) if launcher == "slurm" else []
             print("\n".join(dry_run_lines(opts, build, hosts, slurm_nodes(opts, os.environ))))
@@ -467,11 +464,11 @@ def main(argv: list[str]) -> int:
         print(f"loom launch: {err}", file=sys.stderr)
         return 2
     if launcher != "local":
-        return run_with_retries(opts, build)
+        return run_with_retries(opts, build, run_scheduler)
     if not shutil.which(opts.cmd[0]):
         print(f"loom launch: command not found: {opts.cmd[0]}", file=sys.stderr)
         return 127
-    return run_local(command)
+    return run_with_retries(opts, build, lambda command: (run_local(command), None))
 
 
 if __name__ == "__main__":

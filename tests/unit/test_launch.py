@@ -237,11 +237,13 @@ def test_slurm_dry_run_retries_without_spare_nodes_repeat_the_command(monkeypatc
     assert comment == "# retry 1 of 1, no spare node to leave out" and retry == first
 
 
-def test_retries_outside_a_scheduler_job_is_one_line_of_bad_input(capsys):
-    assert launch.main(["--retries", "2", "loom", "train"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--max-restarts" in err
+def test_local_retries_repeat_the_agent_and_negative_retries_are_bad_input(capsys):
+    assert launch.main(["--dry-run", "--retries", "1", "-n", "2", "loom", "train"]) == 0
+    first, comment, retry = capsys.readouterr().out.splitlines()
+    assert comment == "# retry 1 of 1, the same command" and retry == first
     assert launch.main(["--retries", "-1", "loom", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err == "loom launch: --retries must be >= 0, got -1\n"
 
 
 FAKE_SRUN = """#!/bin/sh
