@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loom.errors import BAD_INPUT_EXIT, SIGINT_EXIT, SIGTERM_EXIT, LaunchError
-from loom.watchdog import LAUNCHER_PID_ENV
+from loom.watchdog import LAUNCH_ATTEMPT_ENV, LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -408,6 +408,7 @@ def run_with_retries(opts: argparse.Namespace, build: BuildWithExclude,
     excluded: tuple[str, ...] = ()
     hosts, nodes = slurm_allocation(os.environ), slurm_nodes(opts, os.environ)
     for attempt in range(opts.retries + 1):
+        os.environ[LAUNCH_ATTEMPT_ENV] = str(attempt)  # a retry's ranks resume the run
         code, failed = runner(build(excluded))
         if code == 0 or code in NO_RETRY or attempt == opts.retries:
             return code

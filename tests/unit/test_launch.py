@@ -248,7 +248,7 @@ def test_local_retries_repeat_the_agent_and_negative_retries_are_bad_input(capsy
 
 FAKE_SRUN = """#!/bin/sh
 # fails with code $FAIL_CODE, naming a failed task on $FAIL_HOST, on its first $FAILS runs
-echo "$*" >> "$CALLS"
+echo "attempt=$LOOM_LAUNCH_ATTEMPT $*" >> "$CALLS"
 n=$(wc -l < "$CALLS")
 if [ "$n" -le "$FAILS" ]; then
   echo "srun: error: nid004: task 3: Terminated" >&2
@@ -280,6 +280,8 @@ def test_a_failed_srun_runs_again_without_the_failed_node(monkeypatch, capsys, t
     assert launch.main(["--retries", "2", "--nnodes", "3", "loom", "train"]) == 0
     first, second = calls.read_text().splitlines()
     assert "--exclude" not in first and "--exclude=nid002 " in second
+    assert first.startswith("attempt=0 ") and second.startswith("attempt=1 "), \
+        "the ranks of a retry know to resume"
     err = capsys.readouterr().err
     assert "loom launch: attempt 1 exited 1 (a task failed on nid002); retry 1 of 2, " \
         "leaving out nid002" in err, err
