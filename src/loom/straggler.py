@@ -4,12 +4,12 @@ In a synchronous job every rank's wall-clock step time is the same: a slow rank 
 others at each collective, and they wait. What differs is how much of the step a rank spent
 waiting. A collective completes when its last rank enters it, so a rank's wait in
 collective i is (the last arrival at i) - (its own arrival at i). torch's Flight Recorder
-stamps each rank's arrival (`time_created_ns`). Measured from the previous
-step's sync point, which every rank leaves together, these offsets are comparable across
-hosts without synchronised clocks. Summed over the step's collectives, a rank's wait is
-C - S_r, where S_r is the sum of its offsets and C the sum of the last arrivals; the rank
-that arrives last (the straggler) waits about nothing, so C is taken as the largest S_r.
-A rank's own step time is then the step's length less its wait.
+stamps each rank's arrival (`time_created_ns`). Measured from the previous step's sync
+point, which every rank leaves together, these offsets are comparable across hosts without
+synchronised clocks. Summed over the step's collectives, a rank's wait is C - S_r, where
+S_r is the sum of its offsets and C the sum of the last arrivals; the rank that arrives
+last (the straggler) waits about nothing, so C is taken as the largest S_r. A rank's own
+step time is then the step's length less its wait.
 
 A rank descheduled just after leaving the sync point reads a late origin, which shifts
 each of its K offsets, so its wait is overstated K times over. The same sums measured back
@@ -17,6 +17,7 @@ from the step's own sync point (U_r, the time from each arrival to the end) give
 estimate, U_r - min U, which that delay does not touch (a late end moves the second and not
 the first). A late mark only ever adds wait, so of the two the one with the smaller total
 wait is kept.
+
 loom's own FSDP exchanges over gloo (point-to-point, which the recorder does not see, and
 asynchronous, so that a rank waits in them long after it entered them) are timed where the
 rank waits instead (`loom.flight.blocked`). Four floats (S_r, U_r, the count and the time
@@ -43,7 +44,6 @@ PATIENCE = 3
 """Lagging logging intervals, out of the last PATIENCE + 1, before the rank is named: one
 slow step is noise, and one noisy interval (a rank descheduled at the sync point, which
 shifts its arrival offsets) must not hide a rank that lags in all the others."""
-KEYS = ("train/rank_dt_min", "train/rank_dt_median", "train/rank_dt_max", "train/slowest_rank")
 
 
 def arrivals(times_ns: list[int], since_ns: int, until_ns: int) -> tuple[float, float, int]:
