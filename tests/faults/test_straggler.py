@@ -32,12 +32,23 @@ def duty_cycle(pid: int, stop: threading.Event, run_s: float = 0.006, stopped_s:
             time.sleep(run_s)
 
 
+def skip_if_oversubscribed(per_core: float) -> None:
+    """Skip when the machine runs more than `per_core` runnable processes per core: the
+    ranks then get uneven, shifting shares of the CPU (other jobs' processes slow one rank
+    or the other), which is what these tests must control."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > per_core * cores:
+        pytest.skip(f"load {load:.1f} on {cores} cores: the ranks would not get even shares "
+                    "of the CPU")
+
+
 def summary(outdir: Path) -> dict:
     return json.loads((outdir / "summary.json").read_text())
 
 
 @pytest.mark.multirank
 def test_a_rank_slowed_on_a_duty_cycle_is_named_within_five_intervals(tmp_path: Path) -> None:
+    skip_if_oversubscribed(4)  # named in 1 of 2 runs at load 12 on 2 cores, 6 of 6 at 3-6
     outdir = tmp_path / "run"
     proc = launch(2, outdir, *STEPS, TMPDIR=str(tmp_path))
     wait_for(lambda: steps_logged(outdir, 0) >= 2, "second step", 240, proc)
@@ -65,10 +76,7 @@ def test_a_rank_slowed_on_a_duty_cycle_is_named_within_five_intervals(tmp_path: 
 
 @pytest.mark.multirank
 def test_an_evenly_loaded_job_names_no_straggler(tmp_path: Path) -> None:
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load > cores:
-        pytest.skip(f"load {load:.1f} on {cores} cores: the ranks would not get even shares "
-                    "of the CPU, so a rank may truly lag")
+    skip_if_oversubscribed(1)  # a rank may then truly lag
     outdir = tmp_path / "run"
     code, out, err = finish(launch(2, outdir, *STEPS, TMPDIR=str(tmp_path)), 300)
     assert code == 0, err[-3000:]
