@@ -63,7 +63,7 @@ class Command:
 USAGE = (
     "loom launch [-n NPROC] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]\n"
     "                   [--rdzv-id ID] [--rdzv-backend c10d] [--rdzv-conf K=V,...]\n"
-    "                   [--max-restarts 0] [--retries 0] [--dry-run]\n"
+    "                   [--local-addr ADDR] [--max-restarts 0] [--retries 0] [--dry-run]\n"
     "                   [--] CMD..."
 )
 
@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rdzv-conf", metavar="K=V,...", help="rendezvous options for torchrun, e.g. "
         "is_host=1 on the node that serves --rdzv-endpoint when it does not recognise that "
         "address as its own (a second network interface)")
+    add("--local-addr", metavar="ADDR", help="this node's address as the other nodes reach "
+        "it [torch looks it up from the hostname]")
     add("--max-restarts", type=int, default=0, metavar="N", help="local job restarts [0]")
     add("--retries", type=int, default=0, metavar="N",
         help="run srun/mpiexec (or the local agent) again after a failure, up to N times; "
@@ -247,6 +249,8 @@ def local_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Ho
         argv += _flags(rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id)
         if opts.rdzv_conf:
             argv += _flags(rdzv_conf=opts.rdzv_conf)
+        if opts.local_addr:
+            argv += _flags(local_addr=opts.local_addr)
     return Command([*argv, "--no-python", *opts.cmd], omp_threads(environ, host, nproc))
 
 

@@ -308,5 +308,6 @@ def test_bad_input_and_preemption_are_not_retried(monkeypatch, tmp_path, code):
 
 def test_rdzv_conf_reaches_torchrun_on_several_nodes(capsys):
     line = dry_run(capsys, "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400",
-                   "--rdzv-conf", "is_host=1", "loom", "train")
-    assert "--rdzv-endpoint=10.0.0.1:29400 --rdzv-id=loom --rdzv-conf=is_host=1 " in line
+                   "--rdzv-conf", "is_host=1", "--local-addr", "10.0.0.1", "loom", "train")
+    assert "--rdzv-endpoint=10.0.0.1:29400 --rdzv-id=loom --rdzv-conf=is_host=1 " \
+        "--local-addr=10.0.0.1 " in line
