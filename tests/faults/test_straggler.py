@@ -48,7 +48,7 @@ def summary(outdir: Path) -> dict:
 
 @pytest.mark.multirank
 def test_a_rank_slowed_on_a_duty_cycle_is_named_within_five_intervals(tmp_path: Path) -> None:
-    skip_if_oversubscribed(4)  # named in 1 of 2 runs at load 12 on 2 cores, 3 of 3 at 3-6
+    skip_if_oversubscribed(2)  # on 2 cores: 3 of 4 runs passed at load 4.5-6, 1 of 2 at 12
     outdir = tmp_path / "run"
     proc = launch(2, outdir, *STEPS, TMPDIR=str(tmp_path))
     wait_for(lambda: steps_logged(outdir, 0) >= 2, "second step", 240, proc)
