@@ -21,13 +21,13 @@ import subprocess
 import sys
 import tempfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loom.errors import BAD_INPUT_EXIT, LaunchError
-from loom.watchdog import LAUNCHER_PID_ENV
+from loom.errors import BAD_INPUT_EXIT, SIGINT_EXIT, SIGTERM_EXIT, LaunchError
+from loom.watchdog import LAUNCH_ATTEMPT_ENV, LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -62,7 +62,8 @@ class Command:
 
 USAGE = (
     "loom launch [-n NPROC] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]\n"
-    "                   [--rdzv-id ID] [--rdzv-backend c10d] [--max-restarts 0] [--dry-run]\n"
+    "                   [--rdzv-id ID] [--rdzv-backend c10d] [--rdzv-conf K=V,...]\n"
+    "                   [--local-addr ADDR] [--max-restarts 0] [--retries 0] [--dry-run]\n"
     "                   [--] CMD..."
 )
 
@@ -81,7 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous address [in a job: first host]")
     add("--rdzv-id", default="loom", metavar="ID", help="job id shared by all nodes [loom]")
     add("--rdzv-backend", default="c10d", metavar="BACKEND", help="rendezvous backend [c10d]")
+    add("--rdzv-conf", metavar="K=V,...", help="rendezvous options for torchrun, e.g. "
+        "is_host=1 on the node that serves --rdzv-endpoint when it does not recognise that "
+        "address as its own (a second network interface)")
+    add("--local-addr", metavar="ADDR", help="this node's address as the other nodes reach "
+        "it [torch looks it up from the hostname]")
     add("--max-restarts", type=int, default=0, metavar="N", help="local job restarts [0]")
+    add("--retries", type=int, default=0, metavar="N",
+        help="run srun/mpiexec (or the local agent) again after a failure, up to N times; "
+        "srun leaves out the failed node while the allocation has spare nodes [0]")
     add("--dry-run", action="store_true", help="print the command instead of running it")
     add("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="what every rank runs")
     return parser
@@ -166,20 +175,34 @@ def _master(
     return {"MASTER_ADDR": first_host, "MASTER_PORT": environ.get("MASTER_PORT", default_port)}
 
 
-def slurm_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host) -> Command:
-    """srun ends the whole step when one task fails (--kill-on-bad-exit)."""
-    nodes = opts.nnodes or _env_int(environ, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
-    nproc = opts.nproc or _env_int(environ, "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE") or 1
+def slurm_nodes(opts: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    return opts.nnodes or _env_int(environ, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+
+
+def slurm_allocation(environ: Mapping[str, str]) -> list[str]:
+    """The allocation's hosts ([] when Slurm did not say)."""
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    if not nodelist and not opts.rdzv_endpoint:
+    return slurm_hosts(nodelist) if nodelist else []
+
+
+def slurm_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host,
+                  exclude: tuple[str, ...] = ()) -> Command:
+    """srun ends the whole step when one task fails (--kill-on-bad-exit). `exclude`: hosts a
+    retry leaves out (`srun --exclude`); the rendezvous moves to the first host left."""
+    nodes = slurm_nodes(opts, environ)
+    nproc = opts.nproc or _env_int(environ, "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE") or 1
+    hosts = [h for h in slurm_allocation(environ) if h not in exclude]
+    if not hosts and not opts.rdzv_endpoint:
         raise LaunchError("SLURM_JOB_NODELIST is not set; pass --rdzv-endpoint HOST:PORT")
     cpus_on_node = _env_int(environ, "SLURM_CPUS_ON_NODE")
     exports = {
-        **_master(opts, environ, slurm_hosts(nodelist)[0] if nodelist else "",
+        **_master(opts, environ, hosts[0] if hosts else "",
                   job_port(environ.get("SLURM_JOB_ID", ""))),
         **omp_threads(environ, host, nproc, cpus_on_node),
     }
     argv = ["srun", *_flags(nodes=nodes, ntasks=nodes * nproc, ntasks_per_node=nproc)]
+    if exclude:
+        argv.append("--exclude=" + ",".join(exclude))
     argv.append("--kill-on-bad-exit=1")
     if cpus_on_node and cpus_on_node >= nproc:
         argv.append(f"--cpus-per-task={cpus_on_node // nproc}")
@@ -224,6 +247,10 @@ def local_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Ho
     else:
         argv += _flags(nnodes=nnodes, node_rank=opts.node_rank, rdzv_backend=opts.rdzv_backend)
         argv += _flags(rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id)
+        if opts.rdzv_conf:
+            argv += _flags(rdzv_conf=opts.rdzv_conf)
+        if opts.local_addr:
+            argv += _flags(local_addr=opts.local_addr)
     return Command([*argv, "--no-python", *opts.cmd], omp_threads(environ, host, nproc))
 
 
@@ -234,6 +261,15 @@ def choose_launcher(environ: Mapping[str, str]) -> str:
 
 
 BUILDERS = {"slurm": slurm_command, "pbs": pbs_command, "local": local_command}
+BuildWithExclude = Callable[[tuple[str, ...]], Command]
+"""A launcher's command for the hosts to leave out (only srun can leave hosts out)."""
+
+
+def scheduler_builder(launcher: str, opts: argparse.Namespace, host: Host) -> BuildWithExclude:
+    """The command builder of `launcher`, as a function of the hosts a retry leaves out."""
+    if launcher == "slurm":
+        return lambda exclude: slurm_command(opts, os.environ, host, exclude)
+    return lambda exclude: BUILDERS[launcher](opts, os.environ, host)
 
 
 def detect_host() -> Host:
@@ -323,15 +359,86 @@ def run_local(command: Command) -> int:
     return 0
 
 
-def run_scheduler(command: Command) -> int:
+SRUN_FAILED_TASK = re.compile(r"^srun: error: (\S+): tasks? [\d,\-]+: (?!.*Terminated)")
+"""srun's line for a task that failed by itself ("srun: error: nid003: task 5: Exited with
+exit code 1", "...: task 2: Killed"); tasks it terminated because another failed say
+"Terminated" and do not name the cause."""
+
+
+def failed_host(stderr_line: str) -> str | None:
+    match = SRUN_FAILED_TASK.match(stderr_line)
+    return match.group(1) if match else None
+
+
+def run_scheduler(command: Command) -> tuple[int, str | None]:
+    """Run srun/mpiexec with its stderr passed through line by line, and return its exit
+    code and the host of the first task it reports failed (srun's own error lines)."""
     try:
-        code = subprocess.run(command.argv, env={**os.environ, **command.env}).returncode
+        proc = subprocess.Popen(command.argv, env={**os.environ, **command.env},
+                                stderr=subprocess.PIPE, text=True, errors="replace")
     except FileNotFoundError:
         print(f"loom launch: {command.argv[0]} not found on PATH", file=sys.stderr)
-        return 127
+        return 127, None
+    first_failed = None
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            first_failed = first_failed or failed_host(line)
+        code = proc.wait()
     except KeyboardInterrupt:
-        return 130
-    return code if code >= 0 else 128 - code
+        return SIGINT_EXIT, None
+    return (code if code >= 0 else 128 - code), first_failed
+
+
+NO_RETRY = (BAD_INPUT_EXIT, SIGTERM_EXIT, SIGINT_EXIT, 127)
+"""Exits a retry cannot help: bad input is bad again, a preempted job (143) is the requeue
+script's to restart, Ctrl-C is the user's, and a missing command stays missing."""
+
+
+def exclusion(failed: str | None, excluded: tuple[str, ...], hosts: list[str],
+              nodes: int) -> tuple[str, ...]:
+    """The hosts the next attempt leaves out: `failed` too, while the allocation keeps
+    `nodes` others."""
+    if failed is None or failed in excluded or failed not in hosts:
+        return excluded
+    return (*excluded, failed) if len(hosts) - len(excluded) - 1 >= nodes else excluded
+
+
+def run_with_retries(opts: argparse.Namespace, build: BuildWithExclude,
+                     runner: Callable[[Command], tuple[int, str | None]]) -> int:
+    """Run the command; after a failure run it again, up to `opts.retries` times, leaving
+    out the node srun names as failed while there are spare nodes."""
+    excluded: tuple[str, ...] = ()
+    hosts, nodes = slurm_allocation(os.environ), slurm_nodes(opts, os.environ)
+    for attempt in range(opts.retries + 1):
+        os.environ[LAUNCH_ATTEMPT_ENV] = str(attempt)  # a retry's ranks resume the run
+        code, failed = runner(build(excluded))
+        if code == 0 or code in NO_RETRY or attempt == opts.retries:
+            return code
+        excluded_next = exclusion(failed, excluded, hosts, nodes)
+        left_out = f", leaving out {failed}" if excluded_next != excluded else ""
+        where = f" (a task failed on {failed})" if failed else ""
+        print(f"loom launch: attempt {attempt + 1} exited {code}{where}; retry "
+              f"{attempt + 1} of {opts.retries}{left_out}", file=sys.stderr, flush=True)
+        excluded = excluded_next
+    return code
+
+
+def dry_run_lines(opts: argparse.Namespace, build: BuildWithExclude, hosts: list[str],
+                  nodes: int) -> list[str]:
+    """Each attempt's command line. No node has failed yet, so each retry is shown as if
+    the first node of the attempt before it had failed (a comment line says so)."""
+    lines, excluded = [str(build(()))], ()
+    for retry in range(1, opts.retries + 1):
+        used = [h for h in hosts if h not in excluded]
+        failed = used[0] if used else None
+        excluded_next = exclusion(failed, excluded, hosts, nodes)
+        why = (f"if a task on {failed} failed: it is left out" if excluded_next != excluded
+               else "no spare node to leave out" if hosts else "the same command")
+        lines += [f"# retry {retry} of {opts.retries}, {why}", str(build(excluded_next))]
+        excluded = excluded_next
+    return lines
 
 
 def main(argv: list[str]) -> int:
@@ -346,21 +453,27 @@ def main(argv: list[str]) -> int:
         if value is not None and value < 1:
             print(f"loom launch: {name} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    if opts.retries < 0:
+        print(f"loom launch: --retries must be >= 0, got {opts.retries}", file=sys.stderr)
+        return 2
     launcher = choose_launcher(os.environ)
+    host = detect_host()
+    build = scheduler_builder(launcher, opts, host)
     try:
-        command = BUILDERS[launcher](opts, os.environ, detect_host())
+        build(())  # a bad environment is reported here, before anything runs
+        if opts.dry_run:
+            hosts = slurm_allocation(os.environ) if launcher == "slurm" else []
+            print("\n".join(dry_run_lines(opts, build, hosts, slurm_nodes(opts, os.environ))))
+            return 0
     except (LaunchError, OSError) as err:
         print(f"loom launch: {err}", file=sys.stderr)
         return 2
-    if opts.dry_run:
-        print(command)
-        return 0
     if launcher != "local":
-        return run_scheduler(command)
+        return run_with_retries(opts, build, run_scheduler)
     if not shutil.which(opts.cmd[0]):
         print(f"loom launch: command not found: {opts.cmd[0]}", file=sys.stderr)
         return 127
-    return run_local(command)
+    return run_with_retries(opts, build, lambda command: (run_local(command), None))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""PNG plots of a run (loss vs tokens, throughput, MFU, memory), drawn with matplotlib's
-object API on the Agg canvas, so no GUI backend or global pyplot state is touched."""
+"""PNG plots of a run (loss vs tokens, throughput, MFU, memory, per-rank step time), drawn
+with matplotlib's object API on the Agg canvas, so no GUI backend or global pyplot state is
+touched."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ PLOTS = {  # file: (x key, y keys, title, y label)
                                   "train/mem_reserved", "train/mem_reserved_peak",
                                   "train/mem_rss", "train/mem_rss_peak"),
                    "memory (rank 0)", "GiB"),
+    "ranks.png": ("train/iter", ("train/rank_dt_max", "train/rank_dt_median",
+                                 "train/rank_dt_min"),
+                  "step time per rank, waits for other ranks excluded (slowest, median, "
+                  "fastest)", "s"),
 }
 
 

@@ -18,14 +18,16 @@ import torch
 import torch.distributed as dist
 
 from loom import flight
+from loom.watchdog import LAUNCH_ATTEMPT_ENV
 
 logger = logging.getLogger("loom")
 
 _RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 _WORLD_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
-_RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
-"""Set by torch's elastic agent on every (re)start of the workers, and by Slurm on a
-requeued job's later runs."""
+_RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", LAUNCH_ATTEMPT_ENV)
+"""Set by torch's elastic agent on every (re)start of the workers, by Slurm on a requeued
+job's later runs, and by `loom launch --retries` on each retry; the largest counts (a
+retried launch starts a fresh agent, whose own count is 0 again)."""
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID",
                     "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
@@ -64,7 +66,7 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
         local_rank=_first(env, _LOCAL_RANK_VARS, 0),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=int(env.get("MASTER_PORT", "29500")),
-        restarts=_first(env, _RESTART_VARS, 0),
+        restarts=max(_first(env, (name,), 0) for name in _RESTART_VARS),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 

@@ -253,10 +253,12 @@ class Trainer:
         """Whether any rank got SIGTERM or SIGINT (SIGTERM winning), agreed by every rank
         each step over a host group: the stop request never waits on the device."""
         if self.host_group is None:
+            self.metrics.synced()
             return  # one process: its own request is the agreed one
         flags = torch.tensor([float(self.stop_signal == s)
                               for s in (signal.SIGTERM, signal.SIGINT)])
         dist.all_reduce(flags, group=self.host_group)
+        self.metrics.synced()  # every rank leaves the host all-reduce together: stragglers' origin
         term, interrupt = flags.tolist()  # a host tensor: no device read
         self.stop_signal = signal.SIGTERM if term else signal.SIGINT if interrupt else 0
 

@@ -23,6 +23,10 @@ if TYPE_CHECKING:  # imported lazily: the launcher watch starts before torch is 
 
 LAUNCHER_PID_ENV = "LOOM_LAUNCHER_PID"
 """Set by `loom launch` for its workers: the pid they must not outlive."""
+LAUNCH_ATTEMPT_ENV = "LOOM_LAUNCH_ATTEMPT"
+"""Set by `loom launch --retries` for its workers: 0, then 1, 2, ... on each retry. A new
+srun in the same job does not raise SLURM_RESTART_COUNT, so without it a retry would not
+know to resume the run folder."""
 
 FAILURE_EXIT = 1
 

@@ -28,7 +28,7 @@ TIMING_SPREAD = tuple(f"train/{t}_{s}" for s in ("min", "max", "std") for t in (
 LOGITS_KEYS = ("logits/max_abs", "logits/nonfinite")
 HEALTH_KEYS = [k for k in SPEC_KEYS if k.startswith(("grad/n", "grad/m", "param/"))
                and k != "grad/norm_preclip"]
-PLOTS = {"loss.png", "throughput.png", "mfu.png", "memory.png"}
+PLOTS = {"loss.png", "throughput.png", "mfu.png", "memory.png", "ranks.png"}
 FAKE_WANDB = Path(__file__).parent / "fake_wandb"
 
 

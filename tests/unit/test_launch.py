@@ -207,3 +207,107 @@ def test_master_port_still_overrides_the_job_port(monkeypatch, capsys) -> None:
     assert "MASTER_PORT=23456" in dry_run(capsys, "loom", "train")
     monkeypatch.delenv("MASTER_PORT")
     assert "MASTER_PORT=15009" in dry_run(capsys, "loom", "train")
+
+
+def slurm_allocation(monkeypatch, nodelist: str = "nid[001-004]") -> None:
+    for name, value in {"SLURM_JOB_ID": "1", "SLURM_NNODES": "4", "SLURM_CPUS_ON_NODE": "8",
+                        "SLURM_JOB_NODELIST": nodelist}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_slurm_dry_run_shows_each_retry_leaving_out_a_node(monkeypatch, capsys):
+    slurm_allocation(monkeypatch)
+    assert launch.main(["--dry-run", "--retries", "2", "--nnodes", "2", "-n", "1",
+                        "loom", "train"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5, lines
+    assert "--exclude" not in lines[0] and "MASTER_ADDR=nid001" in lines[0]
+    assert lines[1] == "# retry 1 of 2, if a task on nid001 failed: it is left out"
+    assert lines[2].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "
+                               "--exclude=nid001 --kill-on-bad-exit=1 ")
+    assert "MASTER_ADDR=nid002" in lines[2], "the rendezvous moves off the excluded node"
+    assert lines[3] == "# retry 2 of 2, if a task on nid002 failed: it is left out"
+    assert "--exclude=nid001,nid002 " in lines[4] and "MASTER_ADDR=nid003" in lines[4]
+
+
+def test_slurm_dry_run_retries_without_spare_nodes_repeat_the_command(monkeypatch, capsys):
+    slurm_allocation(monkeypatch, "nid[001-002]")
+    assert launch.main(["--dry-run", "--retries", "1", "loom", "train"]) == 0
+    first, comment, retry = capsys.readouterr().out.splitlines()
+    assert comment == "# retry 1 of 1, no spare node to leave out" and retry == first
+
+
+def test_local_retries_repeat_the_agent_and_negative_retries_are_bad_input(capsys):
+    assert launch.main(["--dry-run", "--retries", "1", "-n", "2", "loom", "train"]) == 0
+    first, comment, retry = capsys.readouterr().out.splitlines()
+    assert comment == "# retry 1 of 1, the same command" and retry == first
+    assert launch.main(["--retries", "-1", "loom", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err == "loom launch: --retries must be >= 0, got -1\n"
+
+
+FAKE_SRUN = """#!/bin/sh
+# fails with code $FAIL_CODE, naming a failed task on $FAIL_HOST, on its first $FAILS runs
+echo "attempt=$LOOM_LAUNCH_ATTEMPT $*" >> "$CALLS"
+n=$(wc -l < "$CALLS")
+if [ "$n" -le "$FAILS" ]; then
+  echo "srun: error: nid004: task 3: Terminated" >&2
+  echo "srun: error: $FAIL_HOST: task 1: Exited with exit code $FAIL_CODE" >&2
+  exit "$FAIL_CODE"
+fi
+exit 0
+"""
+
+
+def fake_srun(monkeypatch, tmp_path, fails: int, code: int = 1):
+    """An `srun` on PATH that fails `fails` times; returns the file of its command lines."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    calls = tmp_path / "calls"
+    calls.touch()
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for name, value in {"CALLS": str(calls), "FAILS": str(fails), "FAIL_CODE": str(code),
+                        "FAIL_HOST": "nid002"}.items():
+        monkeypatch.setenv(name, value)
+    return calls
+
+
+def test_a_failed_srun_runs_again_without_the_failed_node(monkeypatch, capsys, tmp_path):
+    slurm_allocation(monkeypatch)
+    calls = fake_srun(monkeypatch, tmp_path, fails=1)
+    assert launch.main(["--retries", "2", "--nnodes", "3", "loom", "train"]) == 0
+    first, second = calls.read_text().splitlines()
+    assert "--exclude" not in first and "--exclude=nid002 " in second
+    assert first.startswith("attempt=0 ") and second.startswith("attempt=1 "), \
+        "the ranks of a retry know to resume"
+    err = capsys.readouterr().err
+    assert "loom launch: attempt 1 exited 1 (a task failed on nid002); retry 1 of 2, " \
+        "leaving out nid002" in err, err
+    assert "srun: error: nid002: task 1" in err, "srun's own lines pass through"
+
+
+def test_retries_run_out_and_the_last_exit_code_is_returned(monkeypatch, capsys, tmp_path):
+    slurm_allocation(monkeypatch)
+    calls = fake_srun(monkeypatch, tmp_path, fails=9)
+    assert launch.main(["--retries", "2", "--nnodes", "3", "loom", "train"]) == 1
+    attempts = calls.read_text().splitlines()
+    assert len(attempts) == 3
+    assert "--exclude=nid002 " in attempts[2], "one spare node: nid002 stays left out"
+    assert capsys.readouterr().err.count("loom launch: attempt") == 2
+
+
+@pytest.mark.parametrize("code", [2, 143])
+def test_bad_input_and_preemption_are_not_retried(monkeypatch, tmp_path, code):
+    slurm_allocation(monkeypatch)
+    calls = fake_srun(monkeypatch, tmp_path, fails=1, code=code)
+    assert launch.main(["--retries", "2", "loom", "train"]) == code
+    assert len(calls.read_text().splitlines()) == 1
+
+
+def test_rdzv_conf_reaches_torchrun_on_several_nodes(capsys):
+    line = dry_run(capsys, "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400",
+                   "--rdzv-conf", "is_host=1", "--local-addr", "10.0.0.1", "loom", "train")
+    assert "--rdzv-endpoint=10.0.0.1:29400 --rdzv-id=loom --rdzv-conf=is_host=1 " \
+        "--local-addr=10.0.0.1 " in line

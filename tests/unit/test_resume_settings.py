@@ -90,4 +90,6 @@ def test_the_restart_count_comes_from_torchrun_or_slurm() -> None:
     assert rank_info({}).restarts == 0
     assert rank_info({"TORCHELASTIC_RESTART_COUNT": "3"}).restarts == 3
     assert rank_info({"SLURM_RESTART_COUNT": "1"}).restarts == 1
+    retried = {"TORCHELASTIC_RESTART_COUNT": "0", "LOOM_LAUNCH_ATTEMPT": "2"}
+    assert rank_info(retried).restarts == 2, "a retried launch's fresh agent counts from 0"
     assert rank_info({"TORCHELASTIC_USE_AGENT_STORE": "True"}).agent_store

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from loom import flops
+from loom import flight, flops
 from loom.config import JobConfig
 from loom.mesh import ParallelDims
 from loom.metrics.facts import (
@@ -36,10 +36,11 @@ from loom.metrics.health import (
     memory_stats,
     tensor_stats,
 )
-from loom.metrics.rows import RowWriter, StepClock, timing_spread
+from loom.metrics.rows import RowWriter, StepClock, gather_floats, timing_spread
 from loom.metrics.summary import write_summary
 from loom.progress import Progress
 from loom.safe_io import write_text_atomic
+from loom.straggler import StragglerWatch, arrivals, own_step_times, spread
 from loom.tracking import Histograms, WandbRun
 
 logger = logging.getLogger("loom")
@@ -84,6 +85,8 @@ class RunMetrics(Protocol):
     outdir: Path
 
     def write_config(self, config: dict[str, Any]) -> None: ...
+
+    def synced(self) -> None: ...
     def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0,
               input_iter: int = 0) -> None: ...
     def forward_done(self) -> None: ...
@@ -98,12 +101,14 @@ class RunMetrics(Protocol):
     def close(self) -> None: ...
 
 
-def write_config(outdir: Path, rank: int, config: dict[str, Any]) -> None:
-    """Collective: every rank adds its hostname; rank 0 writes config.json."""
+def write_config(outdir: Path, rank: int, config: dict[str, Any]) -> list[str]:
+    """Collective: every rank adds its hostname; rank 0 writes config.json. Returns the
+    hostnames in rank order."""
     names = hostnames()
     if rank == 0:
         text = json.dumps({**config, "hostnames": names}, indent=2, default=str)
         write_text_atomic(outdir / "config.json", text + "\n")
+    return names
 
 
 class NullMetrics:
@@ -132,6 +137,9 @@ class NullMetrics:
 
     def flush(self, before: int | None = None) -> None:
         return None
+
+    def synced(self) -> None:
+        pass
 
     def finish(self) -> None:
         pass
@@ -163,10 +171,16 @@ class Metrics:
         self.input_iter = self.opt_iter = 0
         self.pending: list[PendingRow] = []
         self.last_lr = 0.0  # what a row shows until the optimizer applies an update
+        self.stragglers = StragglerWatch([], log=self.rank == 0)
+        self.sync_ns: tuple[int | None, int | None] = (None, None)
+        """(previous, latest) moment the ranks left a step's sync together (`synced`)."""
+        self.sync_blocked = (0.0, 0.0)
+        """`flight.blocked_s()` at those two moments."""
         self.t_begin = time.perf_counter()
 
     def write_config(self, config: dict[str, Any]) -> None:
-        write_config(self.outdir, self.rank, {**config, "derived": asdict(self.facts)})
+        self.stragglers.hosts = write_config(self.outdir, self.rank,
+                                             {**config, "derived": asdict(self.facts)})
 
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Gradients are read in an optimizer step pre-hook: after clipping, before the
@@ -205,7 +219,32 @@ class Metrics:
                     f.peak_flops / 1e12, f.peak_source, "" if f.flops_exact else "; a lower bound")
         self.progress.begin(total_steps, start_step)
         self.t_begin = time.perf_counter()
+        self.sync_ns = (None, None)
         self.clock.start()
+
+    def synced(self) -> None:
+        """The trainer's mark right after the step's all-reduce was read: every rank leaves
+        it at the same moment, the origin the next step's arrivals are measured from."""
+        self.sync_ns = (self.sync_ns[1], time.time_ns())
+        self.sync_blocked = (self.sync_blocked[1], flight.blocked_s())
+
+    def rank_times(self, step: int, times: tuple[float, float, float]) -> dict[str, float]:
+        """At a logging step: the timing spread over ranks and, when this step was measured
+        from a sync point, each rank's own step time (`loom.straggler`), fed to the watch."""
+        since, until = self.sync_ns
+        from_since, to_until, count = (0.0, 0.0, 0) if since is None or until is None else \
+            arrivals(flight.arrival_times(), since, until)
+        blocked = self.sync_blocked[1] - self.sync_blocked[0]
+        gathered = gather_floats([*times, from_since, to_until, float(count), blocked],
+                                 self.device)
+        columns = timing_spread(gathered)
+        window_s = (until - since) / 1e9 if since is not None and until is not None else 0.0
+        own = own_step_times(window_s, *([g[i] for g in gathered] for i in (3, 4)),
+                             [int(g[5]) for g in gathered], [g[6] for g in gathered])
+        if own is not None and len(own) > 1 and window_s > 0:
+            columns.update(spread(own))
+            self.stragglers.observe(step, own)
+        return columns
 
     def forward_done(self) -> None:
         self.clock.forward_done()
@@ -297,7 +336,7 @@ class Metrics:
             row["input/iter"] = self.input_iter
         row["opt/iter"] = self.opt_iter
         if spread:
-            row.update(timing_spread((dt, dtf, dtb), self.device))
+            row.update(self.rank_times(p.step, (dt, dtf, dtb)))
         row.update(host)
         self.rows.write(row)
         self.progress.update(row)
@@ -352,7 +391,7 @@ class Metrics:
         summary = None
         if self.rank == 0:
             facts = {**asdict(self.facts), "peak_flops": self.mfu.peak.flops}
-            summary = write_summary(self.outdir, facts, timings)
+            summary = write_summary(self.outdir, facts, timings, self.stragglers.summary())
         if self.wandb:
             self.wandb.finish(summary)
             self.wandb = None

@@ -163,16 +163,22 @@ TIMING_KEYS = ("train/dt", "train/dtf", "train/dtb")
 SPREAD = ("min", "max", "std")
 
 
-def timing_spread(times: Times, device: torch.device) -> dict[str, float]:
-    """min / max / std over every rank of the step's dt, dtf and dtb (`train/dt_min`, ...):
-    one all-gather, so every rank must call it at the same steps (the logging steps). A slow
-    rank shows as max far above min; std says whether it is one rank or all."""
+def gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values`, in rank order: one all-gather, so every rank must call it at
+    the same steps (the logging steps)."""
     dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    local = torch.tensor(times, dtype=dtype, device=device)
-    gathered = torch.empty(dist.get_world_size() * len(times), dtype=local.dtype, device=device)
+    local = torch.tensor(values, dtype=dtype, device=device)
+    gathered = torch.empty(dist.get_world_size() * len(values), dtype=local.dtype, device=device)
     dist.all_gather_single(gathered, local)  # gloo takes only the concatenated form
-    gathered = gathered.view(-1, len(times))
-    stats = torch.stack([gathered.amin(0), gathered.amax(0), gathered.std(0, correction=0)])
+    return gathered.view(-1, len(values)).tolist()
+
+
+def timing_spread(gathered: list[list[float]]) -> dict[str, float]:
+    """min / max / std over every rank of the step's dt, dtf and dtb (`train/dt_min`, ...),
+    from the first three columns of `gather_floats`. A slow rank shows as max far above
+    min; std says whether it is one rank or all."""
+    columns = torch.tensor(gathered, dtype=torch.float64)[:, : len(TIMING_KEYS)]
+    stats = torch.stack([columns.amin(0), columns.amax(0), columns.std(0, correction=0)])
     values = stats.tolist()
     return {f"{key}_{name}": values[i][j] for i, name in enumerate(SPREAD)
             for j, key in enumerate(TIMING_KEYS)}

@@ -36,13 +36,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def write_summary(outdir: Path, facts: dict[str, Any], timings: dict[str, float]
-                  ) -> dict[str, Any]:
-    """summary.json from rank 0's rows as the run stands; plots and closing lines if any."""
+def write_summary(outdir: Path, facts: dict[str, Any], timings: dict[str, float],
+                  stragglers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """summary.json from rank 0's rows as the run stands; plots and closing lines if any.
+    `stragglers`: the ranks `loom.straggler` named (rank, host, step, worst ratio)."""
     rows = run_history(read_rows(outdir / "metrics-0.jsonl", is_step_row))
     summary = {"steps": len(rows), "tokens": rows[-1]["train/tokens_seen"] if rows else 0,
                "steady_from_step": steady_start(len(rows)), "timings": timings, **facts,
-               "metrics": summarize(rows)}
+               "stragglers": stragglers or [], "metrics": summarize(rows)}
     write_text_atomic(outdir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if rows:
         write_plots(rows, outdir / "plots")

@@ -15,6 +15,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
+from loom import flight
+
 
 class _AllOf(dist.Work):
     """One handle for several point-to-point requests: FSDP waits on it like on a collective."""
@@ -24,8 +26,9 @@ class _AllOf(dist.Work):
         self._works = works
 
     def wait(self, timeout: object = None) -> bool:
-        for work in self._works:
-            work.wait()
+        with flight.blocked():  # a straggler's peers wait here: see loom.straggler
+            for work in self._works:
+                work.wait()
         return True
 
 
