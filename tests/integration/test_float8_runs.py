@@ -8,6 +8,8 @@ difference was 0.32% (tensorwise), 0.08% (rowwise), 0.53% (dp 2 tensorwise); at 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.compare import losses
@@ -54,3 +56,13 @@ def test_dp2_tensorwise_with_float8_all_gather_tracks_the_plain_run(tmp_path):
     f8, log = run(tmp_path, 2, "tensorwise")
     assert "float8 (tensorwise, emulated)" in log
     assert_tracks(f8, plain)
+
+
+@pytest.mark.multirank
+def test_dp2_tensorwise_gathers_float8_weights_scaled_by_the_whole_weight():
+    job = run_ranks(2, ["tests/workers/float8_worker.py"], timeout=300)
+    assert job.ok, job.describe()
+    for rank in job.ranks:
+        seen = json.loads(rank.stdout.strip().splitlines()[-1])
+        assert seen["subclass"] and seen["grad"] > 0, seen
+        assert seen["scale"] == pytest.approx(seen["expected"], rel=1e-6), seen
