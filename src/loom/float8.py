@@ -22,6 +22,7 @@ On an older or other accelerator it is refused unless `--float8-emulate` asks fo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Callable
@@ -64,7 +65,7 @@ def emulate(cfg: JobConfig) -> bool:
     if device.type != "cuda":
         raise ConfigError(f"--float8 needs a CUDA device of compute capability >= 8.9, not "
                           f"{device.type}; --float8-emulate runs it emulated (for testing)")
-    capability = torch.cuda.get_device_capability(device)
+    capability = torch.cuda.get_device_capability()  # this rank's, set by init_distributed
     if capability < MIN_CAPABILITY:
         raise ConfigError(f"--float8 needs CUDA compute capability >= 8.9 (float8 tensor "
                           f"cores), this GPU has {capability[0]}.{capability[1]}; "
@@ -74,13 +75,12 @@ def emulate(cfg: JobConfig) -> bool:
 
 def float8_config(cfg: JobConfig, torchao_float8: Any) -> Any:
     """torchao's Float8LinearConfig for --float8: the named recipe, plus float8 all-gather
-    under FSDP2 for tensorwise (rowwise scales are per row, which FSDP's shards cut across)."""
+    under FSDP2 for tensorwise (torchao gathers float8 weights with one scale per tensor
+    only; rowwise weights are gathered in --dtype)."""
     recipe = cfg.parallel.float8
-    base = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
-    return torchao_float8.Float8LinearConfig(**{
-        **{f: getattr(base, f) for f in base.__dataclass_fields__},
-        "emulate": emulate(cfg),
-        "enable_fsdp_float8_all_gather": recipe == "tensorwise"})
+    return dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(recipe),
+                               emulate=emulate(cfg),
+                               enable_fsdp_float8_all_gather=recipe == "tensorwise")
 
 
 def linear_filter(part: nn.Module, cfg: JobConfig) -> Callable[[nn.Module, str], bool]:

@@ -2,9 +2,11 @@
 without float8, in one process (tensorwise, rowwise) and on dp 2 (tensorwise: FSDP2's
 float8 all-gather and the scale-precompute step hook).
 
-Measured (debug model at dim 64, bf16, seed fixed): the largest per-step relative loss
-difference was 0.32% (tensorwise), 0.08% (rowwise), 0.53% (dp 2 tensorwise); at step 20
-0.025%, 0.018%, 0.029%. The tolerances below leave a 4x / 30x margin."""
+Measured (debug model at dim 64, bf16, torch 2.13, torchao 0.18), largest per-step relative
+loss difference / at step 20: with this file's seed 3, 0.72% / 0.29% (tensorwise), 0.04% /
+0.014% (rowwise), 0.026% / 0.006% (dp 2 tensorwise); with the default seed 0.32% / 0.025%,
+0.08% / 0.018%, 0.53% / 0.029%. The emulation is deterministic on CPU, so the margins below
+(4x at any step, 3.5x at step 20) are for other torch and torchao versions."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ pytest.importorskip("torchao.float8",
 COMMON = ["-m", "loom", "train", "--model", "debug", "--dim", "64", "--dataset", "random",
           "--vocab-size", "1024", "--seq-len", "64", "--max-steps", "20", "--dtype", "bf16",
           "--seed", "3"]
-ANY_STEP_RTOL = 0.02
+ANY_STEP_RTOL = 0.03
 LAST_STEP_RTOL = 0.01
 
 

@@ -40,12 +40,12 @@ def test_cpu_emulates_and_old_gpus_are_refused_unless_emulated(monkeypatch):
     monkeypatch.setattr(float8, "pick_device", lambda _: torch.device("cpu"))
     assert float8.emulate(cfg)
     monkeypatch.setattr(float8, "pick_device", lambda _: torch.device("cuda", 0))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
     with pytest.raises(ConfigError, match="compute capability >= 8.9.*has 8.0"):
         float8.emulate(cfg)
     asked = replace(cfg, parallel=replace(cfg.parallel, float8_emulate=True))
     assert float8.emulate(asked)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     assert not float8.emulate(cfg)
 
 
