@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom import flight
+from loom import float8 as _float8  # noqa: F401  (registers the --float8 converter and hook)
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
 from loom.data.loaders import build_dataloader, end_of_text, on_node_leaders

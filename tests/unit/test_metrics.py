@@ -160,12 +160,13 @@ def test_measurement_knobs_reach_the_config():
 
 
 @pytest.mark.parametrize(("flag", "module", "extra"), [
-    ("--pyinstrument-profiler", "pyinstrument", "profile"), ("--wandb", "wandb", "wandb")])
+    ("--pyinstrument-profiler", "pyinstrument", "profile"), ("--wandb", "wandb", "wandb"),
+    ("--float8 tensorwise", "torchao", "float8")])
 def test_flags_needing_a_missing_package_fail_in_one_line(monkeypatch, flag, module, extra):
     monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(ConfigError, match=rf"{flag} needs the {module} package: "
                                           rf"pip install 'loom\[{extra}\]'"):
-        parse_args([flag])
+        parse_args(flag.split())
 
 
 @pytest.mark.parametrize("steps", [1, 3, 10])

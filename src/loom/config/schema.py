@@ -144,6 +144,14 @@ class ParallelConfig:
                                 "divide it); 0 = the fewest keeping the bubble under a quarter")
     pp_stages_per_rank: int = flag(0, "pipeline stages each rank holds; 0 = the schedule's "
                                    "(1, or 2 for interleaved-1f1b)")
+    float8: str = flag(
+        "off", "float8 matmuls in the blocks' linear layers through torchao (pip install "
+        "'loom[float8]'; compute capability >= 8.9, emulated on CPU): tensorwise scales "
+        "(float8 all-gather under FSDP2) or rowwise; the output head and MoE router gates "
+        "stay in --dtype", choices=("off", "tensorwise", "rowwise"))
+    float8_emulate: bool = flag(
+        False, "--float8: run the float8 casts with high-precision matmuls (numerics of "
+        "float8, speed of none; automatic on CPU, for testing elsewhere)")
 
 
 @dataclass(frozen=True)

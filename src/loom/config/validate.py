@@ -163,6 +163,27 @@ def _validate_doc_mask(cfg: JobConfig) -> None:
                           "auto or native imports it natively where a family serves it)")
 
 
+def _validate_float8(cfg: JobConfig) -> None:
+    """--float8 layouts that cannot run, one line each (the device is checked when the model
+    is converted, in `loom.float8`)."""
+    p, m = cfg.parallel, cfg.model
+    if p.float8 == "off":
+        if p.float8_emulate:
+            raise ConfigError("--float8-emulate needs --float8 tensorwise or rowwise")
+        return
+    if m.runs_transformers:
+        raise ConfigError(f"--float8 needs loom's own model, not transformers' module for "
+                          f"{m.model} (the converter swaps loom's linear layers; --model-impl "
+                          "auto or native imports it natively where a family serves it)")
+    if p.tp > 1:
+        raise ConfigError(f"--float8 with --tp {p.tp} is not wired yet (torchao's float8 "
+                          "tensor-parallel styles are not in loom's TP plan); use --tp 1")
+    if p.data_parallel != "fsdp2":
+        raise ConfigError("--float8 needs --data-parallel fsdp2 (SimpleFSDP's "
+                          "parametrization is untested with torchao's float8 weights)")
+    require_module("torchao", f"--float8 {p.float8}", "float8")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
@@ -217,6 +238,7 @@ def validate(cfg: JobConfig) -> None:
         _validate_moe(m, p)
     _validate_cp(cfg)
     _validate_doc_mask(cfg)
+    _validate_float8(cfg)
     validate_pipeline(cfg)
     if m.runs_transformers and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "
