@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from loom import flight
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
 from loom.models.spec import ModelPlan
@@ -39,6 +40,7 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
     experts = shard_experts(plan.experts, dims, backend, **kwargs) if dims.ep_enabled else []
     units = []
     planned = plan.fsdp_units()
+    names = unit_names(plan.model, [*planned, *(plan.experts if dims.ep_enabled else [])])
     placement = expert_placement(plan.experts, dims.fsdp_mesh.shape[-1])
     for i, unit in enumerate(planned):
         # the last unit's backward starts right after its forward: resharding only re-gathers
@@ -49,13 +51,50 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
             sharded.set_unshard_in_backward(False)
         units.append(unit[0] if isinstance(unit, list) else sharded)
     units.append(fully_shard(plan.model, mesh=dims.fsdp_mesh, **kwargs))
+    for unit in [*planned, plan.model]:
+        name_forward(unit, names[id(unit)])
     if cfg.grad_divide_factor:
         set_gradient_division(units, dims.loss_size, backend, shard_size=dims.dp_shard * dims.cp)
     if backend == "gloo" and cfg.gloo_collectives == "pairwise":
-        use_pairwise_collectives([*experts, *units])
+        by_name = [*plan.experts, *planned] if dims.ep_enabled else planned
+        use_pairwise_collectives([(names[id(unit)], sharded) for unit, sharded in
+                                  zip([*by_name, plan.model], [*experts, *units], strict=True)])
     return (f"FSDP2 {len(units)} units over "
             f"{'HSDP' if dims.dp_replicate_enabled else 'dp_shard'} mesh "
             f"{tuple(dims.fsdp_mesh.shape)}, reshard after forward: {cfg.reshard_after_forward}")
+
+
+def unit_names(model: nn.Module, units: list[nn.Module | list[nn.Module]]
+                ) -> dict[int, str]:
+    """id(unit) -> the name a hang report gives it: its qualified name in the model
+    ('layers.3'; a unit of several modules joins theirs), and for the root, which holds the
+    parameters no other unit does, the modules that own those ('norm, output')."""
+    qualified = {id(m): name for name, m in model.named_modules()}
+    names = {id(u): ",".join(qualified.get(id(m), "?") for m in
+                             (u if isinstance(u, list) else [u])) for u in units}
+    taken = {id(p) for u in units for m in (u if isinstance(u, list) else [u])
+             for p in m.parameters()}
+    owners = dict.fromkeys(n.rpartition(".")[0] or n for n, p in model.named_parameters()
+                           if id(p) not in taken)
+    names[id(model)] = ", ".join(owners) or "root"
+    return names
+
+
+def name_forward(unit: nn.Module | list[nn.Module], name: str) -> None:
+    """Hooks that tell `loom.flight` whose forward runs, so that a collective the Flight
+    Recorder sees can be matched to the unit it gathers: the pre-hook goes before FSDP's
+    own (prepend), which issues the all-gather. A string and a timestamp per call."""
+    @torch.compiler.disable
+    def begin(*_: Any) -> None:
+        flight.in_unit(name)
+
+    @torch.compiler.disable
+    def end(*_: Any) -> None:
+        flight.in_unit(None)
+
+    for module in unit if isinstance(unit, list) else [unit]:
+        module.register_forward_pre_hook(begin, prepend=True)
+        module.register_forward_hook(end, always_call=True)
 
 
 def shard_experts(experts: list[nn.Module], dims: ParallelDims, backend: str,
