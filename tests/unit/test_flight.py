@@ -74,5 +74,5 @@ def test_units_are_named_from_the_models_own_module_names():
     names = unit_names(model, units[:3])
     assert [names[id(u)] for u in units[:3]] == ["embed", "layers.0", "layers.1"]
     assert names[id(model)] == "norm, out"  # the root: what no unit holds
-    assert unit_names(model, units)[id(units[3])] == "norm,out"
+    assert unit_names(model, units)[id(units[3])] == "norm, out"
     assert unit_names(model, units)[id(model)] == "root"

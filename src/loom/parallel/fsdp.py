@@ -70,7 +70,7 @@ def unit_names(model: nn.Module, units: list[nn.Module | list[nn.Module]]
     ('layers.3'; a unit of several modules joins theirs), and for the root, which holds the
     parameters no other unit does, the modules that own those ('norm, output')."""
     qualified = {id(m): name for name, m in model.named_modules()}
-    names = {id(u): ",".join(qualified.get(id(m), "?") for m in
+    names = {id(u): ", ".join(qualified.get(id(m), "?") for m in
                              (u if isinstance(u, list) else [u])) for u in units}
     taken = {id(p) for u in units for m in (u if isinstance(u, list) else [u])
              for p in m.parameters()}
