@@ -9,9 +9,11 @@ it once, when it fires; nothing is read on the training path.
 The recorder does not see gloo's point-to-point sends, which make loom's FSDP all-gathers and
 reduce-scatters on CPU (`loom.parallel.gloo_comm`): those record themselves here (`entered`),
 each with the FSDP unit whose parameters it moves. For the recorder's own entries the unit
-is the one whose forward was running when the collective was entered (`in_unit`, set by
-hooks on each unit); elsewhere (backward, the optimizer step) it is said to be unknown
-rather than guessed from a stale name.
+is the one whose FSDP collective call was under way when the entry was created (`moving`,
+around FSDP's own all-gather and reduce-scatter), else the one whose forward was running
+(`in_unit`, set by hooks on each unit: TP, CP and EP collectives inside a block); elsewhere
+(the optimizer step, a backward's other collectives) it is said to be unknown rather than
+guessed from a stale name.
 """
 
 from __future__ import annotations
@@ -56,9 +58,32 @@ def in_unit(name: str | None) -> None:
     _units.append((time.time_ns(), name))
 
 
+_calls: deque[list] = deque(maxlen=64)
+"""[start, end or None while under way, unit] of FSDP's own collective calls on each unit
+(`moving`), whichever pass issued them: backward's reduce-scatters and prefetched
+all-gathers too."""
+
+
+@contextlib.contextmanager
+def moving(unit: str) -> Iterator[None]:
+    """Around one FSDP collective call of `unit`'s parameters: the recorder's entry for it
+    is created inside, so its stamp falls in this span, which is recorded before the call
+    (a rank blocked in it never leaves). Two clock reads and a list."""
+    span = [time.time_ns(), None, unit]
+    _calls.append(span)
+    try:
+        yield
+    finally:
+        span[1] = time.time_ns()
+
+
 def unit_at(time_ns: int) -> str | None:
-    """The unit whose forward was running at `time_ns`; None outside any or when the hooks'
-    record no longer reaches that far back."""
+    """The unit whose parameters a collective entered at `time_ns` moves (an FSDP call's
+    span), else the unit whose forward was running then; None outside any or when the
+    records no longer reach that far back."""
+    for start, end, name in reversed(_calls):
+        if start <= time_ns and (end is None or time_ns <= end):
+            return name
     for when, name in reversed(_units):
         if when <= time_ns:
             return name

@@ -1,10 +1,12 @@
 """Hang reports name the collective from torch's Flight Recorder entries."""
 
+import time
+
 from torch import nn
 
 from loom import flight
 from loom.flight import describe, enable, group_label, last_collective, newest
-from loom.parallel.fsdp import unit_names
+from loom.parallel.fsdp import enclosing, unit_names
 
 
 def test_group_labels_name_mesh_dims_and_the_world():
@@ -76,3 +78,23 @@ def test_units_are_named_from_the_models_own_module_names():
     assert names[id(model)] == "norm, out"  # the root: what no unit holds
     assert unit_names(model, units)[id(units[3])] == "norm, out"
     assert unit_names(model, units)[id(model)] == "root"
+
+
+def test_a_units_forward_hands_back_to_the_unit_around_it():
+    block = nn.ModuleDict({"attn": nn.Linear(2, 2), "experts": nn.Linear(2, 2)})
+    model = nn.ModuleDict({"layers": nn.ModuleList([block, nn.Linear(2, 2)]),
+                           "norm": nn.LayerNorm(2)})
+    units = [block, block["experts"], model["layers"][1], model]
+    outer = enclosing(model, units)
+    assert [outer[id(u)] for u in units] == [id(model), id(block), id(model), None]
+
+
+def test_an_fsdp_call_names_the_entries_created_inside_it_even_while_it_blocks():
+    flight._units.clear()
+    flight._calls.clear()
+    flight.in_unit("layers.0")  # a forward under way: the call's own unit wins inside it
+    with flight.moving("layers.1"):
+        inside = time.time_ns()
+        assert flight.unit_at(inside) == "layers.1"  # still under way, as in a hang
+    assert flight.unit_at(inside) == "layers.1"
+    assert flight.unit_at(time.time_ns()) == "layers.0"
