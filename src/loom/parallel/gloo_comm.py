@@ -14,6 +14,8 @@ moves, whatever order prefetching, activation checkpointing or compile run them 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -82,9 +84,10 @@ class PairwiseReduceScatter(DefaultAllocMixin, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: object = dist.ReduceOp.SUM,
                  async_op: bool = False) -> dist.Work | None:
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                              async_op=async_op)
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # gloo's own, in the recorder
+            with flight.moving(self.unit) if self.unit else contextlib.nullcontext():
+                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op,
+                                                  group=group, async_op=async_op)
         flight.entered("reduce_scatter", group.group_desc, group.group_name, self.unit)
         rank, size = group.rank(), group.size()
         chunks = input_tensor.view(size, -1)
