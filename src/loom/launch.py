@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loom.errors import BAD_INPUT_EXIT, SIGINT_EXIT, SIGTERM_EXIT, LaunchError
-from loom.watchdog import LAUNCH_ATTEMPT_ENV, LAUNCHER_PID_ENV
+from loom.watchdog import HANG_KEY, LAUNCH_ATTEMPT_ENV, LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -291,13 +291,42 @@ SECONDARY_ERRORS = ("lost contact with another rank",)
 """Lines of ranks that failed because of another rank: the cause is named elsewhere."""
 
 
+def error_file(failure: ProcessFailure) -> dict:
+    """What a rank left in its torchelastic error file ({} if nothing readable)."""
+    try:
+        data = json.loads(Path(failure.error_file).read_text())
+    except (OSError, ValueError, TypeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def last_error_line(failure: ProcessFailure) -> str:
     """The one line a rank left in its torchelastic error file ('' if none)."""
-    try:
-        message = json.loads(Path(failure.error_file).read_text())["message"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+    message = error_file(failure).get("message")
     return message if isinstance(message, str) else ""
+
+
+def hang_line(hangs: dict[int, dict], first: int) -> str | None:
+    """'rank 1 (host-a) never entered all_gather #12 on dp_shard (layers.3); ranks 0,2
+    waited 20 s' from the watchdogs' reports (`loom.watchdog`, rank -> its facts): the
+    ranks a waiting rank found silent, the collective it waited in (that of `first`, the
+    cause reported, when it is one of them) and every rank that waited. None when no rank
+    was named silent."""
+    if not hangs:
+        return None
+    facts = hangs.get(first) or hangs[min(hangs)]
+    silent = [(r, host, why) for r, host, why in facts.get("stalled") or []
+              if r not in hangs]
+    if not silent:
+        return None
+    who = ", ".join(f"rank {r} ({host or 'host unknown'})" for r, host, _ in silent)
+    collective = facts.get("collective")
+    what = f"never entered {collective}" if collective else \
+        f"stopped ({'; '.join(why for _, _, why in silent)})"
+    waited = sorted(hangs)
+    ranks = f"rank {waited[0]}" if len(waited) == 1 else \
+        f"ranks {','.join(map(str, waited))}"
+    return f"{who} {what}; {ranks} waited {facts.get('waited_s', 0):g} s"
 
 
 def first_cause(err: ChildFailedError, lines: dict[int, str]) -> tuple[int, ProcessFailure]:
@@ -320,6 +349,12 @@ def _report_failure(err: ChildFailedError) -> int:
             print(line or f"loom launch: rank {rank} reported a configuration error",
                   file=sys.stderr)
         return code
+    hangs = {r: data[HANG_KEY] for r, f in err.failures.items()
+             if isinstance((data := error_file(f)).get(HANG_KEY), dict)}
+    hung = hang_line(hangs, rank)
+    if hung:  # each waiting rank printed its own line, with where its stacks are
+        print(f"loom launch: {hung}", file=sys.stderr)
+        return code if code > 0 else 128 - code
     how = f"failed with exit code {code}" if code > 0 else f"was killed by {failure.signal_name()}"
     others = sum(1 for r, f in err.failures.items() if r != rank and f.exitcode > 0)
     more = f"; {others} other rank(s) failed too" if others else ""

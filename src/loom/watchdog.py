@@ -10,6 +10,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -35,19 +36,27 @@ def _daemon(target: object, name: str) -> None:
     threading.Thread(target=target, name=name, daemon=True).start()
 
 
-def report(line: str) -> None:
+HANG_KEY = "loom_hang"
+"""The error file's entry with a hang's facts, which `loom launch` joins across ranks into
+one line (torch's agent reads only `message` and `timestamp`)."""
+
+
+def report(line: str, hang: dict | None = None) -> None:
     """One line on stderr and, under torch's agent, in the error file the launcher reads."""
     print(line, file=sys.stderr, flush=True)
-    write_error_file(line)
+    write_error_file(line, hang)
 
 
-def write_error_file(line: str) -> None:
+def write_error_file(line: str, hang: dict | None = None) -> None:
     """torch's elastic agent reads `message` from this JSON file when the rank fails."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    data: dict = {"message": line, "timestamp": int(time.time())}
+    if hang is not None:
+        data[HANG_KEY] = hang
     with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        Path(path).write_text(json.dumps(data))
 
 
 def watch_launcher(environ: Mapping[str, str] | None = None, period_s: float = 1.0) -> None:
@@ -85,8 +94,10 @@ class StepWatchdog:
 
     Each rank refreshes a heartbeat (its last finished step and the time) in the job's
     store from this thread; a SIGSTOPped or dead rank stops refreshing, so on timeout the
-    stale heartbeats tell which rank stalled. Stacks go to `<outdir>/hang-<rank>.txt`;
-    `waiting_in(outdir, rank)`, when given, names the collective this rank is stuck in.
+    stale heartbeats tell which rank stalled (and on which host). Stacks go to
+    `<outdir>/hang-<rank>.txt`; `waiting_in(outdir, rank)`, when given, names the collective
+    this rank is stuck in. The error file gets the same facts as data (`HANG_KEY`), so that
+    `loom launch` can say which ranks never arrived and which waited.
     """
 
     def __init__(self, timeout_s: float, outdir: Path, rank: int, world_size: int,
@@ -97,6 +108,7 @@ class StepWatchdog:
         self.period_s = heartbeat_period(timeout_s)
         self.step, self.last_progress = 0, time.monotonic()
         self.stopped = threading.Event()
+        self.host = socket.gethostname() or "?"  # no whitespace: heartbeats split on it
 
     def start(self, step: int) -> None:
         self.beat(step)
@@ -118,25 +130,28 @@ class StepWatchdog:
     def publish(self) -> None:
         if self.store is not None:
             with contextlib.suppress(Exception):  # the store's host may be the stalled rank
-                self.store.set(f"heartbeat/{self.rank}", f"{self.step} {time.time()}")
+                self.store.set(f"heartbeat/{self.rank}",
+                               f"{self.step} {time.time()} {self.host}")
 
-    def stalled_ranks(self) -> list[str]:
-        """'rank R (...)' for each rank whose heartbeat is missing or older than 3 periods."""
+    def stalled(self) -> list[tuple[int, str | None, str]]:
+        """(rank, its host if known, why) for each rank whose heartbeat is missing or older
+        than 3 periods."""
         if self.store is None:
             return []
-        stale, now = [], time.time()
+        stale: list[tuple[int, str | None, str]] = []
+        now = time.time()
         for r in range(self.world):
             key = f"heartbeat/{r}"
             try:
                 if not self.store.check([key]):
-                    stale.append(f"rank {r} (no heartbeat)")
+                    stale.append((r, None, "no heartbeat"))
                     continue
-                step, when = self.store.get(key).decode().split()
+                step, when, *host = self.store.get(key).decode().split()
             except Exception:  # the store's host stopped answering
-                stale.append(f"rank {r} (store unreachable)")
+                stale.append((r, None, "store unreachable"))
                 break
             if now - float(when) > 3 * self.period_s:
-                stale.append(f"rank {r} (silent since step {step})")
+                stale.append((r, host[0] if host else None, f"silent since step {step}"))
         return stale
 
     def fire(self) -> None:
@@ -147,12 +162,17 @@ class StepWatchdog:
                 stacks = f"stacks in {self.outdir}/hang-<rank>.txt"
             except OSError as e:
                 stacks = f"stacks not written ({e.strerror})"
-            stalled = self.stalled_ranks()
-            who = f"stopped: {', '.join(stalled)}; " if stalled else ""
+            stalled = self.stalled()
+            who = ", ".join(f"rank {r} ({host + ', ' if host else ''}{why})"
+                            for r, host, why in stalled)
+            who = f"stopped: {who}; " if stalled else ""
             collective = self.waiting_in(self.outdir, self.rank) if self.waiting_in else None
             where = f"waiting in {collective}; " if collective else ""
             report(f"loom: rank {self.rank}: no step finished for {self.timeout_s:g} s "
-                   f"(--comm-timeout-s) after step {self.step}; {where}{who}{stacks}")
+                   f"(--comm-timeout-s) after step {self.step}; {where}{who}{stacks}",
+                   {"rank": self.rank, "waited_s": self.timeout_s, "collective": collective,
+                    "stalled": [[r, host, why] for r, host, why in stalled
+                                if r != self.rank]})
         finally:
             os._exit(FAILURE_EXIT)
 

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -118,11 +119,17 @@ def test_a_stopped_rank_ends_the_job_within_the_comm_timeout(tmp_path: Path) -> 
     assert code != 0, (code, err)
     line, summary = error_lines(err)  # rank 0's, and the launcher's naming it
     assert line.startswith("loom: rank 0: no step finished for 20 s") and \
-        "stopped: rank 1 (silent since step " in line, err
-    assert re.search(r"; waiting in \w+ #\d+ on \w+; ", line), line  # the collective
+        re.search(r"stopped: rank 1 \(\S+, silent since step ", line), err
+    # the collective, and the FSDP unit whose parameters it moves where it is one's
+    waiting = re.search(r"; waiting in ((\w+) #\d+ on \w+ \(([^)]+)\)); ", line)
+    assert waiting, line
+    collective, op, unit = waiting.groups()
+    if op in ("all_gather", "reduce_scatter"):  # FSDP's: every unit has a name
+        assert unit != "module unknown", line
     record = json.loads((tmp_path / "run" / "collectives-0.json").read_text())
     assert record["entries"], "the flight recorder's entries are written beside the stacks"
-    assert summary.startswith("loom launch: rank 0 (local 0) failed with exit code 1: "), err
+    assert summary == f"loom launch: rank 1 ({socket.gethostname()}) never entered " \
+        f"{collective}; rank 0 waited 20 s", err
     assert "Traceback" not in err, err
     assert (tmp_path / "run" / "hang-0.txt").read_text().count("File ") > 0
 

@@ -10,6 +10,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from loom import launch
 from loom.launch import Host, expand_nodelist, omp_threads, parse_args
+from loom.watchdog import HANG_KEY
 
 CPU_HOST = Host(cpus=64, accelerators=0)
 
@@ -149,11 +150,13 @@ def test_failure_is_one_line(capsys, tmp_path):
     assert capsys.readouterr().err == "loom launch: rank 1 (local 1) failed with exit code 3\n"
 
 
-def failure(tmp_path, rank, exitcode, line=None, timestamp=100):
-    """A rank's failure as the agent sees it, with the error line the rank left (if any)."""
+def failure(tmp_path, rank, exitcode, line=None, timestamp=100, hang=None):
+    """A rank's failure as the agent sees it, with the error line the rank left (if any)
+    and a watchdog's facts about a hang (if any)."""
     path = tmp_path / f"error-{rank}.json"
     if line is not None:
-        path.write_text(json.dumps({"message": line, "timestamp": timestamp}))
+        data = {"message": line, "timestamp": timestamp}
+        path.write_text(json.dumps({**data, HANG_KEY: hang} if hang else data))
     found = ProcessFailure(local_rank=rank, pid=10 + rank, exitcode=exitcode,
                            error_file=str(path))
     found.timestamp = timestamp
@@ -183,6 +186,25 @@ def test_summary_names_the_cause_not_the_ranks_that_lost_it(capsys, tmp_path):
     assert launch._report_failure(ChildFailedError("loom", failures)) == 128 + 9
     assert capsys.readouterr().err == \
         "loom launch: rank 1 (local 1) was killed by SIGKILL; 1 other rank(s) failed too\n"
+
+
+def test_a_hang_is_one_line_naming_who_never_arrived_and_who_waited(capsys, tmp_path):
+    def waited(rank, collective="all_gather #1559 on dp_shard (layers.3)"):
+        facts = {"rank": rank, "waited_s": 20.0, "collective": collective,
+                 "stalled": [[1, "host-a", "silent since step 7"]]}
+        return failure(tmp_path, rank, 1, f"loom: rank {rank}: no step finished", 100 + rank,
+                       facts)
+
+    failures = {0: waited(0), 1: failure(tmp_path, 1, -9, timestamp=110), 2: waited(2),
+                3: waited(3, "all_reduce #9 on world (module unknown)")}
+    assert launch._report_failure(ChildFailedError("loom", failures)) == 1
+    assert capsys.readouterr().err == (
+        "loom launch: rank 1 (host-a) never entered all_gather #1559 on dp_shard (layers.3); "
+        "ranks 0,2,3 waited 20 s\n")
+    failures = {0: waited(0, None), 1: failure(tmp_path, 1, -9, timestamp=110)}
+    launch._report_failure(ChildFailedError("loom", failures))
+    assert capsys.readouterr().err == \
+        "loom launch: rank 1 (host-a) stopped (silent since step 7); rank 0 waited 20 s\n"
 
 
 @pytest.mark.parametrize(("job_id", "port"), [

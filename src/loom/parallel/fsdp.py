@@ -9,8 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
 from torch.distributed.tensor import DTensor, Shard
 
+from loom import flight
 from loom.config import ParallelConfig
 from loom.mesh import ParallelDims
 from loom.models.spec import ModelPlan
@@ -39,6 +44,7 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
     experts = shard_experts(plan.experts, dims, backend, **kwargs) if dims.ep_enabled else []
     units = []
     planned = plan.fsdp_units()
+    names = unit_names(plan.model, [*planned, *(plan.experts if dims.ep_enabled else [])])
     placement = expert_placement(plan.experts, dims.fsdp_mesh.shape[-1])
     for i, unit in enumerate(planned):
         # the last unit's backward starts right after its forward: resharding only re-gathers
@@ -49,13 +55,110 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
             sharded.set_unshard_in_backward(False)
         units.append(unit[0] if isinstance(unit, list) else sharded)
     units.append(fully_shard(plan.model, mesh=dims.fsdp_mesh, **kwargs))
+    hooked = [*planned, *(plan.experts if dims.ep_enabled else []), plan.model]
+    outer = enclosing(plan.model, hooked)
+    for unit in hooked:
+        name_forward(unit, names[id(unit)], names.get(outer[id(unit)]))
     if cfg.grad_divide_factor:
         set_gradient_division(units, dims.loss_size, backend, shard_size=dims.dp_shard * dims.cp)
+    by_name = [*plan.experts, *planned] if dims.ep_enabled else planned
+    named = [(names[id(unit)], sharded) for unit, sharded in
+             zip([*by_name, plan.model], [*experts, *units], strict=True)]
     if backend == "gloo" and cfg.gloo_collectives == "pairwise":
-        use_pairwise_collectives([*experts, *units])
+        use_pairwise_collectives(named)
+    else:
+        use_named_collectives(named)
     return (f"FSDP2 {len(units)} units over "
             f"{'HSDP' if dims.dp_replicate_enabled else 'dp_shard'} mesh "
             f"{tuple(dims.fsdp_mesh.shape)}, reshard after forward: {cfg.reshard_after_forward}")
+
+
+def unit_names(model: nn.Module, units: list[nn.Module | list[nn.Module]]
+                ) -> dict[int, str]:
+    """id(unit) -> the name a hang report gives it: its qualified name in the model
+    ('layers.3'; a unit of several modules joins theirs), and for the root, which holds the
+    parameters no other unit does, the modules that own those ('norm, output')."""
+    qualified = {id(m): name for name, m in model.named_modules()}
+    names = {id(u): ", ".join(qualified.get(id(m), "?") for m in
+                             (u if isinstance(u, list) else [u])) for u in units}
+    taken = {id(p) for u in units for m in (u if isinstance(u, list) else [u])
+             for p in m.parameters()}
+    owners = dict.fromkeys(n.rpartition(".")[0] or n for n, p in model.named_parameters()
+                           if id(p) not in taken)
+    names[id(model)] = ", ".join(owners) or "root"
+    return names
+
+
+def enclosing(model: nn.Module, units: list[nn.Module | list[nn.Module]]
+              ) -> dict[int, int | None]:
+    """id(unit) -> id of the nearest unit around it (the root for a block, the block for
+    its experts; None for the root), from the modules' qualified names."""
+    qualified = {id(m): name for name, m in model.named_modules()}
+    prefix = {id(u): qualified.get(id(u[0] if isinstance(u, list) else u), "")
+              for u in units}
+    outer: dict[int, int | None] = {}
+    for u in units:
+        around = [v for v in units if v is not u and v is not model and
+                  prefix[id(u)].startswith(prefix[id(v)] + ".")]
+        outer[id(u)] = None if u is model else \
+            id(max(around, key=lambda v: len(prefix[id(v)]))) if around else id(model)
+    return outer
+
+
+def name_forward(unit: nn.Module | list[nn.Module], name: str, outer: str | None) -> None:
+    """Hooks that tell `loom.flight` whose forward runs, so that a collective the Flight
+    Recorder sees can be matched to the unit it gathers: the pre-hook goes before FSDP's
+    own (prepend), which issues the all-gather; the post-hook gives the forward back to
+    the `outer` unit (None after the root's). A timestamp and a tuple per call."""
+    @torch.compiler.disable
+    def begin(*_: Any) -> None:
+        flight.in_unit(name)
+
+    @torch.compiler.disable
+    def end(*_: Any) -> None:
+        flight.in_unit(outer)
+
+    for module in unit if isinstance(unit, list) else [unit]:
+        module.register_forward_pre_hook(begin, prepend=True)
+        module.register_forward_hook(end, always_call=True)
+
+
+class NamedAllGather(DefaultAllGather):
+    """FSDP's own all-gather, called inside `loom.flight.moving(unit)`: the Flight Recorder's
+    entry for it is then matched to the unit whose parameters it gathers, in forward,
+    backward or a prefetch alike."""
+
+    def __init__(self, unit: str) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with flight.moving(self.unit):
+            return super().__call__(*args, **kwargs)
+
+
+class NamedReduceScatter(DefaultReduceScatter):
+    """FSDP's own reduce-scatter, named like `NamedAllGather`."""
+
+    def __init__(self, unit: str) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with flight.moving(self.unit):
+            return super().__call__(*args, **kwargs)
+
+
+def use_named_collectives(units: list[tuple[str, FSDPModule]]) -> None:
+    """Give every FSDP2 unit torch's default collectives, named (`NamedAllGather`). A unit
+    torch refuses custom collectives for (several parameter groups) keeps its own and is
+    named by the forward hooks only."""
+    for name, unit in units:
+        try:
+            unit.set_custom_all_gather(NamedAllGather(name))
+            unit.set_custom_reduce_scatter(NamedReduceScatter(name))
+        except ValueError:
+            logger.debug("FSDP2 unit %s keeps its own collectives (several param groups)", name)
 
 
 def shard_experts(experts: list[nn.Module], dims: ParallelDims, backend: str,

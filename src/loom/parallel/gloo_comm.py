@@ -5,9 +5,16 @@ On gloo (torch 2.13, 2 ranks, 80 MB, AVX2 EPYC) ``all_gather_into_tensor`` takes
 ~40 ms: these collectives, not the matmuls, were most of a 2-rank CPU step's overhead.
 Both are rewritten here as exchanges of one shard with each peer, with no extra buffer.
 NCCL and the other accelerator backends keep FSDP's own collectives.
+
+Torch's Flight Recorder does not see point-to-point sends on gloo, so each exchange records
+itself in `loom.flight` as it is posted. Every FSDP unit gets its own pair of collectives,
+which know the unit's name: a hang report then says whose parameters a stuck exchange
+moves, whatever order prefetching, activation checkpointing or compile run them in.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -43,10 +50,16 @@ def _exchange(group: dist.ProcessGroup, sends: list[tuple[torch.Tensor, int]],
 
 class PairwiseAllGather(DefaultAllocMixin, AllGather):
     """Send this rank's shard to every peer and receive theirs into their slots of the output
-    (FSDP has already copied this rank's shard into its own slot)."""
+    (FSDP has already copied this rank's shard into its own slot). `unit` names the FSDP
+    unit whose parameters it gathers, for hang reports."""
+
+    def __init__(self, unit: str | None = None) -> None:
+        super().__init__()
+        self.unit = unit
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        flight.entered("all_gather", group.group_desc, group.group_name, self.unit)
         rank, size = group.rank(), group.size()
         slots = output_tensor.view(size, -1)
         peers = [peer for peer in range(size) if peer != rank]
@@ -61,14 +74,21 @@ class PairwiseAllGather(DefaultAllocMixin, AllGather):
 class PairwiseReduceScatter(DefaultAllocMixin, ReduceScatter):
     """Round k sends the chunk owned by rank r+k and adds the one received from rank r-k.
     The first round receives straight into the output, later ones into the input chunk the
-    previous round sent, so no buffer is allocated; FSDP never reads the input again."""
+    previous round sent, so no buffer is allocated; FSDP never reads the input again. `unit`
+    names the FSDP unit whose gradients it reduces, for hang reports."""
+
+    def __init__(self, unit: str | None = None) -> None:
+        super().__init__()
+        self.unit = unit
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: object = dist.ReduceOp.SUM,
                  async_op: bool = False) -> dist.Work | None:
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                              async_op=async_op)
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # gloo's own, in the recorder
+            with flight.moving(self.unit) if self.unit else contextlib.nullcontext():
+                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op,
+                                                  group=group, async_op=async_op)
+        flight.entered("reduce_scatter", group.group_desc, group.group_name, self.unit)
         rank, size = group.rank(), group.size()
         chunks = input_tensor.view(size, -1)
         if size == 1:
@@ -83,9 +103,8 @@ class PairwiseReduceScatter(DefaultAllocMixin, ReduceScatter):
         return None
 
 
-def use_pairwise_collectives(units: list[FSDPModule]) -> None:
-    """Give every FSDP2 unit the point-to-point collectives (gloo only)."""
-    all_gather, reduce_scatter = PairwiseAllGather(), PairwiseReduceScatter()
-    for unit in units:
-        unit.set_custom_all_gather(all_gather)
-        unit.set_custom_reduce_scatter(reduce_scatter)
+def use_pairwise_collectives(units: list[tuple[str, FSDPModule]]) -> None:
+    """Give every FSDP2 unit (with its name) the point-to-point collectives (gloo only)."""
+    for name, unit in units:
+        unit.set_custom_all_gather(PairwiseAllGather(name))
+        unit.set_custom_reduce_scatter(PairwiseReduceScatter(name))
