@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from loom.checkpoint_trust import read_loop
-from loom.config import ConfigError, JobConfig, parse_args
+from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
 from loom.evaluate import Evaluator
 from loom.logs import setup_logging
 from loom.mesh import ParallelDims
@@ -19,8 +19,8 @@ from loom.runtime import init_distributed, rank_info, teardown
 from loom.safe_io import write_text_atomic
 from loom.train import Trainer
 
-MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
-                "ffn_dim_multiplier", "hidden_dim", "rope_theta", "norm_eps", "max_seq_len")
+MODEL_FIELDS = frozenset(f.name for f in fields(ModelConfig))
+"""The checkpoint's model_args are named like these config fields (every family's)."""
 
 
 def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
@@ -29,11 +29,14 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     run writes only to `<run>/eval-step-N/`."""
     if not (checkpoint / "loop.json").is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
-    shape = read_loop(checkpoint)["model_args"]
+    loop = read_loop(checkpoint)
+    shape = {k: v for k, v in loop["model_args"].items() if k in MODEL_FIELDS}
+    if loop["architecture"].get("family"):
+        shape["family"] = loop["architecture"]["family"]
     cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
                       "--resume-new-data",  # evaluating other data is the point
                       "--outdir", str(checkpoint.parent.parent / f"eval-{checkpoint.name}")])
-    model = replace(cfg.model, **{k: shape[k] for k in MODEL_FIELDS})
+    model = replace(cfg.model, **shape)
     return replace(cfg, model=model, output=replace(cfg.output, metrics=False))
 
 

@@ -12,8 +12,10 @@ from torch import nn
 
 from loom.config import ConfigError, JobConfig
 from loom.config.sources import fit_transformers_model
+from loom.data.hub import first_line
+from loom.models.llama.spec import dense_args
 from loom.models.registry import families, for_architectures, for_config
-from loom.models.transformers.model import hf_source
+from loom.models.transformers.model import LOCAL_MODEL_HINT, hf_source
 from loom.models.transformers.spec import LIMITS
 from loom.safe_io import read_json_capped
 
@@ -24,7 +26,10 @@ BEHAVIOUR_FIELDS = ("load_balance_coeff", "aux_loss_coeff")
 
 
 def model_args(cfg: JobConfig) -> Any:
-    """The arguments of the config's family (loom's: a frozen dataclass)."""
+    """The arguments of the config's family (a frozen dataclass), as checkpoints record them;
+    transformers' module records loom's dense fields filled from its config (its shape)."""
+    if cfg.model.runs_transformers:
+        return dense_args(cfg.model)
     return for_config(cfg.model).args_from_config(cfg.model)
 
 
@@ -43,7 +48,11 @@ def hub_config(name: str) -> dict[str, Any]:
     if not path.is_file():
         from huggingface_hub import hf_hub_download  # optional: only hub ids reach here
 
-        path = Path(hf_hub_download(source, "config.json"))
+        try:
+            path = Path(hf_hub_download(source, "config.json"))
+        except (OSError, ValueError) as e:  # offline and not cached, gated, no such repo
+            raise ConfigError(f"--model {name}: cannot fetch its config.json "
+                              f"({first_line(e)}); {LOCAL_MODEL_HINT}") from None
     try:
         config = read_json_capped(path)
     except (OSError, ValueError) as e:

@@ -20,7 +20,7 @@ from loom.config import JobConfig, validate
 from loom.data.loaders import build_datasets
 from loom.losses import resolve_loss_impl
 from loom.mesh import ParallelDims
-from loom.modeling import model_args, plain_model
+from loom.modeling import model_args, plain_model, resolve_model
 from loom.parallel.hf import resolve_hf_model
 from loom.precision import Precision, resolve_precision
 from loom.preflight import available_memory_bytes, check_model_fits
@@ -75,6 +75,10 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     precision = resolve_precision(cfg.parallel.dtype, device)
     logger.info("precision: %s (%s)", precision.dtype, precision.reason)
     cfg = replace(cfg, parallel=replace(cfg.parallel, dtype=precision.dtype))
+    cfg = resolve_model(cfg)  # a no-op after `loom train`'s own, for callers that skip it
+    if cfg.parallel.tp != dims.tp:
+        raise ValueError("the model was resolved after the mesh was built; call "
+                         "loom.modeling.resolve_model on the flags first")
     cfg = resolve_hf_model(cfg, info.local_rank)
     validate(cfg)  # the facts added below come from loom itself, not from the user
     check_fits(cfg, dims, device)

@@ -28,7 +28,8 @@ def runs(tmp_path_factory) -> Path:
     jobs = []
     for arch in ARCHS:
         save_tiny_model(root / arch, arch)
-        jobs += [(loader, ["--model", str(root / arch), "--dataset", str(root / "text.txt"),
+        jobs += [(loader, ["--model", str(root / arch), "--model-impl", "transformers",
+                           "--dataset", str(root / "text.txt"),
                            "--seq-len", "32", "--batch-size", "2", "--fp32", "--dp-shard", "2",
                            "--max-steps", str(STEPS), "--seed", "5", "--lr", "3e-3",
                            "--outdir", str(root / "runs" / f"{arch}-{loader}")])
