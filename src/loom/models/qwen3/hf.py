@@ -8,61 +8,48 @@ checkpoints hold one tensor per expert; loom stacks them per layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from loom.models.llama.hf import (
+    LlamaAdapter,
     Source,
     block_sources,
     dense_config,
     dense_fields,
-    dense_sources,
-    exported,
     outer_sources,
     refuse,
     same,
-    settle_tie,
 )
 from loom.models.moe.model import MoEArgs
 
 EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
-class Qwen3Adapter:
-    """`Qwen3ForCausalLM`."""
+class Qwen3Adapter(LlamaAdapter):
+    """`Qwen3ForCausalLM`: Llama's tensors plus the q/k norms (its sources cover them)."""
 
     architectures = ("Qwen3ForCausalLM",)
 
     def fields_from_hf(self, c: dict[str, Any]) -> dict[str, Any]:
         return {**dense_fields(c), "qk_norm": True}
 
-    def sources(self, args: Any) -> dict[str, Source]:
-        return dense_sources(args)
-
     def export_refusal(self, args: Any) -> str | None:
         if getattr(args, "n_experts", 0):
             return "a mixture of experts"
         return None if args.qk_norm else "no q/k norm (Qwen3 has it; Llama does not)"
 
-    def settle(self, args: Any, read: Callable[[str], torch.Tensor]) -> Any:
-        return settle_tie(args, read)
-
     def hf_config(self, args: Any, dtype: str) -> dict[str, Any]:
         return {"architectures": list(self.architectures), "model_type": "qwen3",
                 "use_sliding_window": False, **dense_config(args, dtype)}
-
-    def hf_tensors(self, args: Any, read: Callable[[str], torch.Tensor]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        return exported(self.sources(args), args, read)
 
 
 def stacked(*experts: torch.Tensor) -> torch.Tensor:
     return torch.stack(experts)
 
 
-class Qwen3MoeAdapter:
+class Qwen3MoeAdapter(LlamaAdapter):
     """`Qwen3MoeForCausalLM` (every layer sparse, as Qwen3-30B-A3B and 235B-A22B are)."""
 
     architectures = ("Qwen3MoeForCausalLM",)
@@ -103,9 +90,6 @@ class Qwen3MoeAdapter:
                   (not args.qk_norm, "no q/k norm (Qwen3-MoE has it)")]
         return next((why for failed, why in checks if failed), None)
 
-    def settle(self, args: Any, read: Callable[[str], torch.Tensor]) -> Any:
-        return settle_tie(args, read)
-
     def hf_config(self, args: MoEArgs, dtype: str) -> dict[str, Any]:
         return {"architectures": list(self.architectures), "model_type": "qwen3_moe",
                 "num_experts": args.n_experts, "num_experts_per_tok": args.top_k,
@@ -113,7 +97,3 @@ class Qwen3MoeAdapter:
                 "norm_topk_prob": args.route_norm, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "use_sliding_window": False,
                 "output_router_logits": False, **dense_config(args, dtype)}
-
-    def hf_tensors(self, args: MoEArgs, read: Callable[[str], torch.Tensor]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        return exported(self.sources(args), args, read)
