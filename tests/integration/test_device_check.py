@@ -22,6 +22,7 @@ def run_script(mode: str, runs: str) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
+@pytest.mark.slow  # ~90 s of plans and runs; the issue allows the tiny mode as a slow test
 def test_tiny_mode_runs_every_section(tmp_path):
     proc = run_script("tiny", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -53,6 +53,7 @@ def test_one_process_tensorwise_and_rowwise_track_the_plain_run(tmp_path):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # the 2-rank worker test below checks the float8 all-gather in seconds
 def test_dp2_tensorwise_with_float8_all_gather_tracks_the_plain_run(tmp_path):
     plain, _ = run(tmp_path, 2, "off")
     f8, log = run(tmp_path, 2, "tensorwise")
