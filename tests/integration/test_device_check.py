@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.harness import REPO
 
 SCRIPT = REPO / "benchmarks" / "device_check.sh"
