@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from loom.models.moe.model import TokenChoiceRouter
+from loom.parallel.context import shard_sequence
 from loom.parallel.init import clean_name
 
 ROUTING_FILE = "routing.pt"
@@ -47,10 +48,14 @@ def tie_margin(biased: torch.Tensor, k: int) -> torch.Tensor:
 class RoutingHooks:
     """Records (`reference` None) or replays (`reference` a recorded run) each router's
     picks, keyed by (forward number, router name). Activation checkpointing calls a router
-    again in backward: a repeated key gets the same picks and is not counted twice."""
+    again in backward: a repeated key gets the same picks and is not counted twice. Under
+    context parallel a rank routes its cp chunks of its samples (`cp` = (size, rank)), so
+    it replays the reference's picks of those positions (`seq_len` long sequences)."""
 
     dp_rank: int
     reference: dict[int, dict[str, torch.Tensor]] | None = None
+    cp: tuple[int, int] = (1, 0)
+    seq_len: int = 0
     forward: int = 0
     picks: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     flips: list[dict] = field(default_factory=list)
@@ -77,9 +82,7 @@ class RoutingHooks:
             if self.reference is None:
                 seen.setdefault(name, own.detach().cpu())
                 return None
-            rows = own.shape[0]
-            wanted = self.reference[self.forward][name][self.dp_rank * rows:
-                                                        (self.dp_rank + 1) * rows]
+            wanted = self._wanted(self.reference[self.forward][name], own.shape[0])
             wanted = wanted.to(own.device)
             if name not in seen:
                 seen[name] = own.detach().cpu()
@@ -87,11 +90,23 @@ class RoutingHooks:
             return router.weights_for(scores, wanted), wanted, scores
         return hook
 
+    def _wanted(self, reference: torch.Tensor, rows: int) -> torch.Tensor:
+        """The reference's picks of this rank's tokens: its dp slice of the batch's rows,
+        and of each sample's positions its cp chunks."""
+        cp_size, cp_rank = self.cp
+        per_dp = rows * cp_size
+        mine = reference[self.dp_rank * per_dp:(self.dp_rank + 1) * per_dp]
+        if cp_size == 1:
+            return mine
+        by_sample = mine.view(-1, self.seq_len, mine.shape[-1])
+        return shard_sequence(by_sample, cp_size, cp_rank).reshape(rows, -1)
+
     def _count(self, name: str, own: torch.Tensor, wanted: torch.Tensor,
                biased: torch.Tensor, k: int) -> None:
         differs = (own.sort(dim=-1).values != wanted.sort(dim=-1).values).any(dim=-1)
         margins = tie_margin(biased, k)[differs]
         self.flips.append({"forward": self.forward, "router": name, "dp_rank": self.dp_rank,
+                           "cp_rank": self.cp[1],
                            "tokens": int(differs.sum()), "rows": int(own.shape[0]),
                            "max_margin": float(margins.max()) if len(margins) else 0.0})
 

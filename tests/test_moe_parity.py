@@ -1,6 +1,7 @@
 """MoE parity: the same seed and global batch on 1 process and under expert parallel (with
-FSDP, TP, ETP, HSDP, AC + compile) and MoE + TP alone give the same per-step losses,
-gradient norms, routing counts and final parameters (fp32).
+FSDP, TP, ETP, CP, HSDP, AC + compile) and MoE + TP alone give the same per-step losses,
+gradient norms, routing counts and final parameters (fp32). At --etp 1 the ep group spans
+dp_shard x cp x tp ranks (tp first), at --etp tp it spans dp_shard x cp.
 
 Losses alone would miss a wrong expert-gradient scale (AdamW normalises it away); the
 pre-clip gradient norms and the final parameters do not.
@@ -50,8 +51,11 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "dp2_tp2_etp1": (4, 2, ["--tp", "2"]),
     "dp2_tp2_etp2": (4, 2, ["--tp", "2", "--etp", "2"]),
     "dp2_tp2_ep2_etp1": (4, 2, ["--tp", "2", "--ep", "2", "--etp", "1"]),
+    "tp2_ep4_etp1": (4, 2, ["--tp", "2", "--ep", "4", "--etp", "1"]),
     "dp2_tp2_ep2_etp2": (4, 2, ["--tp", "2", "--ep", "2", "--etp", "2"]),
     "hsdp2x2_ep2": (4, 4, ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"]),
+    "cp2_ep2": (4, 2, ["--cp", "2", "--ep", "2"]),
+    "cp2_tp2_ep4": (4, 1, ["--cp", "2", "--tp", "2", "--ep", "4"]),
     "ep2_ac_compile": (4, 4, ["--ep", "2", "--ac", "block", *COMPILE]),
     "few_single": (1, 1, FEW_EXPERTS),
     "few_dp4": (4, 4, FEW_EXPERTS),
@@ -75,17 +79,20 @@ def launch(world: int, layouts: dict, root: Path, references: Path | None = None
                       str(root / name)],
              "routing": "record" if name in SINGLES else str(references / reference_of(name))}
             for name, (size, dp, flags) in layouts.items() if size == world]
-    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs)], timeout=1200)
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs), "--shares"],
+                    timeout=1200)
     assert job.ok, job.describe()
 
 
 def assert_flips_are_ties(candidate: Path) -> None:
     """The tokens a layout would have routed differently from its reference were near ties,
-    and few; each (forward, router, dp rank) is counted once (tp ranks repeat it)."""
-    records = {(r["forward"], r["router"], r["dp_rank"]): r for r in load_flips(candidate)}
+    and few; each (forward, router, dp rank, cp rank) is counted once (tp ranks repeat
+    it)."""
+    records = {(r["forward"], r["router"], r["dp_rank"], r["cp_rank"]): r
+               for r in load_flips(candidate)}
     assert records, f"{candidate.name}: no routing was replayed"
-    for (forward, router, dp_rank), r in sorted(records.items()):
-        where = f"{candidate.name} forward {forward} {router} dp rank {dp_rank}"
+    for (forward, router, dp_rank, cp_rank), r in sorted(records.items()):
+        where = f"{candidate.name} forward {forward} {router} dp rank {dp_rank} cp {cp_rank}"
         assert r["max_margin"] <= TIE_MARGIN, (
             f"{where}: {r['tokens']} tokens chose other experts with a score gap up to "
             f"{r['max_margin']:.3g} (> {TIE_MARGIN:g}): not rounding, a routing difference")
@@ -122,6 +129,53 @@ def test_single_process_reference_trains(moe_runs: Path) -> None:
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in SINGLES])
 def test_layout_matches_single_process(moe_runs: Path, layout: str) -> None:
     assert_same_run(moe_runs / layout, moe_runs / reference_of(layout))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("layout", "holders"), [("tp2_ep4_etp1", 4), ("cp2_tp2_ep4", 4),
+                                                 ("dp2_tp2_ep2_etp1", 4), ("hsdp2x2_ep2", 2)])
+def test_each_rank_holds_its_share_of_the_experts(moe_runs: Path, layout: str,
+                                                  holders: int) -> None:
+    """At --tp 2 --ep 4 --etp 1 on 4 ranks every rank holds a quarter of each routed expert
+    weight (ep spans the tp ranks), not half (as when ep only borrowed dp_shard ranks and tp
+    ranks held replicas); HSDP keeps one copy per replica."""
+    shares = json.loads((moe_runs / layout / "shares.json").read_text())
+    params = torch.load(moe_runs / layout / "params.pt")
+    experts = {n: s for n, s in shares.items() if ".moe.experts.w" in n}
+    assert experts, sorted(shares)
+    for name, per_rank in experts.items():
+        print(f"{layout} {name}: {per_rank} of {params[name].numel()} elements per rank")
+        assert per_rank == [params[name].numel() // holders] * 4, (name, per_rank)
+
+
+RESUME_RTOL = 1e-4
+"""Resumed runs route by themselves (no reference recorded beyond step 5), so a near tie
+may flip; losses still agree to ~1e-6, a wrongly resharded expert moves them by ~1e-2."""
+
+
+@pytest.mark.multirank
+def test_checkpoints_resume_across_ep_degrees_and_layouts(tmp_path: Path) -> None:
+    """Saved at --ep 2 over dp_shard (the layout loom used before ep spanned tp and cp),
+    resumed at --tp 2 --ep 4 and at --cp 2 --ep 2; steps 6-10 match an uninterrupted run."""
+    saved = tmp_path / "ep2-saved"
+    layouts = {name: LAYOUTS[name] for name in ("ep2", "tp2_ep4_etp1", "cp2_ep2")}
+
+    def argv(name: str, *flags: str) -> list[str]:
+        _, dp, layout = layouts[name]
+        return [*COMMON, *layout, "--batch-size", str(GLOBAL_BATCH // dp), *flags]
+
+    runs = [argv("ep2", "--max-steps", "10", "--outdir", str(tmp_path / "straight")),
+            argv("ep2", "--checkpoint-interval", "5", "--outdir", str(saved))]
+    runs += [argv(name, "--max-steps", "10", "--resume", str(saved / "checkpoints" / "step-5"),
+                  "--outdir", str(tmp_path / name)) for name in ("tp2_ep4_etp1", "cp2_ep2")]
+    job = run_ranks(4, ["tests/workers/parity_worker.py", json.dumps(runs)], timeout=1200)
+    assert job.ok, job.describe()
+    straight = column(tmp_path / "straight")
+    for name in ("tp2_ep4_etp1", "cp2_ep2"):
+        resumed = column(tmp_path / name)
+        assert sorted(resumed) == list(range(6, 11)), name
+        assert_series_close(resumed, {s: straight[s] for s in resumed}, rtol=RESUME_RTOL,
+                            what=f"{name} resumed from ep2")
 
 
 @pytest.mark.multirank

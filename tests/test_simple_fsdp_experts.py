@@ -1,6 +1,7 @@
 """SimpleFSDP with fewer (local) experts than shard ranks (2 experts, top-1, on 4 ranks):
 the stacked expert weights are sharded off dim 0, as FSDP2 shards them, so every rank holds
-an equal share and none holds padding or nothing; training matches one process (fp32)."""
+an equal share and none holds padding or nothing; training matches one process (fp32), also
+under HSDP with expert parallel (`--dp-replicate 2 --ep 2`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ SIMPLE = ["--data-parallel", "simple-fsdp"]
 LAYOUTS = {  # name: flags on 4 ranks (dp 4, global batch 4)
     "few_dp4": [],
     "few_ep2": ["--ep", "2"],
+    "few_hsdp2_ep2": ["--dp-replicate", "2", "--ep", "2"],
 }
+SHARDED = ("few_dp4", "few_ep2")
+"""Layouts where every rank holds a different quarter of each expert weight."""
 EXPERT_WEIGHTS = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3")
 
 
@@ -45,7 +49,7 @@ def test_few_experts_match_one_process(runs: Path, layout: str) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", SHARDED)
 def test_every_rank_holds_an_equal_share_of_each_expert_weight(runs: Path, layout: str) -> None:
     shares = json.loads((runs / layout / "shares.json").read_text())
     params = torch.load(runs / layout / "params.pt")

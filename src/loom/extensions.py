@@ -27,11 +27,12 @@ Enabled = Callable[[JobConfig], bool]
 
 @dataclass(frozen=True)
 class StepContext:
-    """What a step hook may act on: every parameter this rank holds and the groups over
-    which per-rank statistics are reduced."""
+    """What a step hook may act on: every parameter this rank holds and the group over
+    which per-rank statistics are reduced: the ranks holding different tokens (dp x cp;
+    tp and pp ranks see the same ones)."""
 
     model: nn.Module
-    dp_group: dist.ProcessGroup
+    token_group: dist.ProcessGroup
     cfg: JobConfig
 
 

@@ -10,8 +10,12 @@ from loom.config import ConfigError, ParallelConfig, check_expert_layout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimensions, outermost first."""
-EP_DIMS = ("dp_shard_mod_ep", "dp_shard_in_ep")
-"""With expert parallel, dp_shard is unflattened into these two; `ep` names the inner one."""
+EP_DIMS = ("efsdp", "ep", "etp")
+"""Dims of the expert (sparse) mesh that the dense mesh lacks. With expert parallel the world
+is also laid out as (pp, dp_replicate, efsdp, ep) at etp 1, where efsdp x ep spans
+dp_shard x cp x tp, or as (pp, dp_replicate, efsdp, ep, etp) at etp = tp, where efsdp x ep
+spans dp_shard x cp and etp is the tp ranks again. ep is innermost, so at etp 1 it takes
+tp ranks first, then cp, then dp_shard ones, as torchtitan lays it out."""
 
 
 @dataclass
@@ -19,8 +23,10 @@ class ParallelDims:
     """Degrees of each parallelism; `dp_shard=-1` takes all remaining ranks.
 
     Validation happens on construction, before any collective runs, so a bad layout fails
-    the same way on every rank. Expert parallel borrows `ep` of the dp_shard ranks
-    (dp_shard = dp_shard_mod_ep x ep); `etp` is 1 or tp (experts also split across tp).
+    the same way on every rank. Expert parallel spans `ep` of the dp_shard x cp x tp ranks
+    (etp 1: experts split across tp ranks as whole experts) or of the dp_shard x cp ranks
+    (etp = tp: every expert also tensor-parallel); routed experts are FSDP-sharded over the
+    rest of that region (`efsdp`).
     Context parallel splits each sequence across `cp` ranks that share their samples;
     pipeline parallel splits the layers across `pp` ranks that share theirs.
     """
@@ -34,7 +40,7 @@ class ParallelDims:
     cp: int = 1
     pp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -55,7 +61,8 @@ class ParallelDims:
         if product != self.world_size:
             raise ConfigError(f"mesh {self.layout()} = {product} does not equal world size "
                               f"{self.world_size}")
-        check_expert_layout(self.ep, self.etp, self.tp, self.dp_shard, "dp_shard")
+        check_expert_layout(self.ep, self.etp, self.tp, self.dp_shard * self.cp,
+                            "dp_shard x cp")
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
@@ -109,8 +116,15 @@ class ParallelDims:
         return self.tp_enabled and self.etp == self.tp
 
     @property
-    def dp_shard_mod_ep(self) -> int:
-        return self.dp_shard // self.ep
+    def expert_region(self) -> int:
+        """Ranks that hold different experts or shards of them, for one (pp, dp_replicate)
+        coordinate: dp_shard x cp x tp at etp 1, dp_shard x cp at etp = tp."""
+        return self.dp_shard * self.cp * (1 if self.etp_enabled else self.tp)
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks the routed experts are FSDP-sharded over under expert parallel."""
+        return self.expert_region // self.ep
 
     def global_batch_size(self, batch_size: int) -> int:
         """Samples per optimizer step: tp, cp and pp ranks share their batch, so never multiply."""
@@ -128,8 +142,17 @@ class ParallelDims:
             self._flat["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         self._mesh = mesh
         if self.ep_enabled:
-            self._ep_mesh = mesh._unflatten("dp_shard", (self.dp_shard_mod_ep, self.ep), EP_DIMS)
+            self._expert_mesh = self._build_expert_mesh(mesh)
         return mesh
+
+    def _build_expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The same ranks laid out for the routed experts (see `EP_DIMS`)."""
+        world = mesh[MESH_DIMS]._flatten("world")
+        names: tuple[str, ...] = ("pp", "dp_replicate", "efsdp", "ep")
+        sizes: tuple[int, ...] = (self.pp, self.dp_replicate, self.efsdp, self.ep)
+        if self.etp_enabled:
+            names, sizes = (*names, "etp"), (*sizes, self.tp)
+        return world._unflatten(0, sizes, names)
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -139,16 +162,16 @@ class ParallelDims:
 
     def get_mesh(self, name: str | tuple[str, ...]) -> DeviceMesh:
         """A sub-mesh by name: 'tp', 'pp', 'dp', 'loss', ('dp_replicate', 'dp_shard'), ...
-        with expert parallel also 'ep' (= 'dp_shard_in_ep'), 'dp_shard_mod_ep', ('ep', 'tp')."""
+        with expert parallel also the expert mesh's 'ep', 'efsdp', 'etp' (and
+        ('dp_replicate', 'efsdp'), ('ep', 'etp'))."""
         if isinstance(name, str) and name in self._flat:
             return self._flat[name]
         names = (name,) if isinstance(name, str) else tuple(name)
-        names = tuple("dp_shard_in_ep" if n == "ep" else n for n in names)
         if not any(n in EP_DIMS for n in names):
             return self.mesh[names[0] if len(names) == 1 else names]
-        if self._ep_mesh is None:
+        if self._expert_mesh is None:
             raise RuntimeError(f"mesh {name!r} needs expert parallel (ep > 1) and build_mesh()")
-        return self._ep_mesh[names[0] if len(names) == 1 else names]
+        return self._expert_mesh[names[0] if len(names) == 1 else names]
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -161,11 +184,11 @@ class ParallelDims:
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:
-        """Where routed experts are FSDP-sharded under expert parallel: dp_shard_mod_ep
-        (kept at size 1 so mixed precision still applies), with dp_replicate for HSDP."""
+        """Where routed experts are FSDP-sharded under expert parallel: efsdp (kept at size 1
+        so mixed precision still applies), with dp_replicate for HSDP."""
         if self.dp_replicate_enabled:
-            return self.get_mesh(("dp_replicate", "dp_shard_mod_ep"))
-        return self.get_mesh("dp_shard_mod_ep")
+            return self.get_mesh(("dp_replicate", "efsdp"))
+        return self.get_mesh("efsdp")
 
     @property
     def dp_rank(self) -> int:

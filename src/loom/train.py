@@ -116,7 +116,7 @@ class Trainer:
         self.metrics = build_metrics(cfg, RunPlace(info.rank, dims, device, outdir, self.started),
                                      self.model, self.optimizer, plain_model)
         self.metrics.write_config(self.effective_config())
-        self.dp_group = dims.get_mesh("dp").get_group()
+        self.token_group = dims.get_mesh("loss").get_group()
         self.hook_metrics: dict[str, float] = {}  # the last update's, kept over skipped steps
         self.skipped_in_a_row = 0
         self.stop_signal = 0  # the signal that asked this job to stop, agreed by all ranks
@@ -237,7 +237,7 @@ class Trainer:
                     float(step_loss), float(grad_norm)))):
                 self.optimizer.step()
                 self.hook_metrics = after_optimizer_step(
-                    StepContext(self.model, self.dp_group, self.cfg))
+                    StepContext(self.model, self.token_group, self.cfg))
             applied = torch.tensor(float(ok), device=self.device)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

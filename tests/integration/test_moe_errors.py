@@ -7,7 +7,7 @@ import pytest
 from tests.harness import run_ranks
 
 BAD_MOE_CONFIGS = [
-    (["--model", "moe-debug", "--ep", "4"], "--ep 4 must divide dp_shard 2"),
+    (["--model", "moe-debug", "--ep", "4"], "--ep 4 must divide dp_shard x cp x --tp = 2"),
     (["--model", "moe-debug", "--n-experts", "6", "--ep", "4"],
      "--n-experts 6 is not divisible by --ep 4"),
     (["--model", "moe-debug", "--tp", "2", "--etp", "4"], "--etp 4 must be 1 or --tp 2"),

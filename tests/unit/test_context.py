@@ -133,7 +133,8 @@ MISTAKES = {
     "cp-0": (["--cp", "0"], "--cp must be >= 1, got 0"),
     "cp-tp-split": (["--cp", "2", "--tp", "4", "--n-kv-heads", "4", "--seq-len", "76"],
                     "--seq-len 76 / --cp 2 = 38 tokens per cp rank is not divisible by --tp 4"),
-    "moe": (["--cp", "2", "--model", "moe-debug"], "mixture-of-experts model is not supported"),
+    "moe-aux-loss": (["--cp", "2", "--model", "moe-debug", "--aux-loss-coeff", "0.01"],
+                     "--cp 2 with --aux-loss-coeff 0.01: the sequence-wise balance loss"),
     "simple-fsdp": (["--cp", "2", "--data-parallel", "simple-fsdp"],
                     "--cp 2 needs --data-parallel fsdp2"),
     "world-size": (["--cp", "2"], "needs world size 1 divisible by dp_replicate 1 x cp 2 x tp "

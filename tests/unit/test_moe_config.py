@@ -37,7 +37,12 @@ def test_realistic_presets_total_and_active_parameters(preset, total_b, active_b
     (["--model", "debug", "--ep", "2"], "need a mixture-of-experts model"),
     (["--model", "moe-debug", "--n-experts", "6", "--ep", "4"],
      "--n-experts 6 is not divisible by --ep 4"),
-    (["--model", "moe-debug", "--ep", "4", "--dp-shard", "2"], "--ep 4 must divide --dp-shard 2"),
+    (["--model", "moe-debug", "--ep", "4", "--dp-shard", "2"],
+     "--ep 4 must divide --dp-shard x --cp x --tp = 2"),
+    (["--model", "moe-debug", "--ep", "4", "--dp-shard", "2", "--tp", "2", "--etp", "2"],
+     "--ep 4 must divide --dp-shard x --cp = 2"),
+    (["--model", "moe-debug", "--ep", "8", "--dp-shard", "2", "--cp", "2", "--tp", "2",
+      "--etp", "2"], "--ep 8 must divide --dp-shard x --cp = 4"),
     (["--model", "moe-debug", "--tp", "2", "--etp", "4"], "--etp 4 must be 1 or --tp 2"),
     (["--model", "moe-debug", "--top-k", "9"], "--top-k 9 must be in [1, --n-experts 8]"),
 ])
@@ -46,12 +51,18 @@ def test_bad_moe_settings_fail_with_one_line(argv, message):
         parse_args(argv)
 
 
-def test_ep_borrows_from_dp_shard():
+def test_ep_spans_dp_shard_cp_and_tp_at_etp_1_and_dp_shard_cp_at_etp_tp():
     dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=16, ep=2, etp=2)
-    assert (dims.dp_shard, dims.dp_shard_mod_ep, dims.dp_size) == (4, 2, 8)
+    assert (dims.dp_shard, dims.expert_region, dims.efsdp, dims.dp_size) == (4, 4, 2, 8)
     assert dims.ep_enabled and dims.etp_enabled
-    with pytest.raises(ConfigError, match="--ep 4 must divide dp_shard 2"):
-        ParallelDims(1, -1, 2, world_size=4, ep=4)
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, tp=2, world_size=4, ep=4, etp=1)
+    assert (dims.dp_shard, dims.expert_region, dims.efsdp) == (2, 4, 1)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, cp=2, world_size=8, ep=4)
+    assert (dims.expert_region, dims.efsdp) == (8, 2)
+    with pytest.raises(ConfigError, match="--ep 8 must divide dp_shard x cp x --tp = 4"):
+        ParallelDims(1, -1, 2, world_size=4, ep=8)
+    with pytest.raises(ConfigError, match="--ep 4 must divide dp_shard x cp = 2"):
+        ParallelDims(1, -1, 2, world_size=4, ep=4, etp=2)
     with pytest.raises(ConfigError, match="--etp 3 must be 1 or --tp 2"):
         ParallelDims(1, -1, 2, world_size=4, etp=3)
 

@@ -113,8 +113,11 @@ def test_compiled_block_keeps_less_the_lower_the_budget():
 def test_moe_candidates_search_expert_parallel_and_print_it():
     base = ["--model", "moe-debug", "--dtype", "bf16", "--seq-len", "128"]
     found = candidates(parse_args(base), 4)
-    assert {c.parallel.ep for c in found} == {1, 2, 4}  # dividing dp_shard and 8 experts
-    assert all(c.parallel.dp_shard % c.parallel.ep == 0 for c in found)
+    assert {c.parallel.ep for c in found} == {1, 2, 4}  # dividing 4 ranks and 8 experts
+    region = [c.parallel.dp_shard * c.parallel.cp * c.parallel.tp for c in found]
+    assert all(r % c.parallel.ep == 0 for r, c in zip(region, found, strict=True))
+    # ep spans tp and cp ranks too (etp 1), not only dp_shard ones
+    assert any(c.parallel.ep > c.parallel.dp_shard for c in found)
     for c in [c for c in found if c.parallel.ep > 1][::50]:
         line = launch_line(c, 4, [*base, "--ep", "8"])
         back = parse_args(line.split(" loom train ", 1)[1].split())

@@ -40,7 +40,9 @@ def routing_hooks(trainer: Trainer, routing: str | None) -> RoutingHooks | None:
     if routing is None:
         return None
     reference = None if routing == "record" else torch.load(f"{routing}/{ROUTING_FILE}")
-    hooks = RoutingHooks(trainer.dims.dp_rank, reference)
+    dims = trainer.dims
+    cp = (dims.cp, dims.get_mesh("cp").get_local_rank()) if dims.cp_enabled else (1, 0)
+    hooks = RoutingHooks(dims.dp_rank, reference, cp, trainer.cfg.data.seq_len)
     hooks.install(trainer.model_parts)
     return hooks
 

@@ -128,9 +128,10 @@ class ParallelConfig:
         "fsdp2", "data-parallel wrapper: FSDP2 units, or SimpleFSDP (parameters gathered by "
         "DTensor redistribution on access; with --compile the whole model is one graph)",
         choices=("fsdp2", "simple-fsdp"))
-    ep: int = flag(1, "expert-parallel degree, borrowed from dp_shard (must divide it)")
+    ep: int = flag(1, "expert-parallel degree: spans dp_shard x cp x tp ranks at "
+                        "--etp 1, dp_shard x cp at --etp tp (must divide them)")
     etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
-                    "(experts split across tp too)")
+                    "(each expert split across tp too)")
     cp: int = flag(1, "context-parallel degree: each sequence is split across this many ranks "
                    "(two mirrored chunks each, so causal attention work is even)")
     pp: int = flag(1, "pipeline-parallel degree (the outermost mesh dim: ranks hold "

@@ -61,15 +61,24 @@ def knob_warnings(p: ParallelConfig, budget_given: bool) -> list[str]:
     return warnings
 
 
-def check_expert_layout(ep: int, etp: int, tp: int, dp_shard: int | None,
-                        dp_shard_name: str = "--dp-shard") -> None:
-    """Expert parallel borrows `ep` of the dp_shard ranks; expert TP is off or all of tp.
-    Checked on the flags (an explicit --dp-shard) and again by the mesh (the resolved one)."""
-    if ep < 1 or (dp_shard is not None and dp_shard % ep):
-        raise ConfigError(f"--ep {ep} must divide {dp_shard_name} {dp_shard} "
-                          "(expert parallel borrows data-parallel shard ranks)")
+def check_expert_layout(ep: int, etp: int, tp: int, dp_shard_cp: int | None,
+                        dp_shard_cp_name: str = "--dp-shard x --cp") -> None:
+    """Expert parallel spans `ep` of the dp_shard x cp x tp ranks at --etp 1 (whole experts
+    split across tp ranks too) or of the dp_shard x cp ranks at --etp tp (each expert
+    tensor-parallel over tp), as torchtitan lays it out. Checked on the flags (an explicit
+    --dp-shard) and again by the mesh (the resolved one)."""
     if etp not in (1, tp):
         raise ConfigError(f"--etp {etp} must be 1 or --tp {tp}")
+    if ep < 1:
+        raise ConfigError(f"--ep must be >= 1, got {ep}")
+    if dp_shard_cp is None:
+        return
+    region, what = dp_shard_cp * tp, f"{dp_shard_cp_name} x --tp"
+    if etp == tp > 1:
+        region, what = dp_shard_cp, dp_shard_cp_name
+    if region % ep:
+        raise ConfigError(f"--ep {ep} must divide {what} = {region} (at --etp {etp} expert "
+                          f"parallel spans the {what} ranks)")
 
 
 def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
@@ -85,7 +94,7 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
         raise ConfigError(f"--top-k {m.top_k} must be in [1, --n-experts {m.n_experts}]")
     if p.ep < 1 or m.n_experts % p.ep:
         raise ConfigError(f"--n-experts {m.n_experts} is not divisible by --ep {p.ep}")
-    check_expert_layout(p.ep, p.etp, p.tp, p.dp_shard if p.dp_shard > 0 else None)
+    check_expert_layout(p.ep, p.etp, p.tp, p.dp_shard * p.cp if p.dp_shard > 0 else None)
     hidden = m.moe_hidden_dim or 0
     if hidden < 0 or hidden % p.tp or not 0 <= m.n_dense_layers <= m.n_layers:
         raise ConfigError(f"--moe-hidden-dim {m.moe_hidden_dim} must be >= 0 and divisible "
@@ -144,9 +153,10 @@ def _validate_cp(cfg: JobConfig) -> None:
     if m.runs_transformers:
         raise ConfigError(f"--cp {p.cp} needs loom's own model, not the Hugging Face model "
                           f"{m.model} (context parallel replaces loom's attention)")
-    if m.n_experts:
-        raise ConfigError(f"--cp {p.cp} with a mixture-of-experts model is not supported yet "
-                          "(routing statistics are reduced over dp only)")
+    if m.n_experts and m.aux_loss_coeff > 0:
+        raise ConfigError(f"--cp {p.cp} with --aux-loss-coeff {m.aux_loss_coeff}: the "
+                          "sequence-wise balance loss needs whole sequences, and cp ranks "
+                          "hold parts of them (use the default aux-loss-free balancing)")
     if p.data_parallel != "fsdp2":
         raise ConfigError(f"--cp {p.cp} needs --data-parallel fsdp2 (SimpleFSDP does not "
                           "reduce gradients over cp yet)")

@@ -1,12 +1,15 @@
 """Expert parallel (EP) and expert tensor parallel (ETP) for the MoE model.
 
-EP shards the routed experts on dim 0 over the `ep` mesh (ranks borrowed from dp_shard).
+EP shards the routed experts on dim 0 over the `ep` dim of the expert mesh (`ParallelDims`:
+at etp 1 it spans dp_shard x cp x tp ranks, tp first; at etp = tp it spans dp_shard x cp).
 Before the experts run, every token slot travels to the rank that owns its expert (an
 all-to-all with uneven splits) and is regrouped by local expert; afterwards it travels
-back (combine). ETP (etp = tp) also splits each expert's hidden dim across tp; at etp = 1
-the experts are replicated over tp and the tp ranks split the token slots instead. Either
-way a MoE block's routed and shared outputs are partial sums over tp, reduced back to
-sequence-sharded once, like a dense feed-forward's.
+back (combine). At etp 1 the tp ranks split the token slots, each dispatching its share,
+so whole experts sit on tp ranks as on any other; ETP (etp = tp) instead splits each
+expert's hidden dim across tp, every tp rank running all the slots. Either way a MoE
+block's routed and shared outputs are partial sums over tp, reduced back to
+sequence-sharded once, like a dense feed-forward's. Without EP (ep 1) at etp 1 the experts
+are replicated over tp and their gradients, partial per tp rank, are summed.
 """
 
 from __future__ import annotations
@@ -139,16 +142,22 @@ class TokenDispatcher:
 
 
 def expert_placements(dims: ParallelDims) -> tuple[tuple[str, ...], dict[str, list[Placement]]]:
-    """Mesh dims the routed experts live on and each weight's placements on them."""
+    """Mesh dims the routed experts live on and each weight's placements on them: 'ep'
+    (and 'etp') of the expert mesh under EP, else the dense 'tp' (sharded at etp = tp,
+    replicated at etp 1)."""
     names: list[str] = []
     placements: dict[str, list[Placement]] = {w: [] for w in WEIGHTS}
+    hidden = {"w1": Shard(1), "w2": Shard(2), "w3": Shard(1)}
     if dims.ep_enabled:
         names.append("ep")
         for w in WEIGHTS:
             placements[w].append(Shard(0))
-    if dims.tp_enabled:
+        if dims.etp_enabled:
+            names.append("etp")
+            for w in WEIGHTS:
+                placements[w].append(hidden[w])
+    elif dims.tp_enabled:
         names.append("tp")
-        hidden = {"w1": Shard(1), "w2": Shard(2), "w3": Shard(1)}
         for w in WEIGHTS:
             placements[w].append(hidden[w] if dims.etp_enabled else Replicate())
     return tuple(names), placements
@@ -218,22 +227,24 @@ def apply_moe_parallel(model: nn.Module, dims: ParallelDims) -> None:
         dispatcher = TokenDispatcher(ep_group, tp_mesh, split_tokens=not dims.etp_enabled)
         block.moe.experts.register_forward_pre_hook(dispatcher.before)
         block.moe.experts.register_forward_hook(dispatcher.after)
-    logger.info("MoE: experts on mesh %s (ep=%d, etp=%d)%s", names, dims.ep, dims.etp,
+    logger.info("MoE: experts on mesh %s (ep=%d, etp=%d, efsdp=%d)%s", names, dims.ep,
+                dims.etp, dims.efsdp if dims.ep_enabled else dims.dp_shard * dims.cp,
                 ", tp ranks split the tokens" if tp_mesh is not None and dims.etp == 1 else "")
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, dp_group: dist.ProcessGroup) -> dict[str, float]:
-    """After an optimizer step: all-reduce each MoE layer's token counts over dp, move the
-    expert bias by coeff * sign(mean - count), reset the counts; returns the MoE metrics."""
+def update_expert_bias(model: nn.Module, token_group: dist.ProcessGroup) -> dict[str, float]:
+    """After an optimizer step: all-reduce each MoE layer's token counts over the ranks
+    holding different tokens (dp x cp), move the expert bias by coeff * sign(mean - count),
+    reset the counts; returns the MoE metrics."""
     layers = moe_layers(model)
     if not layers:
         return {}
     counts = torch.stack([m.tokens_per_expert for m in layers])  # (L, E)
     packed = torch.cat([counts.flatten(), torch.stack([m.aux_loss for m in layers])])
-    dist.all_reduce(packed, group=dp_group)
+    dist.all_reduce(packed, group=token_group)
     counts = packed[:counts.numel()].view_as(counts)
-    aux = packed[counts.numel():] / dist.get_world_size(dp_group)
+    aux = packed[counts.numel():] / dist.get_world_size(token_group)
     for moe, layer_counts in zip(layers, counts, strict=True):
         if moe.load_balance_coeff > 0:
             moe.expert_bias.add_(moe.load_balance_coeff
@@ -256,7 +267,7 @@ def moe_metrics(counts: torch.Tensor, aux: torch.Tensor | None) -> dict[str, flo
 
 
 def _expert_bias_hook(context: StepContext) -> dict[str, float]:
-    return update_expert_bias(context.model, context.dp_group)
+    return update_expert_bias(context.model, context.token_group)
 
 
 register_step_hook(StepHook(

@@ -163,15 +163,17 @@ def use_named_collectives(units: list[tuple[str, FSDPModule]]) -> None:
 
 def shard_experts(experts: list[nn.Module], dims: ParallelDims, backend: str,
                   **kwargs: Any) -> list[FSDPModule]:
-    """Under EP, routed experts are their own FSDP units over dp_shard_mod_ep (even at size
-    1, so mixed precision applies). Their gradients are summed over fewer ranks than the
-    dense ones but must still be divided by the full dp size, or EP changes the numbers."""
+    """Under EP, routed experts are their own FSDP units over efsdp (even at size 1, so
+    mixed precision applies). Their gradients are summed over other ranks than the dense
+    ones (the all-to-all already brought every token's contribution to its expert's owner)
+    but must still be divided by every rank holding different tokens (dp x cp), or EP
+    changes the numbers."""
     placement = expert_placement(experts, dims.expert_fsdp_mesh.shape[-1])
     units = [fully_shard(e, mesh=dims.expert_fsdp_mesh, shard_placement_fn=placement, **kwargs)
              for e in experts]
-    set_gradient_division(units, dims.dp_size, backend, shard_size=dims.dp_shard_mod_ep)
-    logger.info("FSDP2: %d expert units over mesh %s, gradients divided by dp %d", len(units),
-                tuple(dims.expert_fsdp_mesh.shape), dims.dp_size)
+    set_gradient_division(units, dims.loss_size, backend, shard_size=dims.efsdp)
+    logger.info("FSDP2: %d expert units over mesh %s, gradients divided by dp x cp %d",
+                len(units), tuple(dims.expert_fsdp_mesh.shape), dims.loss_size)
     return units
 
 

@@ -302,14 +302,13 @@ def recompute_gathers(cfg: ParallelConfig) -> bool:
 
 def apply_simple_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig,
                       backend: str) -> str:
-    """The SimpleFSDP strategy: shard every parameter (routed experts first, over
-    dp_shard_mod_ep under EP); returns what it did, for the recipe's log line. Stacked
+    """The SimpleFSDP strategy: shard every parameter (routed experts first, over efsdp
+    under EP); returns what it did, for the recipe's log line. Stacked
     expert weights are sharded off dim 0 where their (local) experts would not split evenly
     over the shard ranks, so no rank holds padding or nothing."""
     del backend  # the collectives are DTensor's, on the mesh's own backend
     if dims.ep_enabled:
-        expert_dims = (("dp_replicate",) if dims.dp_replicate_enabled else ()) + (
-            "dp_shard_mod_ep",)
+        expert_dims = (("dp_replicate",) if dims.dp_replicate_enabled else ()) + ("efsdp",)
         expert_dp = data_parallel(dims, cfg, expert_dims, plan.experts)
         for module in plan.experts:
             for child in list(module.modules()):

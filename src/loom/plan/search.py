@@ -2,10 +2,11 @@
 
 Enumerated: layouts (tp up to a node, dp_replicate 1 or 2, cp 1-8 where the sequence splits,
 pp 1-8 where the blocks split evenly, >= 2 a stage, with 1F1B at pp or 2 pp micro-batches,
-dp_shard the rest; MoE models: ep 1-64 dividing dp_shard and the experts) and knobs (--ac,
---reshard-after-forward, micro-batch 1-8, off or --compile at budget 0.5; --loss-impl
-fused-linear, see `LOSSES`; chunked-backward for pp with tp, which cannot take the fused
-head yet; under --grad-accum-steps without pp, --accum-reduce step or micro-batch).
+dp_shard the rest; MoE models: ep 1-64 dividing dp_shard x cp x tp and the experts, at
+--etp 1) and knobs (--ac, --reshard-after-forward, micro-batch 1-8, off or --compile at
+budget 0.5; --loss-impl fused-linear, see `LOSSES`; chunked-backward for pp with tp, which
+cannot take the fused head yet; under --grad-accum-steps without pp, --accum-reduce step or
+micro-batch).
 Candidates are visited fastest first (the step-time estimate needs no trace); one that a
 traced, lighter configuration already rules out is skipped untraced (`ruled_out`). Memory
 depends on (tp, dp_shard, ac, loss, reshard, pp, micro-batches, cp, ep, accum-reduce) only,
@@ -55,10 +56,11 @@ def pipeline_degrees(cfg: JobConfig, rest: int) -> list[int]:
     return [pp for pp in (1, 2, 4, 8) if rest % pp == 0 and n % pp == 0 and n >= 2 * pp]
 
 
-def expert_degrees(cfg: JobConfig, shard: int) -> list[int]:
-    """ep degrees worth searching: dividing the dp_shard ranks it borrows and the experts."""
+def expert_degrees(cfg: JobConfig, region: int) -> list[int]:
+    """ep degrees worth searching: dividing the ranks it spans at --etp 1 (dp_shard x cp x
+    tp) and the experts."""
     n = cfg.model.n_experts
-    return [ep for ep in (1, 2, 4, 8, 16, 32, 64) if shard % ep == 0 and n % ep == 0] \
+    return [ep for ep in (1, 2, 4, 8, 16, 32, 64) if region % ep == 0 and n % ep == 0] \
         if n else [1]
 
 
@@ -96,7 +98,8 @@ def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
         # pp with tp cannot take the fused head yet (validate_pipeline)
         loss = "chunked-backward" if pp > 1 and tp > 1 else LOSSES[0]
         for m, ep, accum in itertools.product(microbatch_counts(pp, mb),
-                                              expert_degrees(cfg, shard), reductions(cfg, pp)):
+                                              expert_degrees(cfg, shard * cp * tp),
+                                              reductions(cfg, pp)):
             p = replace(cfg.parallel, tp=tp, dp_replicate=replicate, dp_shard=shard, pp=pp,
                         cp=cp, pp_microbatches=m, pp_schedule="1f1b", pp_stages_per_rank=0,
                         activation_checkpoint=ac, reshard_after_forward=reshard,

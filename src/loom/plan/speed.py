@@ -133,7 +133,8 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
     reduced = accum if cfg.train.accum_reduce == "micro-batch" or dims.pp_enabled else 1
     per_weight = accum * (2 if p.reshard_after_forward == "always" else 1) * param_bytes \
         + reduced * grad_bytes
-    shard, shard_ep = dims.dp_shard * dims.cp, dims.dp_shard_mod_ep  # FSDP shards over cp too
+    shard = dims.dp_shard * dims.cp  # FSDP shards over cp too
+    shard_ep = dims.efsdp if dims.ep_enabled else shard
     fsdp = (dense * (shard - 1) / shard + routed * (shard_ep - 1) / shard_ep) * per_weight
     fsdp_s = fsdp / bandwidth(device, shard * dims.tp)
     if dims.dp_replicate > 1:  # HSDP: all-reduce of the shard's gradients across replicas
@@ -142,11 +143,13 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
     exposed = 0.0
     if dims.tp > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters per block, x2 bwd
         exposed += m.n_layers * 8 * act * (dims.tp - 1) / dims.tp / bandwidth(device, dims.tp)
-    if dims.ep > 1:  # dispatch + combine, forward and backward, top_k copies of each token
+    if dims.ep > 1:  # dispatch + combine, forward and backward, top_k copies of each token;
+        # at etp 1 each tp rank sends its share of the slots over ep consecutive ranks, at
+        # etp = tp every tp rank sends all of them over ep ranks tp apart
         moe_layers = m.n_layers - m.n_dense_layers
-        group = dims.ep * dims.tp
-        exposed += (moe_layers * 4 * act / dims.tp * m.top_k * (dims.ep - 1) / dims.ep
-                    / bandwidth(device, group))
+        sent = act * m.top_k / (dims.tp if not dims.etp_enabled else 1)
+        span = dims.ep * (dims.tp if dims.etp_enabled else 1)
+        exposed += moe_layers * 4 * sent * (dims.ep - 1) / dims.ep / bandwidth(device, span)
     if dims.cp_enabled:  # every block all-gathers K and V (and recomputes them under
         # --ac block); its backward reduce-scatters their gradients
         passes = 3 if p.activation_checkpoint == "block" else 2
