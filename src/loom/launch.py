@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loom.errors import BAD_INPUT_EXIT, SIGINT_EXIT, SIGTERM_EXIT, LaunchError
 from loom.watchdog import HANG_KEY, LAUNCH_ATTEMPT_ENV, LAUNCHER_PID_ENV
@@ -287,6 +287,38 @@ def _quiet_elastic_logs() -> None:
         logger.propagate = False
 
 
+def stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, SIGTSTP, or a debugger's stop); False where
+    /proc cannot tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] in (["T"], ["t"])
+
+
+def _kill_stopped_ranks_at_once() -> None:
+    """When a rank fails, the agent ends the others with SIGTERM and SIGKILLs them 30 s
+    later. A stopped rank acts on neither SIGTERM nor anything else until continued, so a
+    job whose rank was stopped outlived the watchdog's --comm-timeout-s by those 30 s; it
+    gets SIGKILL at once instead. (Continuing it would let its own watchdog, long past
+    its timeout, report a hang of its own and hide which rank stopped.)"""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler,
+    )
+
+    handler = subprocess_handler.SubprocessHandler
+    close = handler.close
+    if getattr(close, "kills_stopped", False):
+        return
+
+    def close_or_kill(self: Any, death_sig: signal.Signals | None = None) -> None:
+        close(self, signal.SIGKILL if stopped(self.proc.pid) else death_sig)
+
+    close_or_kill.kills_stopped = True  # type: ignore[attr-defined]
+    handler.close = close_or_kill
+
+
 SECONDARY_ERRORS = ("lost contact with another rank",)
 """Lines of ranks that failed because of another rank: the cause is named elsewhere."""
 
@@ -377,6 +409,7 @@ def run_local(command: Command) -> int:
     from torch.distributed.run import get_args_parser, run
 
     _quiet_elastic_logs()
+    _kill_stopped_ranks_at_once()
     os.environ.update({**command.env, LAUNCHER_PID_ENV: str(os.getpid())})
     with tempfile.TemporaryDirectory(prefix="loom-launch-", ignore_cleanup_errors=True) as log_dir:
         args = get_args_parser().parse_args(command.argv[len(TORCHRUN) :])
