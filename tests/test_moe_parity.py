@@ -71,14 +71,16 @@ def reference_of(layout: str) -> str:
     return "few_single" if layout.startswith("few_") else "single"
 
 
-def launch(world: int, layouts: dict, root: Path, references: Path | None = None) -> None:
+def launch(world: int, layouts: dict, root: Path, references: Path | None = None,
+           more: list[list[str]] = ()) -> None:
     """Single-process runs record their routing; the others replay their reference's (from
-    `references`, default `root`)."""
+    `references`, default `root`). `more` runs after them in the same job, routing freely."""
     references = references or root
     runs = [{"argv": [*COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // dp), "--outdir",
                       str(root / name)],
              "routing": "record" if name in SINGLES else str(references / reference_of(name))}
             for name, (size, dp, flags) in layouts.items() if size == world]
+    runs += more
     job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs), "--shares"],
                     timeout=1200)
     assert job.ok, job.describe()
@@ -115,7 +117,7 @@ def assert_same_run(candidate: Path, reference: Path) -> None:
 def moe_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("moe_parity")
     launch(1, LAYOUTS, root)
-    launch(4, LAYOUTS, root)
+    launch(4, LAYOUTS, root, more=resume_runs(root / "resume"))
     return root
 
 
@@ -151,31 +153,31 @@ def test_each_rank_holds_its_share_of_the_experts(moe_runs: Path, layout: str,
 RESUME_RTOL = 1e-4
 """Resumed runs route by themselves (no reference recorded beyond step 5), so a near tie
 may flip; losses still agree to ~1e-6, a wrongly resharded expert moves them by ~1e-2."""
+RESUMED = ("tp2_ep4_etp1", "cp2_ep2")
+
+
+def resume_runs(root: Path) -> list[list[str]]:
+    """10 steps at --ep 2 over dp_shard (the layout loom used before ep spanned tp and cp);
+    5 saved there, resumed to 10 at --tp 2 --ep 4 and at --cp 2 --ep 2."""
+    def argv(name: str, *flags: str) -> list[str]:
+        _, dp, layout = LAYOUTS[name]
+        return [*COMMON, *layout, "--batch-size", str(GLOBAL_BATCH // dp), *flags]
+
+    step5 = root / "ep2-saved" / "checkpoints" / "step-5"
+    return [argv("ep2", "--max-steps", "10", "--outdir", str(root / "straight")),
+            argv("ep2", "--checkpoint-interval", "5", "--outdir", str(root / "ep2-saved")),
+            *(argv(name, "--max-steps", "10", "--resume", str(step5), "--outdir",
+                   str(root / name)) for name in RESUMED)]
 
 
 @pytest.mark.multirank
-def test_checkpoints_resume_across_ep_degrees_and_layouts(tmp_path: Path) -> None:
-    """Saved at --ep 2 over dp_shard (the layout loom used before ep spanned tp and cp),
-    resumed at --tp 2 --ep 4 and at --cp 2 --ep 2; steps 6-10 match an uninterrupted run."""
-    saved = tmp_path / "ep2-saved"
-    layouts = {name: LAYOUTS[name] for name in ("ep2", "tp2_ep4_etp1", "cp2_ep2")}
-
-    def argv(name: str, *flags: str) -> list[str]:
-        _, dp, layout = layouts[name]
-        return [*COMMON, *layout, "--batch-size", str(GLOBAL_BATCH // dp), *flags]
-
-    runs = [argv("ep2", "--max-steps", "10", "--outdir", str(tmp_path / "straight")),
-            argv("ep2", "--checkpoint-interval", "5", "--outdir", str(saved))]
-    runs += [argv(name, "--max-steps", "10", "--resume", str(saved / "checkpoints" / "step-5"),
-                  "--outdir", str(tmp_path / name)) for name in ("tp2_ep4_etp1", "cp2_ep2")]
-    job = run_ranks(4, ["tests/workers/parity_worker.py", json.dumps(runs)], timeout=1200)
-    assert job.ok, job.describe()
-    straight = column(tmp_path / "straight")
-    for name in ("tp2_ep4_etp1", "cp2_ep2"):
-        resumed = column(tmp_path / name)
-        assert sorted(resumed) == list(range(6, 11)), name
-        assert_series_close(resumed, {s: straight[s] for s in resumed}, rtol=RESUME_RTOL,
-                            what=f"{name} resumed from ep2")
+@pytest.mark.parametrize("layout", RESUMED)
+def test_checkpoints_resume_across_ep_degrees_and_layouts(moe_runs: Path, layout: str) -> None:
+    straight = column(moe_runs / "resume" / "straight")
+    resumed = column(moe_runs / "resume" / layout)
+    assert sorted(resumed) == list(range(6, 11))
+    assert_series_close(resumed, {s: straight[s] for s in resumed}, rtol=RESUME_RTOL,
+                        what=f"{layout} resumed from ep2")
 
 
 @pytest.mark.multirank
