@@ -20,11 +20,10 @@ options). Where the graph breaks:
   the router and the token sort, then, between FSDP2's eager hooks, one each for the
   dispatch, the experts and the combine, then one for the weighted sum and shared experts
   and one for the residual. Every other block stays fullgraph.
-- EP with activation checkpointing: the routed experts (and their all-to-all) stay eager
-  and the run says so in one line. Under FSDP2 the graph break above would fall inside the
-  checkpointed region, which Dynamo can only take whole; under SimpleFSDP AOTAutograd
-  fails to save the region's DeviceMesh for backward (torch 2.13, the "AC + EP under
-  compile" upstream limit).
+- FSDP2 with EP and activation checkpointing: the routed experts (and their all-to-all)
+  stay eager and the run says so in one line: the graph break above would fall inside the
+  checkpointed region, which Dynamo takes only whole. (SimpleFSDP with `--ac` under compile
+  fails upstream for every model, MoE or not; config warns.)
 """
 
 from __future__ import annotations
@@ -100,15 +99,16 @@ def apply_compile(plan: ModelPlan, mode: str, act_mem_budget: float, backend: st
     """Compile each block in place, so state-dict keys do not change (wrapping would add
     `_orig_mod.`). `whole_model`: the data-parallel wrapper lives in the graph (SimpleFSDP),
     so the model compiles as one graph; otherwise it is FSDP2, whose hooks around EP's expert
-    units break a MoE block's graph. `expert_parallel` with `checkpointed` (activation
-    checkpointing) leaves the routed experts eager (see the module docstring)."""
+    units break a MoE block's graph, and with `checkpointed` (activation checkpointing) leave
+    the routed experts eager (see the module docstring)."""
     prepare_compile(plan.model, act_mem_budget)
     configure_dynamo()
     kwargs = {**compile_kwargs(mode, backend), "fullgraph": plan.fullgraph}
     experts = set(plan.experts) if expert_parallel else set()
-    eager = experts if checkpointed else set()
-    broken = experts - eager if not whole_model else set()
-    roots = [plan.model] if whole_model and not eager else plan.blocks()
+    hooked = set() if whole_model else experts
+    eager = hooked if checkpointed else set()
+    broken = hooked - eager
+    roots = [plan.model] if whole_model else plan.blocks()
     targets = [t for root in roots for t in compile_targets(root, eager)]
     for target in targets:
         holds_experts = any(m in broken for m in target.modules())
@@ -118,10 +118,9 @@ def apply_compile(plan: ModelPlan, mode: str, act_mem_budget: float, backend: st
     logger.info("compiled %s (%s, mode %s, activation memory budget %.2f)", what, backend,
                 kwargs["mode"] or "default", act_mem_budget)
     if eager:
-        logger.warning("--compile with --ep and --ac: routed experts (and their all-to-all) "
-                       "run eagerly, compiled inside a checkpointed block they fail upstream "
-                       "(%s); the rest is compiled", "FSDP2's hooks break the checkpointed "
-                       "graph" if not whole_model else "AOTAutograd saves a DeviceMesh")
+        logger.warning("--compile with --ep and --ac under FSDP2: routed experts (and their "
+                       "all-to-all) run eagerly, FSDP2's hooks around them would break the "
+                       "graph inside the checkpointed block; the rest is compiled")
     elif broken:
         logger.info("--compile with --ep under FSDP2: routed experts and their all-to-all "
                     "are compiled, in graphs of their own between FSDP2's hooks")
