@@ -62,12 +62,15 @@ class RoutingHooks:
 
     def install(self, model_parts: list[nn.Module]) -> None:
         """Hooks on every router (first, before tensor parallel's own output hook) and a
-        forward counter on the model. A compiled router runs eagerly here: its picks must be
-        replaceable from Python, which a full graph cannot do."""
+        forward counter on the model. The hook runs eagerly: its picks must be replaceable
+        from Python, which a graph cannot do. A router compiled on its own (its block keeps
+        the experts eager) runs eagerly too; inside a compiled block the hook is a graph
+        break, so a block compiled fullgraph (SimpleFSDP) cannot replay."""
         model_parts[0].register_forward_pre_hook(self._next_forward)
         for name, router in routers(model_parts).items():
             router._compiled_call_impl = None
-            router.register_forward_hook(self._hook(name), prepend=True)
+            router.register_forward_hook(torch.compiler.disable(self._hook(name)),
+                                         prepend=True)
 
     def _next_forward(self, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():

@@ -1,10 +1,17 @@
 """The one parallelize recipe without a process group: each model's plan names the right
-modules, compile leaves routed experts eager, and the steps run in the documented order."""
+modules, compile takes routed experts into the compiled blocks (eager only for EP + AC),
+and the steps run in the documented order."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo import lookup_backend, register_backend
+from torch._dynamo.utils import counters
 
 import loom.parallel.parallelize as recipe
 from loom.config import ParallelConfig
@@ -12,7 +19,7 @@ from loom.mesh import ParallelDims
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.parallel.checkpointing import apply_ac
-from loom.parallel.compile import compile_targets
+from loom.parallel.compile import apply_compile, compile_targets
 from loom.parallel.model_plan import model_plan
 from tests.unit.test_hf import tiny
 
@@ -32,7 +39,7 @@ def test_loom_plan_names_embedding_blocks_and_head_as_units() -> None:
 
 
 @pytest.mark.parametrize("ac", ["none", "block", "selective"])
-def test_compile_leaves_only_the_routed_experts_eager(ac: str) -> None:
+def test_compile_targets_leave_only_the_eager_modules_out(ac: str) -> None:
     with torch.device("meta"):
         model = MoETransformer(MOE_ARGS)
     plan = model_plan(model)
@@ -46,6 +53,108 @@ def test_compile_leaves_only_the_routed_experts_eager(ac: str) -> None:
     assert id(moe_block.moe.experts.weights) not in compiled
     for name in ("attention", "attention_norm", "ffn_norm", "moe.router", "moe.shared_experts"):
         assert id(moe_block.get_submodule(name)) in compiled, name
+
+
+def compiled_under(monkeypatch, caplog, ac: str, **flags: bool) -> tuple[nn.Module, dict]:
+    """A meta MoE model after `apply_compile(**flags)`: {id(module): fullgraph} of every
+    module inside a compile call (`Module.compile` recorded, not run)."""
+    seen: dict[int, bool] = {}
+
+    def record(module: nn.Module, **kwargs) -> None:
+        seen.update({id(m): kwargs["fullgraph"] for m in module.modules()})
+
+    monkeypatch.setattr(nn.Module, "compile", record)
+    with torch.device("meta"):
+        model = MoETransformer(MOE_ARGS)
+    plan = model_plan(model)
+    apply_ac(plan, ac)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="loom"):
+        apply_compile(plan, "default", 1.0, backend="aot_eager", **flags)
+    return model, seen
+
+
+@pytest.mark.parametrize("whole_model", [False, True], ids=["fsdp2", "simple-fsdp"])
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["ep1", "ep2"])
+def test_compile_takes_the_routed_experts_into_the_block(monkeypatch, caplog, whole_model: bool,
+                                                         expert_parallel: bool) -> None:
+    """Experts and their dispatch hooks sit inside a compiled block (SimpleFSDP: the whole
+    model); only FSDP2 + EP gives up fullgraph, and only on MoE blocks, and says so once."""
+    model, seen = compiled_under(monkeypatch, caplog, "none", whole_model=whole_model,
+                                 expert_parallel=expert_parallel)
+    experts = model.layers["1"].moe.experts
+    assert id(experts) in seen and id(experts.weights) in seen
+    breaks = expert_parallel and not whole_model
+    assert seen[id(experts)] is not breaks
+    assert seen[id(model.layers["0"])] is True, "a dense block stays fullgraph"
+    assert (id(model) in seen) is whole_model
+    assert "run eagerly" not in caplog.text
+    lines = [r for r in caplog.records if "routed experts" in r.getMessage()]
+    assert len(lines) == breaks
+
+
+def test_compile_leaves_the_experts_eager_under_fsdp2_ep_and_ac_in_one_line(
+        monkeypatch, caplog) -> None:
+    model, seen = compiled_under(monkeypatch, caplog, "block", whole_model=False,
+                                 expert_parallel=True, checkpointed=True)
+    moe = model.layers["1"]._checkpoint_wrapped_module.moe
+    assert id(moe.experts) not in seen and id(moe.experts.weights) not in seen
+    assert id(moe.router) in seen and id(moe.shared_experts) in seen
+    assert all(seen.values()), "what is compiled stays fullgraph"
+    lines = [r for r in caplog.records if "routed experts" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "run eagerly" in lines[0].getMessage()
+
+
+GRAPHS: list[torch.fx.GraphModule] = []
+
+
+@register_backend
+def loom_recording_aot_eager(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """aot_eager that keeps every graph Dynamo hands it, to look inside."""
+    GRAPHS.append(gm)
+    return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def tiny_moe(seed: int = 0) -> MoETransformer:
+    torch.manual_seed(seed)
+    model = MoETransformer(MOE_ARGS)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = model.init_std(name)
+            p.fill_(1.0) if std is None else p.normal_(0, std)
+    return model
+
+
+def moe_loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    batch = torch.randint(0, MOE_ARGS.vocab_size, (2, 16),
+                          generator=torch.Generator().manual_seed(1))
+    loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_compiled_moe_block_is_one_graph_with_the_experts_and_same_numerics() -> None:
+    """fp32 takes the per-expert loop, whose `.tolist()` splits become unbacked sizes: the
+    MoE block is still one graph, the experts' weights among its inputs, no graph break."""
+    torch._dynamo.reset()
+    counters.clear()
+    GRAPHS.clear()
+    model, reference = tiny_moe(), tiny_moe()
+    apply_compile(model_plan(model), "default", 1.0, backend="loom_recording_aot_eager")
+    try:
+        loss, grads = moe_loss_and_grads(model)
+        ref_loss, ref_grads = moe_loss_and_grads(reference)
+    finally:
+        torch._dynamo.reset()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert len(GRAPHS) == 2, "one graph per block: the dense one and the MoE one"
+    inputs = [str(n.target) for n in GRAPHS[1].graph.find_nodes(op="placeholder")]
+    for w in ("w1", "w2", "w3"):
+        assert any("experts" in i and i.endswith(f"{w}_") for i in inputs), (w, inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_hf_plan_uses_the_models_blocks_and_checkpointing_and_has_no_tp() -> None:
@@ -63,7 +172,8 @@ def test_recipe_runs_tp_then_ac_then_compile_then_the_chosen_wrapper(monkeypatch
     seen: list[str] = []
     monkeypatch.setattr(recipe, "apply_ac", lambda plan, mode: seen.append(f"ac {mode}"))
     monkeypatch.setattr(recipe, "apply_compile",
-                        lambda plan, *args, whole_model: seen.append(f"compile {whole_model}"))
+                        lambda plan, *args, whole_model, **_: seen.append(
+                            f"compile {whole_model}"))
     for name in recipe.STRATEGIES:
         monkeypatch.setitem(recipe.STRATEGIES, name, recipe.DataParallelStrategy(
             lambda plan, dims, cfg, backend, name=name: seen.append(name) or name,

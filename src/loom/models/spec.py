@@ -64,7 +64,8 @@ class ModelPlan:
     lookups: list[nn.Module] = field(default_factory=list)
     """Units whose backward needs no weight (embedding tables): not gathered for backward."""
     experts: list[nn.Module] = field(default_factory=list)
-    """Routed experts: data-dependent, so left eager by compile; own dp mesh under EP."""
+    """Routed experts: data-dependent row counts (compiled with their block, see
+    `loom.parallel.compile`); their own dp mesh under EP."""
     tensor_parallel: Callable[[Any, bool], None] | None = None
     """The model's TP (and EP) plan, given the ParallelDims and whether the logits stay
     vocab-sharded; None: the model runs at tp 1."""

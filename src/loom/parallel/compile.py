@@ -1,10 +1,29 @@
-"""Per-block torch.compile and the partitioner's activation memory budget.
+"""Per-block (or, under SimpleFSDP, whole-model) torch.compile and the partitioner's
+activation memory budget.
 
 Blocks are compiled one by one rather than the whole model: the TP embedding's output
 redistribution breaks Dynamo, and identical blocks share one graph, so compile cost does
-not grow with depth. Routed experts stay eager: their row counts are data-dependent
-(host-side splits for the all-to-all and the fp32 loop) and under EP they are an FSDP unit
-of their own, none of which a full graph can capture.
+not grow with depth.
+
+Routed experts and expert parallel's dispatch and combine are compiled with their block.
+Their row counts are data-dependent: the all-to-all splits and the fp32 loop's chunk sizes
+come from `.tolist()`, which Dynamo captures as unbacked sizes once
+`capture_scalar_outputs` is on (`configure_dynamo`, the one place loom sets Dynamo
+options). Where the graph breaks:
+
+- Without EP (either strategy) and under SimpleFSDP with EP: nowhere. The block (SimpleFSDP:
+  the whole model) is one full graph, routed experts, all-to-all and (SimpleFSDP) the
+  expert-weight gathers included.
+- FSDP2 with EP: the routed experts are an FSDP2 unit of their own and FSDP2's forward
+  hooks refuse tracing (`torch.compiler.disable`), so those blocks compile with
+  `fullgraph=False` and break at the experts' call: a graph up to the MoE layer, one for
+  the router and the token sort, then, between FSDP2's eager hooks, one each for the
+  dispatch, the experts and the combine, then one for the weighted sum and shared experts
+  and one for the residual. Every other block stays fullgraph.
+- FSDP2 with EP and activation checkpointing: the routed experts (and their all-to-all)
+  stay eager and the run says so in one line: the graph break above would fall inside the
+  checkpointed region, which Dynamo takes only whole. (SimpleFSDP with `--ac` under compile
+  fails upstream for every model, MoE or not; config warns.)
 """
 
 from __future__ import annotations
@@ -65,22 +84,43 @@ def compile_targets(module: nn.Module, eager: set[nn.Module]) -> list[nn.Module]
     return [t for child in module.children() for t in compile_targets(child, eager)]
 
 
+def configure_dynamo() -> None:
+    """The process-wide Dynamo options every compiled region relies on, set here only.
+
+    `capture_scalar_outputs`: `.tolist()` and `.item()` become unbacked symbolic sizes
+    instead of graph breaks, so the data-dependent expert splits (EP's all-to-all, the fp32
+    per-expert loop) trace."""
+    torch._dynamo.config.capture_scalar_outputs = True
+
+
 def apply_compile(plan: ModelPlan, mode: str, act_mem_budget: float, backend: str = "inductor",
-                  whole_model: bool = False) -> None:
+                  whole_model: bool = False, expert_parallel: bool = False,
+                  checkpointed: bool = False) -> None:
     """Compile each block in place, so state-dict keys do not change (wrapping would add
-    `_orig_mod.`): of a block holding routed experts, everything around them. `whole_model`
-    (SimpleFSDP): one graph for the model where no module must stay eager."""
+    `_orig_mod.`). `whole_model`: the data-parallel wrapper lives in the graph (SimpleFSDP),
+    so the model compiles as one graph; otherwise it is FSDP2, whose hooks around EP's expert
+    units break a MoE block's graph, and with `checkpointed` (activation checkpointing) leave
+    the routed experts eager (see the module docstring)."""
     prepare_compile(plan.model, act_mem_budget)
+    configure_dynamo()
     kwargs = {**compile_kwargs(mode, backend), "fullgraph": plan.fullgraph}
-    eager = set(plan.experts)
-    roots = [plan.model] if whole_model and not eager else plan.blocks()
+    experts = set(plan.experts) if expert_parallel else set()
+    hooked = set() if whole_model else experts
+    eager = hooked if checkpointed else set()
+    broken = hooked - eager
+    roots = [plan.model] if whole_model else plan.blocks()
     targets = [t for root in roots for t in compile_targets(root, eager)]
     for target in targets:
-        target.compile(**kwargs)
+        holds_experts = any(m in broken for m in target.modules())
+        target.compile(**{**kwargs, "fullgraph": kwargs["fullgraph"] and not holds_experts})
     what = ("the whole model" if roots == [plan.model] else f"{len(roots)} blocks"
             if targets == roots else f"{len(targets)} modules of {len(roots)} blocks")
     logger.info("compiled %s (%s, mode %s, activation memory budget %.2f)", what, backend,
                 kwargs["mode"] or "default", act_mem_budget)
     if eager:
-        logger.warning("--compile on a MoE model: routed experts (and their all-to-all) run "
-                       "eagerly, data-dependent splits cannot be captured; the rest is compiled")
+        logger.warning("--compile with --ep and --ac under FSDP2: routed experts (and their "
+                       "all-to-all) run eagerly, FSDP2's hooks around them would break the "
+                       "graph inside the checkpointed block; the rest is compiled")
+    elif broken:
+        logger.info("--compile with --ep under FSDP2: routed experts and their all-to-all "
+                    "are compiled, in graphs of their own between FSDP2's hooks")

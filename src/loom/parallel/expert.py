@@ -131,7 +131,7 @@ class TokenDispatcher:
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)
         per_rank = received.view(ep, -1)  # [source rank, local expert]
-        if is_fake(counts):
+        if not torch.compiler.is_compiling() and is_fake(counts):
             input_splits = output_splits = even_splits(x.shape[0], ep)
         else:
             input_splits = counts.view(ep, -1).sum(dim=1).tolist()

@@ -52,7 +52,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     strategy = STRATEGIES[cfg.data_parallel]
     if cfg.compile:
         apply_compile(plan, cfg.compile_mode, cfg.act_mem_budget, cfg.compile_backend,
-                      whole_model=strategy.whole_graph)
+                      whole_model=strategy.whole_graph,
+                      expert_parallel=dims.ep_enabled,
+                      checkpointed=cfg.activation_checkpoint != "none")
     done = strategy.wrap(plan, dims, cfg, backend)
     logger.info("%s: %d blocks, AC %s, compile %s; %s, %s", plan.name, len(plan.blocks()),
                 cfg.activation_checkpoint, cfg.compile_backend if cfg.compile else "off", done,

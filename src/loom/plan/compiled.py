@@ -43,8 +43,8 @@ def compiled_block_fraction(cfg: JobConfig) -> float:
     """Saved activations of a compiled block over an eager one's (1.0 without --compile).
 
     Only blocks without activation checkpointing change: a checkpointed block saves its
-    input either way. MoE blocks are left at 1.0 (their routed experts stay eager; an
-    upper bound). Measured at the rank's micro-batch and sequence shard: the partitioner's
+    input either way. MoE blocks are left at 1.0 (their data-dependent routing is not traced
+    here; an upper bound). Measured at the rank's micro-batch and sequence shard: the partitioner's
     choice under a budget depends on how activations weigh against the weights' views."""
     p = cfg.parallel
     if not p.compile or p.activation_checkpoint != "none" or cfg.model.n_experts:

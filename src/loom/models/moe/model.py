@@ -79,14 +79,61 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.dtype == w.dtype == torch.bfloat16)
 
 
+@torch.library.custom_op("loom::looped_expert_mm", mutates_args=())
+def looped_expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`expert_matmul` as a loop over the experts' row chunks. An operator of its own so that
+    torch.compile sees one op with a static (M, out) result: traced, the host-side chunk
+    sizes would be unbacked sizes that inductor's split/cat lowering cannot bound."""
+    chunks = x.split(counts.tolist())
+    return torch.cat([chunk @ w_e.T for chunk, w_e in zip(chunks, w, strict=True)])
+
+
+@looped_expert_mm.register_fake
+def _looped_expert_mm_shape(x: torch.Tensor, w: torch.Tensor,
+                            counts: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("loom::looped_expert_mm_weight_grad", mutates_args=())
+def looped_expert_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor,
+                                 counts: torch.Tensor) -> torch.Tensor:
+    """The gradient of `looped_expert_mm`'s w: per expert, its rows' grad.T @ x (E, out, in)."""
+    sizes = counts.tolist()
+    return torch.stack([g.T @ rows for g, rows in zip(grad.split(sizes), x.split(sizes),
+                                                       strict=True)])
+
+
+@looped_expert_mm_weight_grad.register_fake
+def _looped_expert_mm_weight_grad_shape(grad: torch.Tensor, x: torch.Tensor,
+                                        counts: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty(counts.shape[0], grad.shape[1], x.shape[1])
+
+
+def _looped_expert_mm_save(ctx: torch.autograd.function.FunctionCtx, inputs: tuple,
+                           output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _looped_expert_mm_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor,
+                               ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    x, w, counts = ctx.saved_tensors
+    grad_x = looped_expert_mm(grad, w.transpose(-2, -1), counts) \
+        if ctx.needs_input_grad[0] else None
+    grad_w = looped_expert_mm_weight_grad(grad, x, counts) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+looped_expert_mm.register_autograd(_looped_expert_mm_backward,
+                                   setup_context=_looped_expert_mm_save)
+
+
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] rows for expert e) times w[e].T: (M, in) ->
     (M, out) with w (E, out, in); a grouped matmul where torch has one, else a loop."""
     if _grouped_mm_ok(x, w):
         offsets = counts.cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
-    chunks = x.split(counts.tolist())
-    return torch.cat([chunk @ w_e.T for chunk, w_e in zip(chunks, w, strict=True)])
+    return looped_expert_mm(x, w, counts)
 
 
 class ExpertWeights(nn.Module):

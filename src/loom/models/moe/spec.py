@@ -20,8 +20,8 @@ def moe_args(m: ModelConfig) -> MoEArgs:
 
 
 def moe_plan(model: MoETransformer) -> ModelPlan:
-    """The dense plan, then EP/ETP and the MoE TP plan; routed experts stay eager under
-    compile and get their own dp mesh under EP."""
+    """The dense plan, then EP/ETP and the MoE TP plan; routed experts get their own dp
+    mesh under EP."""
     plan = dense_plan(model)
     dense_tp = plan.tensor_parallel
 

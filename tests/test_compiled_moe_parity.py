@@ -1,0 +1,81 @@
+"""Compiled MoE parity: `--compile --ep 2` on 2 ranks, routed experts and their all-to-all
+inside the compiled blocks, trains like one eager process (fp32, 5 steps, global batch 4):
+losses and pre-clip gradient norms within 1e-5 relative, routing counts exactly, under
+FSDP2 (MoE blocks break their graph around the experts' FSDP2 hooks) and SimpleFSDP (the
+whole model one graph).
+
+The FSDP2 run replays the reference's routing (tests/routing.py; its hook runs eagerly, one
+more graph break at each router). The SimpleFSDP run cannot: a hook that swaps the picks
+from Python has no place in a full graph, so it routes on its own and the exact routing
+counts check that no near tie flipped (see test_moe_parity.py on ties).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.compare import assert_series_close, column, rows
+from tests.harness import run_ranks
+from tests.routing import load_flips
+from tests.test_moe_parity import COMMON, GLOBAL_BATCH, RTOL, assert_flips_are_ties
+
+COMPILE = ["--compile", "--compile-backend", "aot_eager", "--ep", "2",
+           "--batch-size", str(GLOBAL_BATCH // 2)]
+CASES = {  # name: (flags, routing replayed)
+    "ep2_fsdp2_compiled": (["--data-parallel", "fsdp2", *COMPILE], True),
+    "ep2_simple_fsdp_compiled": (["--data-parallel", "simple-fsdp", *COMPILE], False),
+}
+EAGER_LINE = "run eagerly"
+BREAK_LINE = "routed experts and their all-to-all are compiled"
+
+
+def train(world: int, runs: list[dict]) -> list[str]:
+    """Every rank trains `runs` in turn; rank 0's stdout (loom's log)."""
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs)], timeout=1200)
+    assert job.ok, job.describe()
+    return job.ranks[0].stdout
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("compiled_moe")
+    train(1, [{"argv": [*COMMON, "--batch-size", str(GLOBAL_BATCH), "--outdir",
+                        str(root / "single")], "routing": "record"}])
+    return root / "single"
+
+
+def run_case(single: Path, root: Path, case: str) -> tuple[Path, str]:
+    flags, replay = CASES[case]
+    run = {"argv": [*COMMON, *flags, "--outdir", str(root / case)],
+           "routing": str(single) if replay else None}
+    return root / case, train(2, [run])
+
+
+def assert_matches(candidate: Path, reference: Path) -> None:
+    for key in ("train/loss", "grad/norm_preclip"):
+        assert_series_close(column(candidate, key), column(reference, key), rtol=RTOL, what=key)
+    ref, new = rows(reference), rows(candidate)
+    assert len(new) == len(ref) == 5
+    for key in ("moe/tokens_per_expert_min", "moe/tokens_per_expert_max"):
+        assert [r[key] for r in new] == [r[key] for r in ref], key
+
+
+@pytest.mark.multirank
+def test_compiled_ep2_under_fsdp2_matches_one_process(single: Path, tmp_path: Path) -> None:
+    candidate, log = run_case(single, tmp_path, "ep2_fsdp2_compiled")
+    assert EAGER_LINE not in log and log.count(BREAK_LINE) == 1, log[-3000:]
+    assert load_flips(candidate), "the routing was not replayed"
+    assert_flips_are_ties(candidate)
+    assert_matches(candidate, single)
+
+
+@pytest.mark.multirank
+def test_compiled_ep2_under_simple_fsdp_matches_one_process(single: Path,
+                                                            tmp_path: Path) -> None:
+    candidate, log = run_case(single, tmp_path, "ep2_simple_fsdp_compiled")
+    assert EAGER_LINE not in log and BREAK_LINE not in log, log[-3000:]
+    assert "compiled the whole model" in log, log[-3000:]
+    assert_matches(candidate, single)
