@@ -44,6 +44,13 @@ PATIENCE = 3
 """Lagging logging intervals, out of the last PATIENCE + 1, before the rank is named: one
 slow step is noise, and one noisy interval (a rank descheduled at the sync point, which
 shifts its arrival offsets) must not hide a rank that lags in all the others."""
+WARMUP = 1
+"""Measured logging intervals at the start of a run that are shown but not judged. The
+first measured window runs from step 1's sync point to step 2's, so it also holds step 1's
+one-off work after that point: the optimizer's first update (which allocates its state),
+the first metrics row, recorder dump and timing gather. Ranks' own times there were 2-5x
+their later ones, and up to 1.9x apart on otherwise even 2-rank runs; a slow rank still
+lags in 3 of the 4 intervals that follow, so it is named at most one interval later."""
 
 
 def arrivals(times_ns: list[int], since_ns: int, until_ns: int) -> tuple[float, float, int]:
@@ -92,18 +99,23 @@ def lagging(times: list[float], ratio: float = RATIO) -> list[int]:
 @dataclass
 class StragglerWatch:
     """Keeps which ranks lagged in each of the last `patience` + 1 logging intervals; names
-    a rank once when it lagged in `patience` of them. The same on every rank (it sees the
-    gathered times); rank 0 logs."""
+    a rank once when it lagged in `patience` of them. The first `warmup` intervals observed
+    are not judged (see WARMUP). The same on every rank (it sees the gathered times); rank 0
+    logs."""
 
     hosts: list[str]
     ratio: float = RATIO
     patience: int = PATIENCE
     log: bool = True
+    warmup: int = WARMUP
     recent: deque[set[int]] = field(default_factory=deque)
     found: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def observe(self, step: int, times: list[float]) -> list[int]:
         """Record one logging interval; returns the ranks named for the first time."""
+        if self.warmup > 0:
+            self.warmup -= 1
+            return []
         slow = set(lagging(times, self.ratio))
         self.recent.append(slow)
         while len(self.recent) > self.patience + 1:
