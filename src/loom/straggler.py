@@ -23,6 +23,13 @@ asynchronous, so that a rank waits in them long after it entered them) are timed
 rank waits instead (`loom.flight.blocked`). Four floats (S_r, U_r, the count and the time
 blocked) travel in the logging steps' timing gather; nothing is added to the other steps.
 
+The window that begins at a run's first sync point is shown but not judged: it also holds
+the first step's one-off work after that point (the optimizer's first update, which
+allocates its state, the first metrics row, recorder dump and timing gather), and ranks'
+own times there were 2-6x their later ones and up to 1.9x apart on otherwise even 2-rank
+runs. With a logging step every step, a slow rank is then named one interval later, still
+within five; with sparser logging that window is never a logging step's.
+
 The measure assumes every rank enters the same collectives (data parallelism, or
 symmetric TP/CP groups); when the counts differ (pipeline stages, a wrapped recorder
 buffer) the step is left unmeasured.
@@ -44,13 +51,6 @@ PATIENCE = 3
 """Lagging logging intervals, out of the last PATIENCE + 1, before the rank is named: one
 slow step is noise, and one noisy interval (a rank descheduled at the sync point, which
 shifts its arrival offsets) must not hide a rank that lags in all the others."""
-WARMUP = 1
-"""Measured logging intervals at the start of a run that are shown but not judged. The
-first measured window runs from step 1's sync point to step 2's, so it also holds step 1's
-one-off work after that point: the optimizer's first update (which allocates its state),
-the first metrics row, recorder dump and timing gather. Ranks' own times there were 2-5x
-their later ones, and up to 1.9x apart on otherwise even 2-rank runs; a slow rank still
-lags in 3 of the 4 intervals that follow, so it is named at most one interval later."""
 
 
 def arrivals(times_ns: list[int], since_ns: int, until_ns: int) -> tuple[float, float, int]:
@@ -99,23 +99,18 @@ def lagging(times: list[float], ratio: float = RATIO) -> list[int]:
 @dataclass
 class StragglerWatch:
     """Keeps which ranks lagged in each of the last `patience` + 1 logging intervals; names
-    a rank once when it lagged in `patience` of them. The first `warmup` intervals observed
-    are not judged (see WARMUP). The same on every rank (it sees the gathered times); rank 0
-    logs."""
+    a rank once when it lagged in `patience` of them. The same on every rank (it sees the
+    gathered times); rank 0 logs."""
 
     hosts: list[str]
     ratio: float = RATIO
     patience: int = PATIENCE
     log: bool = True
-    warmup: int = WARMUP
     recent: deque[set[int]] = field(default_factory=deque)
     found: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def observe(self, step: int, times: list[float]) -> list[int]:
         """Record one logging interval; returns the ranks named for the first time."""
-        if self.warmup > 0:
-            self.warmup -= 1
-            return []
         slow = set(lagging(times, self.ratio))
         self.recent.append(slow)
         while len(self.recent) > self.patience + 1:

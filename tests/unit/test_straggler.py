@@ -67,14 +67,6 @@ def test_a_rank_is_named_once_after_lagging_in_patience_of_the_last_intervals(ca
     assert watch.summary() == [{"rank": 2, "host": "c", "step": 7, "max_ratio": 2.0}]
 
 
-def test_the_warmup_intervals_are_not_judged() -> None:
-    watch = StragglerWatch(["a", "b"], patience=3, warmup=1)
-    slow = [1.0, 2.0]
-    named = [watch.observe(step, t) for step, t in enumerate([slow] * 5, start=2)]
-    assert named == [[], [], [], [1], []], "steps 3-5 lag: named at step 5, not 4"
-    assert watch.summary() == [{"rank": 1, "host": "b", "step": 5, "max_ratio": 2.0}]
-
-
 def test_an_even_job_with_noise_names_nobody() -> None:
     watch = StragglerWatch(["a", "b"], patience=3)
     noisy = [[1.0, 1.2], [1.25, 1.0], [1.0, 1.4], [1.0, 1.1], [1.0, 1.5], [1.2, 1.0],
