@@ -62,10 +62,11 @@ def on_one_cpu() -> Iterator[bool]:
     pins nothing elsewhere). The ranks then share that CPU, and whatever else runs on it,
     evenly. Left to the scheduler on a 2-core machine with other work, one rank got the
     smaller share for most of a run: its main thread ran as long as the other's (within
-    ~6 ms of ~50 ms a step) but waited up to 80-160 ms a step more for a CPU, and 5 of 8
-    even runs at load 3.4-6.7 named it (max ratios 1.94-3.96). Pinned, 16 of 16 at load
-    3.1-9.4 named nobody (max ratios 1.27-1.96), 11 of them beside one to three `yes`;
-    one of 3 pinned runs at load 8-12 from other jobs did (2.68): hence 3 per core."""
+    ~6 ms of ~50 ms a step) but waited up to 80-160 ms a step more for a CPU: 4 of 5
+    even runs at load 3.4-5 named a rank (max ratios 1.94-2.78), 5 of 7 beside one `yes`.
+    Pinned, 16 of 16 at load 3.1-9.4 named nobody (max ratios 1.27-1.96), 13 of them
+    beside one to three `yes`; one of 3 pinned runs at load 8-12 from other jobs did
+    (2.68): hence 3 per core."""
     if not hasattr(os, "sched_setaffinity"):
         yield False
         return
