@@ -23,6 +23,13 @@ asynchronous, so that a rank waits in them long after it entered them) are timed
 rank waits instead (`loom.flight.blocked`). Four floats (S_r, U_r, the count and the time
 blocked) travel in the logging steps' timing gather; nothing is added to the other steps.
 
+The window that begins at a run's first sync point is shown but not judged: it also holds
+the first step's one-off work after that point (the optimizer's first update, which
+allocates its state, the first metrics row, recorder dump and timing gather), and ranks'
+own times there were 2-6x their later ones and up to 1.9x apart on otherwise even 2-rank
+runs. With a logging step every step, a slow rank is then named one interval later, still
+within five; with sparser logging that window is never a logging step's.
+
 The measure assumes every rank enters the same collectives (data parallelism, or
 symmetric TP/CP groups); when the counts differ (pipeline stages, a wrapped recorder
 buffer) the step is left unmeasured.

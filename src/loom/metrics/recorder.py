@@ -174,6 +174,8 @@ class Metrics:
         self.stragglers = StragglerWatch([], log=self.rank == 0)
         self.sync_ns: tuple[int | None, int | None] = (None, None)
         """(previous, latest) moment the ranks left a step's sync together (`synced`)."""
+        self.first_sync_ns: int | None = None
+        """The run's first such moment: the window it begins is not judged (`loom.straggler`)."""
         self.sync_blocked = (0.0, 0.0)
         """`flight.blocked_s()` at those two moments."""
         self.t_begin = time.perf_counter()
@@ -219,18 +221,21 @@ class Metrics:
                     f.peak_flops / 1e12, f.peak_source, "" if f.flops_exact else "; a lower bound")
         self.progress.begin(total_steps, start_step)
         self.t_begin = time.perf_counter()
-        self.sync_ns = (None, None)
+        self.sync_ns, self.first_sync_ns = (None, None), None
         self.clock.start()
 
     def synced(self) -> None:
         """The trainer's mark right after the step's all-reduce was read: every rank leaves
         it at the same moment, the origin the next step's arrivals are measured from."""
         self.sync_ns = (self.sync_ns[1], time.time_ns())
+        if self.first_sync_ns is None:
+            self.first_sync_ns = self.sync_ns[1]
         self.sync_blocked = (self.sync_blocked[1], flight.blocked_s())
 
     def rank_times(self, step: int, times: tuple[float, float, float]) -> dict[str, float]:
         """At a logging step: the timing spread over ranks and, when this step was measured
-        from a sync point, each rank's own step time (`loom.straggler`), fed to the watch."""
+        from a sync point, each rank's own step time (`loom.straggler`), fed to the watch
+        unless the window began at the run's first sync point."""
         since, until = self.sync_ns
         from_since, to_until, count = (0.0, 0.0, 0) if since is None or until is None else \
             arrivals(flight.arrival_times(), since, until)
@@ -243,7 +248,8 @@ class Metrics:
                              [int(g[5]) for g in gathered], [g[6] for g in gathered])
         if own is not None and len(own) > 1 and window_s > 0:
             columns.update(spread(own))
-            self.stragglers.observe(step, own)
+            if since != self.first_sync_ns:  # the first step's one-off work: not judged
+                self.stragglers.observe(step, own)
         return columns
 
     def forward_done(self) -> None:
