@@ -8,9 +8,11 @@ import torch
 from loom.models.llama.model import ModelArgs, Transformer
 
 
-def tiny_model(args: ModelArgs, seed: int = 0) -> Transformer:
+def tiny_model(args: ModelArgs, seed: int = 0, cls: type[Transformer] = Transformer
+               ) -> Transformer:
+    """`cls` (a Transformer or subclass, e.g. the MoE one) built from `args` on the CPU."""
     torch.manual_seed(seed)
-    model = Transformer(args)
+    model = cls(args)
     with torch.no_grad():
         for name, p in model.named_parameters():
             std = model.init_std(name)

@@ -21,6 +21,7 @@ from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile, compile_targets
 from loom.parallel.model_plan import model_plan
+from tests.tiny import tiny_model
 from tests.unit.test_hf import tiny
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
@@ -117,13 +118,7 @@ def loom_recording_aot_eager(gm: torch.fx.GraphModule, example_inputs: list) -> 
 
 
 def tiny_moe(seed: int = 0) -> MoETransformer:
-    torch.manual_seed(seed)
-    model = MoETransformer(MOE_ARGS)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = model.init_std(name)
-            p.fill_(1.0) if std is None else p.normal_(0, std)
-    return model
+    return tiny_model(MOE_ARGS, seed, MoETransformer)
 
 
 def moe_loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
