@@ -66,7 +66,7 @@ def on_one_cpu() -> Iterator[bool]:
     even runs at load 3.4-5 named a rank (max ratios 1.94-2.78), 5 of 7 beside one `yes`.
     Pinned, 16 of 16 at load 3.1-9.4 named nobody (max ratios 1.27-1.96), 13 of them
     beside one to three `yes`; one of 3 pinned runs at load 8-12 from other jobs did
-    (2.68): hence 3 per core."""
+    (2.68), and so did one in a suite run under `taskset -c 1`."""
     if not hasattr(os, "sched_setaffinity"):
         yield False
         return
@@ -133,11 +133,13 @@ def test_a_rank_slowed_on_a_duty_cycle_is_named_within_five_intervals(tmp_path: 
 
 @pytest.mark.multirank
 def test_an_evenly_loaded_job_names_no_straggler(tmp_path: Path) -> None:
-    """Both ranks on one CPU, so that other work on the machine slows them alike; without
-    that pinning (not Linux) a rank may truly lag above a load of 1 per core."""
+    """Both ranks on one CPU, so that other work on the machine slows them alike. Pinned,
+    16 of 16 runs at load 3.1-9.4 were clean, but a whole suite run under `taskset -c 1`
+    (its ranks sharing the core with nothing but pytest, load ~4 on 2 cores) named one:
+    a rank can truly lag on a shared core, so this runs only below a load of 1 per core."""
     outdir = tmp_path / "run"
-    with on_one_cpu() as pinned:
-        skip_if_oversubscribed(3 if pinned else 1)
+    with on_one_cpu():
+        skip_if_oversubscribed(1)
         proc = launch(2, outdir, *STEPS, TMPDIR=str(tmp_path))
     code, out, err = finish(proc, 300)
     assert code == 0, err[-3000:]
