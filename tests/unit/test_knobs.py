@@ -17,11 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.config import ConfigError, config_from_flags
 from loom.models.llama.model import ModelArgs
-from loom.models.llama.parallelize import dense_plan as loom_plan
 from loom.models.spec import ModelPlan
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile
 from loom.parallel.init import clean_name
+from loom.parallel.llama_plan import dense_plan as loom_plan
 from tests.tiny import tiny_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,

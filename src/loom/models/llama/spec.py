@@ -7,8 +7,8 @@ from dataclasses import fields
 from loom.config import ModelConfig
 from loom.models.llama.hf import LlamaAdapter
 from loom.models.llama.model import ModelArgs, Transformer
-from loom.models.llama.parallelize import dense_plan
 from loom.models.spec import ModelSpec
+from loom.parallel.llama_plan import dense_plan
 
 
 def dense_args(m: ModelConfig) -> ModelArgs:

@@ -9,10 +9,10 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.mesh import ParallelDims
-from loom.models.llama.parallelize import dense_plan
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer
 from loom.models.spec import ModelPlan, ModelSpec
 from loom.parallel.expert import apply_moe_parallel, moe_layers
+from loom.parallel.llama_plan import dense_plan
 
 
 def moe_args(m: ModelConfig) -> MoEArgs:

@@ -8,12 +8,12 @@ from dataclasses import replace
 
 from loom.config import ModelConfig
 from loom.models.llama.model import ModelArgs, Transformer
-from loom.models.llama.parallelize import dense_plan
 from loom.models.llama.spec import dense_args
 from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.models.moe.spec import moe_args, moe_block_cost, moe_plan
 from loom.models.qwen3.hf import Qwen3Adapter, Qwen3MoeAdapter
 from loom.models.spec import ModelSpec
+from loom.parallel.llama_plan import dense_plan
 
 
 def qwen3_args(m: ModelConfig) -> ModelArgs:

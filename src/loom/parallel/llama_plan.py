@@ -1,8 +1,8 @@
 """The Llama family's parallel plan: tensor + sequence parallel by module name, and the
 FSDP units, AC and compile targets the generic recipe reads.
 
-Only this folder names the model's submodules; the model itself stays free of
-`torch.distributed`.
+It lives with the parallel code, not in the family's folder, so that `loom.models` stays
+free of `torch.distributed`; the family's spec points at it.
 """
 
 from __future__ import annotations
