@@ -17,6 +17,7 @@ import torch
 from tests.compare import assert_norms_close, assert_series_close, assert_tensors_close, column
 from tests.harness import run_ranks
 from tests.test_moe_parity import COMMON as MOE_FLAGS  # moe-debug, fp32, 5 steps
+from tests.test_moe_parity import assert_losses_and_grad_norms_close
 from tests.test_parity import (
     COMMON,
     GLOBAL_BATCH,
@@ -105,13 +106,15 @@ def test_pipeline_layout_matches_single_process_slow(slow_runs: Path, layout: st
 def test_moe_pp2_ep2_matches_single_process(tmp_path: Path) -> None:
     """MoE under pp2 x ep2 (the combination reported broken upstream): losses, gradient
     norms and final parameters of every stage. The routing-count metrics are not compared:
-    rank 0 logs those of the layers its stage holds."""
+    rank 0 logs those of the layers its stage holds. Routing is not replayed (a stage's
+    routers see micro-batches, which the recorded whole-batch picks do not index), so this
+    case relies on no near tie flipping: none did in `python -m tests.moe_spread` under any
+    capability measured, and the tolerances are the MoE parity tests' measured ones."""
     moe = {"single": (1, 1, []), "pp2_ep2": (4, 2, [*PP2, "--ep", "2"])}
     for world in (1, 4):
         launch(world, moe, tmp_path, MOE_FLAGS, options=())
     single, run = tmp_path / "single", tmp_path / "pp2_ep2"
-    for key in ("train/loss", "grad/norm_preclip"):
-        assert_series_close(column(run, key), column(single, key), rtol=LOSS_RTOL, what=key)
+    assert_losses_and_grad_norms_close(run, single)
     assert_norms_close(torch.load(run / "params.pt"), torch.load(single / "params.pt"),
                        rtol=PARAM_NORM_RTOL, what="parameters after 5 AdamW steps")
 

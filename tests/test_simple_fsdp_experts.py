@@ -31,15 +31,19 @@ def job(world: int, runs: list[dict]) -> None:
     assert result.ok, result.describe()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("simple_fsdp_experts")
+def train_layouts(root: Path) -> Path:
+    """The single-process reference and every layout of LAYOUTS, trained into `root`."""
     job(1, [{"argv": [*COMMON, *FEW_EXPERTS, "--batch-size", "4", "--outdir",
                       str(root / "single")], "routing": "record"}])
     job(4, [{"argv": [*COMMON, *FEW_EXPERTS, *SIMPLE, *flags, "--batch-size", "1",
                       "--outdir", str(root / name)], "routing": str(root / "single")}
             for name, flags in LAYOUTS.items()])  # routing replayed: see tests/routing.py
     return root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return train_layouts(tmp_path_factory.mktemp("simple_fsdp_experts"))
 
 
 @pytest.mark.multirank
