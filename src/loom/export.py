@@ -37,7 +37,7 @@ from loom.data.tokenizers import (
     save_tokenizer,
     tokenizer_name,
 )
-from loom.models.hf_checkpoint import INDEX, SINGLE
+from loom.models.hf_folder import INDEX, SINGLE
 from loom.models.registry import export_adapter, family
 from loom.models.spec import ModelSpec
 from loom.models.transformers.model import hf_model_from_config, load_hf_model
