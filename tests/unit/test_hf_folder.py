@@ -1,7 +1,7 @@
-"""Hugging Face folders are hostile input: each crafted folder below (built here from a tiny
-`save_pretrained` one) makes `loom train`, `loom plan` and `loom generate` answer with one
-`error:` line naming the file and the field, exit 2, no traceback and nothing written; the
-checked reader itself accepts the real folder and what transformers writes."""
+"""Hugging Face folders are hostile input: each crafted folder (tests/hf_crafted.py, built
+here from a tiny `save_pretrained` one) makes `loom train`, `loom plan`, `loom generate`
+and `loom verify` answer with one `error:` line naming the file and the field, exit 2, no
+traceback and nothing written; the checked reader accepts the folder transformers wrote."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from loom import generate
+from loom import generate, verify
 from loom.cli import run_train
 from loom.models.hf_folder import open_folder
 from loom.plan import command as plan
@@ -61,3 +61,13 @@ def test_generate_refuses_in_one_line(pristine, tmp_path, capsys, case) -> None:
     captured = capsys.readouterr()
     assert_refused(code, captured.err, folder, case)
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_verify_refuses_in_one_line(pristine, tmp_path, capsys, case) -> None:
+    folder = crafted(pristine, tmp_path, case)
+    code = verify.main(["--layouts", "dp1", "dp1", "--model", str(folder), "--dataset",
+                        "random", "--seq-len", "16", "--outdir", str(tmp_path / "runs")])
+    captured = capsys.readouterr()
+    assert_refused(code, captured.err, folder, case)
+    assert captured.out == "" and not (tmp_path / "runs").exists()
