@@ -28,18 +28,22 @@ CONFIG_CASES = [c for c, (_, file, _) in CASES.items() if file == "config.json"]
 pytestmark = pytest.mark.usefixtures("loom_logger_restored")
 
 
+def loom(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A `loom` command in a fresh process, as a user runs it (no --verbose)."""
+    return subprocess.run([sys.executable, "-m", "loom", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=600,
+                          env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin",
+                               "LOOM_CACHE_DIR": str(cwd / "cache")})
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
     """(source folder, checkpoint, the `loom train --save-hf` process)."""
     root = tmp_path_factory.mktemp("weights-only")
     folder = save_tiny_model(root / "llama", "llama", tokenizer=False)
-    proc = subprocess.run(
-        [sys.executable, "-m", "loom", "train", "--model", str(folder), "--model-impl",
-         "transformers", "--dataset", "random", "--max-steps", "1", "--checkpoint-interval",
-         "1", "--seq-len", "16", "--fp32", "--save-hf", "--outdir", str(root / "run")],
-        cwd=root, capture_output=True, text=True, timeout=600,
-        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin",
-             "LOOM_CACHE_DIR": str(root / "cache")})
+    proc = loom("train", "--model", str(folder), "--model-impl", "transformers", "--dataset",
+                "random", "--max-steps", "1", "--checkpoint-interval", "1", "--seq-len", "16",
+                "--fp32", "--save-hf", "--outdir", str(root / "run"), cwd=root)
     assert proc.returncode == 0, proc.stderr
     return folder, root / "run" / "checkpoints" / "step-1", proc
 
@@ -68,7 +72,8 @@ def test_export_without_tokenizer_warns_once(trained, tmp_path, capsys) -> None:
     loads_in_transformers(tmp_path / "out")
 
 
-def test_export_with_tokenizer_name_ships_it(trained, tmp_path, capsys) -> None:
+def test_export_with_tokenizer_name_ships_it_and_generates_quietly(trained, tmp_path,
+                                                                   capsys) -> None:
     _, checkpoint, _ = trained
     save_tokenizer(tmp_path / "tok", corpus_sample(20_000))
     code = export.main([str(checkpoint), str(tmp_path / "out"), "--tokenizer-name",
@@ -79,6 +84,10 @@ def test_export_with_tokenizer_name_ships_it(trained, tmp_path, capsys) -> None:
     original = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
     assert shipped("It is a truth")["input_ids"] == original("It is a truth")["input_ids"]
     loads_in_transformers(tmp_path / "out")
+    proc = loom("generate", str(tmp_path / "out"), "--prompt", "It is", "--max-new-tokens",
+                "4", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith("It is"), proc.stdout
 
 
 @pytest.fixture

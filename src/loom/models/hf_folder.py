@@ -57,13 +57,14 @@ INT_RANGES = {"hidden_size": (1, 2**20), "intermediate_size": (1, 2**22),
               "num_hidden_layers": (1, 2**12), "num_attention_heads": (1, 2**12),
               "num_key_value_heads": (1, 2**12), "head_dim": (1, 2**14),
               "vocab_size": (1, 2**25), "max_position_embeddings": (1, 2**28),
-              "num_experts": (1, 2**14), "num_local_experts": (1, 2**14),
-              "num_experts_per_tok": (1, 2**14), "moe_intermediate_size": (1, 2**22),
+              "num_experts": (0, 2**14), "num_local_experts": (0, 2**14),
+              "num_experts_per_tok": (0, 2**14), "moe_intermediate_size": (0, 2**22),
               "sliding_window": (1, 2**28), "max_window_layers": (0, 2**12),
               "n_embd": (1, 2**20), "n_layer": (1, 2**12), "n_head": (1, 2**12),
               "n_positions": (1, 2**28), "num_layers": (1, 2**12)}
 """Size fields (where present; `None` allowed where transformers derives them) and the
-ranges a real model stays in: the largest released models are ~30x below each bound."""
+ranges a real model stays in: the largest released models are ~30x below each bound.
+Expert fields may be 0 (dense configs of MoE-capable architectures write that)."""
 NULLABLE = frozenset({"num_key_value_heads", "head_dim", "sliding_window", "num_experts",
                       "num_local_experts", "moe_intermediate_size", "max_window_layers"})
 POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta")
