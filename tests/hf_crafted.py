@@ -86,6 +86,8 @@ CASES = {  # id: (how the folder is crafted, file named, words of the field)
                           "config.json", "past int64"),
     "more-than-stored": (edit_config(hidden_size=4096), "config.json",
                          "the safetensors hold"),
+    "in-range-but-huge": (edit_config(hidden_size=2**20, vocab_size=2**25), "config.json",
+                          "the safetensors hold"),  # 2**45 weights: never built
     "zero-heads": (edit_config(num_attention_heads=0), "config.json", "num_attention_heads"),
     "string-field": (edit_config(hidden_size="32"), "config.json", "hidden_size is '32'"),
     "negative-layers": (edit_config(num_hidden_layers=-1), "config.json",

@@ -106,7 +106,7 @@ def test_export_refuses_a_crafted_source_folder(trained, source, tmp_path, capsy
                                                 case) -> None:
     CASES[case][0](source)
     code = export.main([str(trained[1]), str(tmp_path / "out")])
-    grown = "describe" if case == "more-than-stored" else None  # the run's weights: too few
+    grown = "describe" if CASES[case][2] == "the safetensors hold" else None  # vs the run's
     assert_refused(code, capsys.readouterr().err, source, case, grown)
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
 
