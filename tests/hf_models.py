@@ -29,12 +29,21 @@ ARCHITECTURES = {
                                                          high_freq_factor=4.0,
                                                          original_max_position_embeddings=32))),
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+    "llama_biased": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True,
+                                         mlp_bias=True, hidden_act="gelu",
+                                         rope_parameters=dict(rope_type="linear",
+                                                              rope_theta=1e4, factor=2.0))),
+    "qwen3_sliding": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16,
+                                          use_sliding_window=True, sliding_window=16,
+                                          max_window_layers=1, tie_word_embeddings=True)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=8, num_experts=4,
                                          num_experts_per_tok=2, moe_intermediate_size=16,
                                          norm_topk_prob=True, tie_word_embeddings=False)),
 }
 """Native families serve llama, llama31 (RoPE scaling, tied), qwen3 and qwen3_moe; qwen2 and
-gpt_neox take transformers' path."""
+gpt_neox take transformers' path, and so do llama_biased (biases, gelu, linear RoPE scaling)
+and qwen3_sliding (sliding-window attention) under `--model-impl auto`: features loom's
+families do not have."""
 
 
 def corpus_sample(chars: int = 60_000) -> str:
@@ -55,8 +64,9 @@ def save_tokenizer(folder: Path, text: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT).save_pretrained(folder)
 
 
-def save_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
-    """A `save_pretrained` folder of a 2-block model of `arch` with its tokenizer."""
+def save_tiny_model(folder: Path, arch: str, seed: int = 0, tokenizer: bool = True) -> Path:
+    """A `save_pretrained` folder of a 2-block model of `arch` with its tokenizer (none
+    without `tokenizer`, as weights-only Hub folders ship)."""
     import transformers
 
     config_class, extra = ARCHITECTURES[arch]
@@ -68,5 +78,6 @@ def save_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
             if "norm" in name:
                 param.add_(0.1 * torch.randn_like(param))
     model.save_pretrained(folder)
-    save_tokenizer(folder, corpus_sample())
+    if tokenizer:
+        save_tokenizer(folder, corpus_sample())
     return folder

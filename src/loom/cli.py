@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import re
 import sys
 import traceback
@@ -24,7 +23,7 @@ from loom.errors import (
     NonFiniteLossError,
     Preempted,
 )
-from loom.logs import setup_logging
+from loom.logs import quiet_upstream_notices, setup_logging
 from loom.mesh import ParallelDims
 from loom.preflight import check_outdir
 from loom.runtime import rank_info
@@ -65,13 +64,6 @@ def first_sentence(err: Exception) -> str:
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(err).strip())
     first = text.splitlines()[0] if text else ""
     return (first.split(". ")[0] or type(err).__name__)[:300]
-
-
-def quiet_upstream_notices() -> None:
-    """One-off torch notices about things loom has already handled; `--verbose` keeps them.
-    With SimpleFSDP + --compile, dynamo warns that a checkpoint context_fn must avoid in-place
-    ops: it is SimpleFSDP's own gather-recompute policy, which has none."""
-    logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
 
 
 def config_toml(cfg: JobConfig) -> str:
@@ -142,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"loom {loom.__version__} (torch {version('torch')})")
         sys.exit(0)
     command, rest = argv[0], argv[1:]
+    if command != "train" and "--verbose" not in rest:  # train decides from its config
+        quiet_upstream_notices()
     if command == "train":
         sys.exit(run_train(rest))
     if command in COMMANDS:

@@ -15,6 +15,7 @@ from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
 from loom.evaluate import Evaluator
 from loom.logs import setup_logging
 from loom.mesh import ParallelDims
+from loom.modeling import resolve_model
 from loom.runtime import init_distributed, rank_info, teardown
 from loom.safe_io import write_text_atomic
 from loom.train import Trainer
@@ -37,7 +38,8 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
                       "--resume-new-data",  # evaluating other data is the point
                       "--outdir", str(checkpoint.parent.parent / f"eval-{checkpoint.name}")])
     model = replace(cfg.model, **shape)
-    return replace(cfg, model=model, output=replace(cfg.output, metrics=False))
+    cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False))
+    return resolve_model(cfg)  # a Hugging Face --model is checked before any rank starts
 
 
 def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import shutil
 import struct
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from loom.checkpoint_format import DATA_FILE, TensorReader
 from loom.checkpoint_trust import UnusableCheckpoint, read_loop, verify_checkpoint
 from loom.config import ConfigError, ModelConfig
+from loom.data.hub import looks_like_hub_id
 from loom.data.tokenizers import (
     SHIPPED_FLAG,
     TextTokenizer,
@@ -37,12 +39,15 @@ from loom.data.tokenizers import (
     save_tokenizer,
     tokenizer_name,
 )
-from loom.models.hf_checkpoint import INDEX, SINGLE
+from loom.logs import setup_logging
+from loom.models.hf_folder import INDEX, SINGLE
 from loom.models.registry import export_adapter, family
 from loom.models.spec import ModelSpec
 from loom.models.transformers.model import hf_model_from_config, load_hf_model
 from loom.preflight import check_host_fits
 from loom.safe_io import read_json_capped, write_text_atomic
+
+logger = logging.getLogger("loom")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
@@ -83,27 +88,32 @@ def run_model(checkpoint: Path) -> RunModel:
         settings = run_config(checkpoint).get("model", {})
         model_cfg = ModelConfig(model=arch.get("model"), model_impl="transformers",
                                 trust_remote_code=bool(settings.get("trust_remote_code")))
-        return RunModel(family("transformers"), model_cfg, model_cfg, checkpoint)
+        held = RunModel(family("transformers"), model_cfg, model_cfg, checkpoint)
+        check_model_bytes(held, manifest, f"{arch.get('model')}/config.json: the sizes of "
+                                          f"the model checkpoint {checkpoint} trained")
+        return held
     name = arch.get("family") or ("moe" if arch.get("kind") == "moe" else "llama")
     spec = family(name)
     model_cfg = ModelConfig(**loop["model_args"], family=name)
     held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint)
-    check_model_bytes(held, manifest)
+    check_model_bytes(held, manifest, f"checkpoint {checkpoint} is unsafe: loop.json "
+                                      "model_args")
     return held
 
 
-def check_model_bytes(held: RunModel, manifest: dict[str, Any]) -> None:
-    """The model that `model_args` describe is no larger than the checkpoint's data files
-    (which hold its fp32 weights), and fits in memory with its buffers, before anything is
-    allocated: a crafted `max_seq_len` or `dim` stops here in one line."""
+def check_model_bytes(held: RunModel, manifest: dict[str, Any], source: str) -> None:
+    """The model that `source` (the checkpoint's `model_args`, or for transformers' module
+    the config.json of the folder it trained from) describes is no larger than the
+    checkpoint's data files (which hold its fp32 weights), and fits in memory with its
+    buffers, before anything is allocated: a crafted `max_seq_len` or `dim` stops here in
+    one line."""
     with torch.device("meta"):
         model = held.build()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     stored = sum(r["bytes"] for name, r in manifest["files"].items() if DATA_FILE.match(name))
     if weights > stored:
-        raise UnusableCheckpoint(f"checkpoint {held.checkpoint} is unsafe: loop.json "
-                                 f"model_args describe {weights:,} bytes of weights, its data "
+        raise UnusableCheckpoint(f"{source} describe {weights:,} bytes of weights, its data "
                                  f"files hold {stored:,}")
     check_host_fits(HOST_COPIES * weights + buffers, f"the model of {held.checkpoint}")
 
@@ -287,15 +297,44 @@ def verify_export(folder: Path, checkpoint: Path, dtype: str) -> float:
     return diff
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any of these in a folder makes it a tokenizer folder (AutoTokenizer reads them)."""
+
+
+def findable(name: str | None) -> bool:
+    """The tokenizer can be looked for: the shipped one, a hub id, or a local folder holding
+    tokenizer files (a weights-only Hugging Face folder holds none)."""
+    if name is None:
+        return True
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return any((path / file).is_file() for file in TOKENIZER_FILES)
+    return looks_like_hub_id(name, bare_ok=True)
+
+
+def export_tokenizer(checkpoint: Path, given: str | None, trust_remote_code: bool
+                     ) -> tuple[str | None, TextTokenizer | None]:
+    """(name, tokenizer) to ship: `given` (--tokenizer-name; a failure to load it is an
+    error), else the run's own; a run's tokenizer that cannot be found (the weights-only
+    folder it trained from) is (name, None) with one warning: the export ships none."""
+    name = tokenizer_name(given, None) if given is not None else run_tokenizer(checkpoint)
+    if given is None and not findable(name):
+        logger.warning("warning: the run's tokenizer %s cannot be found (no tokenizer files "
+                       "there); exporting weights and config only (pass --tokenizer-name to "
+                       "ship one)", name)
+        return name, None
+    return name, load_tokenizer(name, trust_remote_code)
+
+
 def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
            trust_remote_code: bool = False, verify: bool = True,
-           max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
-    """Write the model, its config and generation config, and the run's tokenizer when the
-    embedding covers it; returns what was written, for the one line `loom export` prints."""
+           max_shard_bytes: int = MAX_SHARD_BYTES, tokenizer: str | None = None) -> str:
+    """Write the model, its config and generation config, and the tokenizer (`tokenizer`,
+    else the run's) when one is found and the embedding covers it; returns what was written,
+    for the one line `loom export` prints."""
     held = run_model(checkpoint)
     config, tensors, shapes = export_plan(held, dtype)
-    tokenizer_id = run_tokenizer(checkpoint)
-    tokenizer = load_tokenizer(tokenizer_id, trust_remote_code)
+    tokenizer_id, text_tokenizer = export_tokenizer(checkpoint, tokenizer, trust_remote_code)
     vocab = config.get("vocab_size", 0)
     staging = outdir.parent / f".{outdir.name}.partial"
     if staging.exists():
@@ -305,9 +344,9 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
         n_files = write_weights(staging, tensors, reader(checkpoint, shapes), shapes,
                                 DTYPES[dtype], max_shard_bytes)
         write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
-        covered = tokenizer.size <= vocab
+        covered = text_tokenizer is not None and text_tokenizer.size <= vocab
         write_text_atomic(staging / "generation_config.json", json.dumps(
-            generation_config(tokenizer if covered else None), indent=2) + "\n")
+            generation_config(text_tokenizer if covered else None), indent=2) + "\n")
         if covered:
             save_tokenizer(tokenizer_id, staging, trust_remote_code)
         checked = ""
@@ -321,9 +360,11 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
     for item in staging.iterdir():
         item.replace(outdir / item.name)
     staging.rmdir()
-    what = (f"model and tokenizer {tokenizer_id or SHIPPED_FLAG}" if covered else
+    shown = tokenizer_id or SHIPPED_FLAG
+    what = (f"model and tokenizer {shown}" if covered else
+            f"model only: tokenizer {shown} not found" if text_tokenizer is None else
             f"model only: its {vocab}-row embedding is smaller than tokenizer "
-            f"{tokenizer_id or SHIPPED_FLAG} ({tokenizer.size} tokens)")
+            f"{shown} ({text_tokenizer.size} tokens)")
     return f"{config['architectures'][0]}, {n_files} safetensors file(s), {what}{checked}"
 
 
@@ -341,7 +382,11 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--verbose", action="store_true", help="show upstream notices")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the code the run's tokenizer folder or repo ships")
+    parser.add_argument("--tokenizer-name", default=None,
+                        help="the tokenizer to ship (default: the run's; "
+                        f"{SHIPPED_FLAG} names the shipped GPT-2 one)")
     opts = parser.parse_args(list(argv))
+    setup_logging(0, stream=sys.stderr)  # stdout holds the one result line
     if not opts.verbose:  # DCP's note that it loads in one process: exactly what export does
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
     if not (opts.checkpoint / "loop.json").is_file():
@@ -349,7 +394,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     try:
         written = export(opts.checkpoint, opts.outdir, opts.dtype, opts.trust_remote_code,
-                         verify=not opts.no_verify, max_shard_bytes=opts.max_shard_bytes)
+                         verify=not opts.no_verify, max_shard_bytes=opts.max_shard_bytes,
+                         tokenizer=opts.tokenizer_name)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -123,6 +123,7 @@ def main(argv: Sequence[str]) -> int:
                         help="default: the run's tokenizer (or the shipped GPT-2)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the code a Hugging Face folder or tokenizer ships")
+    parser.add_argument("--verbose", action="store_true", help="show upstream notices")
     opts = parser.parse_args(list(argv))
     try:
         if opts.max_new_tokens < 0 or opts.top_k < 0 or opts.temperature < 0:

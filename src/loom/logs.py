@@ -4,6 +4,7 @@ every command (train, plan, eval, doctor) and test worker sets its logging up fr
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from typing import TextIO
@@ -24,6 +25,23 @@ def setup_logging(rank: int, stream: TextIO | None = None) -> None:
     logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)
     logger.propagate = False
     quiet_known_upstream_noise()
+
+
+UPSTREAM_NOTICE_LOGGERS = ("torch._higher_order_ops.wrap", "torchao", "torch.utils._pytree",
+                           "transformers")
+"""Loggers of upstream notices about things loom has handled or that need no action, kept
+behind `--verbose` in every command: torchao's "Failed to load ....so" lines and torch's
+`_pytree` deprecation notes (both printed when transformers imports torchao), transformers'
+own warnings, and dynamo's note that SimpleFSDP's gather-recompute checkpoint context_fn
+must avoid in-place ops (it has none)."""
+
+
+def quiet_upstream_notices() -> None:
+    """Upstream notices off (errors still show); called before those libraries are imported,
+    so their loggers are born quiet."""
+    for name in UPSTREAM_NOTICE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # it resets its level on import
 
 
 def quiet_known_upstream_noise() -> None:

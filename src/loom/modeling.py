@@ -13,11 +13,11 @@ from torch import nn
 from loom.config import ConfigError, JobConfig
 from loom.config.sources import fit_transformers_model
 from loom.data.hub import first_line
+from loom.models.hf_folder import CONFIG, open_folder, read_config
 from loom.models.llama.spec import dense_args
 from loom.models.registry import families, for_architectures, for_config
 from loom.models.transformers.model import LOCAL_MODEL_HINT, hf_source
 from loom.models.transformers.spec import LIMITS
-from loom.safe_io import read_json_capped
 
 logger = logging.getLogger("loom")
 
@@ -41,25 +41,41 @@ def plain_model(cfg: JobConfig) -> nn.Module:
 
 
 def hub_config(name: str) -> dict[str, Any]:
-    """A Hugging Face model's config.json (a local folder's, or the hub's, cached), read as
-    data with a size cap: nothing in it runs."""
+    """A Hugging Face model's config.json, checked by the one folder reader: a local
+    folder's, its safetensors headers checked too (so `loom plan` refuses what `loom train`
+    would), or the hub's, cached. Read as data with caps: nothing in it runs."""
     source = hf_source(name)
-    path = Path(source) / "config.json"
-    if not path.is_file():
-        from huggingface_hub import hf_hub_download  # optional: only hub ids reach here
+    if Path(source).is_dir():
+        return open_folder(Path(source)).config
+    from huggingface_hub import hf_hub_download  # optional: only hub ids reach here
 
-        try:
-            path = Path(hf_hub_download(source, "config.json"))
-        except (OSError, ValueError) as e:  # offline and not cached, gated, no such repo
-            raise ConfigError(f"--model {name}: cannot fetch its config.json "
-                              f"({first_line(e)}); {LOCAL_MODEL_HINT}") from None
     try:
-        config = read_json_capped(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--model {name}: its config.json is unusable ({e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"--model {name}: its config.json is not a JSON object")
-    return config
+        path = Path(hf_hub_download(source, CONFIG))
+    except (OSError, ValueError) as e:  # offline and not cached, gated, no such repo
+        raise ConfigError(f"--model {name}: cannot fetch its config.json "
+                          f"({first_line(e)}); {LOCAL_MODEL_HINT}") from None
+    return read_config(path)
+
+
+TRANSFORMERS_LACKS = ("tp", "pp", "cp", "ep")
+"""Parallel degrees transformers' module cannot take (its LIMITS): above 1, an `auto` that
+would fall back to it refuses instead of running a different layout."""
+
+
+def fall_back(cfg: JobConfig, why: str) -> JobConfig:
+    """`cfg` on transformers' module, `why` recorded; one info line names what that path
+    cannot do. Under `auto`, flags that need a native family refuse in one line."""
+    m, p = cfg.model, cfg.parallel
+    if m.model_impl == "auto":
+        needs = [f"--{d} {getattr(p, d)}" for d in TRANSFORMERS_LACKS if getattr(p, d) > 1]
+        if needs:
+            raise ConfigError(f"--model {m.model}: {why}, so --model-impl auto takes "
+                              f"transformers' module, which cannot run {', '.join(needs)}; "
+                              "drop it or pick a model a native family serves")
+    logger.info("model %s: transformers' module (%s); that path cannot use %s", m.model,
+                why, LIMITS)
+    model = replace(m, model_impl="transformers", model_impl_reason=why)
+    return fit_transformers_model(replace(cfg, model=model))
 
 
 def resolve_model(cfg: JobConfig) -> JobConfig:
@@ -71,28 +87,25 @@ def resolve_model(cfg: JobConfig) -> JobConfig:
         for_config(m)  # an unknown --family fails here, in one line
         return cfg
     hf = hub_config(m.model)
-    architectures = hf.get("architectures") or []
-    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise ConfigError(f"--model {m.model}: config.json's architectures is not a list of names")
+    architectures = hf.get("architectures") or []  # checked: a list of names
     found = for_architectures(architectures)
     served = sorted({a for s in families() for adapter in s.hf for a in adapter.architectures})
     shown = ", ".join(architectures) or "no architecture"
     if m.model_impl == "native" and found is None:
         raise ConfigError(f"--model-impl native: no native family serves {shown} (native: "
                           f"{', '.join(served)}); use --model-impl auto or transformers")
-    if m.model_impl == "transformers" or found is None:
-        why = ("--model-impl transformers" if m.model_impl == "transformers"
-               else f"no native family serves {shown}")
-        logger.info("model %s: transformers' module (%s); that path cannot use %s", m.model,
-                    why, LIMITS)
-        model = replace(m, model_impl="transformers", model_impl_reason=why)
-        return fit_transformers_model(replace(cfg, model=model))
+    if m.model_impl == "transformers":
+        return fall_back(cfg, "--model-impl transformers")
+    if found is None:
+        return fall_back(cfg, f"no native family serves {shown}")
     spec, adapter = found
     try:
         fields = adapter.fields_from_hf(hf)
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--model {m.model}: {shown} with {e} has no native equivalent; "
-                          "pass --model-impl transformers") from None
+        if m.model_impl == "native":
+            raise ConfigError(f"--model {m.model}: {shown} with {e} has no native "
+                              "equivalent; pass --model-impl transformers or auto") from None
+        return fall_back(cfg, f"loom's {spec.name} family has no {e} ({shown})")
     for name in BEHAVIOUR_FIELDS:
         if name in cfg.explicit:
             fields.pop(name, None)

@@ -41,14 +41,16 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     for name, (x_key, y_keys, title, y_label) in PLOTS.items():
         fig = Figure(figsize=(6, 3.5), dpi=100, layout="constrained")
         ax = fig.subplots()
+        drawn = 0
         for key in y_keys:
             points = [(r[x_key], r[key]) for r in rows if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), label=label(key, y_keys),
                         marker="." if len(points) < 50 else None)
+                drawn += 1
         ax.set(title=title, xlabel=X_LABELS[x_key], ylabel=y_label)
         ax.grid(alpha=0.3)
-        if len(y_keys) > 1:
+        if len(y_keys) > 1 and drawn:  # no curves: matplotlib would warn of an empty legend
             ax.legend()
         image = io.BytesIO()
         fig.savefig(image, format="png")

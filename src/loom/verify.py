@@ -48,6 +48,7 @@ from loom.errors import BAD_INPUT_EXIT, FAILURE_EXIT
 from loom.logs import setup_logging
 from loom.mesh import ParallelDims
 from loom.metrics import read_rows
+from loom.modeling import resolve_model
 from loom.parity import build_trainer, fit, whole_model
 from loom.runtime import RankInfo, init_distributed, rank_info, teardown
 from loom.watchdog import watch_launcher, write_error_file
@@ -132,6 +133,7 @@ def parse_request(argv: Sequence[str], world_size: int) -> Request:
     if options.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {options.steps}")
     base = parse_args(train_argv)
+    resolve_model(base)  # a Hugging Face --model's folder is checked before any layout runs
     clash = [f"--{n.replace('_', '-')}" for n in VERIFY_SETS if n in base.explicit]
     if clash:
         raise ConfigError(f"{', '.join(clash)}: loom verify sets these per layout (use "

@@ -3,8 +3,6 @@ run folder (checked in-process through the `loom train` and `loom launch` entry 
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from loom import launch
@@ -33,15 +31,7 @@ MISTAKES = {  # id: (flags, message)
                                "transformers"], "--doc-mask needs loom's own model"),
 }
 
-
-@pytest.fixture(autouse=True)
-def loom_logger_restored():
-    """run_train sets up the "loom" logger for a whole process (no propagation, so caplog
-    would miss it); later tests in this session need it back as it was."""
-    logger = logging.getLogger("loom")
-    saved = logger.handlers[:], logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
+pytestmark = pytest.mark.usefixtures("loom_logger_restored")
 
 
 def assert_one_line_exit_2(code: int, stderr: str, message: str) -> None:

@@ -3,8 +3,6 @@ global mask offsets of each rank's attention, and the one-line errors of --cp.""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,14 +114,6 @@ def test_sdpa_reference_is_causal():
     expected = torch.einsum("bhqk,bkhd->bqhd", F.softmax(scores, dim=-1), v2)
     diff, where = worst(CausalAttention()(q, k, v), expected)
     assert diff < 1e-5, f"worst difference {diff:.3g} at {where}"
-
-
-@pytest.fixture
-def loom_logger_restored():
-    logger = logging.getLogger("loom")
-    saved = logger.handlers[:], logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 BASE = ["--model", "debug", "--dataset", "random", "--max-steps", "1", "--fp32"]

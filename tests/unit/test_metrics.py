@@ -9,6 +9,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -132,6 +133,14 @@ def test_plots_are_readable_pngs(tmp_path):
         image = imread(path)
         assert image.shape[0] > 100 and image.shape[1] > 100
         assert image.std() > 0.01  # something was drawn
+
+
+def test_plots_without_data_draw_no_empty_legend(tmp_path):
+    """A 1-step run has no rank timings: matplotlib would warn of a legend with no curves."""
+    rows = [{"train/iter": 1, "train/tokens_seen": 16, "train/loss": 5.0}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(write_plots(rows, tmp_path)) == len(PLOTS)
 
 
 def test_layer_names_group_parameters_per_block():

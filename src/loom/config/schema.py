@@ -58,7 +58,8 @@ class ModelConfig:
     model_impl: str = flag(
         "auto", "Hugging Face --model: loom's native family for its architecture (every "
         "parallelism applies) or transformers' own module (FSDP/HSDP only); auto: native "
-        "where a family serves the architecture", choices=("auto", "native", "transformers"))
+        "where a family serves the architecture and every feature of its config, else "
+        "transformers'", choices=("auto", "native", "transformers"))
     model_impl_reason: str | None = flag(None, "why --model-impl resolved as it did (set by "
                                          "loom, recorded in config.json)", type=str,
                                          hidden=True)

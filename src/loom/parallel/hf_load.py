@@ -15,7 +15,6 @@ broadcast_from_rank0=True)`). Either way only global rank 0 reads the checkpoint
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from loom.config import JobConfig, ModelConfig
 from loom.data.loaders import on_node_leaders
 from loom.mesh import ParallelDims
 from loom.models.hf_checkpoint import HFCheckpoint
+from loom.models.hf_folder import read_weights
 from loom.models.registry import for_config
 from loom.models.transformers.model import (
     HFCausalLM,
@@ -78,37 +78,19 @@ def saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def safetensors_files(m: ModelConfig, model: nn.Module) -> dict[str, str] | None:
     """Checkpoint name -> file for every saved tensor of `model`, if a local folder's
-    safetensors hold them all with the same shapes; None: take the whole-model path. Needs
-    transformers 5, whose `initialize_weights` computes just the unsaved buffers."""
+    safetensors (headers checked by the folder reader) hold them all with the same shapes;
+    None: take the whole-model path. Needs transformers 5, whose `initialize_weights`
+    computes just the unsaved buffers."""
     import transformers
-    from safetensors import safe_open
 
     folder = Path(m.model).expanduser()
-    if int(transformers.__version__.split(".")[0]) < 5:
+    if int(transformers.__version__.split(".")[0]) < 5 or not folder.is_dir():
         return None
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = {name: str(folder / file)
-                 for name, file in json.loads(index.read_text())["weight_map"].items()}
-    elif (folder / "model.safetensors").is_file():
-        files = dict.fromkeys(_keys(folder / "model.safetensors"),
-                              str(folder / "model.safetensors"))
-    else:
-        return None
+    tensors = read_weights(folder)
     for name, tensor in saved_tensors(model):
-        if name not in files:
+        if name not in tensors or tensors[name].shape != tuple(tensor.shape):
             return None
-        with safe_open(files[name], "pt") as f:
-            if tuple(f.get_slice(name).get_shape()) != tuple(tensor.shape):
-                return None
-    return files
-
-
-def _keys(path: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        return list(f.keys())
+    return {name: str(info.file) for name, info in tensors.items()}
 
 
 def local_spec(tensor: torch.Tensor) -> Spec:

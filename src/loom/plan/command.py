@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from loom.config import ConfigError, JobConfig, parse_args
+from loom.config import ConfigError, JobConfig, parse_args, validate
 from loom.data.cache import default_cache_dir
 from loom.logs import setup_logging
 from loom.losses import resolve_loss_impl
@@ -143,6 +143,7 @@ def main(argv: Sequence[str]) -> int:
             raise ConfigError(f"--world-size must be >= 1, got {options.world_size}")
         device_memory = parse_size(options.device_memory)
         cfg = resolve_model(parse_args(train_argv))
+        validate(cfg)  # the model a Hugging Face folder filled in, checked as train checks it
         p = cfg.parallel
         cfg = replace(cfg, parallel=replace(
             p, dtype=planned_dtype(p.dtype, options.device),

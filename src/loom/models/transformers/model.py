@@ -18,6 +18,7 @@ from torch import nn
 
 from loom.config import ConfigError, JobConfig, ModelConfig
 from loom.data.hub import ensure_hub_reachable, first_line, looks_like_hub_id
+from loom.models.hf_folder import CONFIG, HFFolder, open_folder, read_config
 
 LOCAL_MODEL_HINT = "pass a local model folder (saved with save_pretrained) instead"
 
@@ -50,10 +51,14 @@ def _loading(name: str, load: Any, *args: Any, **kwargs: Any) -> Any:
 
 def load_hf_config(m: ModelConfig, cached: bool = False) -> Any:
     """The model's `PretrainedConfig` (only config.json is downloaded); `cached`: from the
-    local cache only, once a node's first rank has fetched it."""
+    local cache only, once a node's first rank has fetched it. A local folder's config.json
+    is checked by the folder reader before transformers parses it."""
     from transformers import AutoConfig
 
-    return _loading(m.model, AutoConfig.from_pretrained, hf_source(m.model, probe=not cached),
+    source = hf_source(m.model, probe=not cached)
+    if Path(source).is_dir():
+        read_config(Path(source) / CONFIG)
+    return _loading(m.model, AutoConfig.from_pretrained, source,
                     trust_remote_code=m.trust_remote_code, local_files_only=cached)
 
 
@@ -100,9 +105,26 @@ def load_hf_model(m: ModelConfig) -> HFCausalLM:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per rank; loom prints its own setup lines
-    hf = _loading(m.model, AutoModelForCausalLM.from_pretrained, hf_source(m.model),
-                  trust_remote_code=m.trust_remote_code, dtype=torch.float32)
+    source = hf_source(m.model)
+    if Path(source).is_dir():
+        check_weights_hold_model(m, open_folder(Path(source)))
+    hf = _loading(m.model, AutoModelForCausalLM.from_pretrained, source,
+                  trust_remote_code=m.trust_remote_code, dtype=torch.float32,
+                  use_safetensors=True)  # never a pickle, even one torch would refuse
     return HFCausalLM(hf.train())
+
+
+def check_weights_hold_model(m: ModelConfig, folder: HFFolder) -> None:
+    """The model config.json describes (built on the meta device: nothing allocated) has no
+    more weights than the folder's safetensors hold, so an inflated config.json fails here
+    instead of allocating its model."""
+    with torch.device("meta"):
+        skeleton = hf_model_from_config(m)
+    needed = sum(p.numel() for p in skeleton.parameters())
+    if needed > folder.stored_elements:
+        raise ConfigError(f"{folder.path / CONFIG}: its sizes describe {needed:,} weights, "
+                          f"the folder's safetensors hold {folder.stored_elements:,}; nothing "
+                          "was allocated")
 
 
 def hf_model_from_config(m: ModelConfig, dtype: torch.dtype | None = None) -> HFCausalLM:
