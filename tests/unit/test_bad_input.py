@@ -4,6 +4,7 @@ run folder (checked in-process through the `loom train` and `loom launch` entry 
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 
@@ -47,6 +48,15 @@ def loom_logger_restored():
 def assert_one_line_exit_2(code: int, stderr: str, message: str) -> None:
     lines = stderr.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], (code, stderr)
+
+
+def test_tensorboard_without_its_package_is_one_line_and_writes_nothing(tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    code = run_train([*BASE, "--outdir", str(tmp_path / "run"), "--tensorboard"])
+    assert_one_line_exit_2(code, capsys.readouterr().err, "--tensorboard needs the tensorboard "
+                           "package: pip install 'loom[tensorboard]'")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("flags", "message"), list(MISTAKES.values()), ids=list(MISTAKES))

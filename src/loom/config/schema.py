@@ -278,6 +278,8 @@ class OutputConfig:
                                        "(pip install 'loom[profile]')")
     wandb: bool = flag(False, "log to Weights & Biases (pip install 'loom[wandb]'; "
                        "WANDB_MODE=offline works without an account)")
+    tensorboard: bool = flag(False, "write TensorBoard event files of every metrics row to "
+                             "<outdir>/tensorboard (pip install 'loom[tensorboard]')")
     log_every: int = flag(0, "progress line every N steps (0 = auto, ~20 lines) ($LOOM_LOG_EVERY)",
                           env="LOOM_LOG_EVERY")
     verbose: bool = flag(False, "show the upstream notices loom hides (docs/troubleshooting.md)")

@@ -33,6 +33,8 @@ def _validate_output(o: OutputConfig) -> None:
         require_module("pyinstrument", "--pyinstrument-profiler", "profile")
     if o.wandb:
         require_module("wandb", "--wandb", "wandb")
+    if o.tensorboard:
+        require_module("tensorboard", "--tensorboard", "tensorboard")
 
 
 def require_module(module: str, flag_name: str, extra: str) -> None:
