@@ -105,7 +105,7 @@ class Trainer:
         self.model = parts_module(self.model_parts)  # every parameter this rank holds
         self.executor = build_executor(self.model_parts, cfg, dims, device,
                                        end_of_text(start.dataset))
-        self.evaluator = build_evaluator(start.val_dataset, cfg, dims, self.executor, device)
+        self.evaluator = build_evaluator(start.val_datasets, cfg, dims, self.executor, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
         self.checkpointer = Checkpointer(outdir, cfg.checkpoint.checkpoint_interval,

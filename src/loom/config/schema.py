@@ -17,11 +17,12 @@ from loom.presets import is_hf_model
 
 def flag(default: Any, help: str, *, aliases: Sequence[str] = (), type: Callable | None = None,
          choices: Sequence[str] | None = None, hidden: bool = False,
-         const: Any = None, env: str | None = None) -> Any:
+         const: Any = None, env: str | None = None, repeat: bool = False) -> Any:
     """Declare a dataclass field that is also a command-line flag (and, with `env`, an
-    environment variable read by `loom.config.sources`)."""
+    environment variable read by `loom.config.sources`). `repeat`: the flag may be given
+    several times; the field is the tuple of its values (`type` each), in order."""
     meta = dict(help=help, aliases=tuple(aliases), type=type, choices=choices,
-                hidden=hidden, const=const, env=env)
+                hidden=hidden, const=const, env=env, repeat=repeat)
     return field(default=default, metadata=meta)
 
 
@@ -224,12 +225,15 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    val_dataset: str | None = flag(None, "validation data: hub id, local file/folder or shard "
-                                   "folder (same tokenizer as --dataset)", type=str)
+    val_dataset: tuple[str, ...] = flag(
+        (), "validation data: hub id, local file/folder or shard folder (same tokenizer as "
+        "--dataset); PATH is the default set (val/loss), NAME=PATH a named one "
+        "(val/NAME/loss)", type=str, repeat=True)
     val_fraction: float = flag(0.0, "hold out this fraction of --dataset's tokens for "
                                "validation, cut between documents")
     eval_every: int = flag(0, "validation loss every N steps (0 = only after the last step)")
-    eval_steps: int = flag(8, "global batches per validation (at most the whole set)")
+    eval_steps: int = flag(8, "global batches per validation (at most the whole set; 0 = the "
+                           "whole set; loom eval's default: 0)")
 
 
 @dataclass(frozen=True)

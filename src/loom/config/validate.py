@@ -8,6 +8,7 @@ import math
 
 from loom.config.pipeline import validate_pipeline
 from loom.config.schema import EvalConfig, JobConfig, ModelConfig, OutputConfig, ParallelConfig
+from loom.config.valsets import DEFAULT_SET, val_sets
 from loom.errors import ConfigError
 
 HIST_KINDS = ("logits", "grads", "acts", "attn", "ffn")
@@ -127,11 +128,13 @@ def _validate_numbers(cfg: JobConfig) -> None:
 def _validate_eval(e: EvalConfig) -> None:
     if not 0.0 <= e.val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be in [0, 1), got {e.val_fraction}")
-    if e.val_fraction and e.val_dataset is not None:
-        raise ConfigError("--val-dataset and --val-fraction exclude each other; pick one")
-    if e.eval_every < 0 or e.eval_steps < 1:
-        raise ConfigError(f"--eval-every must be >= 0 and --eval-steps >= 1, got "
-                          f"{e.eval_every} and {e.eval_steps}")
+    sets = val_sets(e)  # a bad name or a name given twice: one line
+    if e.val_fraction and DEFAULT_SET in sets:
+        raise ConfigError("an unnamed --val-dataset and --val-fraction exclude each other "
+                          "(both are the default set); pick one, or name the other NAME=PATH")
+    if e.eval_every < 0 or e.eval_steps < 0:
+        raise ConfigError(f"--eval-every must be >= 0 and --eval-steps >= 0 (0 = the whole "
+                          f"set), got {e.eval_every} and {e.eval_steps}")
     if e.eval_every and not (e.val_fraction or e.val_dataset):
         raise ConfigError("--eval-every needs validation data: --val-dataset or --val-fraction")
 
@@ -243,7 +246,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("--streaming needs --max-steps (a stream has no epoch length) and "
                           "text data; it excludes --val-fraction (use --val-dataset) and "
                           "--num-workers")
-    if d.dataset == "random" and cfg.eval.val_dataset is not None:
+    if d.dataset == "random" and cfg.eval.val_dataset:
         raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
                           "use --val-fraction)")
     if not shape_unknown:
