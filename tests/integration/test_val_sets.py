@@ -6,7 +6,6 @@ curves; `loom eval` of the final checkpoint scores every token of a 10,000-token
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,19 +14,16 @@ from loom.data.shards import read_manifest
 from loom.plots import plot_series
 from loom.tokenize import tokenize
 from tests.compare import rows
+from tests.corpora import WORDS, documents, write_jsonl
 from tests.harness import run_ranks
 
-WORDS = {"train": ["river", "stone", "light", "the", "of", "a", "green", "house", "sea", "and"],
-         "a": ["river", "stone", "the", "of", "sea"],
-         "b": ["quantum", "lattice", "ferment", "zebra", "oblique", "the"],
-         "ten_k": ["light", "house", "green", "and", "a"]}
+SET_WORDS = {"train": WORDS, "a": ["river", "stone", "the", "of", "sea"],
+             "b": ["quantum", "lattice", "ferment", "zebra", "oblique", "the"],
+             "ten_k": ["light", "house", "green", "and", "a"]}
 
 
 def corpus(root: Path, name: str, docs: int) -> Path:
-    rng = random.Random(name)
-    (root / f"{name}.jsonl").write_text("".join(
-        json.dumps({"text": " ".join(rng.choices(WORDS[name], k=rng.randint(10, 80)))}) + "\n"
-        for _ in range(docs)))
+    write_jsonl(root / f"{name}.jsonl", documents(SET_WORDS[name], docs, name))
     tokenize(str(root / f"{name}.jsonl"), root / name, jobs=1, shard_tokens=1 << 20)
     return root / name
 

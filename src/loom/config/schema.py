@@ -203,7 +203,13 @@ class LossConfig:
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str | None = flag(None, "hub id, local file/folder, or 'random' "
-                               "(default: the embedded corpus)", type=str)
+                               "(default: the embedded corpus); a weighted mixture: "
+                               "PATH:W,PATH:W,... (windows dealt by a fixed schedule)",
+                               type=str)
+    mixture_exhausted: str = flag(
+        "restart", "--dataset mixture: a source that has given every window is read again "
+        "in a new order (restart), ends the epoch (stop), or leaves the mixture to the "
+        "others (drop)", choices=("restart", "stop", "drop"))
     tokenizer_name: str | None = flag(None, "hub id or local folder of a tokenizer", type=str)
     hf_split: str = flag("train", "dataset split")
     hf_text_column: str = flag("text", "column holding the text")

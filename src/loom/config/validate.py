@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
+from loom.config.mixture import parse_mixture
 from loom.config.pipeline import validate_pipeline
 from loom.config.schema import EvalConfig, JobConfig, ModelConfig, OutputConfig, ParallelConfig
 from loom.config.valsets import DEFAULT_SET, val_sets
@@ -246,6 +247,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("--streaming needs --max-steps (a stream has no epoch length) and "
                           "text data; it excludes --val-fraction (use --val-dataset) and "
                           "--num-workers")
+    mixture = parse_mixture(d.dataset)
+    if mixture is not None and (d.streaming or cfg.eval.val_fraction
+                                or any(p == "random" for p, _ in mixture)):
+        raise ConfigError("a --dataset mixture is of text, JSONL or shard sources, read "
+                          "whole: it excludes 'random', --streaming and --val-fraction (use "
+                          "--val-dataset)")
     if d.dataset == "random" and cfg.eval.val_dataset:
         raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
                           "use --val-fraction)")

@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from loom.config import ConfigError, JobConfig
+from loom.config.mixture import parse_mixture
 from loom.config.valsets import DEFAULT_SET, val_sets
 from loom.data.cache import TokenCache, cache_key, default_cache_dir
 from loom.data.chat import ChatTokens, encode_chat, held_out, is_chat_source
+from loom.data.mixture import Mixture
 from loom.data.shards import ShardStream, is_shard_folder, read_manifest
 from loom.data.split import held_out_cut
 from loom.data.streaming import PackedStream, StreamLoader, StreamSpec, build_stream_spec
@@ -70,7 +72,12 @@ class GlobalOrderSampler(Sampler[int]):
     """Yields this dp rank's indices, batch after batch, from one seeded global permutation."""
 
     def __init__(self, dataset_size: int, batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int, shuffle: bool = True):
+                 seed: int, shuffle: bool = True, continuing: bool = False):
+        """`continuing`: positions in order, epoch after epoch without a gap (epoch e
+        starts at position e x the samples an epoch takes), for a dataset whose windows
+        are a function of the global position (`loom.data.mixture`): sample n of the run
+        is position n, whatever the epoch length."""
+        self.continuing = continuing
         self.dataset_size, self.batch_size = dataset_size, batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle, self.epoch, self.start_step = seed, shuffle, 0, 0
@@ -97,6 +104,8 @@ class GlobalOrderSampler(Sampler[int]):
             order = torch.randperm(self.dataset_size, generator=gen)
         else:
             order = torch.arange(self.dataset_size)
+        if self.continuing:
+            order = order + self.epoch * self.steps_per_epoch * self.global_batch
         start = self.dp_rank * self.batch_size
         for step in range(self.start_step, self.steps_per_epoch):
             base = step * self.global_batch + start
@@ -110,7 +119,9 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size
     recompiles); fails when that leaves no full batch for this rank."""
     if isinstance(dataset, StreamSpec):
         return StreamLoader(PackedStream(dataset, dp_rank, dp_size), batch_size, dataset.batches)
-    sampler = GlobalOrderSampler(len(dataset), batch_size, dp_rank, dp_size, seed, shuffle)
+    ordered = bool(getattr(dataset, "ordered", False))  # a mixture: its own schedule
+    sampler = GlobalOrderSampler(len(dataset), batch_size, dp_rank, dp_size, seed,
+                                 shuffle and not ordered, continuing=ordered)
     if sampler.steps_per_epoch == 0:
         raise ConfigError(
             f"zero full batches on this rank: dataset has {len(dataset)} samples but one "
@@ -155,6 +166,8 @@ def build_datasets(cfg: JobConfig, local_rank: int,
                                          max(1, round(len(train) * ev.val_fraction)))} \
             if ev.val_fraction else {}
         return train, val, cfg
+    if parse_mixture(data.dataset) is not None:
+        return mixture_datasets(cfg, local_rank)
     source = None if data.dataset is None or is_shard_folder(data.dataset) else \
         resolve_source(data.dataset)
     if source is not None and is_chat_source(source):
@@ -173,16 +186,52 @@ def build_datasets(cfg: JobConfig, local_rank: int,
         cut = held_out_cut(stream, meta["eot_id"], ev.val_fraction)
         span = (0, cut)
         val[DEFAULT_SET] = PackedTokens(stream, meta, data.seq_len, (cut, len(stream)))
-    for set_name, path in val_sets(ev).items():
-        val_stream, val_meta, _ = token_stream(path, cfg, local_rank)
-        if (val_meta["vocab_size"], val_meta["eot_id"]) != (meta["vocab_size"], meta["eot_id"]):
-            raise ConfigError(f"--val-dataset {path} was tokenized with "
-                              f"{val_meta['tokenizer']}, --dataset with {meta['tokenizer']}")
-        val[set_name] = PackedTokens(val_stream, val_meta, data.seq_len)
+    val.update(text_val_sets(cfg, meta, local_rank))
     train = PackedTokens(stream, meta, data.seq_len, span)
     logger.info("data: %s, %d tokens, %d windows of %d tokens%s", name, train.n_tokens,
                 len(train), data.seq_len + 1, validation_note(val))
     return train, val, sized_to_tokenizer(cfg, meta)
+
+
+def same_tokenizer(meta: dict, other: dict, what: str) -> None:
+    """Data read together must share ids: one vocabulary and end-of-text."""
+    if (other["vocab_size"], other["eot_id"]) != (meta["vocab_size"], meta["eot_id"]):
+        raise ConfigError(f"{what} was tokenized with {other['tokenizer']}, --dataset with "
+                          f"{meta['tokenizer']}")
+
+
+def text_val_sets(cfg: JobConfig, meta: dict, local_rank: int) -> ValSets:
+    """Each --val-dataset as packed tokens, checked against the training data's tokenizer."""
+    sets: ValSets = {}
+    for set_name, path in val_sets(cfg.eval).items():
+        val_stream, val_meta, _ = token_stream(path, cfg, local_rank)
+        same_tokenizer(meta, val_meta, f"--val-dataset {path}")
+        sets[set_name] = PackedTokens(val_stream, val_meta, cfg.data.seq_len)
+    return sets
+
+
+def mixture_datasets(cfg: JobConfig, local_rank: int) -> tuple[Mixture, ValSets, JobConfig]:
+    """A --dataset mixture: each source (text, JSONL or shards, never chat) packed as one
+    dataset would be, all with one tokenizer, dealt by `loom.data.mixture`'s schedule."""
+    data, spec = cfg.data, parse_mixture(cfg.data.dataset) or []
+    sources, metas = [], []
+    for path, _ in spec:
+        if not is_shard_folder(path) and is_chat_source(resolve_source(path)):
+            raise ConfigError(f"--dataset mixture: {path} holds conversations; a mixture is "
+                              "of pretraining text")
+        stream, meta, _ = token_stream(path, cfg, local_rank)
+        if metas:
+            same_tokenizer(metas[0], meta, f"mixture source {path}")
+        sources.append(PackedTokens(stream, meta, data.seq_len))
+        metas.append(meta)
+    mix = Mixture([p for p, _ in spec], sources, [w for _, w in spec],
+                  data.mixture_exhausted, cfg.train.seed)
+    val = text_val_sets(cfg, metas[0], local_rank)
+    logger.info("data: mixture of %s; %d windows of %d tokens per epoch (--mixture-exhausted "
+                "%s)%s", ", ".join(f"{p} ({float(w):.3g}: {len(s)} windows)" for (p, w), s
+                                   in zip(spec, sources, strict=True)),
+                len(mix), data.seq_len + 1, data.mixture_exhausted, validation_note(val))
+    return mix, val, sized_to_tokenizer(cfg, metas[0])
 
 
 def validation_note(val: ValSets) -> str:

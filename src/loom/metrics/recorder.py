@@ -98,7 +98,7 @@ class RunMetrics(Protocol):
                  applied: torch.Tensor | None = None,
                  ) -> dict[str, Any] | None: ...
     def flush(self, before: int | None = None) -> dict[str, Any] | None: ...
-    def finish(self) -> None: ...
+    def finish(self, extra: dict[str, Any] | None = None) -> None: ...
     def close(self) -> None: ...
 
 
@@ -142,7 +142,7 @@ class NullMetrics:
     def synced(self) -> None:
         pass
 
-    def finish(self) -> None:
+    def finish(self, extra: dict[str, Any] | None = None) -> None:
         pass
 
     def close(self) -> None:
@@ -392,8 +392,9 @@ class Metrics:
         return {"setup_s": self.t_begin - self.started, "train_s": end - self.t_begin,
                 "total_s": end - self.started}
 
-    def finish(self) -> None:
-        """summary.json, plots and the loss text plot (rank 0), then close the trackers."""
+    def finish(self, extra: dict[str, Any] | None = None) -> None:
+        """summary.json (with `extra`: the trainer's facts about the data), plots and the
+        loss text plot (rank 0), then close the trackers."""
         if self.rows is not None:
             self.flush()
         timings = self.timings()
@@ -402,7 +403,8 @@ class Metrics:
         summary = None
         if self.rank == 0:
             facts = {**asdict(self.facts), "peak_flops": self.mfu.peak.flops}
-            summary = write_summary(self.outdir, facts, timings, self.stragglers.summary())
+            summary = write_summary(self.outdir, {**facts, **(extra or {})}, timings,
+                                    self.stragglers.summary())
         self.close_trackers(summary)
 
     def close_trackers(self, summary: dict[str, Any] | None) -> None:

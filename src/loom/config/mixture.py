@@ -1,0 +1,42 @@
+"""`--dataset PATH:W,PATH:W,...`: a weighted mixture's sources and exact weights, parsed
+without heavy imports (the flags are checked before torch loads); the schedule that deals
+its windows is `loom.data.mixture`."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from loom.errors import ConfigError
+
+MAX_CYCLE = 100_000
+"""Longest schedule cycle (the weights' common denominator): 0.333/0.667 is 1000."""
+
+
+def parse_mixture(spec: str | None) -> list[tuple[str, Fraction]] | None:
+    """[(source, weight), ...] normalised to sum 1 when `spec` is `PATH:W,PATH:W,...` (two
+    or more sources, each weight a positive number after its last `:`); None when it is
+    one dataset. A source given twice or a bad weight is a ConfigError."""
+    if spec is None or "," not in spec:
+        return None
+    parts = [p.strip().rpartition(":") for p in spec.split(",")]
+    if not all(sep and path for path, sep, _ in parts):
+        return None  # a path with a comma in it, not a mixture
+    sources: list[tuple[str, Fraction]] = []
+    for path, _, weight in parts:
+        try:
+            w = Fraction(weight)
+        except (ValueError, ZeroDivisionError):
+            raise ConfigError(f"--dataset {spec}: weight {weight!r} of {path} is not a "
+                              "number") from None
+        if w <= 0:
+            raise ConfigError(f"--dataset {spec}: weight {weight} of {path} must be > 0")
+        sources.append((path, w))
+    if len({p for p, _ in sources}) != len(sources):
+        raise ConfigError(f"--dataset {spec}: a source is named twice")
+    total = sum(w for _, w in sources)
+    normalised = [(p, w / total) for p, w in sources]
+    if math.lcm(*(w.denominator for _, w in normalised)) > MAX_CYCLE:
+        raise ConfigError(f"--dataset {spec}: the weights' common denominator exceeds "
+                          f"{MAX_CYCLE:,}; give them with fewer digits")
+    return normalised
