@@ -30,6 +30,12 @@ MISTAKES = {  # id: (flags, message)
     "n-experts-negative": (["--n-experts", "-4"], "--n-experts must be >= 0 (0 = dense model)"),
     "max-skipped-steps-0": (["--max-skipped-steps", "0"], "--max-skipped-steps must be >= 1"),
     "lr-not-a-number": (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+    "mixture-weight": (["--dataset", "a.txt:0.5,b.txt:much"],
+                       "--dataset a.txt:0.5,b.txt:much: weight 'much' of b.txt is not a number"),
+    "mixture-streaming": (["--dataset", "a.txt:1,b.txt:1", "--streaming"],
+                          "a --dataset mixture is of text, JSONL or shard sources"),
+    "val-dataset-twice": (["--dataset", "a.txt", "--val-dataset", "x=b.txt", "--val-dataset",
+                           "x=c.txt"], "--val-dataset: two sets with the name 'x'"),
     "doc-mask-transformers": (["--doc-mask", "--model", "owner/name", "--model-impl",
                                "transformers"], "--doc-mask needs loom's own model"),
 }

@@ -61,6 +61,7 @@ def ids_by_step(mix: Mixture, batch: int, dp: int, steps: int,
 @pytest.mark.parametrize(("spec", "parsed"), [
     ("a.txt:0.7,b/:0.3", [("a.txt", Fraction(7, 10)), ("b/", Fraction(3, 10))]),
     ("x:2,y:1,z:1", [("x", Fraction(1, 2)), ("y", Fraction(1, 4)), ("z", Fraction(1, 4))]),
+    ("x:1/3,y:.5", [("x", Fraction(2, 5)), ("y", Fraction(3, 5))]),
     ("corpus.txt", None), ("owner/name", None), ("a,b.txt", None), (None, None)])
 def test_a_mixture_is_two_or_more_weighted_sources(spec, parsed):
     assert parse_mixture(spec) == parsed
@@ -68,7 +69,9 @@ def test_a_mixture_is_two_or_more_weighted_sources(spec, parsed):
 
 @pytest.mark.parametrize(("spec", "message"), [
     ("a:0.5,b:x", "is not a number"), ("a:0.5,b:0", "must be > 0"),
-    ("a:1,a:2", "named twice"), ("a:0.123457,b:0.1", "common denominator")])
+    ("a:1,a:2", "named twice"), ("a:0.12347,b:0.1", "common denominator"),
+    (",".join(f"s{i}:1" for i in range(17)), "at most 16"), ("a:1/0,b:1", "not a number"),
+    ("a:nan,b:1", "not a number"), ("a:1e999999999,b:1", "not a number")])
 def test_bad_mixtures_are_one_line(spec, message):
     with pytest.raises(ConfigError, match=message):
         parse_mixture(spec)

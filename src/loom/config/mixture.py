@@ -5,12 +5,19 @@ its windows is `loom.data.mixture`."""
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 
 from loom.errors import ConfigError
 
-MAX_CYCLE = 100_000
-"""Longest schedule cycle (the weights' common denominator): 0.333/0.667 is 1000."""
+MAX_CYCLE = 10_000
+"""Longest schedule cycle (the weights' common denominator): 0.3333/0.6667 is 10,000. A
+renormalised cycle (`drop`) is never longer: its denominators divide the remaining share's."""
+WEIGHT = re.compile(r"\d{1,9}(\.\d{1,9})?|\.\d{1,9}|\d{1,9}/\d{1,9}")
+"""A weight as written: a decimal (0.3, 3) or a ratio (1/3); no exponent, whose exact value
+could be a number of a billion digits."""
+MAX_SOURCES = 16
+"""Most sources in one mixture (a crafted list of thousands would only cost time)."""
 
 
 def parse_mixture(spec: str | None) -> list[tuple[str, Fraction]] | None:
@@ -22,13 +29,18 @@ def parse_mixture(spec: str | None) -> list[tuple[str, Fraction]] | None:
     parts = [p.strip().rpartition(":") for p in spec.split(",")]
     if not all(sep and path for path, sep, _ in parts):
         return None  # a path with a comma in it, not a mixture
+    if len(parts) > MAX_SOURCES:
+        raise ConfigError(f"--dataset: a mixture of {len(parts)} sources; at most "
+                          f"{MAX_SOURCES}")
     sources: list[tuple[str, Fraction]] = []
     for path, _, weight in parts:
         try:
+            if not WEIGHT.fullmatch(weight):
+                raise ValueError(weight)
             w = Fraction(weight)
         except (ValueError, ZeroDivisionError):
             raise ConfigError(f"--dataset {spec}: weight {weight!r} of {path} is not a "
-                              "number") from None
+                              "number (a decimal like 0.3 or a ratio like 1/3)") from None
         if w <= 0:
             raise ConfigError(f"--dataset {spec}: weight {weight} of {path} must be > 0")
         sources.append((path, w))

@@ -66,10 +66,10 @@ class Segment:
         self.period = len(self.cycle)
         n = int(self.cycle.max()) + 1 if self.period else 0
         n = max(n, len(self.base))
-        onehot = np.zeros((n, self.period), dtype=np.int64)
+        onehot = np.zeros((n, self.period), dtype=np.int32)
         onehot[self.cycle, np.arange(self.period)] = 1
-        self.prefix = np.concatenate([np.zeros((n, 1), dtype=np.int64),
-                                      np.cumsum(onehot, axis=1)], axis=1)
+        self.prefix = np.concatenate([np.zeros((n, 1), dtype=np.int32),
+                                      np.cumsum(onehot, axis=1, dtype=np.int32)], axis=1)
         self.per_cycle = self.prefix[:, -1]
 
     def taken(self, s: int, position: int) -> int:
