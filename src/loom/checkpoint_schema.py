@@ -41,7 +41,7 @@ SETTING_RANGES: dict[str, tuple[float, float]] = {
 """Inclusive bounds of the numeric settings (a float must also be finite)."""
 _LOOP_KEYS = {"step", "tokens_seen", "samples_seen", "scheduler", "param_groups", "settings",
               "architecture", "model_args"}
-_OPTIONAL_LOOP_KEYS = {"global_batch", "mesh", "stream_positions"}
+_OPTIONAL_LOOP_KEYS = {"global_batch", "mesh", "stream_positions", "mixture"}
 _SCHEDULER_KEYS = {"base_lrs", "last_epoch", "_step_count", "_is_initial",
                    "_get_lr_called_within_step", "_last_lr", "lr_lambdas"}
 _OPTIONAL_SCHEDULER_KEYS = {"verbose"}
@@ -251,6 +251,20 @@ def _positions(value: Any) -> None:
             _integer(position[key], f"stream_positions.{rank}.{key}")
 
 
+def _mixture(value: Any) -> None:
+    """A weighted mixture's record (`loom.data.mixture.mixture_state`)."""
+    mix = _object(value, "mixture", {"policy", "sources"})
+    if not isinstance(mix["policy"], str) or not isinstance(mix["sources"], list) \
+            or not 1 <= len(mix["sources"]) <= 1 << 10:
+        raise SchemaError("mixture is not a policy and a list of sources")
+    for i, source in enumerate(mix["sources"]):
+        source = _object(source, f"mixture.sources.{i}", {"name", "weight", "windows"})
+        if not isinstance(source["name"], str) or not isinstance(source["weight"], str) \
+                or len(source["name"]) + len(source["weight"]) > 4096:
+            raise SchemaError(f"mixture.sources.{i}: name and weight are not strings")
+        _integer(source["windows"], f"mixture.sources.{i}.windows")
+
+
 def check_loop(loop: Any) -> None:
     """loop.json against its schema (SchemaError names the first key out of it)."""
     loop = _object(loop, "loop.json", _LOOP_KEYS, _OPTIONAL_LOOP_KEYS)
@@ -265,6 +279,8 @@ def check_loop(loop: Any) -> None:
             _integer(degree, f"mesh.{dim}", 1, 1 << 20)
     if "stream_positions" in loop:
         _positions(loop["stream_positions"])
+    if "mixture" in loop:
+        _mixture(loop["mixture"])
     _settings(loop["settings"])
     _list(loop["param_groups"], "param_groups", _param_group)
     if not loop["param_groups"]:

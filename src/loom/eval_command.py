@@ -12,7 +12,7 @@ from pathlib import Path
 
 from loom.checkpoint_trust import read_loop
 from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
-from loom.evaluate import Evaluator
+from loom.evaluate import Evaluator, Validation, build_validation
 from loom.logs import setup_logging
 from loom.mesh import ParallelDims
 from loom.modeling import resolve_model
@@ -26,8 +26,9 @@ MODEL_FIELDS = frozenset(f.name for f in fields(ModelConfig))
 
 def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
-    are evaluated, else --dataset); the model's shape comes from the checkpoint, and the
-    run writes only to `<run>/eval-step-N/`."""
+    are evaluated, else --dataset), every window of each unless --eval-steps limits it; the
+    model's shape comes from the checkpoint, and the run writes only to
+    `<run>/eval-step-N/`."""
     if not (checkpoint / "loop.json").is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
     loop = read_loop(checkpoint)
@@ -38,8 +39,21 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
                       "--resume-new-data",  # evaluating other data is the point
                       "--outdir", str(checkpoint.parent.parent / f"eval-{checkpoint.name}")])
     model = replace(cfg.model, **shape)
-    cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False))
+    steps = cfg.eval.eval_steps if "eval_steps" in cfg.explicit else 0  # 0: the whole set
+    cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False),
+                  eval=replace(cfg.eval, eval_steps=steps))
     return resolve_model(cfg)  # a Hugging Face --model is checked before any rank starts
+
+
+def scored_line(checkpoint: Path, name: str, evaluator: Evaluator,
+                result: dict[str, float]) -> str:
+    """What `loom eval` prints for one set: loss, perplexity and the tokens it scored."""
+    p = evaluator.prefix
+    extent = "every window" if evaluator.whole else \
+        f"the first {evaluator.steps} of {evaluator.batches} global batches"
+    return (f"{checkpoint}{f' [{name}]' if name else ''}: {p}loss {result[p + 'loss']:.4f}  "
+            f"{p}ppl {result[p + 'ppl']:.2f}  scored {result[p + 'tokens']:,} tokens "
+            f"({extent})")
 
 
 def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
@@ -49,17 +63,18 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     device = init_distributed(info)
     trainer = Trainer(cfg, info, dims, device)
-    evaluator = trainer.evaluator or Evaluator(trainer.loader.dataset, trainer.executor, dims,
-                                               device, cfg.train.batch_size,
-                                               cfg.eval.eval_steps, every=0)
+    evaluator: Validation = trainer.evaluator or build_validation(
+        {"": trainer.loader.dataset}, trainer.executor, dims, device, cfg.train.batch_size,
+        cfg.eval.eval_steps, every=0)
     result = evaluator.evaluate()
     if info.is_main:
         out = trainer.metrics.outdir / "eval.json"
         write_text_atomic(out, json.dumps({"checkpoint": str(checkpoint),
                                            "dataset": cfg.data.dataset, **result}, indent=2)
                           + "\n")
-        print(f"{checkpoint}: val/loss {result['val/loss']:.4f}  val/ppl "
-              f"{result['val/ppl']:.2f}  over {result['val/tokens']:,} tokens ({out})")
+        for name, one in evaluator.evaluators.items():
+            print(scored_line(checkpoint, name, one, result))
+        print(f"written to {out}")
     trainer.close()
     del trainer, evaluator  # collected by teardown, before the process groups go
     teardown()
@@ -71,8 +86,9 @@ def main(argv: Sequence[str]) -> int:
     setup_logging(rank)
     if not argv or argv[0].startswith("-"):
         asked = bool(argv) and argv[0] in ("-h", "--help")  # else a usage error: stderr
-        print("usage: loom eval CHECKPOINT --dataset DATA [--val-fraction F | --val-dataset V] "
-              "[training flags: --eval-steps, --batch-size, --seq-len, mesh...]",
+        print("usage: loom eval CHECKPOINT --dataset DATA [--val-fraction F] [--val-dataset "
+              "[NAME=]PATH ...] [training flags: --eval-steps (default: the whole set), "
+              "--batch-size, --seq-len, mesh...]",
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     try:

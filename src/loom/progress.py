@@ -48,6 +48,8 @@ def format_memory(row: dict[str, Any]) -> str:
 def format_progress(row: dict[str, Any], total: int, eta_s: float) -> str:
     width = len(str(total))
     val = f"  val {row['val/loss']:.4f} ppl {row['val/ppl']:,.1f}" if "val/loss" in row else ""
+    val += "".join(f"  {key[:-len('/loss')]} {row[key]:.4f}" for key in row
+                   if key.startswith("val/") and key.endswith("/loss") and key != "val/loss")
     return (f"step {row['train/iter']:>{width}}/{total}  loss {row['train/loss']:.4f}{val}  "
             f"{row['train/tps']:>9,.0f} tok/s  mfu {format_mfu(row['train/mfu'])}  "
             f"dt {row['train/dt'] * 1e3:7.1f} ms{format_memory(row)}  eta {format_eta(eta_s)}")

@@ -45,7 +45,8 @@ class Resolved:
     resume: ResumePoint | None
     dataset: Any
     """The training set (or a stream spec), whose tokenizer sized the vocabulary."""
-    val_dataset: Any
+    val_datasets: dict[str, Any]
+    """The validation sets by name (the default set's name is "")."""
 
 
 def check_fits(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
@@ -82,8 +83,8 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     cfg = resolve_hf_model(cfg, info.local_rank)
     validate(cfg)  # the facts added below come from loom itself, not from the user
     check_fits(cfg, dims, device)
-    dataset, val_dataset, cfg = build_datasets(cfg, info.local_rank)
+    dataset, val_datasets, cfg = build_datasets(cfg, info.local_rank)
     cfg = resolve_loss_impl(cfg)  # effective --loss-impl, before the tp plan
     if resume is not None:  # before the model is built
         check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)))
-    return Resolved(cfg, precision, resume, dataset, val_dataset)
+    return Resolved(cfg, precision, resume, dataset, val_datasets)

@@ -1,4 +1,5 @@
-"""Optional outputs beyond the run folder's basics: a Weights & Biases run (rank 0) and
+"""Optional outputs beyond the run folder's basics: trackers that receive every metrics row
+where the row is written (a Weights & Biases run, TensorBoard event files; rank 0) and
 debug histograms behind environment knobs ($LOOM_HIST_EVERY, $LOOM_HIST, $LOOM_HIST_BINS,
 $LOOM_HIST_SAMPLES, $LOOM_HIST_LAYERS)."""
 
@@ -10,7 +11,7 @@ import os
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,6 +26,37 @@ logger = logging.getLogger("loom")
 HIST_BINS = 64
 BLOCK_PARTS = {"attn": ("attention",), "ffn": ("feed_forward", "moe")}
 """Histogram kind -> the block child whose output it records (dense or MoE feed-forward)."""
+
+
+TENSORBOARD_DIR = "tensorboard"
+"""The run folder's subfolder of TensorBoard event files (`tensorboard --logdir <run>`)."""
+
+
+class Tracker(Protocol):
+    """An output fed each metrics row as it is written (at logging steps, never per step)."""
+
+    def log(self, row: dict[str, Any], step: int) -> None: ...
+    def finish(self, summary: dict[str, Any] | None) -> None: ...
+
+
+class TensorBoardRun:
+    """TensorBoard event files of every metrics row in `<run>/tensorboard/`: each numeric
+    column a scalar at the row's step (a null column, such as an MFU above 100 %, is left
+    out). A resumed run adds a new event file to the same folder; TensorBoard shows the
+    later events of a repeated step."""
+
+    def __init__(self, outdir: Path):
+        from torch.utils.tensorboard import SummaryWriter  # optional: the config checked it
+
+        self.writer = SummaryWriter(log_dir=str(outdir / TENSORBOARD_DIR))
+
+    def log(self, row: dict[str, Any], step: int) -> None:
+        for key, value in row.items():
+            if type(value) in (int, float):
+                self.writer.add_scalar(key, value, global_step=step)
+
+    def finish(self, summary: dict[str, Any] | None) -> None:
+        self.writer.close()
 
 
 class WandbRun:

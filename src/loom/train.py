@@ -21,6 +21,7 @@ from loom import float8 as _float8  # noqa: F401  (registers the --float8 conver
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
 from loom.data.loaders import build_dataloader, end_of_text, on_node_leaders
+from loom.data.mixture import check_mixture_state, mixture_state, mixture_summary
 from loom.data.streaming import StreamLoader, data_state, restore_data_state
 from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
@@ -105,7 +106,7 @@ class Trainer:
         self.model = parts_module(self.model_parts)  # every parameter this rank holds
         self.executor = build_executor(self.model_parts, cfg, dims, device,
                                        end_of_text(start.dataset))
-        self.evaluator = build_evaluator(start.val_dataset, cfg, dims, self.executor, device)
+        self.evaluator = build_evaluator(start.val_datasets, cfg, dims, self.executor, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
         self.checkpointer = Checkpointer(outdir, cfg.checkpoint.checkpoint_interval,
@@ -158,6 +159,7 @@ class Trainer:
         loop = LoopState(step=saved["step"], tokens_seen=saved["tokens_seen"],
                          samples_seen=saved["samples_seen"])
         restore_data_state(self.loader, saved)
+        check_mixture_state(self.loader.dataset, saved, loop.samples_seen)
         if loop.samples_seen % self.global_batch:
             logger.warning("resuming with global batch %d, which does not divide the %d "
                            "samples consumed: continuing from the last whole step",
@@ -363,16 +365,21 @@ class Trainer:
                     self.maybe_checkpoint(final=self.loop.step == total)
                     watchdog.beat(self.loop.step)
         except Preempted:
-            self.metrics.finish()
+            self.metrics.finish(self.data_summary())
             raise
         else:
-            self.metrics.finish()
+            self.metrics.finish(self.data_summary())
         finally:
             self.snapshots.finish()
             watchdog.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.checkpointer.finish()
+
+    def data_summary(self) -> dict[str, Any]:
+        """What summary.json adds about the data: tokens seen per mixture source."""
+        return mixture_summary(self.loader.dataset, self.loop.samples_seen,
+                               self.cfg.data.seq_len)
 
     def maybe_evaluate(self, final: bool) -> dict[str, float]:
         if self.evaluator is None:
@@ -427,7 +434,8 @@ class Trainer:
             "global_batch": self.global_batch, "mesh": self.dims.degrees,
             "model_args": vars(model_args(self.cfg)), "settings": run_settings(self.cfg),
             "architecture": architecture(self.cfg, model_args(self.cfg)),
-            **data_state(self.loader)})
+            **data_state(self.loader), **mixture_state(self.loader.dataset,
+                                                       self.loop.samples_seen)})
         self.checkpointer.last_save_seconds = time.perf_counter() - start
 
     def close(self) -> None:

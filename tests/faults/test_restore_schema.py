@@ -85,6 +85,10 @@ LOOP_CRAFTS = {
                         "stream_positions.0.epoch is -1"),
     "architecture-kind": (lambda loop: loop["architecture"].__setitem__("kind", ["dense"]),
                           "architecture.kind is not one of"),
+    "mixture-windows": (lambda loop: loop.__setitem__("mixture", {"policy": "restart", "sources": [
+        {"name": "a", "weight": "1/2", "windows": -3}]}), "mixture.sources.0.windows is -3"),
+    "mixture-name": (lambda loop: loop.__setitem__("mixture", {"policy": "restart", "sources": [
+        {"name": ["a"], "weight": "1/2", "windows": 3}]}), "name and weight are not strings"),
 }
 
 

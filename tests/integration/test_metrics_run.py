@@ -162,6 +162,39 @@ def test_profilers_histograms_wandb_and_health_cadence(tmp_path):
     assert [c[0] for c in calls[-2:]] == ["summary", "finish"]
 
 
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the event files in `folder`, read back as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep them all
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+@pytest.mark.multirank
+def test_tensorboard_event_files_hold_every_scalar_of_the_rows(tmp_path):
+    """The acceptance run: 20 steps with --tensorboard; every numeric column of every JSONL
+    row is a scalar at its step (float32 in the event file), and nothing else is."""
+    job = run_ranks(1, [*SMALL, "--max-steps", "20", "--log-every", "5", "--outdir", "run",
+                        "--tensorboard"], timeout=900, cwd=tmp_path,
+                    env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
+    assert job.ok, job.describe()
+    table = rows(tmp_path / "run")
+    assert [r["train/iter"] for r in table] == list(range(1, 21))
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for r in table:
+        for key, value in r.items():
+            if value is not None:
+                expected.setdefault(key, []).append((r["train/iter"], value))
+    scalars = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    assert set(scalars) == set(expected)
+    for key, points in expected.items():
+        assert [s for s, _ in scalars[key]] == [s for s, _ in points], key
+        assert [v for _, v in scalars[key]] == pytest.approx([v for _, v in points],
+                                                             rel=1e-6, nan_ok=True), key
+
+
 @pytest.mark.multirank
 def test_logits_tracking_profile_on_rank_0_and_timing_spread_at_logging_steps(tmp_path):
     job = run_ranks(2, [*SMALL, "--max-steps", "4", "--log-every", "2", "--outdir", "run",

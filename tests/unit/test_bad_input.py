@@ -3,6 +3,8 @@ run folder (checked in-process through the `loom train` and `loom launch` entry 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from loom import launch
@@ -27,6 +29,12 @@ MISTAKES = {  # id: (flags, message)
     "n-experts-negative": (["--n-experts", "-4"], "--n-experts must be >= 0 (0 = dense model)"),
     "max-skipped-steps-0": (["--max-skipped-steps", "0"], "--max-skipped-steps must be >= 1"),
     "lr-not-a-number": (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+    "mixture-weight": (["--dataset", "a.txt:0.5,b.txt:much"],
+                       "--dataset a.txt:0.5,b.txt:much: weight 'much' of b.txt is not a number"),
+    "mixture-streaming": (["--dataset", "a.txt:1,b.txt:1", "--streaming"],
+                          "a --dataset mixture is of text, JSONL or shard sources"),
+    "val-dataset-twice": (["--dataset", "a.txt", "--val-dataset", "x=b.txt", "--val-dataset",
+                           "x=c.txt"], "--val-dataset: two sets with the name 'x'"),
     "doc-mask-transformers": (["--doc-mask", "--model", "owner/name", "--model-impl",
                                "transformers"], "--doc-mask needs loom's own model"),
 }
@@ -37,6 +45,15 @@ pytestmark = pytest.mark.usefixtures("loom_logger_restored")
 def assert_one_line_exit_2(code: int, stderr: str, message: str) -> None:
     lines = stderr.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], (code, stderr)
+
+
+def test_tensorboard_without_its_package_is_one_line_and_writes_nothing(tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    code = run_train([*BASE, "--outdir", str(tmp_path / "run"), "--tensorboard"])
+    assert_one_line_exit_2(code, capsys.readouterr().err, "--tensorboard needs the tensorboard "
+                           "package: pip install 'loom[tensorboard]'")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("flags", "message"), list(MISTAKES.values()), ids=list(MISTAKES))

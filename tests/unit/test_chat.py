@@ -118,7 +118,8 @@ def chat_config(data: Path, *flags: str) -> JobConfig:
 
 def test_chat_data_holds_out_whole_conversations_and_turns_the_mask_on(tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 8)
-    train, val, cfg = build_datasets(chat_config(data, "--val-fraction", "0.25"), 0)
+    train, sets, cfg = build_datasets(chat_config(data, "--val-fraction", "0.25"), 0)
+    val = sets[""]  # the default set
     assert (train.n_conversations, val.n_conversations) == (6, 2)
     assert train.n_tokens + val.n_tokens == 8 * (train.n_tokens // 6)
     assert cfg.data.doc_mask and not chat_config(data).data.doc_mask

@@ -170,7 +170,7 @@ def test_measurement_knobs_reach_the_config():
 
 @pytest.mark.parametrize(("flag", "module", "extra"), [
     ("--pyinstrument-profiler", "pyinstrument", "profile"), ("--wandb", "wandb", "wandb"),
-    ("--float8 tensorwise", "torchao", "float8")])
+    ("--float8 tensorwise", "torchao", "float8"), ("--tensorboard", "tensorboard", "tensorboard")])
 def test_flags_needing_a_missing_package_fail_in_one_line(monkeypatch, flag, module, extra):
     monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(ConfigError, match=rf"{flag} needs the {module} package: "

@@ -2,8 +2,8 @@
 config dataclass (`[train] max_steps = 3`, `[optim] lr = 0.01`).
 
 Read with the standard library's tomllib (its backport tomli on Python 3.10); written by the
-small writer below (loom's values are only booleans, numbers and strings), so what
-`--print-config` prints reads back equal.
+small writer below (booleans, numbers, strings and the string lists of repeatable flags),
+so what `--print-config` prints reads back equal.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ def _default(f: dataclasses.Field) -> Any:
 def _check(section: str, f: dataclasses.Field, value: Any) -> Any:
     """The value if it has the field's type (an int is a valid float); else one line."""
     default, meta = _default(f), f.metadata
+    if meta["repeat"]:  # a list of values (one value alone is taken as a list of one)
+        items = value if isinstance(value, list) else [value]
+        if not all(type(v) is meta["type"] for v in items):
+            raise ConfigError(f"config file: [{section}] {f.name} = {value!r} must be a list "
+                              f"of {meta['type'].__name__}")
+        return tuple(items)
     expected = type(default) if default is not None else meta["type"]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -69,6 +75,8 @@ def _toml_value(value: Any) -> str:
             if not math.isfinite(value) else repr(value)
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, tuple):  # a repeatable flag's values: a TOML array
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(value)  # a valid TOML basic string
 
 

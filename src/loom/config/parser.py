@@ -61,7 +61,9 @@ def build_parser(prog: str = "loom train") -> argparse.ArgumentParser:
             kwargs: dict[str, Any] = dict(dest=f.name, help=_help(meta["help"], f.default))
             if meta["hidden"]:
                 kwargs["help"] = argparse.SUPPRESS
-            if isinstance(f.default, bool):
+            if meta["repeat"]:
+                kwargs.update(action="append", type=meta["type"])
+            elif isinstance(f.default, bool):
                 kwargs["action"] = (argparse.BooleanOptionalAction if f.default
                                     else "store_true")
             else:

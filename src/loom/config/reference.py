@@ -40,7 +40,7 @@ def cell(text: str) -> str:
 
 def default_text(field: dataclasses.Field) -> str:
     default: Any = field.default
-    if default is None:
+    if default is None or default == ():
         return "-"
     if isinstance(default, bool):
         return "on" if default else "off"
@@ -59,6 +59,8 @@ def flag_text(field: dataclasses.Field) -> str:
 def notes(field: dataclasses.Field) -> str:
     meta = field.metadata
     extra = [f"env `${meta['env']}`"] if meta["env"] else []
+    if meta["repeat"]:
+        extra.append("repeatable")
     if meta["hidden"]:
         extra.append("not in `--help`")
     return "; ".join(extra)

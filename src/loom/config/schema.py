@@ -17,11 +17,12 @@ from loom.presets import is_hf_model
 
 def flag(default: Any, help: str, *, aliases: Sequence[str] = (), type: Callable | None = None,
          choices: Sequence[str] | None = None, hidden: bool = False,
-         const: Any = None, env: str | None = None) -> Any:
+         const: Any = None, env: str | None = None, repeat: bool = False) -> Any:
     """Declare a dataclass field that is also a command-line flag (and, with `env`, an
-    environment variable read by `loom.config.sources`)."""
+    environment variable read by `loom.config.sources`). `repeat`: the flag may be given
+    several times; the field is the tuple of its values (`type` each), in order."""
     meta = dict(help=help, aliases=tuple(aliases), type=type, choices=choices,
-                hidden=hidden, const=const, env=env)
+                hidden=hidden, const=const, env=env, repeat=repeat)
     return field(default=default, metadata=meta)
 
 
@@ -203,7 +204,13 @@ class LossConfig:
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str | None = flag(None, "hub id, local file/folder, or 'random' "
-                               "(default: the embedded corpus)", type=str)
+                               "(default: the embedded corpus); a weighted mixture: "
+                               "PATH:W,PATH:W,... (windows dealt by a fixed schedule)",
+                               type=str)
+    mixture_exhausted: str = flag(
+        "restart", "--dataset mixture: a source that has given every window is read again "
+        "in a new order (restart), ends the epoch (stop), or leaves the mixture to the "
+        "others (drop)", choices=("restart", "stop", "drop"))
     tokenizer_name: str | None = flag(None, "hub id or local folder of a tokenizer", type=str)
     hf_split: str = flag("train", "dataset split")
     hf_text_column: str = flag("text", "column holding the text")
@@ -225,12 +232,15 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    val_dataset: str | None = flag(None, "validation data: hub id, local file/folder or shard "
-                                   "folder (same tokenizer as --dataset)", type=str)
+    val_dataset: tuple[str, ...] = flag(
+        (), "validation data: hub id, local file/folder or shard folder (same tokenizer as "
+        "--dataset); PATH is the default set (val/loss), NAME=PATH a named one "
+        "(val/NAME/loss)", type=str, repeat=True)
     val_fraction: float = flag(0.0, "hold out this fraction of --dataset's tokens for "
                                "validation, cut between documents")
     eval_every: int = flag(0, "validation loss every N steps (0 = only after the last step)")
-    eval_steps: int = flag(8, "global batches per validation (at most the whole set)")
+    eval_steps: int = flag(8, "global batches per validation (at most the whole set; 0 = the "
+                           "whole set; loom eval's default: 0)")
 
 
 @dataclass(frozen=True)
@@ -279,6 +289,8 @@ class OutputConfig:
                                        "(pip install 'loom[profile]')")
     wandb: bool = flag(False, "log to Weights & Biases (pip install 'loom[wandb]'; "
                        "WANDB_MODE=offline works without an account)")
+    tensorboard: bool = flag(False, "write TensorBoard event files of every metrics row to "
+                             "<outdir>/tensorboard (pip install 'loom[tensorboard]')")
     log_every: int = flag(0, "progress line every N steps (0 = auto, ~20 lines) ($LOOM_LOG_EVERY)",
                           env="LOOM_LOG_EVERY")
     verbose: bool = flag(False, "show the upstream notices loom hides (docs/troubleshooting.md)")

@@ -122,6 +122,9 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     values.update(environment)
     given = {*environment, *flagged}
     values.update(explicit)
+    for name, (_, f) in flag_fields().items():
+        if f.metadata["repeat"] and isinstance(values.get(name), list):
+            values[name] = tuple(values[name])  # argparse's append list; frozen config
     for name in PATH_SETTINGS:
         if isinstance(values.get(name), str):
             values[name] = os.path.expanduser(values[name])

@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import math
 
+from loom.config.mixture import parse_mixture
 from loom.config.pipeline import validate_pipeline
 from loom.config.schema import EvalConfig, JobConfig, ModelConfig, OutputConfig, ParallelConfig
+from loom.config.valsets import DEFAULT_SET, val_sets
 from loom.errors import ConfigError
 
 HIST_KINDS = ("logits", "grads", "acts", "attn", "ffn")
@@ -33,6 +35,8 @@ def _validate_output(o: OutputConfig) -> None:
         require_module("pyinstrument", "--pyinstrument-profiler", "profile")
     if o.wandb:
         require_module("wandb", "--wandb", "wandb")
+    if o.tensorboard:
+        require_module("tensorboard", "--tensorboard", "tensorboard")
 
 
 def require_module(module: str, flag_name: str, extra: str) -> None:
@@ -125,11 +129,13 @@ def _validate_numbers(cfg: JobConfig) -> None:
 def _validate_eval(e: EvalConfig) -> None:
     if not 0.0 <= e.val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be in [0, 1), got {e.val_fraction}")
-    if e.val_fraction and e.val_dataset is not None:
-        raise ConfigError("--val-dataset and --val-fraction exclude each other; pick one")
-    if e.eval_every < 0 or e.eval_steps < 1:
-        raise ConfigError(f"--eval-every must be >= 0 and --eval-steps >= 1, got "
-                          f"{e.eval_every} and {e.eval_steps}")
+    sets = val_sets(e)  # a bad name or a name given twice: one line
+    if e.val_fraction and DEFAULT_SET in sets:
+        raise ConfigError("an unnamed --val-dataset and --val-fraction exclude each other "
+                          "(both are the default set); pick one, or name the other NAME=PATH")
+    if e.eval_every < 0 or e.eval_steps < 0:
+        raise ConfigError(f"--eval-every must be >= 0 and --eval-steps >= 0 (0 = the whole "
+                          f"set), got {e.eval_every} and {e.eval_steps}")
     if e.eval_every and not (e.val_fraction or e.val_dataset):
         raise ConfigError("--eval-every needs validation data: --val-dataset or --val-fraction")
 
@@ -241,7 +247,13 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("--streaming needs --max-steps (a stream has no epoch length) and "
                           "text data; it excludes --val-fraction (use --val-dataset) and "
                           "--num-workers")
-    if d.dataset == "random" and cfg.eval.val_dataset is not None:
+    mixture = parse_mixture(d.dataset)
+    if mixture is not None and (d.streaming or cfg.eval.val_fraction
+                                or any(p == "random" for p, _ in mixture)):
+        raise ConfigError("a --dataset mixture is of text, JSONL or shard sources, read "
+                          "whole: it excludes 'random', --streaming and --val-fraction (use "
+                          "--val-dataset)")
+    if d.dataset == "random" and cfg.eval.val_dataset:
         raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
                           "use --val-fraction)")
     if not shape_unknown:

@@ -17,6 +17,7 @@ small next to pretraining corpora.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from torch.utils.data import Dataset
 
 from loom.config import ConfigError
 from loom.data.documents import open_binary
-from loom.data.text import TextSource, mask_labels
+from loom.data.text import TextSource, mask_labels, window_count
 from loom.data.tokenizers import TextTokenizer
 
 ENCODE_BATCH = 256
@@ -223,7 +224,8 @@ def encode_chat(files: tuple[Path, ...], tokenizer: TextTokenizer, dataset: str,
 class ChatTokens(Dataset):
     """Consecutive windows of seq_len + 1 tokens over conversations [first, last) of a chat
     corpus: input = w[:-1], labels = w[1:] where the label is an assistant token, else
-    ignored. The tail shorter than a window is padded with end-of-text and ignored."""
+    ignored. The tail shorter than a window is padded with end-of-text and ignored.
+    `for_evaluation()`: windows overlapping by one, so no assistant token goes unscored."""
 
     def __init__(self, corpus: ChatCorpus, eot_id: int, seq_len: int,
                  conversations: tuple[int, int] | None = None):
@@ -233,13 +235,20 @@ class ChatTokens(Dataset):
         self.ids, self.trained = corpus.ids[self.start:end], corpus.trained[self.start:end]
         self.eot_id, self.seq_len = eot_id, seq_len
         self.n_tokens, self.n_conversations = end - self.start, last - first
+        self.stride = seq_len + 1
+
+    def for_evaluation(self) -> ChatTokens:
+        view = copy.copy(self)
+        view.stride = self.seq_len
+        return view
 
     def __len__(self) -> int:
-        return -(-self.n_tokens // (self.seq_len + 1))
+        return window_count(self.n_tokens, self.seq_len + 1, self.stride)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         width = self.seq_len + 1
-        first, last = index * width, min((index + 1) * width, self.n_tokens)
+        first = index * self.stride
+        last = min(first + width, self.n_tokens)
         window = torch.full((width,), self.eot_id, dtype=torch.int64)
         trained = torch.zeros(width, dtype=torch.bool)
         window[:last - first] = torch.from_numpy(self.ids[first:last])

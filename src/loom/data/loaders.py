@@ -18,8 +18,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from loom.config import ConfigError, JobConfig
+from loom.config.mixture import parse_mixture
+from loom.config.valsets import DEFAULT_SET, val_sets
 from loom.data.cache import TokenCache, cache_key, default_cache_dir
 from loom.data.chat import ChatTokens, encode_chat, held_out, is_chat_source
+from loom.data.mixture import Mixture
 from loom.data.shards import ShardStream, is_shard_folder, read_manifest
 from loom.data.split import held_out_cut
 from loom.data.streaming import PackedStream, StreamLoader, StreamSpec, build_stream_spec
@@ -69,7 +72,12 @@ class GlobalOrderSampler(Sampler[int]):
     """Yields this dp rank's indices, batch after batch, from one seeded global permutation."""
 
     def __init__(self, dataset_size: int, batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int, shuffle: bool = True):
+                 seed: int, shuffle: bool = True, continuing: bool = False):
+        """`continuing`: positions in order, epoch after epoch without a gap (epoch e
+        starts at position e x the samples an epoch takes), for a dataset whose windows
+        are a function of the global position (`loom.data.mixture`): sample n of the run
+        is position n, whatever the epoch length."""
+        self.continuing = continuing
         self.dataset_size, self.batch_size = dataset_size, batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle, self.epoch, self.start_step = seed, shuffle, 0, 0
@@ -96,6 +104,8 @@ class GlobalOrderSampler(Sampler[int]):
             order = torch.randperm(self.dataset_size, generator=gen)
         else:
             order = torch.arange(self.dataset_size)
+        if self.continuing:
+            order = order + self.epoch * self.steps_per_epoch * self.global_batch
         start = self.dp_rank * self.batch_size
         for step in range(self.start_step, self.steps_per_epoch):
             base = step * self.global_batch + start
@@ -109,7 +119,9 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size
     recompiles); fails when that leaves no full batch for this rank."""
     if isinstance(dataset, StreamSpec):
         return StreamLoader(PackedStream(dataset, dp_rank, dp_size), batch_size, dataset.batches)
-    sampler = GlobalOrderSampler(len(dataset), batch_size, dp_rank, dp_size, seed, shuffle)
+    ordered = bool(getattr(dataset, "ordered", False))  # a mixture: its own schedule
+    sampler = GlobalOrderSampler(len(dataset), batch_size, dp_rank, dp_size, seed,
+                                 shuffle and not ordered, continuing=ordered)
     if sampler.steps_per_epoch == 0:
         raise ConfigError(
             f"zero full batches on this rank: dataset has {len(dataset)} samples but one "
@@ -136,53 +148,101 @@ def build_dataset(cfg: JobConfig, local_rank: int) -> tuple[Dataset, JobConfig]:
     return train, cfg
 
 
+ValSets = dict[str, Dataset]
+"""The validation sets by name (`loom.config.valsets`; the default set's name is "")."""
+
+
 def build_datasets(cfg: JobConfig, local_rank: int,
-                   ) -> tuple[Dataset | StreamSpec, Dataset | None, JobConfig]:
-    """(training set, validation set or None, `cfg` sized to the tokenizer). A
-    --val-fraction holds out the tail of the training tokens, cut between documents;
+                   ) -> tuple[Dataset | StreamSpec, ValSets, JobConfig]:
+    """(training set, validation sets, `cfg` sized to the tokenizer). A --val-fraction
+    holds out the tail of the training tokens, cut between documents (the default set);
+    each --val-dataset is read with the training set's tokenizer;
     --streaming gives a stream spec that `build_dataloader` deals out to the dp ranks; a
     JSONL file of conversations is chat data (`chat_datasets`)."""
     data, ev = cfg.data, cfg.eval
     if data.dataset == "random":
         train = RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed)
-        val = RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed + 1,
-                           max(1, round(len(train) * ev.val_fraction))) \
-            if ev.val_fraction else None
+        val = {DEFAULT_SET: RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed + 1,
+                                         max(1, round(len(train) * ev.val_fraction)))} \
+            if ev.val_fraction else {}
         return train, val, cfg
+    if parse_mixture(data.dataset) is not None:
+        return mixture_datasets(cfg, local_rank)
     source = None if data.dataset is None or is_shard_folder(data.dataset) else \
         resolve_source(data.dataset)
     if source is not None and is_chat_source(source):
         return chat_datasets(cfg, source)
     if data.streaming:
         spec = build_stream_spec(cfg, tokenizer_name(data.tokenizer_name, cfg.model.model))
-        val = None if ev.val_dataset is None else PackedTokens(
-            *token_stream(ev.val_dataset, cfg, local_rank)[:2], data.seq_len)
+        val = {name: PackedTokens(*token_stream(path, cfg, local_rank)[:2], data.seq_len)
+               for name, path in val_sets(ev).items()}
         tok = spec.tokenizer
         return spec, val, sized_to_tokenizer(cfg, {"vocab_size": tok.size,
                                                    "tokenizer": tok.name})
     stream, meta, name = token_stream(data.dataset, cfg, local_rank)
     span = (0, len(stream))
-    val = None
+    val: ValSets = {}
     if ev.val_fraction:
         cut = held_out_cut(stream, meta["eot_id"], ev.val_fraction)
         span = (0, cut)
-        val = PackedTokens(stream, meta, data.seq_len, (cut, len(stream)))
-    elif ev.val_dataset is not None:
-        val_stream, val_meta, _ = token_stream(ev.val_dataset, cfg, local_rank)
-        if (val_meta["vocab_size"], val_meta["eot_id"]) != (meta["vocab_size"], meta["eot_id"]):
-            raise ConfigError(f"--val-dataset {ev.val_dataset} was tokenized with "
-                              f"{val_meta['tokenizer']}, --dataset with {meta['tokenizer']}")
-        val = PackedTokens(val_stream, val_meta, data.seq_len)
+        val[DEFAULT_SET] = PackedTokens(stream, meta, data.seq_len, (cut, len(stream)))
+    val.update(text_val_sets(cfg, meta, local_rank))
     train = PackedTokens(stream, meta, data.seq_len, span)
     logger.info("data: %s, %d tokens, %d windows of %d tokens%s", name, train.n_tokens,
-                len(train), data.seq_len + 1,
-                "" if val is None else f"; validation {val.n_tokens} tokens")
+                len(train), data.seq_len + 1, validation_note(val))
     return train, val, sized_to_tokenizer(cfg, meta)
 
 
+def same_tokenizer(meta: dict, other: dict, what: str) -> None:
+    """Data read together must share ids: one vocabulary and end-of-text."""
+    if (other["vocab_size"], other["eot_id"]) != (meta["vocab_size"], meta["eot_id"]):
+        raise ConfigError(f"{what} was tokenized with {other['tokenizer']}, --dataset with "
+                          f"{meta['tokenizer']}")
+
+
+def text_val_sets(cfg: JobConfig, meta: dict, local_rank: int) -> ValSets:
+    """Each --val-dataset as packed tokens, checked against the training data's tokenizer."""
+    sets: ValSets = {}
+    for set_name, path in val_sets(cfg.eval).items():
+        val_stream, val_meta, _ = token_stream(path, cfg, local_rank)
+        same_tokenizer(meta, val_meta, f"--val-dataset {path}")
+        sets[set_name] = PackedTokens(val_stream, val_meta, cfg.data.seq_len)
+    return sets
+
+
+def mixture_datasets(cfg: JobConfig, local_rank: int) -> tuple[Mixture, ValSets, JobConfig]:
+    """A --dataset mixture: each source (text, JSONL or shards, never chat) packed as one
+    dataset would be, all with one tokenizer, dealt by `loom.data.mixture`'s schedule."""
+    data, spec = cfg.data, parse_mixture(cfg.data.dataset) or []
+    sources, metas = [], []
+    for path, _ in spec:
+        if not is_shard_folder(path) and is_chat_source(resolve_source(path)):
+            raise ConfigError(f"--dataset mixture: {path} holds conversations; a mixture is "
+                              "of pretraining text")
+        stream, meta, _ = token_stream(path, cfg, local_rank)
+        if metas:
+            same_tokenizer(metas[0], meta, f"mixture source {path}")
+        sources.append(PackedTokens(stream, meta, data.seq_len))
+        metas.append(meta)
+    mix = Mixture([p for p, _ in spec], sources, [w for _, w in spec],
+                  data.mixture_exhausted, cfg.train.seed)
+    val = text_val_sets(cfg, metas[0], local_rank)
+    logger.info("data: mixture of %s; %d windows of %d tokens per epoch (--mixture-exhausted "
+                "%s)%s", ", ".join(f"{p} ({float(w):.3g}: {len(s)} windows)" for (p, w), s
+                                   in zip(spec, sources, strict=True)),
+                len(mix), data.seq_len + 1, data.mixture_exhausted, validation_note(val))
+    return mix, val, sized_to_tokenizer(cfg, metas[0])
+
+
+def validation_note(val: ValSets) -> str:
+    """'; validation 1200 tokens, code 800 tokens' for the start-up line ('' without)."""
+    sizes = [f"{name or 'validation'} {v.n_tokens} tokens" for name, v in val.items()]
+    return f"; {', '.join(sizes)}" if sizes else ""
+
+
 def chat_datasets(cfg: JobConfig, source: TextSource,
-                  ) -> tuple[ChatTokens, ChatTokens | None, JobConfig]:
-    """Conversations (chat.py) as (training set, validation set or None, `cfg` sized to the
+                  ) -> tuple[ChatTokens, ValSets, JobConfig]:
+    """Conversations (chat.py) as (training set, validation sets, `cfg` sized to the
     tokenizer, with --doc-mask on: a window packs several conversations, and none may see
     another). A --val-fraction holds out whole conversations at the end."""
     data, ev, m = cfg.data, cfg.eval, cfg.model
@@ -193,23 +253,25 @@ def chat_datasets(cfg: JobConfig, source: TextSource,
     tokenizer = load_tokenizer(tokenizer_name(data.tokenizer_name, m.model),
                                m.trust_remote_code)
     corpus = encode_chat(source.files, tokenizer, source.name)
-    train_part, val = (0, len(corpus.ends)), None
+    train_part, val = (0, len(corpus.ends)), {}
     if ev.val_fraction:
         cut = held_out(corpus, ev.val_fraction)
         train_part = (0, cut)
-        val = ChatTokens(corpus, tokenizer.eot_id, data.seq_len, (cut, len(corpus.ends)))
-    elif ev.val_dataset is not None:
-        val_source = resolve_source(ev.val_dataset)
+        val[DEFAULT_SET] = ChatTokens(corpus, tokenizer.eot_id, data.seq_len,
+                                      (cut, len(corpus.ends)))
+    for set_name, path in val_sets(ev).items():
+        val_source = resolve_source(path)
         if not is_chat_source(val_source):
-            raise ConfigError(f"--val-dataset {ev.val_dataset} holds no conversations but "
+            raise ConfigError(f"--val-dataset {path} holds no conversations but "
                               f"--dataset {source.name} does; give both in one format")
-        val = ChatTokens(encode_chat(val_source.files, tokenizer, val_source.name),
-                         tokenizer.eot_id, data.seq_len)
+        val[set_name] = ChatTokens(encode_chat(val_source.files, tokenizer, val_source.name),
+                                   tokenizer.eot_id, data.seq_len)
     train = ChatTokens(corpus, tokenizer.eot_id, data.seq_len, train_part)
     logger.info("data: %s, %d conversations, %d tokens (%d trained on), %d windows of %d "
                 "tokens%s", source.name, train.n_conversations, train.n_tokens,
                 int(train.trained.sum()), len(train), data.seq_len + 1,
-                "" if val is None else f"; validation {val.n_conversations} conversations")
+                "".join(f"; {name or 'validation'} {v.n_conversations} conversations"
+                        for name, v in val.items()))
     cfg = sized_to_tokenizer(cfg, {"vocab_size": tokenizer.size, "tokenizer": tokenizer.name})
     if hf:
         logger.warning("chat data under transformers' module for %s: conversations are "

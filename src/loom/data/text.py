@@ -7,6 +7,7 @@ start (cache hit) costs a memory map and no library imports.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -214,10 +215,18 @@ def mask_labels(labels: torch.Tensor, attention_mask: torch.Tensor,
     return labels.masked_fill(ignore, IGNORE_INDEX)
 
 
+def window_count(n_tokens: int, width: int, stride: int) -> int:
+    """Windows of `width` tokens every `stride` tokens that cover `n_tokens`: apart (stride =
+    width, training's packing) or overlapping by one (stride = width - 1, evaluation's: every
+    token after the first is a label exactly once)."""
+    return max(1, -(-(n_tokens - (width - stride)) // stride)) if n_tokens else 0
+
+
 class PackedTokens(Dataset):
     """Consecutive windows of seq_len + 1 tokens over tokens [start, end) of a stream (the
     cache's memory-mapped array or the shards): input = w[:-1], labels = w[1:], both exactly
-    seq_len long. The tail shorter than a window is padded and masked."""
+    seq_len long. The tail shorter than a window is padded and masked. `for_evaluation()`:
+    the same tokens in windows overlapping by one, so no token goes unscored."""
 
     def __init__(self, stream: TokenStream, meta: dict[str, Any], seq_len: int,
                  span: tuple[int, int] | None = None):
@@ -226,14 +235,20 @@ class PackedTokens(Dataset):
         self.n_tokens = end - self.start
         self.pad_id: int | None = meta["pad_id"]
         self.eot_id = int(meta["eot_id"])
+        self.stride = seq_len + 1
+
+    def for_evaluation(self) -> PackedTokens:
+        view = copy.copy(self)
+        view.stride = self.seq_len
+        return view
 
     def __len__(self) -> int:
-        return -(-self.n_tokens // (self.seq_len + 1))
+        return window_count(self.n_tokens, self.seq_len + 1, self.stride)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         width = self.seq_len + 1
-        first = self.start + index * width
-        last = self.start + min((index + 1) * width, self.n_tokens)
+        first = self.start + index * self.stride
+        last = self.start + min(index * self.stride + width, self.n_tokens)
         chunk = torch.from_numpy(self.stream[first:last].astype(np.int64))
         window = torch.full((width,), self.meta["eot_id"] if self.pad_id is None else
                             self.pad_id, dtype=torch.int64)

@@ -1,6 +1,7 @@
-"""The loop's metrics object: `Metrics` writes a row per step (rank 0 adds progress, W&B,
-the summary and plots); `NullMetrics` (--no-metrics) costs nothing and is the overhead
-baseline. Both write config.json and answer to the same `RunMetrics` protocol."""
+"""The loop's metrics object: `Metrics` writes a row per step (rank 0 adds progress, the
+trackers (W&B, TensorBoard), the summary and plots); `NullMetrics` (--no-metrics) costs
+nothing and is the overhead baseline. Both write config.json and answer to the same
+`RunMetrics` protocol."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from loom.metrics.summary import write_summary
 from loom.progress import Progress
 from loom.safe_io import write_text_atomic
 from loom.straggler import StragglerWatch, arrivals, own_step_times, spread
-from loom.tracking import Histograms, WandbRun
+from loom.tracking import Histograms, TensorBoardRun, Tracker, WandbRun
 
 logger = logging.getLogger("loom")
 
@@ -97,7 +98,7 @@ class RunMetrics(Protocol):
                  applied: torch.Tensor | None = None,
                  ) -> dict[str, Any] | None: ...
     def flush(self, before: int | None = None) -> dict[str, Any] | None: ...
-    def finish(self) -> None: ...
+    def finish(self, extra: dict[str, Any] | None = None) -> None: ...
     def close(self) -> None: ...
 
 
@@ -141,7 +142,7 @@ class NullMetrics:
     def synced(self) -> None:
         pass
 
-    def finish(self) -> None:
+    def finish(self, extra: dict[str, Any] | None = None) -> None:
         pass
 
     def close(self) -> None:
@@ -149,15 +150,19 @@ class NullMetrics:
 
 
 class Metrics:
-    """One rank's per-step rows; rank 0 adds progress, W&B, summary and plots."""
+    """One rank's per-step rows; rank 0 adds progress, trackers, summary and plots.
+    `trackers` receive every row as it is written; `wandb` (one of them, when on) also
+    receives the histograms."""
 
     def __init__(self, place: RunPlace, facts: RunFacts, *, health_every: int,
                  progress: Progress, wandb: WandbRun | None, histograms: Histograms,
-                 remeasure: Callable[[], flops.Peak], logits: LogitsTracker | None = None):
+                 remeasure: Callable[[], flops.Peak], logits: LogitsTracker | None = None,
+                 trackers: tuple[Tracker, ...] = ()):
         self.outdir, self.rank, self.device = place.outdir, place.rank, place.device
         self.outdir.mkdir(parents=True, exist_ok=True)
         self.facts, self.health_every, self.started = facts, health_every, place.started
         self.progress, self.wandb, self.histograms = progress, wandb, histograms
+        self.trackers = [*((wandb,) if wandb is not None else ()), *trackers]
         self.clock = StepClock(self.device)
         self.mfu = flops.MfuMeter(facts.flops_per_rank, flops.Peak(facts.peak_flops,
                                   facts.peak_source), remeasure)
@@ -346,8 +351,8 @@ class Metrics:
         row.update(host)
         self.rows.write(row)
         self.progress.update(row)
-        if self.wandb:
-            self.wandb.log(row, p.step)
+        for tracker in self.trackers:
+            tracker.log(row, p.step)
         return row
 
     def device_columns(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
@@ -387,8 +392,9 @@ class Metrics:
         return {"setup_s": self.t_begin - self.started, "train_s": end - self.t_begin,
                 "total_s": end - self.started}
 
-    def finish(self) -> None:
-        """summary.json, plots and the loss text plot (rank 0), then close W&B."""
+    def finish(self, extra: dict[str, Any] | None = None) -> None:
+        """summary.json (with `extra`: the trainer's facts about the data), plots and the
+        loss text plot (rank 0), then close the trackers."""
         if self.rows is not None:
             self.flush()
         timings = self.timings()
@@ -397,10 +403,14 @@ class Metrics:
         summary = None
         if self.rank == 0:
             facts = {**asdict(self.facts), "peak_flops": self.mfu.peak.flops}
-            summary = write_summary(self.outdir, facts, timings, self.stragglers.summary())
-        if self.wandb:
-            self.wandb.finish(summary)
-            self.wandb = None
+            summary = write_summary(self.outdir, {**facts, **(extra or {})}, timings,
+                                    self.stragglers.summary())
+        self.close_trackers(summary)
+
+    def close_trackers(self, summary: dict[str, Any] | None) -> None:
+        trackers, self.trackers, self.wandb = self.trackers, [], None
+        for tracker in trackers:
+            tracker.finish(summary)
 
     def close(self) -> None:
         if self.rows is not None:
@@ -410,9 +420,7 @@ class Metrics:
             self.logits.close()
         if self.model is not None:
             self.hook.remove()
-        if self.wandb:
-            self.wandb.finish(None)
-            self.wandb = None
+        self.close_trackers(None)
 
 
 def optimizer_updates(optimizer: torch.optim.Optimizer) -> int:
@@ -429,7 +437,7 @@ def build_metrics(cfg: JobConfig, place: RunPlace, model: nn.Module,
                   build_model: Callable[[JobConfig], nn.Module]) -> RunMetrics:
     """The rank's metrics (or the no-op when metrics are off), watching model and optimizer.
     FLOPs are counted on `build_model(cfg)`, the unparallelized model, only when metrics
-    are on. W&B's run is created here, before training starts."""
+    are on. W&B's run and TensorBoard's writer are created here, before training starts."""
     out, main, device = cfg.output, place.rank == 0, place.device
     if not out.metrics:
         return NullMetrics(place.outdir, place.rank)
@@ -442,6 +450,8 @@ def build_metrics(cfg: JobConfig, place: RunPlace, model: nn.Module,
                       histograms=Histograms.from_config(place.outdir, place.rank, out),
                       remeasure=lambda: flops.peak_flops(device, run_dtype(cfg, device),
                                                          peak_cache(cfg), remeasure=True),
-                      logits=LogitsTracker() if out.track_logits else None)
+                      logits=LogitsTracker() if out.track_logits else None,
+                      trackers=(TensorBoardRun(place.outdir),) if out.tensorboard and main
+                      else ())
     metrics.watch(model, optimizer)
     return metrics
