@@ -283,8 +283,9 @@ class OutputConfig:
     verbose: bool = flag(False, "show the upstream notices loom hides (docs/troubleshooting.md)")
     metrics: bool = flag(True, "per-step metrics ($LOOM_METRICS=0 turns them off: the "
                          "overhead baseline)", hidden=True, env="LOOM_METRICS")
-    health_every: int = flag(1, "gradient/parameter health statistics every K steps, 0 = off "
-                             "($LOOM_HEALTH_EVERY)", hidden=True, env="LOOM_HEALTH_EVERY")
+    health_every: int = flag(-1, "gradient/parameter health statistics every K steps, 0 = off, "
+                             "-1 = at the logging steps ($LOOM_HEALTH_EVERY)", hidden=True,
+                             env="LOOM_HEALTH_EVERY")
     hist_every: int = flag(0, "histograms every N steps, 0 = off ($LOOM_HIST_EVERY)",
                            hidden=True, env="LOOM_HIST_EVERY")
     hist: str = flag("logits,grads,acts", "which histograms, comma-separated: logits, grads "
