@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import loom.metrics.recorder
 import loom.train
@@ -29,16 +28,6 @@ READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "
 and `argwhere` wait for the count of what they find, which sizes their output."""
 SYNCING_FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique")
 """torch functions of a data-dependent output size: each waits for the device."""
-
-
-@pytest.fixture
-def process_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def counted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str]

@@ -128,6 +128,10 @@ class ParallelConfig:
         "fsdp2", "data-parallel wrapper: FSDP2 units, or SimpleFSDP (parameters gathered by "
         "DTensor redistribution on access; with --compile the whole model is one graph)",
         choices=("fsdp2", "simple-fsdp"))
+    single_device: str = flag(
+        "plain", "at world size 1: the model unwrapped (bf16 by autocast; under --compile one "
+        "graph), or FSDP2 as at N ranks ($LOOM_SINGLE_DEVICE)", choices=("plain", "fsdp2"),
+        hidden=True, env="LOOM_SINGLE_DEVICE")
     ep: int = flag(1, "expert-parallel degree: spans dp_shard x cp x tp ranks at "
                         "--etp 1, dp_shard x cp at --etp tp (must divide them)")
     etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
