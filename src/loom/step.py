@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.host_hygiene import to_device
 from loom.losses import IGNORE_INDEX, Criterion
 from loom.mesh import ParallelDims
 from loom.parallel.context import gather_sequence
@@ -101,8 +102,7 @@ class StepExecutor(ABC):
         return loss_sum if self.owns_loss else torch.zeros_like(loss_sum)
 
     def to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return (batch["input"].to(self.device, non_blocking=True),
-                batch["labels"].to(self.device, non_blocking=True))
+        return to_device(batch["input"], self.device), to_device(batch["labels"], self.device)
 
     def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """The batch's document indices under --doc-mask, else None: of the whole sequences
@@ -175,8 +175,7 @@ def ahead_on_device(steps: Iterator[tuple[int, int, list[Batch]]], device: torch
     the device's stream and step k+1 finds its data there without a host wait."""
     queued = None
     for epoch, bidx, micro in steps:
-        moved = (epoch, bidx, [{k: v.to(device, non_blocking=True) for k, v in b.items()}
-                               for b in micro])
+        moved = (epoch, bidx, [{k: to_device(v, device) for k, v in b.items()} for b in micro])
         if queued is not None:
             yield queued
         queued = moved

@@ -187,6 +187,9 @@ class TrainConfig:
                                   "skipped steps")
     comm_timeout_s: float = flag(600.0, "end the job when a collective or a whole step "
                                  "makes no progress for this long (a stalled or dead rank)")
+    gc_every: int = flag(50, "Python's garbage collector: setup's objects frozen, automatic "
+                         "collection off, a young-generation collection every N steps "
+                         "(0: Python's own schedule)")
     host_memory: str = flag(
         "retain", "CPU training: keep freed host memory for the next step (glibc malloc "
         "without mmap or trimming: faster steps, a higher peak RSS) or release it "
