@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import profile
 
 import loom.parallel.parallelize as recipe
-from loom.config import ParallelConfig
+from loom.config import ParallelConfig, parse_args
+from loom.executor import loss_in_graph
 from loom.mesh import ParallelDims
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.parity import build_trainer, fit
@@ -74,3 +75,16 @@ def test_the_compiled_model_is_one_graph_without_breaks_or_recompiles(
     names = [e.name for e in prof.events()]
     assert sum(n.startswith("Torch-Compiled Region") for n in names) == 1
     assert "aten::_log_softmax" not in names, "the loss ran outside the graph"
+
+
+@pytest.mark.parametrize("flags, in_graph", [
+    (["--compile"], True), (["--compile", "--loss-impl", "compiled"], True), ([], False),
+    (["--compile", "--loss-impl", "fused-linear"], False),
+    (["--compile", "--loss-impl", "chunked"], False),
+    (["--compile", "--debug-logits"], False),
+    (["--compile", "--single-device", "fsdp2"], False)])
+def test_the_loss_joins_the_graph_only_where_it_traces_whole(flags: list[str],
+                                                              in_graph: bool) -> None:
+    cfg = parse_args(["--model", "debug", *flags])
+    assert loss_in_graph(cfg, ParallelDims(1, 1, 1, 1)) is in_graph
+    assert not loss_in_graph(cfg, ParallelDims(1, 2, 1, 2)), "two ranks: FSDP2's units"
