@@ -31,7 +31,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "metrics_overhead.json"
 MODEL = ["--model", "debug", "--dataset", "random", "--seq-len", "256", "--seed", "1"]
 CONFIGS = {  # name: extra flags; the first is the baseline
     "metrics off": ["--no-metrics"],
-    "metrics on (health every step)": [],
+    "metrics on (health every step)": ["--health-every", "1"],
     "metrics on (health every 10)": ["--health-every", "10"],
 }
 WARMUP = 5

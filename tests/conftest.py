@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 # Inductor's compiled kernels persist across sessions: a warm cache turns a 25-40 s cold
 # compile into ~3 s. Spawned ranks inherit the variable; CI sets the same folder.
@@ -19,3 +20,15 @@ def loom_logger_restored():
     saved = logger.handlers[:], logger.level, logger.propagate
     yield
     logger.handlers[:], logger.level, logger.propagate = saved
+
+
+@pytest.fixture
+def process_group():
+    """A one-rank gloo group (a store only), as `loom train` starts for one process; left
+    as it was found when a group already exists."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()

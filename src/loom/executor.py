@@ -13,7 +13,9 @@ from loom.config import ConfigError, JobConfig
 from loom.losses import build_criterion
 from loom.mesh import ParallelDims
 from loom.models.registry import named_part
+from loom.parallel.compile import compile_kwargs
 from loom.parallel.pipeline import PipelineExecutor
+from loom.parallel.single import runs_plain
 from loom.step import AccumulationExecutor, StepExecutor
 
 
@@ -31,7 +33,21 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
     if cfg.data.doc_mask:
         check_takes_documents(parts)
     executor.eot_id = eot_id if cfg.data.doc_mask else None
+    if isinstance(executor, AccumulationExecutor) and loss_in_graph(cfg, dims):
+        p = cfg.parallel
+        executor.micro_loss = torch.compile(executor.micro_loss,
+                                            **compile_kwargs(p.compile_mode, p.compile_backend))
     return executor
+
+
+def loss_in_graph(cfg: JobConfig, dims: ParallelDims) -> bool:
+    """Whether forward and loss compile as one graph: --compile on the single-device path
+    (no wrapper hook splits the model), loom's own model, and a loss over logits that traces
+    whole (the fused and chunked losses are autograd Functions with Python loops; the logits
+    probe reads values). The already compiled model is inlined into that graph."""
+    return (cfg.parallel.compile and runs_plain(dims, cfg.parallel)
+            and not cfg.model.runs_transformers and not cfg.loss.debug_logits
+            and cfg.loss.loss_impl in ("eager", "compiled"))
 
 
 def check_takes_documents(parts: list[nn.Module]) -> None:

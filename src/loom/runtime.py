@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from loom import flight
+from loom.host_hygiene import expandable_segments
 from loom.watchdog import LAUNCH_ATTEMPT_ENV
 
 logger = logging.getLogger("loom")
@@ -88,9 +89,11 @@ def backend_for(device: torch.device) -> str:
 
 def init_distributed(info: RankInfo, timeout_s: float = 600.0) -> torch.device:
     """Choose and set the device, then start the process group (a store-only one for a
-    single plain process, so the mesh and FSDP code paths are the same at world size 1).
+    single plain process, so the mesh code paths are the same at world size 1; the model
+    itself stays unwrapped there, see `loom.parallel.single`).
     A collective that waits longer than `timeout_s` for a peer fails instead of hanging."""
     device = pick_device(info.local_rank)
+    expandable_segments(device)  # before the first allocation on it
     if device.type in ("cuda", "xpu"):
         getattr(torch, device.type).set_device(device)
     backend = backend_for(device)

@@ -13,17 +13,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.host_hygiene import to_device
 from loom.losses import IGNORE_INDEX, Criterion
 from loom.mesh import ParallelDims
 from loom.parallel.context import gather_sequence
 from loom.parallel.grad_sync import set_gradient_sync
 
 Batch = dict[str, torch.Tensor]
+MicroLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+                     tuple[torch.Tensor, torch.Tensor]]
+"""(model, inputs, labels, documents) -> (loss sum, valid count) of one micro-batch."""
 
 
 def document_ids(inputs: torch.Tensor, eot_id: int) -> torch.Tensor:
@@ -32,6 +37,13 @@ def document_ids(inputs: torch.Tensor, eot_id: int) -> torch.Tensor:
     Derived from the ids themselves, so every loader, layout and pipeline stage agrees."""
     ends = (inputs == eot_id).long()
     return ends.cumsum(dim=1) - ends
+
+
+def forward_loss(criterion: Criterion, model: nn.Module, inputs: torch.Tensor,
+                 labels: torch.Tensor, documents: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's forward and criterion: what a single-device compile takes whole."""
+    return criterion(criterion.forward(model, inputs, documents), labels)
 
 
 @dataclass
@@ -90,8 +102,7 @@ class StepExecutor(ABC):
         return loss_sum if self.owns_loss else torch.zeros_like(loss_sum)
 
     def to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return (batch["input"].to(self.device, non_blocking=True),
-                batch["labels"].to(self.device, non_blocking=True))
+        return to_device(batch["input"], self.device), to_device(batch["labels"], self.device)
 
     def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """The batch's document indices under --doc-mask, else None: of the whole sequences
@@ -123,6 +134,8 @@ class AccumulationExecutor(StepExecutor):
         super().__init__(parts, criterion, dims, device)
         self.owns_loss = dims.tp_rank == 0
         self.defer_reduction = defer_reduction
+        self.micro_loss: MicroLoss = partial(forward_loss, criterion)
+        """Replaced by its compiled form where model and loss compile as one graph."""
 
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
@@ -135,8 +148,7 @@ class AccumulationExecutor(StepExecutor):
             if len(micro_batches) > 1 and self.defer_reduction:
                 set_gradient_sync(model, last)
             inputs, labels = self.to_device(batch)
-            micro_sum, _ = self.criterion(
-                self.criterion.forward(model, inputs, self.documents(inputs)), labels)
+            micro_sum, _ = self.micro_loss(model, inputs, labels, self.documents(inputs))
             if last:
                 forward_done()
             (micro_sum * scale).backward()
@@ -146,8 +158,8 @@ class AccumulationExecutor(StepExecutor):
     @torch.no_grad()
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         inputs, labels = self.to_device(batch)
-        output = self.criterion.forward(self.parts[0], inputs, self.documents(inputs))
-        return self.owned(self.criterion(output, labels)[0])
+        return self.owned(self.micro_loss(self.parts[0], inputs, labels,
+                                          self.documents(inputs))[0])
 
 
 def parts_module(parts: list[nn.Module]) -> nn.Module:
@@ -163,8 +175,7 @@ def ahead_on_device(steps: Iterator[tuple[int, int, list[Batch]]], device: torch
     the device's stream and step k+1 finds its data there without a host wait."""
     queued = None
     for epoch, bidx, micro in steps:
-        moved = (epoch, bidx, [{k: v.to(device, non_blocking=True) for k, v in b.items()}
-                               for b in micro])
+        moved = (epoch, bidx, [{k: to_device(v, device) for k, v in b.items()} for b in micro])
         if queued is not None:
             yield queued
         queued = moved

@@ -28,6 +28,7 @@ from loom.evaluate import build_evaluator
 from loom.executor import build_executor
 from loom.export import export
 from loom.extensions import StepContext, active_step_hooks, after_optimizer_step, convert_model
+from loom.host_hygiene import ScheduledGC
 from loom.host_memory import retain_freed_memory
 from loom.memory_snapshot import MemorySnapshots
 from loom.mesh import ParallelDims
@@ -342,6 +343,8 @@ class Trainer:
         watchdog.start(self.loop.step)
         cadence = Progress(out.log_every, enabled=False)  # the metrics' logging steps
         cadence.begin(total, self.loop.step)
+        collector = ScheduledGC(self.cfg.train.gc_every)
+        collector.begin()
         try:
             with maybe_profile(out, self.metrics.outdir, self.info.rank, total) as profiler:
                 for epoch, bidx, micro in itertools.islice(self.steps(),
@@ -352,6 +355,7 @@ class Trainer:
                         raise self.snapshots.out_of_memory(e) from e
                     self.advance()
                     self.snapshots.after_step(self.loop.step)
+                    collector.after_step(self.loop.step)
                     step = self.loop.step
                     if (cadence.due(step) or self.checkpointer.due(step) or step == total
                             or self.stop_signal or len(self.unread) >= MAX_QUEUED):
@@ -370,6 +374,7 @@ class Trainer:
         else:
             self.metrics.finish(self.data_summary())
         finally:
+            collector.finish()
             self.snapshots.finish()
             watchdog.stop()
             for s, handler in previous.items():

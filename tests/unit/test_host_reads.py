@@ -12,27 +12,22 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import loom.metrics.recorder
 import loom.train
+from loom.losses import MODES
+from loom.optim import clip_grad_norm as clip
 from loom.parity import build_trainer, fit
 from loom.runtime import RankInfo
 from loom.step import ahead_on_device
 from loom.train import Trainer
 
-READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
-"""The tensor methods that copy a value to the host (and so wait for the device)."""
-
-
-@pytest.fixture
-def process_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
+         "nonzero", "argwhere")
+"""The tensor methods that copy a value to the host (and so wait for the device); `nonzero`
+and `argwhere` wait for the count of what they find, which sizes their output."""
+SYNCING_FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique")
+"""torch functions of a data-dependent output size: each waits for the device."""
 
 
 def counted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str]
@@ -73,6 +68,9 @@ def counted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str
 
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    for name in SYNCING_FUNCTIONS:
+        original = getattr(torch, name)
+        monkeypatch.setattr(torch, name, counting(f"torch.{name}", original))
     monkeypatch.setattr(torch.cuda, "synchronize",
                         lambda *a: reads.setdefault(current[0], Counter()).update(["sync"]))
     step = trainer.train_step
@@ -96,6 +94,26 @@ def test_no_host_read_on_a_non_logging_step(tmp_path, monkeypatch, process_group
     quiet = {step: dict(reads.get(step, {})) for step in range(1, 9) if step not in LOGGING}
     assert all(not counts for counts in quiet.values()), quiet
     assert all(reads.get(step) for step in LOGGING), "the counter saw the logging steps' reads"
+
+
+@pytest.mark.parametrize("loss_impl", MODES)
+def test_no_host_read_on_a_non_logging_step_for_every_loss(tmp_path, monkeypatch,
+                                                          process_group, loss_impl):
+    """Every --loss-impl (loss-parallel falls back to compiled at tp 1): the fused and
+    chunked losses' per-chunk work selects nothing by a data-dependent size."""
+    reads, _ = counted_run(tmp_path, monkeypatch, ["--max-steps", "5", "--log-every", "4",
+                                                   "--loss-impl", loss_impl,
+                                                   "--loss-chunk-size", "16"])
+    quiet = {step: dict(reads.get(step, {})) for step in (2, 3)}
+    assert all(not counts for counts in quiet.values()), quiet
+
+
+def test_the_counter_sees_a_nonzero(tmp_path, monkeypatch, process_group):
+    """The counter catches a per-step `nonzero` (what fused-linear once did per chunk)."""
+    monkeypatch.setattr(loom.train, "clip_grad_norm",
+                        lambda params, *a, **k: (torch.ones(3).nonzero(), clip(params, *a, **k))[1])
+    reads, _ = counted_run(tmp_path, monkeypatch, ["--max-steps", "3", "--log-every", "4"])
+    assert reads.get(2, {}).get("nonzero") == 1, reads
 
 
 def test_skipped_steps_are_read_and_warned_at_the_logging_step(tmp_path, monkeypatch,

@@ -181,7 +181,7 @@ def test_recipe_runs_tp_then_ac_then_compile_then_the_chosen_wrapper(monkeypatch
     plan.tensor_parallel = lambda dims, loss_parallel: seen.append("tp")
     for data_parallel in ("fsdp2", "simple-fsdp"):
         cfg = ParallelConfig(data_parallel=data_parallel, compile=True,
-                             activation_checkpoint="block")
+                             activation_checkpoint="block", single_device="fsdp2")
         assert recipe.parallelize(model, dims, cfg, loss_parallel=False,
                                   backend="gloo") is model
     assert seen == ["tp", "ac block", "compile False", "fsdp2",

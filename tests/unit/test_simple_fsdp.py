@@ -137,13 +137,15 @@ MOE = MoEArgs(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=32, multip
 
 
 def wrapped(data_parallel: str) -> tuple[MoETransformer, torch.optim.Optimizer]:
-    """The tiny MoE model (routed experts, a dense block, AC wrappers) on a 1-rank mesh."""
+    """The tiny MoE model (routed experts, a dense block, AC wrappers) on a 1-rank mesh
+    (FSDP2 there too, not the single-device path's plain module)."""
     dims = ParallelDims(1, 1, 1, 1)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = MoETransformer(MOE)
     parallelize(model, dims, ParallelConfig(data_parallel=data_parallel, dtype="fp32",
-                                            activation_checkpoint="block"),
+                                            activation_checkpoint="block",
+                                            single_device="fsdp2"),
                 loss_parallel=False, backend="gloo")
     init_weights(model, seed=5, device=torch.device("cpu"))
     return model, torch.optim.AdamW(model.parameters())

@@ -130,6 +130,10 @@ class ParallelConfig:
         "fsdp2", "data-parallel wrapper: FSDP2 units, or SimpleFSDP (parameters gathered by "
         "DTensor redistribution on access; with --compile the whole model is one graph)",
         choices=("fsdp2", "simple-fsdp"))
+    single_device: str = flag(
+        "plain", "at world size 1: the model unwrapped (bf16 by autocast; under --compile one "
+        "graph), or FSDP2 as at N ranks ($LOOM_SINGLE_DEVICE)", choices=("plain", "fsdp2"),
+        hidden=True, env="LOOM_SINGLE_DEVICE")
     ep: int = flag(1, "expert-parallel degree: spans dp_shard x cp x tp ranks at "
                         "--etp 1, dp_shard x cp at --etp tp (must divide them)")
     etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
@@ -185,6 +189,9 @@ class TrainConfig:
                                   "skipped steps")
     comm_timeout_s: float = flag(600.0, "end the job when a collective or a whole step "
                                  "makes no progress for this long (a stalled or dead rank)")
+    gc_every: int = flag(50, "Python's garbage collector: setup's objects frozen, automatic "
+                         "collection off, a young-generation collection every N steps "
+                         "(0: Python's own schedule)")
     host_memory: str = flag(
         "retain", "CPU training: keep freed host memory for the next step (glibc malloc "
         "without mmap or trimming: faster steps, a higher peak RSS) or release it "
@@ -296,8 +303,9 @@ class OutputConfig:
     verbose: bool = flag(False, "show the upstream notices loom hides (docs/troubleshooting.md)")
     metrics: bool = flag(True, "per-step metrics ($LOOM_METRICS=0 turns them off: the "
                          "overhead baseline)", hidden=True, env="LOOM_METRICS")
-    health_every: int = flag(1, "gradient/parameter health statistics every K steps, 0 = off "
-                             "($LOOM_HEALTH_EVERY)", hidden=True, env="LOOM_HEALTH_EVERY")
+    health_every: int = flag(-1, "gradient/parameter health statistics every K steps, 0 = off, "
+                             "-1 = at the logging steps ($LOOM_HEALTH_EVERY)", hidden=True,
+                             env="LOOM_HEALTH_EVERY")
     hist_every: int = flag(0, "histograms every N steps, 0 = off ($LOOM_HIST_EVERY)",
                            hidden=True, env="LOOM_HIST_EVERY")
     hist: str = flag("logits,grads,acts", "which histograms, comma-separated: logits, grads "

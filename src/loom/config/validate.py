@@ -16,7 +16,10 @@ HIST_KINDS = ("logits", "grads", "acts", "attn", "ffn")
 
 
 def _validate_output(o: OutputConfig) -> None:
-    for name in ("log_every", "health_every", "hist_every", "hist_samples", "profile_wait",
+    if o.health_every < -1:
+        raise ConfigError(f"--health-every must be >= -1 (-1: at the logging steps), got "
+                          f"{o.health_every}")
+    for name in ("log_every", "hist_every", "hist_samples", "profile_wait",
                  "profile_warmup", "profile_repeat", "memory_snapshot"):
         if getattr(o, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(o, name)}")

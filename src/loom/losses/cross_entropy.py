@@ -64,11 +64,12 @@ def softmax_(x: torch.Tensor, targets: torch.Tensor, shard: VocabShard,
 def softmax_to_grad_(p: torch.Tensor, targets: torch.Tensor, shard: VocabShard,
                      row_weight: torch.Tensor) -> torch.Tensor:
     """Turn the softmax p (C, V_local) into d loss / d logits = (p - onehot) * row_weight,
-    in place; ignored rows carry weight 0."""
+    in place; ignored rows carry weight 0. Every row gets its (clamped) target column's
+    term, zero where this shard holds no target: a scatter of fixed shape, where selecting
+    the rows that hold one (`nonzero`) would read their count back to the host per chunk."""
     cols, mine = _local_targets(targets, shard, p.shape[1])
     p.mul_(row_weight[:, None])
-    rows = mine.nonzero().squeeze(1)
-    p.index_put_((rows, cols[rows]), -row_weight[rows], accumulate=True)
+    p.scatter_add_(1, cols[:, None], torch.where(mine, -row_weight, 0.0)[:, None].to(p.dtype))
     return p
 
 

@@ -1,6 +1,6 @@
-"""Health statistics: gradient and parameter norms, extremes and non-finite counts (one
-foreach norm and one aminmax per tensor, left on the device), logits and input extremes,
-and memory use."""
+"""Health statistics: gradient and parameter norms, extremes and non-finite counts (two
+foreach norms over all tensors, left on the device), logits and input extremes, and memory
+use. Computed at their interval only (by default the logging steps), never every step."""
 
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ def local_shards(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def tensor_stats(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """(L2 norm, max |x|, count of tensors holding a NaN/Inf) over this rank's local shards,
-    left on the device, no host sync. aminmax, not the inf-norm: 20x faster on CPU."""
+    left on the device, no host sync. Two foreach norms (L2 and inf), so the host issues a
+    handful of operators however many tensors there are (one aminmax per tensor was ~450
+    operators on preset s); an inf-norm is NaN for a tensor holding a NaN, inf for an Inf."""
     local = local_shards(tensors)
     if not local:
         return torch.zeros(3, device=device)
     norms = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32))
-    extremes = torch.stack([torch.stack(torch.aminmax(t)).float() for t in local])  # (n, 2)
-    maxes = extremes.abs().amax(dim=1)  # NaN propagates, so a NaN tensor counts as nonfinite
+    maxes = torch.stack(torch._foreach_norm(local, float("inf"), dtype=torch.float32))
     return torch.stack([norms.norm(), maxes.max(), (~maxes.isfinite()).sum().float()])
 
 

@@ -199,6 +199,9 @@ class Metrics:
             self.logits.attach(model)
 
     def health_due(self, step: int) -> bool:
+        """Health statistics at this step: every K steps, or (-1) at the logging steps."""
+        if self.health_every < 0:
+            return self.progress.due(step)
         return self.health_every > 0 and step % self.health_every == 0
 
     def _before_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -284,7 +287,9 @@ class Metrics:
         step, so the host keeps launching work while the device runs."""
         self.step = step
         names, values = self.device_columns(step, loss, grad_norm, valid_tokens)
-        host: dict[str, Any] = {**memory_stats(self.device), **(extra or {})}
+        # the allocator's statistics are host calls: at the logging steps only
+        memory = memory_stats(self.device) if self.progress.due(step) else {}
+        host: dict[str, Any] = {**memory, **(extra or {})}
         if batches:
             names, values = (*names, *INPUT_KEYS), [*values, input_range(batches, self.device)]
             host["micro_batches"] = len(batches)

@@ -28,11 +28,19 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def mixed_precision(dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 (or bf16) gradient reduction; nothing cast under fp32."""
+    """bf16 compute with fp32 (or bf16) gradient reduction; nothing cast under fp32.
+
+    Forward inputs are not cast (as torchtitan sets it): the activations are bf16 already,
+    since they come out of bf16 weights, and casting each unit's inputs would also turn the
+    fp32 RoPE table every block is handed into a bf16 copy, once per block per step. A
+    reduce dtype equal to the parameters' is left unset: FSDP then reduces the gradients as
+    they are, with no cast."""
     if torch_dtype(dtype) == torch.float32:
-        return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(cast_forward_inputs=False)
+    reduce = REDUCE_DTYPES[reduce_dtype]
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+                                reduce_dtype=None if reduce == torch.bfloat16 else reduce,
+                                cast_forward_inputs=False)
 
 
 def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend: str) -> str:

@@ -17,6 +17,7 @@ from loom.parallel.context import apply_cp
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.model_plan import ModelPlan, model_plan
 from loom.parallel.simple_fsdp import apply_simple_fsdp
+from loom.parallel.single import apply_single_device, runs_plain
 from loom.precision import describe
 
 logger = logging.getLogger("loom")
@@ -32,6 +33,8 @@ class DataParallelStrategy:
 
 STRATEGIES = {"fsdp2": DataParallelStrategy(apply_fsdp, whole_graph=False),
               "simple-fsdp": DataParallelStrategy(apply_simple_fsdp, whole_graph=True)}
+SINGLE_DEVICE = DataParallelStrategy(apply_single_device, whole_graph=True)
+"""One process (`loom.parallel.single`): no wrapper, so nothing splits the compiled graph."""
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
@@ -49,14 +52,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     if dims.cp_enabled:  # context parallel: attention cores swapped, RoPE by global position
         apply_cp(model, dims.get_mesh("cp"))
     apply_ac(plan, cfg.activation_checkpoint)
-    strategy = STRATEGIES[cfg.data_parallel]
+    strategy = SINGLE_DEVICE if runs_plain(dims, cfg) else STRATEGIES[cfg.data_parallel]
     if cfg.compile:
         apply_compile(plan, cfg.compile_mode, cfg.act_mem_budget, cfg.compile_backend,
                       whole_model=strategy.whole_graph,
                       expert_parallel=dims.ep_enabled,
                       checkpointed=cfg.activation_checkpoint != "none")
     done = strategy.wrap(plan, dims, cfg, backend)
-    logger.info("%s: %d blocks, AC %s, compile %s; %s, %s", plan.name, len(plan.blocks()),
-                cfg.activation_checkpoint, cfg.compile_backend if cfg.compile else "off", done,
-                describe(cfg.dtype, cfg.reduce_dtype))
+    if strategy is not SINGLE_DEVICE:  # which names its own precision: nothing is reduced
+        done = f"{done}, {describe(cfg.dtype, cfg.reduce_dtype)}"
+    logger.info("%s: %d blocks, AC %s, compile %s; %s", plan.name, len(plan.blocks()),
+                cfg.activation_checkpoint, cfg.compile_backend if cfg.compile else "off", done)
     return model
