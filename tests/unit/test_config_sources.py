@@ -48,7 +48,7 @@ def test_every_declared_variable_sets_its_field_and_counts_as_given():
               "LOOM_HIST_EVERY": ("4", 4), "LOOM_HIST": ("grads, acts", "grads,acts"),
               "LOOM_GLOO_COLLECTIVES": ("Native", "native"), "LOOM_HIST_BINS": ("16", 16),
               "LOOM_HIST_SAMPLES": ("100", 100), "LOOM_HIST_LAYERS": ("0, 3", "0,3"),
-              "LOOM_TRACK_LOGITS": ("1", True)}
+              "LOOM_TRACK_LOGITS": ("1", True), "LOOM_SINGLE_DEVICE": ("FSDP2", "fsdp2")}
     assert set(values) == set(ENV_FIELDS), set(values) ^ set(ENV_FIELDS)
     cfg = config_from_flags({}, environ={name: raw for name, (raw, _) in values.items()})
     for name, (raw, expected) in values.items():
