@@ -1,0 +1,96 @@
+"""LoRA's config, resolution and module: the shorthand of --lora-targets, one-line refusals,
+and a converted model that starts as its base and trains its adapters only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from loom import lora
+from loom.config import ConfigError, parse_args
+from loom.config.validate import validate
+from loom.lora import LoRALinear, apply_lora, expand_targets, merged, resolve_lora_targets
+from loom.modeling import plain_model
+from loom.models.llama.spec import LORA_TARGETS
+from loom.parallel.init import init_weights
+
+SMALL = ["--model", "debug", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
+         "--n-kv-heads", "2", "--vocab-size", "128", "--seq-len", "16"]
+
+
+def test_targets_shorthand_keeps_the_previous_parent():
+    assert expand_targets("attention.wq,wk,wv,wo,feed_forward.w1,w2,w3") == LORA_TARGETS
+    assert expand_targets("attention.wq, attention.wq") == ("attention.wq",)
+    with pytest.raises(ConfigError, match="empty name"):
+        expand_targets("attention.wq,,wk")
+
+
+def test_family_defaults_and_given_targets_resolve_to_full_names():
+    cfg = resolve_lora_targets(parse_args([*SMALL, "--lora-rank", "4"]))
+    assert cfg.lora.lora_targets == ",".join(LORA_TARGETS)
+    cfg = resolve_lora_targets(parse_args([*SMALL, "--lora-rank", "4", "--lora-targets",
+                                           "attention.wq,wv"]))
+    assert cfg.lora.lora_targets == "attention.wq,attention.wv"
+
+
+@pytest.mark.parametrize("targets", ["attention.q_proj", "attention", "attention_norm"])
+def test_a_target_that_is_not_a_block_linear_is_refused_in_one_line(targets):
+    with pytest.raises(ConfigError, match=f"'{targets}' is not a linear layer"):
+        resolve_lora_targets(parse_args([*SMALL, "--lora-rank", "4", "--lora-targets",
+                                         targets]))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--lora-rank", "4", "--float8", "rowwise"], "--float8 rowwise"),
+    (["--lora-rank", "4", "--data-parallel", "simple-fsdp"], "simple-fsdp"),
+    (["--lora-rank", "4", "--pp", "2"], "--pp 2"),
+    (["--lora-targets", "attention.wq"], "need --lora-rank"),
+    (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+    (["--lora-rank", "4", "--lora-dropout", "1.0"], "--lora-dropout in"),
+])
+def test_settings_lora_cannot_run_with_are_refused_in_one_line(flags, says):
+    with pytest.raises(ConfigError, match=says.replace("-", r"\-")):
+        validate(parse_args([*SMALL, *flags]))
+
+
+def converted(rank: int = 4) -> tuple[nn.Module, nn.Module]:
+    """(base, adapted) debug models from the same seed: the adapted one converted on meta
+    and initialised as training initialises it."""
+    cfg = resolve_lora_targets(parse_args([*SMALL, "--lora-rank", str(rank)]))
+    with torch.device("meta"):
+        base, adapted = plain_model(cfg), plain_model(cfg)
+    lora.convert(adapted, cfg)
+    init_weights(base, seed=3, device=torch.device("cpu"))
+    init_weights(adapted, seed=3, device=torch.device("cpu"),
+                 added=lambda name: lora.adapter_std(name, cfg))
+    return base, adapted
+
+
+def test_converted_model_starts_as_its_base_and_trains_adapters_only():
+    base, adapted = converted()
+    tokens = torch.randint(128, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(base(tokens), adapted(tokens))  # B starts at zero
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * len(LORA_TARGETS) * 2
+    assert all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
+    shared = dict(adapted.named_parameters())
+    for name, param in base.named_parameters():  # same names, same seeded values
+        assert torch.equal(shared[name], param), name
+
+
+def test_an_adapted_linear_equals_its_merged_weight():
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(12, 10, bias=False), rank=3, scale=2.5, dropout=0.0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    x = torch.randn(4, 12)
+    want = x @ merged(layer.weight, layer.lora_A, layer.lora_B, layer.scale).T
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_apply_lora_skips_blocks_without_the_target():
+    _, adapted = converted()
+    again = apply_lora(adapted, lora.LoraSettings(2, 4.0, ("feed_forward.missing",)))
+    assert again == 0
