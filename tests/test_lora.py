@@ -1,7 +1,8 @@
-"""LoRA (`--lora-rank`) on a tiny Hugging Face Llama folder: 20 steps at dp 2 and at tp 2
-give the single process's losses, only the adapters train and hold optimizer state (by
-count), and the run's checkpoint exports as a merged model transformers checks and as a
-PEFT adapter folder `peft` loads with loom's logits."""
+"""LoRA (`--lora-rank`) on a tiny Hugging Face Llama folder: 20 steps at dp 2, at tp 2 and
+compiled at tp 2 give the single process's losses, a run resumed from step 10 continues as
+the straight one, only the adapters train and hold optimizer state (by count), and the
+checkpoint exports as a merged model transformers checks and as a PEFT adapter folder
+`peft` loads with loom's logits."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from loom.export import export, export_peft, load_run_model
+from loom.lora_export import WEIGHTS_FILE
 from tests.compare import column
 from tests.harness import run_ranks
 from tests.hf_models import save_tiny_model
@@ -23,18 +26,21 @@ LOSS_RTOL = 1e-5
 PARAM_NORM_RTOL = 1e-3
 """As tests/test_parity.py: per tensor, after AdamW steps (measured worst 1.2e-4 at tp2)."""
 LAYOUTS = {"dp2": ["--dp-shard", "2", "--batch-size", "2"],
-           "tp2": ["--tp", "2", "--batch-size", "4"]}
+           "tp2": ["--tp", "2", "--batch-size", "4"],
+           "tp2_compiled": ["--tp", "2", "--batch-size", "4", "--compile",
+                            "--compile-backend", "aot_eager"]}
 
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory) -> Path:
-    """The single process (with a checkpoint at the end), then dp2 and tp2 in one 2-rank
-    job."""
+    """The single process (checkpoints at steps 10 and 20) and a run resumed from its
+    step 10, then dp2 and tp2 in one 2-rank job."""
     root = tmp_path_factory.mktemp("lora")
     base = save_tiny_model(root / "base", "llama")
-    common = ["--model", str(base), *COMMON]
-    single = [[*common, "--batch-size", "4", "--checkpoint-interval", str(STEPS),
-               "--outdir", str(root / "single")]]
+    common = ["--model", str(base), *COMMON, "--checkpoint-interval", "10"]
+    single = [[*common, "--batch-size", "4", "--outdir", str(root / "single")],
+              [*common, "--batch-size", "4", "--outdir", str(root / "resumed"),
+               "--resume", str(root / "single" / "checkpoints" / "step-10")]]
     job = run_ranks(1, ["tests/workers/lora_worker.py", json.dumps(single)], timeout=600)
     assert job.ok, job.describe()
     runs = [[*common, *flags, "--outdir", str(root / name)] for name, flags in LAYOUTS.items()]
@@ -79,3 +85,61 @@ def test_only_the_adapters_train_or_hold_optimizer_state(lora_runs: Path) -> Non
     assert got["optimizer_params"] == sorted(got["trainable"])
     assert got["optimizer_state"] == 2 * 2 * per_block
     assert got["total"] > 5 * 2 * per_block  # the frozen base is most of the model
+
+
+@pytest.mark.multirank
+def test_a_resumed_lora_run_continues_as_the_straight_one(lora_runs: Path) -> None:
+    """The checkpoint holds what resume needs: the adapters and their AdamW state."""
+    straight, resumed = column(lora_runs / "single"), column(lora_runs / "resumed")
+    assert sorted(resumed) == list(range(11, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(straight[step], rel=LOSS_RTOL), step
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(300, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.multirank
+def test_merged_export_passes_the_transformers_check(lora_runs: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    step = lora_runs / "single" / "checkpoints" / f"step-{STEPS}"
+    written = export(step, tmp_path / "merged")
+    assert "checked: transformers' logits match loom's" in written
+    ours, _ = load_run_model(step)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    base = AutoModelForCausalLM.from_pretrained(lora_runs / "base").eval()
+    with torch.no_grad():
+        want = ours.eval()(tokens())
+        got, before = merged(input_ids=tokens()).logits, base(input_ids=tokens()).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert (before - want).abs().max() > 1e-2 * want.abs().max(), "the adapters did nothing"
+
+
+@pytest.mark.multirank
+def test_peft_folder_loads_in_peft_with_loom_logits(lora_runs: Path, tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    step = lora_runs / "single" / "checkpoints" / f"step-{STEPS}"
+    written = export_peft(step, tmp_path / "adapter", "fp32", verify=True)
+    assert "checked: peft's logits match loom's" in written
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == RANK and config["lora_alpha"] == 16.0
+    assert config["base_model_name_or_path"] == str(lora_runs / "base")
+    with safe_open(str(tmp_path / "adapter" / WEIGHTS_FILE), "pt") as f:
+        keys = set(f.keys())
+    assert len(keys) == 2 * 7 * 2
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in keys
+    base = AutoModelForCausalLM.from_pretrained(lora_runs / "base")
+    with torch.no_grad():
+        before = base.eval()(input_ids=tokens()).logits
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ours, _ = load_run_model(step)
+    with torch.no_grad():
+        want, got = ours.eval()(tokens()), model(input_ids=tokens()).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert (before - want).abs().max() > 1e-2 * want.abs().max(), "the adapters did nothing"

@@ -40,6 +40,8 @@ from loom.data.tokenizers import (
     tokenizer_name,
 )
 from loom.logs import setup_logging
+from loom.lora import LoraSettings, apply_lora
+from loom.lora_export import CONFIG_FILE, WEIGHTS_FILE, merging, peft_plan, verify_peft
 from loom.models.hf_folder import INDEX, SINGLE
 from loom.models.registry import export_adapter, family
 from loom.models.spec import ModelSpec
@@ -72,11 +74,16 @@ class RunModel:
     args: Any
     model_cfg: ModelConfig
     checkpoint: Path
+    lora: LoraSettings | None = None
+    """A LoRA run's adapters (the model is built with them)."""
 
     def build(self) -> nn.Module:
         if self.spec.name == "transformers":
             return hf_model_from_config(self.model_cfg, dtype=torch.float32)
-        return self.spec.build(self.args)
+        model = self.spec.build(self.args)
+        if self.lora is not None:
+            apply_lora(model, self.lora)
+        return model
 
 
 def run_model(checkpoint: Path) -> RunModel:
@@ -95,7 +102,8 @@ def run_model(checkpoint: Path) -> RunModel:
     name = arch.get("family") or ("moe" if arch.get("kind") == "moe" else "llama")
     spec = family(name)
     model_cfg = ModelConfig(**loop["model_args"], family=name)
-    held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint)
+    held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint,
+                    LoraSettings.recorded(arch))
     check_model_bytes(held, manifest, f"checkpoint {checkpoint} is unsafe: loop.json "
                                       "model_args")
     return held
@@ -178,9 +186,11 @@ Tensors = Callable[[Callable[[str], torch.Tensor]], Iterator[tuple[str, torch.Te
 """Given a reader of loom tensors by name, the exported (name, tensor) pairs in order."""
 
 
-def export_plan(held: RunModel, dtype: str) -> tuple[dict[str, Any], Tensors, dict[str, Any]]:
+def export_plan(held: RunModel, dtype: str, peft: bool = False
+                ) -> tuple[dict[str, Any], Tensors, dict[str, Any]]:
     """(config.json, the tensors to write, loom shapes by name) of the export; a model with
-    no Hugging Face equivalent fails here, in one line, before anything is written."""
+    no Hugging Face equivalent fails here, in one line, before anything is written. A LoRA
+    run's adapters are merged, or with `peft` are the export (`loom.lora_export`)."""
     with torch.device("meta"):
         model = held.build()
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -200,7 +210,13 @@ def export_plan(held: RunModel, dtype: str) -> tuple[dict[str, Any], Tensors, di
     except ConfigError as e:
         raise ConfigError(f"cannot export {held.checkpoint}: {e}; nothing was written") from None
     args = adapter.settle(held.args, reader(held.checkpoint, shapes))
-    return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(args, read), shapes
+    if peft:
+        return peft_plan(adapter, args, held.lora, shapes, reader(held.checkpoint, shapes),
+                         run_config(held.checkpoint).get("model", {}).get("model"))
+    if held.lora is None:
+        return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(args, read), shapes
+    return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(
+        args, merging(read, held.lora, list(shapes))), shapes
 
 
 def shard_layout(entries: list[tuple[str, torch.Size, torch.dtype]],
@@ -235,13 +251,14 @@ def safetensors_header(shard: list[tuple[str, torch.Size, torch.dtype]]) -> byte
 
 
 def write_weights(folder: Path, tensors: Tensors, read: Callable[[str], torch.Tensor],
-                  shapes: dict[str, Any], dt: torch.dtype, limit: int) -> int:
+                  shapes: dict[str, Any], dt: torch.dtype, limit: int,
+                  single: str = SINGLE) -> int:
     """Stream the exported tensors into safetensors files (one in memory at a time); the
     layout is planned first from meta tensors of the same shapes. Returns the file count."""
     entries = [(name, tuple(t.shape), dt) for name, t in
                tensors(lambda n: torch.empty(shapes[n], device="meta"))]
     shards = shard_layout(entries, limit)
-    files = ([SINGLE] if len(shards) == 1 else
+    files = ([single] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     stream = tensors(read)
     weight_map = {}
@@ -295,6 +312,50 @@ def verify_export(folder: Path, checkpoint: Path, dtype: str) -> float:
                           f"{diff:.2e} of the largest (tolerance {VERIFY_TOLERANCE:g}); "
                           "nothing was written")
     return diff
+
+
+def check_peft(folder: Path, checkpoint: Path, base: str, dtype: str) -> float:
+    """peft loads the adapter folder on the run's base folder with loom's logits (its
+    adapters rounded to `dtype` as exported)."""
+    model, _ = load_run_model(checkpoint)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if ".lora_" in name:
+                tensor.copy_(tensor.to(DTYPES[dtype]))
+    hf = load_hf_model(ModelConfig(model=base)).hf
+    tokens = torch.randint(hf.config.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(0))
+    return verify_peft(folder, hf, model, tokens, VERIFY_TOLERANCE)
+
+
+def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool) -> str:
+    """Write a LoRA run's adapters as a PEFT folder (`loom.lora_export`), checked by peft."""
+    held = run_model(checkpoint)
+    if held.lora is None:
+        raise ConfigError(f"--peft needs a LoRA run's checkpoint; {checkpoint} trained every "
+                          "weight (export the model without --peft)")
+    config, tensors, shapes = export_plan(held, dtype, peft=True)
+    staging = outdir.parent / f".{outdir.name}.partial"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        write_weights(staging, tensors, reader(checkpoint, shapes), shapes, DTYPES[dtype],
+                      sys.maxsize, single=WEIGHTS_FILE)
+        write_text_atomic(staging / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+        checked = ""
+        if verify:
+            diff = check_peft(staging, checkpoint, config["base_model_name_or_path"], dtype)
+            checked = f"; checked: peft's logits match loom's (max diff {diff:.1e})"
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    outdir.mkdir(parents=True, exist_ok=True)
+    for item in staging.iterdir():
+        item.replace(outdir / item.name)
+    staging.rmdir()
+    return (f"PEFT LoRA adapter, rank {held.lora.rank}, {len(config['target_modules'])} "
+            f"modules, base {config['base_model_name_or_path']}{checked}")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -379,6 +440,9 @@ def main(argv: Sequence[str]) -> int:
                         "index)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip loading the export with transformers to compare logits")
+    parser.add_argument("--peft", action="store_true",
+                        help="a LoRA run: write its adapters as a PEFT adapter folder for the "
+                        "run's base model (default: the merged model)")
     parser.add_argument("--verbose", action="store_true", help="show upstream notices")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the code the run's tokenizer folder or repo ships")
@@ -393,9 +457,13 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: {opts.checkpoint} is not a loom checkpoint folder", file=sys.stderr)
         return 2
     try:
-        written = export(opts.checkpoint, opts.outdir, opts.dtype, opts.trust_remote_code,
-                         verify=not opts.no_verify, max_shard_bytes=opts.max_shard_bytes,
-                         tokenizer=opts.tokenizer_name)
+        if opts.peft:
+            written = export_peft(opts.checkpoint, opts.outdir, opts.dtype,
+                                  verify=not opts.no_verify)
+        else:
+            written = export(opts.checkpoint, opts.outdir, opts.dtype, opts.trust_remote_code,
+                             verify=not opts.no_verify, max_shard_bytes=opts.max_shard_bytes,
+                             tokenizer=opts.tokenizer_name)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,8 @@ linear of the model, in one line, before anything is built.
 from __future__ import annotations
 
 import logging
+import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,6 +37,11 @@ from loom.modeling import plain_model
 from loom.models.registry import for_config, for_model
 
 logger = logging.getLogger("loom")
+
+MAX_RANK = 1 << 16
+MAX_TARGETS = 64
+TARGET = re.compile(r"[A-Za-z_]\w{0,63}(\.[A-Za-z_]\w{0,63}){0,7}")
+"""A module path within a block, as a checkpoint may name one (read back by export)."""
 
 
 @dataclass(frozen=True)
@@ -51,22 +58,24 @@ class LoraSettings:
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    def record(self) -> dict[str, Any]:
-        """The checkpoint's `architecture` entries (JSON scalars: compared field by field)."""
-        return {"lora_rank": self.rank, "lora_alpha": self.alpha,
-                "lora_targets": ",".join(self.targets)}
-
     @staticmethod
     def recorded(arch: dict[str, Any]) -> LoraSettings | None:
-        """The settings a checkpoint's architecture records, or None for a full fine-tune."""
-        if not arch.get("lora_rank"):
+        """The settings a checkpoint's architecture records (`loom.resume.architecture`:
+        rank, alpha as text, targets), or None for a full fine-tune; anything else is
+        refused in one line."""
+        if "lora_rank" not in arch:
             return None
         rank, alpha, targets = arch["lora_rank"], arch.get("lora_alpha"), arch.get("lora_targets")
-        if not (isinstance(rank, int) and rank > 0 and isinstance(alpha, int | float)
-                and isinstance(targets, str) and targets):
+        try:
+            scale = float(alpha) if isinstance(alpha, str) and len(alpha) < 32 else math.nan
+        except ValueError:
+            scale = math.nan
+        names = targets.split(",") if isinstance(targets, str) else []
+        if not (type(rank) is int and 0 < rank <= MAX_RANK and 0 < scale < math.inf
+                and 0 < len(names) <= MAX_TARGETS and all(map(TARGET.fullmatch, names))):
             raise ConfigError(f"unusable LoRA settings in the checkpoint: rank {rank!r}, "
-                              f"alpha {alpha!r}, targets {targets!r}")
-        return LoraSettings(rank, float(alpha), tuple(targets.split(",")))
+                              f"alpha {alpha!r}, targets {str(targets)[:200]!r}")
+        return LoraSettings(rank, scale, tuple(names))
 
 
 def settings(cfg: JobConfig) -> LoraSettings:
@@ -114,6 +123,8 @@ def expand_targets(given: str) -> tuple[str, ...]:
             raise ConfigError(f"--lora-targets {given!r}: an empty name")
         if "." not in item and out and "." in out[-1]:
             item = f"{out[-1].rsplit('.', 1)[0]}.{item}"
+        if not TARGET.fullmatch(item):
+            raise ConfigError(f"--lora-targets: {item!r} is not a module path")
         out.append(item)
     return tuple(dict.fromkeys(out))
 
@@ -127,9 +138,11 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> int:
     for block in blocks_of(model).children():
         for target in lora.targets:
             parent_name, _, leaf = target.rpartition(".")
+            if not _has(block, target):  # a block without this child (MoE) skips it
+                continue
             parent = block.get_submodule(parent_name) if parent_name else block
-            linear = getattr(parent, leaf, None)
-            if type(linear) is nn.Linear:  # a block without this child (MoE) skips it
+            linear = getattr(parent, leaf)
+            if type(linear) is nn.Linear:
                 setattr(parent, leaf, LoRALinear(linear, lora.rank, lora.scale, lora.dropout))
                 swapped += 1
     return swapped

@@ -14,6 +14,7 @@ from loom.lora import LoRALinear, apply_lora, expand_targets, merged, resolve_lo
 from loom.modeling import plain_model
 from loom.models.llama.spec import LORA_TARGETS
 from loom.parallel.init import init_weights
+from loom.plan.trace import PEAK, fake_world, trace_step
 
 SMALL = ["--model", "debug", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
          "--n-kv-heads", "2", "--vocab-size", "128", "--seq-len", "16"]
@@ -94,3 +95,22 @@ def test_apply_lora_skips_blocks_without_the_target():
     _, adapted = converted()
     again = apply_lora(adapted, lora.LoraSettings(2, 4.0, ("feed_forward.missing",)))
     assert again == 0
+
+
+def test_plan_counts_the_adapters_optimizer_state_only():
+    """`loom plan`'s trace converts the model as training does: AdamW's two fp32 states of
+    the adapters' dp-shard of elements (and a step count per tensor), nothing for the frozen
+    base."""
+    flags = [*SMALL, "--fp32", "--dp-shard", "2", "--batch-size", "1"]
+    cfg = resolve_lora_targets(parse_args([*flags, "--lora-rank", "4"]))
+    with torch.device("meta"):
+        model = plain_model(cfg)
+    lora.convert(model, cfg)
+    adapters, total = lora.trainable_count(model)
+    n_adapters = sum(p.requires_grad for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    with fake_world(2):
+        with_lora = trace_step(cfg, 2)[PEAK]["OptState"]
+        full = trace_step(parse_args(flags), 2)[PEAK]["OptState"]
+    assert with_lora == 2 * 4 * adapters // 2 + 4 * n_adapters
+    assert full == 2 * 4 * (total - adapters) // 2 + 4 * (n_tensors - n_adapters)
