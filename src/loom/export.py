@@ -19,6 +19,7 @@ import struct
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,8 @@ from loom.data.tokenizers import (
     tokenizer_name,
 )
 from loom.logs import setup_logging
-from loom.lora import LoraSettings, apply_lora
-from loom.lora_export import CONFIG_FILE, WEIGHTS_FILE, merging, peft_plan, verify_peft
+from loom.lora import LoraSettings, apply_lora, merge_adapters
+from loom.lora_export import CONFIG_FILE, WEIGHTS_FILE, merging, peft_logits, peft_plan
 from loom.models.hf_folder import INDEX, SINGLE
 from loom.models.registry import export_adapter, family
 from loom.models.spec import ModelSpec
@@ -295,8 +296,11 @@ def generation_config(tokenizer: TextTokenizer | None) -> dict[str, Any]:
 def verify_export(folder: Path, checkpoint: Path, dtype: str) -> float:
     """Load the export with transformers (CPU, no remote code) and compare its logits on a
     fixed batch with loom's own model of the checkpoint (its weights rounded to `dtype` as
-    exported); returns the largest difference relative to the largest logit."""
-    model, _ = load_run_model(checkpoint)
+    exported; a LoRA run's adapters merged first, as exported); returns the largest
+    difference relative to the largest logit."""
+    model, held = load_run_model(checkpoint)
+    if held.lora is not None:
+        merge_adapters(model)
     with torch.no_grad():
         for tensor in model.state_dict().values():
             tensor.copy_(tensor.to(DTYPES[dtype]))
@@ -304,14 +308,41 @@ def verify_export(folder: Path, checkpoint: Path, dtype: str) -> float:
     vocab = hf.hf.config.vocab_size
     tokens = torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
+        theirs = hf.eval()(tokens)
+    return compare_logits(model, tokens, theirs, "transformers'")
+
+
+def compare_logits(model: nn.Module, tokens: torch.Tensor, theirs: torch.Tensor,
+                   whose: str) -> float:
+    """The largest difference between loom's logits and `theirs`, relative to loom's
+    largest; a ConfigError above the tolerance."""
+    with torch.no_grad():
         ours = model.eval()(tokens).float()
-        theirs = hf.eval()(tokens).float()
-    diff = float((ours - theirs).abs().max() / ours.abs().max().clamp(min=1e-30))
+    diff = float((ours - theirs.float()).abs().max() / ours.abs().max().clamp(min=1e-30))
     if not diff <= VERIFY_TOLERANCE:
-        raise ConfigError(f"export check failed: transformers' logits differ from loom's by "
+        raise ConfigError(f"export check failed: {whose} logits differ from loom's by "
                           f"{diff:.2e} of the largest (tolerance {VERIFY_TOLERANCE:g}); "
                           "nothing was written")
     return diff
+
+
+@contextmanager
+def staged(outdir: Path) -> Iterator[Path]:
+    """A staging folder beside `outdir` whose files are moved into it only when the block
+    succeeds (the folder is removed when it fails): no half-written export."""
+    staging = outdir.parent / f".{outdir.name}.partial"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    outdir.mkdir(parents=True, exist_ok=True)
+    for item in staging.iterdir():
+        item.replace(outdir / item.name)
+    staging.rmdir()
 
 
 def check_peft(folder: Path, checkpoint: Path, base: str, dtype: str) -> float:
@@ -325,7 +356,7 @@ def check_peft(folder: Path, checkpoint: Path, base: str, dtype: str) -> float:
     hf = load_hf_model(ModelConfig(model=base)).hf
     tokens = torch.randint(hf.config.vocab_size, (2, 16),
                            generator=torch.Generator().manual_seed(0))
-    return verify_peft(folder, hf, model, tokens, VERIFY_TOLERANCE)
+    return compare_logits(model, tokens, peft_logits(folder, hf, tokens), "peft's")
 
 
 def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool) -> str:
@@ -335,11 +366,7 @@ def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool) -> str
         raise ConfigError(f"--peft needs a LoRA run's checkpoint; {checkpoint} trained every "
                           "weight (export the model without --peft)")
     config, tensors, shapes = export_plan(held, dtype, peft=True)
-    staging = outdir.parent / f".{outdir.name}.partial"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
+    with staged(outdir) as staging:
         write_weights(staging, tensors, reader(checkpoint, shapes), shapes, DTYPES[dtype],
                       sys.maxsize, single=WEIGHTS_FILE)
         write_text_atomic(staging / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
@@ -347,13 +374,6 @@ def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool) -> str
         if verify:
             diff = check_peft(staging, checkpoint, config["base_model_name_or_path"], dtype)
             checked = f"; checked: peft's logits match loom's (max diff {diff:.1e})"
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    outdir.mkdir(parents=True, exist_ok=True)
-    for item in staging.iterdir():
-        item.replace(outdir / item.name)
-    staging.rmdir()
     return (f"PEFT LoRA adapter, rank {held.lora.rank}, {len(config['target_modules'])} "
             f"modules, base {config['base_model_name_or_path']}{checked}")
 
@@ -397,11 +417,7 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
     config, tensors, shapes = export_plan(held, dtype)
     tokenizer_id, text_tokenizer = export_tokenizer(checkpoint, tokenizer, trust_remote_code)
     vocab = config.get("vocab_size", 0)
-    staging = outdir.parent / f".{outdir.name}.partial"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
+    with staged(outdir) as staging:
         n_files = write_weights(staging, tensors, reader(checkpoint, shapes), shapes,
                                 DTYPES[dtype], max_shard_bytes)
         write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
@@ -414,13 +430,6 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
         if verify:
             diff = verify_export(staging, checkpoint, dtype)
             checked = f"; checked: transformers' logits match loom's (max diff {diff:.1e})"
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    outdir.mkdir(parents=True, exist_ok=True)
-    for item in staging.iterdir():
-        item.replace(outdir / item.name)
-    staging.rmdir()
     shown = tokenizer_id or SHIPPED_FLAG
     what = (f"model and tokenizer {shown}" if covered else
             f"model only: tokenizer {shown} not found" if text_tokenizer is None else

@@ -203,6 +203,17 @@ def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
     return weight + scale * (lora_b.to(weight.dtype) @ lora_a.to(weight.dtype))
 
 
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> None:
+    """Fold every adapter into its base weight, in place, and zero B: the same function,
+    as a merged export computes it (what a rounded export is compared with)."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.weight.copy_(merged(module.weight, module.lora_A, module.lora_B,
+                                       module.scale))
+            module.lora_B.zero_()
+
+
 def adapted_weights(names: list[str]) -> dict[str, str]:
     """Base weight name -> its linear's prefix, for every adapted linear among `names`."""
     return {f"{n.removesuffix('.lora_A')}.weight": n.removesuffix(".lora_A")

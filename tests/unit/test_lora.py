@@ -114,3 +114,39 @@ def test_plan_counts_the_adapters_optimizer_state_only():
         full = trace_step(parse_args(flags), 2)[PEAK]["OptState"]
     assert with_lora == 2 * 4 * adapters // 2 + 4 * n_adapters
     assert full == 2 * 4 * (total - adapters) // 2 + 4 * (n_tensors - n_adapters)
+
+
+def test_merging_the_adapters_keeps_the_logits():
+    _, adapted = converted()
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if name.endswith(".lora_B"):
+                param.normal_(0, 0.05)
+    tokens = torch.randint(128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = adapted(tokens)
+        lora.merge_adapters(adapted)
+        after = adapted(tokens)
+    assert all(not p.any() for n, p in adapted.named_parameters() if n.endswith(".lora_B"))
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", [
+    {"lora_rank": 0, "lora_alpha": "16.0", "lora_targets": "attention.wq"},
+    {"lora_rank": 8, "lora_alpha": 16.0, "lora_targets": "attention.wq"},
+    {"lora_rank": 8, "lora_alpha": "nan", "lora_targets": "attention.wq"},
+    {"lora_rank": 8, "lora_alpha": "1e999", "lora_targets": "attention.wq"},
+    {"lora_rank": 8, "lora_alpha": "16.0", "lora_targets": "attention.__class__.x()"},
+    {"lora_rank": 8, "lora_alpha": "16.0", "lora_targets": ""},
+    {"lora_rank": True, "lora_alpha": "16.0", "lora_targets": "attention.wq"},
+])
+def test_crafted_lora_settings_in_a_checkpoint_are_refused_in_one_line(arch):
+    with pytest.raises(ConfigError, match="unusable LoRA settings in the checkpoint"):
+        lora.LoraSettings.recorded({"kind": "dense", **arch})
+
+
+def test_recorded_settings_read_back():
+    got = lora.LoraSettings.recorded({"kind": "dense", "lora_rank": 8, "lora_alpha": "16.0",
+                                      "lora_targets": "attention.wq,feed_forward.w2"})
+    assert got == lora.LoraSettings(8, 16.0, ("attention.wq", "feed_forward.w2"))
+    assert got.scale == 2.0 and lora.LoraSettings.recorded({"kind": "dense"}) is None
