@@ -22,6 +22,11 @@ STEPS = 20
 RANK = 8
 COMMON = ["--dataset", "random", "--seq-len", "32", "--fp32", "--max-steps", str(STEPS),
           "--seed", "7", "--lr", "1e-2", "--lora-rank", str(RANK), "--lora-alpha", "16"]
+SEEDED = ["--model", "debug", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
+          "--n-kv-heads", "2", "--vocab-size", "128", "--seq-len", "16", "--dataset", "random",
+          "--fp32", "--max-steps", "3", "--batch-size", "2", "--lora-rank", "4",
+          "--checkpoint-interval", "3"]
+"""A LoRA run on loom's own init: its checkpoint's base is drawn from the seed again."""
 LOSS_RTOL = 1e-5
 PARAM_NORM_RTOL = 1e-3
 """As tests/test_parity.py: per tensor, after AdamW steps (measured worst 1.2e-4 at tp2)."""
@@ -33,14 +38,15 @@ LAYOUTS = {"dp2": ["--dp-shard", "2", "--batch-size", "2"],
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory) -> Path:
-    """The single process (checkpoints at steps 10 and 20) and a run resumed from its
-    step 10, then dp2 and tp2 in one 2-rank job."""
+    """The single process (checkpoints at steps 10 and 20), a run resumed from its step 10
+    and a short one whose base is loom's own init, then the layouts in one 2-rank job."""
     root = tmp_path_factory.mktemp("lora")
     base = save_tiny_model(root / "base", "llama")
     common = ["--model", str(base), *COMMON, "--checkpoint-interval", "10"]
     single = [[*common, "--batch-size", "4", "--outdir", str(root / "single")],
               [*common, "--batch-size", "4", "--outdir", str(root / "resumed"),
-               "--resume", str(root / "single" / "checkpoints" / "step-10")]]
+               "--resume", str(root / "single" / "checkpoints" / "step-10")],
+              [*SEEDED, "--outdir", str(root / "seeded")]]
     job = run_ranks(1, ["tests/workers/lora_worker.py", json.dumps(single)], timeout=600)
     assert job.ok, job.describe()
     runs = [[*common, *flags, "--outdir", str(root / name)] for name, flags in LAYOUTS.items()]
@@ -143,3 +149,20 @@ def test_peft_folder_loads_in_peft_with_loom_logits(lora_runs: Path, tmp_path: P
         want, got = ours.eval()(tokens()), model(input_ids=tokens()).logits
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     assert (before - want).abs().max() > 1e-2 * want.abs().max(), "the adapters did nothing"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("run, step", [("single", STEPS), ("seeded", 3)])
+def test_checkpoint_holds_the_adapters_and_readers_take_the_base_from_the_source(
+        lora_runs: Path, run: str, step: int) -> None:
+    """No frozen weight is saved; `loom export`'s reader rebuilds the trained model bit for
+    bit from the checkpoint and the run's source (its Hugging Face folder, or the seed)."""
+    folder = lora_runs / run / "checkpoints" / f"step-{step}"
+    saved = json.loads((folder / "metadata.json").read_text())["tensors"]
+    model_keys = [k.removeprefix("model.") for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys
+    model, _ = load_run_model(folder)
+    trained = torch.load(lora_runs / run / "params.pt")
+    state = model.state_dict()
+    for name, value in trained.items():
+        assert torch.equal(state[name], value), name

@@ -42,7 +42,14 @@ from loom.data.tokenizers import (
 )
 from loom.logs import setup_logging
 from loom.lora import LoraSettings, apply_lora, merge_adapters
-from loom.lora_export import CONFIG_FILE, WEIGHTS_FILE, merging, peft_logits, peft_plan
+from loom.lora_export import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    base_reader,
+    merging,
+    peft_logits,
+    peft_plan,
+)
 from loom.models.hf_folder import INDEX, SINGLE
 from loom.models.registry import export_adapter, family
 from loom.models.spec import ModelSpec
@@ -77,6 +84,9 @@ class RunModel:
     checkpoint: Path
     lora: LoraSettings | None = None
     """A LoRA run's adapters (the model is built with them)."""
+    base: str | None = None
+    seed: int = 0
+    """A LoRA run's source (its --model) and seed: its checkpoint holds no frozen weight."""
 
     def build(self) -> nn.Module:
         if self.spec.name == "transformers":
@@ -103,8 +113,10 @@ def run_model(checkpoint: Path) -> RunModel:
     name = arch.get("family") or ("moe" if arch.get("kind") == "moe" else "llama")
     spec = family(name)
     model_cfg = ModelConfig(**loop["model_args"], family=name)
-    held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint,
-                    LoraSettings.recorded(arch))
+    lora = LoraSettings.recorded(arch)
+    base = run_config(checkpoint).get("model", {}).get("model") if lora else None
+    held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint, lora, base,
+                    loop["settings"].get("seed", 0))
     check_model_bytes(held, manifest, f"checkpoint {checkpoint} is unsafe: loop.json "
                                       "model_args")
     return held
@@ -118,7 +130,8 @@ def check_model_bytes(held: RunModel, manifest: dict[str, Any], source: str) -> 
     one line."""
     with torch.device("meta"):
         model = held.build()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+                  or held.lora is None)  # a LoRA checkpoint holds no frozen weight
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     stored = sum(r["bytes"] for name, r in manifest["files"].items() if DATA_FILE.match(name))
     if weights > stored:
@@ -142,13 +155,36 @@ def read_state(checkpoint: Path, state: dict[str, torch.Tensor]) -> None:
 
 
 def load_run_model(checkpoint: Path) -> tuple[nn.Module, RunModel]:
-    """The checkpoint's whole model in this one process (fp32, training mode)."""
+    """The checkpoint's whole model in this one process (fp32, training mode); a LoRA
+    run's frozen base from the run's source."""
     held = run_model(checkpoint)
     model = held.build()
     state = model.state_dict()
-    read_state(checkpoint, state)
+    frozen = frozen_names(model)
+    read_state(checkpoint, {n: t for n, t in state.items() if n not in frozen})
+    if frozen:
+        read_base = base_reader(held.spec, held.args, held.base, held.seed)
+        for name in frozen:
+            state[name].copy_(read_base(name))
     model.load_state_dict(state)
     return model, held
+
+
+def frozen_names(model: nn.Module) -> set[str]:
+    """The parameters a checkpoint of this (built) model does not hold."""
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def run_reader(held: RunModel, shapes: dict[str, Any]) -> Callable[[str], torch.Tensor]:
+    """Each tensor of the run's model by name: from the checkpoint, or for a LoRA run's
+    frozen base, from the run's source."""
+    saved = reader(held.checkpoint, shapes)
+    if held.lora is None:
+        return saved
+    with torch.device("meta"):
+        frozen = frozen_names(held.build())
+    base = base_reader(held.spec, held.args, held.base, held.seed)
+    return lambda name: base(name) if name in frozen else saved(name)
 
 
 def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Any]:
@@ -210,9 +246,9 @@ def export_plan(held: RunModel, dtype: str, peft: bool = False
         adapter = export_adapter(held.spec, held.args)
     except ConfigError as e:
         raise ConfigError(f"cannot export {held.checkpoint}: {e}; nothing was written") from None
-    args = adapter.settle(held.args, reader(held.checkpoint, shapes))
+    args = adapter.settle(held.args, run_reader(held, shapes))
     if peft:
-        return peft_plan(adapter, args, held.lora, shapes, reader(held.checkpoint, shapes),
+        return peft_plan(adapter, args, held.lora, shapes, run_reader(held, shapes),
                          run_config(held.checkpoint).get("model", {}).get("model"))
     if held.lora is None:
         return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(args, read), shapes
@@ -367,7 +403,7 @@ def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool) -> str
                           "weight (export the model without --peft)")
     config, tensors, shapes = export_plan(held, dtype, peft=True)
     with staged(outdir) as staging:
-        write_weights(staging, tensors, reader(checkpoint, shapes), shapes, DTYPES[dtype],
+        write_weights(staging, tensors, run_reader(held, shapes), shapes, DTYPES[dtype],
                       sys.maxsize, single=WEIGHTS_FILE)
         write_text_atomic(staging / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         checked = ""
@@ -418,7 +454,7 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
     tokenizer_id, text_tokenizer = export_tokenizer(checkpoint, tokenizer, trust_remote_code)
     vocab = config.get("vocab_size", 0)
     with staged(outdir) as staging:
-        n_files = write_weights(staging, tensors, reader(checkpoint, shapes), shapes,
+        n_files = write_weights(staging, tensors, run_reader(held, shapes), shapes,
                                 DTYPES[dtype], max_shard_bytes)
         write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
         covered = text_tokenizer is not None and text_tokenizer.size <= vocab

@@ -22,14 +22,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.config import ConfigError
+from loom.config import ConfigError, ModelConfig
 from loom.lora import LoraSettings, adapted_weights, merged
-from loom.models.spec import HFAdapter
+from loom.models.hf_checkpoint import HFCheckpoint
+from loom.models.spec import HFAdapter, ModelSpec
+from loom.parallel.hf_load import local_folder
+from loom.parallel.init import clean_name, seeded_value
 
 Read = Callable[[str], torch.Tensor]
 PEFT_PREFIX = "base_model.model."
 """What peft puts before the Hugging Face model's own module names."""
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def base_reader(spec: ModelSpec, args: Any, source: str | None, seed: int) -> Read:
+    """The frozen base of a LoRA run by loom name, from where the run took it: its Hugging
+    Face folder (read through the family's adapter, checked against the model first), or
+    drawn from the seed as the run's init drew it."""
+    with torch.device("meta"):
+        plain = spec.build(args)
+    if source is not None and ModelConfig(model=source).from_hub_format:
+        try:
+            folder = local_folder(ModelConfig(model=source))
+            checkpoint = HFCheckpoint(folder, spec.hf[0], args)
+            checkpoint.check(plain, clean_name)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"the base of this LoRA run, {source}, cannot be read: "
+                              f"{e}") from None
+        return checkpoint.read
+    shapes = {name: p.shape for name, p in plain.named_parameters()}
+
+    def draw(name: str) -> torch.Tensor:
+        return seeded_value(shapes[name], plain.init_std(name), seed, name)
+    return draw
 
 
 def merging(read: Read, lora: LoraSettings, names: list[str]) -> Read:

@@ -28,7 +28,9 @@ def clean_name(name: str) -> str:
     return _PARAMETRIZED.sub(r"\1", name)
 
 
-def _full_value(shape: torch.Size, std: float | None, seed: int, name: str) -> torch.Tensor:
+def seeded_value(shape: torch.Size, std: float | None, seed: int, name: str) -> torch.Tensor:
+    """The full initial value of parameter `name` (ones where `std` is None): the same on
+    every rank and for every reader (a LoRA checkpoint's base is drawn again from it)."""
     if std is None:
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -51,7 +53,7 @@ def init_weights(model: nn.Module, seed: int, device: torch.device,
     for name, param in model.named_parameters():
         name = clean_name(name)
         std = added(name)
-        full = _full_value(param.shape, model.init_std(name) if std is None else std, seed,
+        full = seeded_value(param.shape, model.init_std(name) if std is None else std, seed,
                            name)
         _fill(param, full)
     model.init_buffers(device)
@@ -87,7 +89,7 @@ def load_weights(model: nn.Module, device: torch.device,
         name = clean_name(name)
         std = added(name)
         if std is not None:
-            _fill(param, _full_value(param.shape, std, seed, name))
+            _fill(param, seeded_value(param.shape, std, seed, name))
             continue
         if not isinstance(param, DTensor):
             param.copy_(read(name))
