@@ -136,6 +136,13 @@ def plain_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     return (*renamed(model_sd, optim_sd, clean_name), lambda name: own.get(name, name))
 
 
+def saved_model_state(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """The model state a checkpoint holds: all of it but frozen parameters (a LoRA run's
+    base), which the run's source holds and every reader takes from there."""
+    frozen = {clean_name(n) for n, p in model.named_parameters() if not p.requires_grad}
+    return {name: value for name, value in model_sd.items() if name not in frozen}
+
+
 def _local_bytes(state: dict[str, Any]) -> int:
     total = 0
     for value in state.values():
@@ -189,7 +196,8 @@ class Checkpointer:
         self.finish()
         final, tmp = self.root / f"step-{step}", self.root / f".step-{step}.tmp"
         model_sd, optim_sd, _ = plain_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+        state = {"model": saved_model_state(model, model_sd),
+                 "optim": {"state": optim_sd["state"]}}
         loop = {**extra, "param_groups": _groups_to_json(optim_sd["param_groups"])}
         error = None
         if self.rank == 0:
@@ -303,13 +311,14 @@ class Checkpointer:
             raise UnusableCheckpoint(f"checkpoint {path}: it has {len(saved['param_groups'])} "
                                      "optimizer groups, this run "
                                      f"{len(optim_sd['param_groups'])}")
-        state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+        state = {"model": saved_model_state(model, model_sd),
+                 "optim": {"state": optim_sd["state"]}}
         try:
             dcp.load(state, storage_reader=TensorReader(path))
         except CheckpointException as e:  # a BaseException: escapes `except Exception`
             raise UnusableCheckpoint(f"checkpoint {path} cannot be loaded: "
                                      f"{_describe(e)[0]}") from None
-        model_sd, optim_sd = renamed(state["model"], {
+        model_sd, optim_sd = renamed({**model_sd, **state["model"]}, {
             "state": state["optim"]["state"],
             "param_groups": _groups_from_json(saved["param_groups"])}, own_name)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -13,7 +13,9 @@ from pathlib import Path
 from loom.checkpoint_trust import read_loop
 from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
 from loom.evaluate import Evaluator, Validation, build_validation
+from loom.export import run_config
 from loom.logs import setup_logging
+from loom.lora import LoraSettings
 from loom.mesh import ParallelDims
 from loom.modeling import resolve_model
 from loom.runtime import init_distributed, rank_info, teardown
@@ -42,7 +44,22 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     steps = cfg.eval.eval_steps if "eval_steps" in cfg.explicit else 0  # 0: the whole set
     cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False),
                   eval=replace(cfg.eval, eval_steps=steps))
-    return resolve_model(cfg)  # a Hugging Face --model is checked before any rank starts
+    return resolve_model(with_lora(cfg, checkpoint, loop["architecture"]))
+
+
+def with_lora(cfg: JobConfig, checkpoint: Path, arch: dict) -> JobConfig:
+    """A LoRA run's adapters as it trained them, on its base: its checkpoint holds no
+    frozen weight, so the run's Hugging Face --model is read again (a base from loom's
+    init is drawn from the restored seed)."""
+    lora = LoraSettings.recorded(arch)
+    if lora is None:
+        return cfg
+    cfg = replace(cfg, lora=replace(cfg.lora, lora_rank=lora.rank, lora_alpha=lora.alpha,
+                                    lora_targets=",".join(lora.targets)))
+    base = run_config(checkpoint).get("model", {}).get("model")
+    if base is not None and ModelConfig(model=base).from_hub_format:
+        cfg = replace(cfg, model=replace(cfg.model, model=base))
+    return cfg  # a Hugging Face --model is checked before any rank starts
 
 
 def scored_line(checkpoint: Path, name: str, evaluator: Evaluator,

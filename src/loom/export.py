@@ -19,6 +19,7 @@ import struct
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,15 @@ from loom.data.tokenizers import (
     tokenizer_name,
 )
 from loom.logs import setup_logging
+from loom.lora import LoraSettings, apply_lora, merge_adapters
+from loom.lora_export import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    base_reader,
+    merging,
+    peft_logits,
+    peft_plan,
+)
 from loom.models.hf_folder import INDEX, SINGLE
 from loom.models.registry import export_adapter, family
 from loom.models.spec import ModelSpec
@@ -72,11 +82,19 @@ class RunModel:
     args: Any
     model_cfg: ModelConfig
     checkpoint: Path
+    lora: LoraSettings | None = None
+    """A LoRA run's adapters (the model is built with them)."""
+    base: str | None = None
+    seed: int = 0
+    """A LoRA run's source (its --model) and seed: its checkpoint holds no frozen weight."""
 
     def build(self) -> nn.Module:
         if self.spec.name == "transformers":
             return hf_model_from_config(self.model_cfg, dtype=torch.float32)
-        return self.spec.build(self.args)
+        model = self.spec.build(self.args)
+        if self.lora is not None:
+            apply_lora(model, self.lora)
+        return model
 
 
 def run_model(checkpoint: Path) -> RunModel:
@@ -95,7 +113,10 @@ def run_model(checkpoint: Path) -> RunModel:
     name = arch.get("family") or ("moe" if arch.get("kind") == "moe" else "llama")
     spec = family(name)
     model_cfg = ModelConfig(**loop["model_args"], family=name)
-    held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint)
+    lora = LoraSettings.recorded(arch)
+    base = run_config(checkpoint).get("model", {}).get("model") if lora else None
+    held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint, lora, base,
+                    loop["settings"].get("seed", 0))
     check_model_bytes(held, manifest, f"checkpoint {checkpoint} is unsafe: loop.json "
                                       "model_args")
     return held
@@ -109,7 +130,8 @@ def check_model_bytes(held: RunModel, manifest: dict[str, Any], source: str) -> 
     one line."""
     with torch.device("meta"):
         model = held.build()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+                  or held.lora is None)  # a LoRA checkpoint holds no frozen weight
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     stored = sum(r["bytes"] for name, r in manifest["files"].items() if DATA_FILE.match(name))
     if weights > stored:
@@ -133,13 +155,36 @@ def read_state(checkpoint: Path, state: dict[str, torch.Tensor]) -> None:
 
 
 def load_run_model(checkpoint: Path) -> tuple[nn.Module, RunModel]:
-    """The checkpoint's whole model in this one process (fp32, training mode)."""
+    """The checkpoint's whole model in this one process (fp32, training mode); a LoRA
+    run's frozen base from the run's source."""
     held = run_model(checkpoint)
     model = held.build()
     state = model.state_dict()
-    read_state(checkpoint, state)
+    frozen = frozen_names(model)
+    read_state(checkpoint, {n: t for n, t in state.items() if n not in frozen})
+    if frozen:
+        read_base = base_reader(held.spec, held.args, held.base, held.seed)
+        for name in frozen:
+            state[name].copy_(read_base(name))
     model.load_state_dict(state)
     return model, held
+
+
+def frozen_names(model: nn.Module) -> set[str]:
+    """The parameters a checkpoint of this (built) model does not hold."""
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def run_reader(held: RunModel, shapes: dict[str, Any]) -> Callable[[str], torch.Tensor]:
+    """Each tensor of the run's model by name: from the checkpoint, or for a LoRA run's
+    frozen base, from the run's source."""
+    saved = reader(held.checkpoint, shapes)
+    if held.lora is None:
+        return saved
+    with torch.device("meta"):
+        frozen = frozen_names(held.build())
+    base = base_reader(held.spec, held.args, held.base, held.seed)
+    return lambda name: base(name) if name in frozen else saved(name)
 
 
 def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Any]:
@@ -178,9 +223,11 @@ Tensors = Callable[[Callable[[str], torch.Tensor]], Iterator[tuple[str, torch.Te
 """Given a reader of loom tensors by name, the exported (name, tensor) pairs in order."""
 
 
-def export_plan(held: RunModel, dtype: str) -> tuple[dict[str, Any], Tensors, dict[str, Any]]:
+def export_plan(held: RunModel, dtype: str, peft: bool = False
+                ) -> tuple[dict[str, Any], Tensors, dict[str, Any]]:
     """(config.json, the tensors to write, loom shapes by name) of the export; a model with
-    no Hugging Face equivalent fails here, in one line, before anything is written."""
+    no Hugging Face equivalent fails here, in one line, before anything is written. A LoRA
+    run's adapters are merged, or with `peft` are the export (`loom.lora_export`)."""
     with torch.device("meta"):
         model = held.build()
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -199,8 +246,14 @@ def export_plan(held: RunModel, dtype: str) -> tuple[dict[str, Any], Tensors, di
         adapter = export_adapter(held.spec, held.args)
     except ConfigError as e:
         raise ConfigError(f"cannot export {held.checkpoint}: {e}; nothing was written") from None
-    args = adapter.settle(held.args, reader(held.checkpoint, shapes))
-    return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(args, read), shapes
+    args = adapter.settle(held.args, run_reader(held, shapes))
+    if peft:
+        return peft_plan(adapter, args, held.lora, shapes, run_reader(held, shapes),
+                         run_config(held.checkpoint).get("model", {}).get("model"))
+    if held.lora is None:
+        return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(args, read), shapes
+    return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(
+        args, merging(read, held.lora, list(shapes))), shapes
 
 
 def shard_layout(entries: list[tuple[str, torch.Size, torch.dtype]],
@@ -235,13 +288,14 @@ def safetensors_header(shard: list[tuple[str, torch.Size, torch.dtype]]) -> byte
 
 
 def write_weights(folder: Path, tensors: Tensors, read: Callable[[str], torch.Tensor],
-                  shapes: dict[str, Any], dt: torch.dtype, limit: int) -> int:
+                  shapes: dict[str, Any], dt: torch.dtype, limit: int,
+                  single: str = SINGLE) -> int:
     """Stream the exported tensors into safetensors files (one in memory at a time); the
     layout is planned first from meta tensors of the same shapes. Returns the file count."""
     entries = [(name, tuple(t.shape), dt) for name, t in
                tensors(lambda n: torch.empty(shapes[n], device="meta"))]
     shards = shard_layout(entries, limit)
-    files = ([SINGLE] if len(shards) == 1 else
+    files = ([single] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     stream = tensors(read)
     weight_map = {}
@@ -278,8 +332,11 @@ def generation_config(tokenizer: TextTokenizer | None) -> dict[str, Any]:
 def verify_export(folder: Path, checkpoint: Path, dtype: str) -> float:
     """Load the export with transformers (CPU, no remote code) and compare its logits on a
     fixed batch with loom's own model of the checkpoint (its weights rounded to `dtype` as
-    exported); returns the largest difference relative to the largest logit."""
-    model, _ = load_run_model(checkpoint)
+    exported; a LoRA run's adapters merged first, as exported); returns the largest
+    difference relative to the largest logit."""
+    model, held = load_run_model(checkpoint)
+    if held.lora is not None:
+        merge_adapters(model)
     with torch.no_grad():
         for tensor in model.state_dict().values():
             tensor.copy_(tensor.to(DTYPES[dtype]))
@@ -287,14 +344,74 @@ def verify_export(folder: Path, checkpoint: Path, dtype: str) -> float:
     vocab = hf.hf.config.vocab_size
     tokens = torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
+        theirs = hf.eval()(tokens)
+    return compare_logits(model, tokens, theirs, "transformers'")
+
+
+def compare_logits(model: nn.Module, tokens: torch.Tensor, theirs: torch.Tensor,
+                   whose: str) -> float:
+    """The largest difference between loom's logits and `theirs`, relative to loom's
+    largest; a ConfigError above the tolerance."""
+    with torch.no_grad():
         ours = model.eval()(tokens).float()
-        theirs = hf.eval()(tokens).float()
-    diff = float((ours - theirs).abs().max() / ours.abs().max().clamp(min=1e-30))
+    diff = float((ours - theirs.float()).abs().max() / ours.abs().max().clamp(min=1e-30))
     if not diff <= VERIFY_TOLERANCE:
-        raise ConfigError(f"export check failed: transformers' logits differ from loom's by "
+        raise ConfigError(f"export check failed: {whose} logits differ from loom's by "
                           f"{diff:.2e} of the largest (tolerance {VERIFY_TOLERANCE:g}); "
                           "nothing was written")
     return diff
+
+
+@contextmanager
+def staged(outdir: Path) -> Iterator[Path]:
+    """A staging folder beside `outdir` whose files are moved into it only when the block
+    succeeds (the folder is removed when it fails): no half-written export."""
+    staging = outdir.parent / f".{outdir.name}.partial"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    outdir.mkdir(parents=True, exist_ok=True)
+    for item in staging.iterdir():
+        item.replace(outdir / item.name)
+    staging.rmdir()
+
+
+def check_peft(folder: Path, checkpoint: Path, base: str, dtype: str) -> float:
+    """peft loads the adapter folder on the run's base folder with loom's logits (its
+    adapters rounded to `dtype` as exported)."""
+    model, _ = load_run_model(checkpoint)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if ".lora_" in name:
+                tensor.copy_(tensor.to(DTYPES[dtype]))
+    hf = load_hf_model(ModelConfig(model=base)).hf
+    tokens = torch.randint(hf.config.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(0))
+    return compare_logits(model, tokens, peft_logits(folder, hf, tokens), "peft's")
+
+
+def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool) -> str:
+    """Write a LoRA run's adapters as a PEFT folder (`loom.lora_export`), checked by peft."""
+    held = run_model(checkpoint)
+    if held.lora is None:
+        raise ConfigError(f"--peft needs a LoRA run's checkpoint; {checkpoint} trained every "
+                          "weight (export the model without --peft)")
+    config, tensors, shapes = export_plan(held, dtype, peft=True)
+    with staged(outdir) as staging:
+        write_weights(staging, tensors, run_reader(held, shapes), shapes, DTYPES[dtype],
+                      sys.maxsize, single=WEIGHTS_FILE)
+        write_text_atomic(staging / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+        checked = ""
+        if verify:
+            diff = check_peft(staging, checkpoint, config["base_model_name_or_path"], dtype)
+            checked = f"; checked: peft's logits match loom's (max diff {diff:.1e})"
+    return (f"PEFT LoRA adapter, rank {held.lora.rank}, {len(config['target_modules'])} "
+            f"modules, base {config['base_model_name_or_path']}{checked}")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -336,12 +453,8 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
     config, tensors, shapes = export_plan(held, dtype)
     tokenizer_id, text_tokenizer = export_tokenizer(checkpoint, tokenizer, trust_remote_code)
     vocab = config.get("vocab_size", 0)
-    staging = outdir.parent / f".{outdir.name}.partial"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
-        n_files = write_weights(staging, tensors, reader(checkpoint, shapes), shapes,
+    with staged(outdir) as staging:
+        n_files = write_weights(staging, tensors, run_reader(held, shapes), shapes,
                                 DTYPES[dtype], max_shard_bytes)
         write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
         covered = text_tokenizer is not None and text_tokenizer.size <= vocab
@@ -353,13 +466,6 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
         if verify:
             diff = verify_export(staging, checkpoint, dtype)
             checked = f"; checked: transformers' logits match loom's (max diff {diff:.1e})"
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    outdir.mkdir(parents=True, exist_ok=True)
-    for item in staging.iterdir():
-        item.replace(outdir / item.name)
-    staging.rmdir()
     shown = tokenizer_id or SHIPPED_FLAG
     what = (f"model and tokenizer {shown}" if covered else
             f"model only: tokenizer {shown} not found" if text_tokenizer is None else
@@ -379,6 +485,9 @@ def main(argv: Sequence[str]) -> int:
                         "index)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip loading the export with transformers to compare logits")
+    parser.add_argument("--peft", action="store_true",
+                        help="a LoRA run: write its adapters as a PEFT adapter folder for the "
+                        "run's base model (default: the merged model)")
     parser.add_argument("--verbose", action="store_true", help="show upstream notices")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the code the run's tokenizer folder or repo ships")
@@ -393,9 +502,13 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: {opts.checkpoint} is not a loom checkpoint folder", file=sys.stderr)
         return 2
     try:
-        written = export(opts.checkpoint, opts.outdir, opts.dtype, opts.trust_remote_code,
-                         verify=not opts.no_verify, max_shard_bytes=opts.max_shard_bytes,
-                         tokenizer=opts.tokenizer_name)
+        if opts.peft:
+            written = export_peft(opts.checkpoint, opts.outdir, opts.dtype,
+                                  verify=not opts.no_verify)
+        else:
+            written = export(opts.checkpoint, opts.outdir, opts.dtype, opts.trust_remote_code,
+                             verify=not opts.no_verify, max_shard_bytes=opts.max_shard_bytes,
+                             tokenizer=opts.tokenizer_name)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@
   tensor parallel and the rest of the recipe (e.g. swapping linears for float8 ones, or
   quantisation-aware-training wrappers). Parameter names it keeps are those the init and
   the checkpoints see.
+  A converter that adds parameters (LoRA's adapters) says how they are initialised: they
+  are drawn from the seed even when the model's own weights come from a checkpoint.
 - A **step hook** runs after every optimizer step that updated the weights (e.g. float8
   scale precompute, an EMA of the weights, the MoE expert-bias update) and may return
   metrics for the step's row.
@@ -41,6 +43,13 @@ class ModelConverter:
     name: str
     enabled: Enabled
     convert: Callable[[nn.Module, JobConfig], None]
+    added_std: Callable[[str, JobConfig], float | None] | None = None
+    """For the parameters the converter adds (no checkpoint or Hugging Face folder holds
+    them: they are drawn from the seed even when the model is loaded), their initial std
+    (0.0: zeros); None for every other name."""
+    traced: bool = True
+    """Whether `loom plan`'s fake-tensor trace applies it (float8's torchao modules are not
+    followed there yet)."""
 
 
 @dataclass(frozen=True)
@@ -72,10 +81,26 @@ def active_step_hooks(cfg: JobConfig) -> list[StepHook]:
     return [h for h in _STEP_HOOKS.values() if h.enabled(cfg)]
 
 
-def convert_model(part: nn.Module, cfg: JobConfig) -> None:
-    """Apply every enabled converter, in registration order, to one model part."""
+def convert_model(part: nn.Module, cfg: JobConfig, traced_only: bool = False) -> None:
+    """Apply every enabled converter, in registration order, to one model part
+    (`traced_only`: those `loom plan` traces)."""
     for converter in active_converters(cfg):
-        converter.convert(part, cfg)
+        if converter.traced or not traced_only:
+            converter.convert(part, cfg)
+
+
+def added_parameter_std(cfg: JobConfig) -> Callable[[str], float | None]:
+    """The initial std of a parameter an enabled converter added, by name; None for the
+    model's own parameters (the model's init or its source fills those)."""
+    adders = [c.added_std for c in active_converters(cfg) if c.added_std is not None]
+
+    def std(name: str) -> float | None:
+        for added in adders:
+            value = added(name, cfg)
+            if value is not None:
+                return value
+        return None
+    return std
 
 
 def after_optimizer_step(context: StepContext) -> dict[str, float]:

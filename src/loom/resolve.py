@@ -18,6 +18,7 @@ import torch
 
 from loom.config import JobConfig, validate
 from loom.data.loaders import build_datasets
+from loom.lora import resolve_lora_targets
 from loom.losses import resolve_loss_impl
 from loom.mesh import ParallelDims
 from loom.modeling import model_args, plain_model, resolve_model
@@ -81,6 +82,7 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
         raise ValueError("the model was resolved after the mesh was built; call "
                          "loom.modeling.resolve_model on the flags first")
     cfg = resolve_hf_model(cfg, info.local_rank)
+    cfg = resolve_lora_targets(cfg)
     validate(cfg)  # the facts added below come from loom itself, not from the user
     check_fits(cfg, dims, device)
     dataset, val_datasets, cfg = build_datasets(cfg, info.local_rank)

@@ -226,6 +226,10 @@ def architecture(cfg: JobConfig, args: ModelArgs) -> dict[str, Any]:
     arch.update({f: getattr(args, f) for f in names})
     if kind == "moe":
         arch.update({f: getattr(m, f) for f in _MOE_FIELDS})
+    lo = cfg.lora
+    if lo.lora_rank:  # the adapters' shapes, and the scale an export merges with
+        arch.update(lora_rank=lo.lora_rank, lora_alpha=repr(float(lo.lora_alpha)),
+                    lora_targets=lo.lora_targets)  # (the schema holds integers and names)
     return arch
 
 

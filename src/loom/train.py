@@ -18,6 +18,7 @@ from torch import nn
 
 from loom import flight
 from loom import float8 as _float8  # noqa: F401  (registers the --float8 converter and hook)
+from loom import lora as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.checkpoint import Checkpointer, LoopState
 from loom.config import ConfigError, JobConfig
 from loom.data.loaders import build_dataloader, end_of_text, on_node_leaders
@@ -27,7 +28,13 @@ from loom.errors import NonFiniteLossError, Preempted
 from loom.evaluate import build_evaluator
 from loom.executor import build_executor
 from loom.export import export
-from loom.extensions import StepContext, active_step_hooks, after_optimizer_step, convert_model
+from loom.extensions import (
+    StepContext,
+    active_step_hooks,
+    added_parameter_std,
+    after_optimizer_step,
+    convert_model,
+)
 from loom.host_hygiene import ScheduledGC
 from loom.host_memory import retain_freed_memory
 from loom.memory_snapshot import MemorySnapshots
@@ -189,9 +196,11 @@ class Trainer:
             parts = split_stages(whole, cfg.parallel, self.dims)
         if cfg.model.from_hub_format:
             read = open_native_checkpoint(cfg, whole).read
-            fill = partial(load_weights, device=self.device, read=read)
+            fill = partial(load_weights, device=self.device, read=read, seed=self.seed,
+                           added=added_parameter_std(cfg))
         else:
-            fill = partial(init_weights, seed=self.seed, device=self.device)
+            fill = partial(init_weights, seed=self.seed, device=self.device,
+                           added=added_parameter_std(cfg))
         for part in parts:
             convert_model(part, cfg)  # float8, QAT...: before tensor parallel sees the modules
             parallelize(part, self.dims, cfg.parallel,

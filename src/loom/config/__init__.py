@@ -9,6 +9,7 @@ from loom.config.schema import (
     DataConfig,
     EvalConfig,
     JobConfig,
+    LoraConfig,
     LossConfig,
     ModelConfig,
     OptimConfig,
@@ -22,7 +23,7 @@ from loom.errors import ConfigError
 
 __all__ = [
     "HELP_GROUPS", "SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
-    "JobConfig", "LossConfig", "ModelConfig", "OptimConfig", "OutputConfig", "ParallelConfig",
-    "TrainConfig", "build_parser", "check_expert_layout", "config_from_flags", "parse_args",
-    "validate",
+    "JobConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig", "OutputConfig",
+    "ParallelConfig", "TrainConfig", "build_parser", "check_expert_layout", "config_from_flags",
+    "parse_args", "validate",
 ]

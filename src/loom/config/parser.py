@@ -29,8 +29,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 HELP_GROUPS = {"model": "model (and MoE)", "parallel": "parallel", "optim": "optimisation",
-               "train": "training", "checkpoint": "checkpoint", "loss": "loss", "data": "data",
-               "eval": "validation", "output": "output"}
+               "lora": "LoRA", "train": "training", "checkpoint": "checkpoint", "loss": "loss",
+               "data": "data", "eval": "validation", "output": "output"}
 """`loom train --help` groups, in the order of the README's flag table; every section of
 `JobConfig` must be listed (a test checks it), or its flags would not exist."""
 

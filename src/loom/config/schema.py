@@ -173,6 +173,18 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    lora_rank: int = flag(0, "LoRA: train rank-r adapters on the targeted linears and freeze "
+                          "every other weight (0 = off: full fine-tuning)")
+    lora_alpha: float = flag(16.0, "LoRA: the adapters' output is scaled by alpha / rank")
+    lora_dropout: float = flag(0.0, "LoRA: dropout on the adapters' input (training only)")
+    lora_targets: str | None = flag(
+        None, "LoRA: comma-separated linears within each block, by the family's module "
+        "names; a name without a dot keeps the previous one's parent (attention.wq,wk,wv,wo); "
+        "default: the family's (Llama: every attention and MLP projection)", type=str)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     epochs: int = flag(5, "passes over the dataset")
     batch_size: int = flag(1, "samples per data-parallel rank per step")
@@ -330,6 +342,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)

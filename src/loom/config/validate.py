@@ -203,6 +203,30 @@ def _validate_float8(cfg: JobConfig) -> None:
     require_module("torchao", f"--float8 {p.float8}", "float8")
 
 
+def _validate_lora(cfg: JobConfig) -> None:
+    """--lora-* values and layouts LoRA is not wired for, one line each (the targets are
+    checked against the model in `loom.resolve`)."""
+    lo, p = cfg.lora, cfg.parallel
+    if lo.lora_rank < 0 or not lo.lora_alpha > 0 or not 0.0 <= lo.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-rank must be >= 0, --lora-alpha > 0 and --lora-dropout in "
+                          f"[0, 1), got {lo.lora_rank}, {lo.lora_alpha} and {lo.lora_dropout}")
+    if not lo.lora_rank:
+        if lo.lora_targets is not None or lo.lora_dropout:
+            raise ConfigError("--lora-targets and --lora-dropout need --lora-rank")
+        return
+    refusals = {
+        "transformers' module (--model-impl native imports it where a family serves it)":
+            cfg.model.runs_transformers,
+        f"--float8 {p.float8} (both swap the same linears)": p.float8 != "off",
+        "--data-parallel simple-fsdp (its parametrization is untested with frozen weights)":
+            p.data_parallel != "fsdp2",
+        f"--pp {p.pp} (untested with LoRA; use --pp 1)": p.pp > 1,
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise ConfigError(f"--lora-rank does not run with {what}")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
@@ -264,6 +288,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_cp(cfg)
     _validate_doc_mask(cfg)
     _validate_float8(cfg)
+    _validate_lora(cfg)
     validate_pipeline(cfg)
     if m.runs_transformers and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "

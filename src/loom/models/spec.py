@@ -140,6 +140,9 @@ class ModelSpec:
     None: all of them."""
     hf: tuple[HFAdapter, ...] = ()
     """Hugging Face architectures served natively by this family."""
+    lora_targets: tuple[str, ...] = ()
+    """The linears within a block that `--lora-rank` adapts by default (module paths
+    relative to the block); empty: the user names them with --lora-targets."""
     description: str = ""
 
     def part(self, model: nn.Module, name: str | None) -> nn.Module | None:

@@ -28,27 +28,45 @@ def clean_name(name: str) -> str:
     return _PARAMETRIZED.sub(r"\1", name)
 
 
-def _full_value(shape: torch.Size, std: float | None, seed: int, name: str) -> torch.Tensor:
+def seeded_value(shape: torch.Size, std: float | None, seed: int, name: str) -> torch.Tensor:
+    """The full initial value of parameter `name` (ones where `std` is None): the same on
+    every rank and for every reader (a LoRA checkpoint's base is drawn again from it)."""
     if std is None:
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.randn(shape, generator=gen) * std
 
 
+Added = Callable[[str], float | None]
+"""The initial std of a parameter a model converter added (None: the model's own)."""
+
+
+def _no_added(name: str) -> float | None:
+    return None
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+def init_weights(model: nn.Module, seed: int, device: torch.device,
+                 added: Added = _no_added) -> None:
     """Materialise a meta-built model on `device` and fill every parameter from the seed."""
     model.to_empty(device=device)
     for name, param in model.named_parameters():
         name = clean_name(name)
-        full = _full_value(param.shape, model.init_std(name), seed, name)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements,
-                                      src_data_rank=None).to_local()
-            param.to_local().copy_(local)
-        else:
-            param.copy_(full)
+        std = added(name)
+        full = seeded_value(param.shape, model.init_std(name) if std is None else std, seed,
+                           name)
+        _fill(param, full)
     model.init_buffers(device)
+
+
+def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the full value (drawn identically on every rank)."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements,
+                                  src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
 
 
 def is_source(tensor: DTensor) -> bool:
@@ -59,14 +77,20 @@ def is_source(tensor: DTensor) -> bool:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, device: torch.device,
-                 read: Callable[[str], torch.Tensor]) -> None:
+                 read: Callable[[str], torch.Tensor], seed: int = 0,
+                 added: Added = _no_added) -> None:
     """Materialise a meta-built, parallelized model on `device` and fill every parameter
     with `read(name)`, the full tensor, which only the first rank of each parameter's mesh
     calls; `distribute_tensor` scatters the shards from it. Host memory per reader: its
-    shards plus one full tensor at a time."""
+    shards plus one full tensor at a time. Parameters a converter added (`added`) are in
+    no source: drawn from `seed` as `init_weights` draws them."""
     model.to_empty(device=device)
     for name, param in model.named_parameters():
         name = clean_name(name)
+        std = added(name)
+        if std is not None:
+            _fill(param, seeded_value(param.shape, std, seed, name))
+            continue
         if not isinstance(param, DTensor):
             param.copy_(read(name))
             continue

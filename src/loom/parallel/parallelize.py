@@ -37,13 +37,24 @@ SINGLE_DEVICE = DataParallelStrategy(apply_single_device, whole_graph=True)
 """One process (`loom.parallel.single`): no wrapper, so nothing splits the compiled graph."""
 
 
+def refreeze(model: nn.Module, frozen: set[str]) -> None:
+    """Freeze the named parameters again: torch's SequenceParallel re-creates a norm's
+    weight as a new Parameter that requires grad, whatever the old one did (a model
+    converter such as LoRA freezes weights before tensor parallel)."""
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
                 loss_parallel: bool, backend: str) -> nn.Module:
     """Apply every enabled parallelism to a model, in place: a meta-device one gets meta
     shards (to be materialised and filled), a CPU-resident one real shards."""
     plan = model_plan(model)
     if plan.tensor_parallel is not None:
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         plan.tensor_parallel(dims, loss_parallel)
+        refreeze(model, frozen)
     elif dims.tp_enabled:
         raise ValueError(f"{type(model).__name__} runs at tp 1 (config resolution forces it)")
     if dims.tp_enabled:

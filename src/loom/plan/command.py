@@ -17,6 +17,7 @@ import torch
 from loom.config import ConfigError, JobConfig, parse_args, validate
 from loom.data.cache import default_cache_dir
 from loom.logs import setup_logging
+from loom.lora import resolve_lora_targets
 from loom.losses import resolve_loss_impl
 from loom.mesh import ParallelDims
 from loom.modeling import resolve_model
@@ -142,7 +143,7 @@ def main(argv: Sequence[str]) -> int:
         if options.world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {options.world_size}")
         device_memory = parse_size(options.device_memory)
-        cfg = resolve_model(parse_args(train_argv))
+        cfg = resolve_lora_targets(resolve_model(parse_args(train_argv)))
         validate(cfg)  # the model a Hugging Face folder filled in, checked as train checks it
         p = cfg.parallel
         cfg = replace(cfg, parallel=replace(

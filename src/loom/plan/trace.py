@@ -23,7 +23,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from loom import lora as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.config import JobConfig
+from loom.extensions import convert_model
 from loom.losses import Criterion, build_criterion
 from loom.losses.cross_entropy import localise
 from loom.mesh import ParallelDims
@@ -168,6 +170,7 @@ def trace_step(cfg: JobConfig, world_size: int,
     if stage is not None:
         n = cfg.model.n_layers
         model = stage_module(model, range(0 if stage.first else 1, n + 2 if stage.last else n + 1))
+    convert_model(model, cfg, traced_only=True)  # LoRA: frozen base, adapters' optimizer state
     with quiet():
         parallelize(model, dims, cfg.parallel,
                     loss_parallel=cfg.loss.loss_impl == "loss-parallel", backend="gloo")

@@ -16,7 +16,11 @@ def dense_args(m: ModelConfig) -> ModelArgs:
     return ModelArgs(**{f.name: getattr(m, f.name) for f in fields(ModelArgs)})
 
 
+LORA_TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+"""Every attention and MLP projection: what LoRA adapts by default (QLoRA's choice)."""
+
 LLAMA = ModelSpec(
     name="llama", model_cls=Transformer, args_from_config=dense_args, build=Transformer,
-    plan=dense_plan, hf=(LlamaAdapter(),),
+    plan=dense_plan, hf=(LlamaAdapter(),), lora_targets=LORA_TARGETS,
     description="GQA attention with RoPE (Llama 3.1 scaling), SwiGLU, RMSNorm")

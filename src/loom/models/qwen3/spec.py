@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from loom.config import ModelConfig
 from loom.models.llama.model import ModelArgs, Transformer
-from loom.models.llama.spec import dense_args
+from loom.models.llama.spec import LORA_TARGETS, dense_args
 from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.models.moe.spec import moe_args, moe_block_cost, moe_plan
 from loom.models.qwen3.hf import Qwen3Adapter, Qwen3MoeAdapter
@@ -26,7 +26,7 @@ def qwen3_moe_args(m: ModelConfig) -> MoEArgs:
 
 QWEN3 = ModelSpec(
     name="qwen3", model_cls=Transformer, args_from_config=qwen3_args, build=Transformer,
-    plan=dense_plan, hf=(Qwen3Adapter(),),
+    plan=dense_plan, hf=(Qwen3Adapter(),), lora_targets=LORA_TARGETS,
     description="Llama with per-head q/k RMSNorm and an explicit head width")
 
 QWEN3_MOE = ModelSpec(
