@@ -114,8 +114,11 @@ def with_layers(cfg: JobConfig, n_layers: int) -> JobConfig:
 
 def traceable(cfg: JobConfig) -> JobConfig:
     """Dynamo cannot compile under the tracker's dispatch modes, so the trace runs eager
-    blocks (`loom.plan.memory` applies what compile saves) and `traced_criterion`."""
-    return replace(cfg, parallel=replace(cfg.parallel, compile=False))
+    blocks (`loom.plan.memory` applies what compile saves) and `traced_criterion`. The
+    tracker follows FSDP2 units, so a one-process plan traces FSDP2 at one rank: the same
+    parameters, gradients and optimizer state as the unwrapped model training runs, plus
+    FSDP2's unshard buffers (the plan errs high by those)."""
+    return replace(cfg, parallel=replace(cfg.parallel, compile=False, single_device="fsdp2"))
 
 
 def traced_criterion(cfg: JobConfig, head: torch.nn.Module | None, tp: int) -> Criterion:
