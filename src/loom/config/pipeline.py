@@ -110,9 +110,6 @@ def validate_pipeline(cfg: JobConfig) -> None:
                           "interleaved-1f1b for --pp-stages-per-rank > 1")
     if p.pp_schedule in LOOPED and per_rank < 2:
         raise ConfigError(f"--pp-schedule {p.pp_schedule} needs --pp-stages-per-rank >= 2")
-    if per_rank > 1 and (cfg.checkpoint.checkpoint_interval or cfg.checkpoint.resume):
-        raise ConfigError("checkpoints with several pipeline stages per rank are not wired yet "
-                          "(their keys would not match other layouts); use one stage per rank")
     units = m.n_layers + 2  # the embedding and the head count as layers
     if p.pp * per_rank > units:
         raise ConfigError(f"--pp {p.pp} x {per_rank} stages per rank exceeds the "
