@@ -84,10 +84,6 @@ REFUSALS: tuple[Refusal, ...] = (
                       "(pipeline stages do not shard sequences); use one of them",
             "loom: the stages' meta inputs and the schedule's micro-batches are whole "
             "sequences; not wired yet"),
-    Refusal((("cp", "simple-fsdp"),), lambda c: _cp(c) and _simple(c),
-            lambda c: f"--cp {c.parallel.cp} needs --data-parallel fsdp2 (SimpleFSDP does "
-                      "not reduce gradients over cp yet)",
-            "loom: SimpleFSDP's gradient reduction spans dp only, not dp x cp; not wired yet"),
     Refusal((), lambda c: _cp(c) and bool(c.model.n_experts) and c.model.aux_loss_coeff > 0,
             lambda c: f"--cp {c.parallel.cp} with --aux-loss-coeff {c.model.aux_loss_coeff}: "
                       "the sequence-wise balance loss needs whole sequences, and cp ranks "
@@ -166,6 +162,8 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                   "test_activation_checkpointing_matches_plain_run[block-tp2]",
     ("pp-1f1b", "ac"): "tests/test_pipeline_parity.py::"
                        "test_pipeline_layout_matches_single_process_slow[pp2_ac]",
+    ("cp", "simple-fsdp"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process"
+                           "[cp2_simple_fsdp]",
     ("cp", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process[cp2_ep2]",
     ("cp", "fused-linear"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process"
                             "[cp2_fused_linear]",
