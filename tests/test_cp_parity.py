@@ -46,6 +46,7 @@ SLOW_LAYOUTS = {
     "cp2_tp2_selective_ac": (4, ["--cp", "2", "--tp", "2", "--ac", "selective",
                                  "--loss-impl", "loss-parallel"]),
     "cp2_hsdp": (4, ["--cp", "2", "--dp-replicate", "2", "--dp-shard", "1"]),
+    "cp2_tp2_simple_fsdp": (4, ["--cp", "2", "--tp", "2", "--data-parallel", "simple-fsdp"]),
     "cp2_chunked": (2, ["--cp", "2", "--loss-impl", "chunked", "--loss-chunk-size", "16"]),
     "cp2_chunked_backward": (2, ["--cp", "2", "--loss-impl", "chunked-backward",
                                  "--loss-chunk-size", "16"]),

@@ -34,11 +34,12 @@ FEATURES: dict[str, dict[str, object]] = {
     "simple-fsdp": {"data_parallel": "simple-fsdp"},
     "float8": {"float8": "tensorwise"},
     "fused-linear": {"loss_impl": "fused-linear"},
-    "loss-parallel": {"loss_impl": "loss-parallel"},
+    "loss-parallel": {"loss_impl": "loss-parallel", "tp": 2},  # at tp 1 it runs "compiled"
     "compile": {"compile": True},
     "ac": {"activation_checkpoint": "block"},
 }
-"""Feature -> the flags (config_from_flags keys) that turn it on, at degree 2."""
+"""Feature -> the flags (config_from_flags keys) that turn it on, at degree 2. loss-parallel
+brings tp 2: at tp 1 it falls back to the compiled loss (`loom.losses.dispatch`)."""
 
 SAME_FLAG = {frozenset(("pp-1f1b", "pp-interleaved")): "--pp-schedule",
              frozenset(("fused-linear", "loss-parallel")): "--loss-impl"}
@@ -90,7 +91,8 @@ REFUSALS: tuple[Refusal, ...] = (
                       "hold parts of them (use the default aux-loss-free balancing)",
             "MoE's sequence-wise balance loss (--aux-loss-coeff > 0) needs whole sequences; "
             "cp ranks hold parts of them"),
-    Refusal((("tp", "float8"),), lambda c: _float8(c) and c.parallel.tp > 1,
+    Refusal((("tp", "float8"), ("float8", "loss-parallel")),
+            lambda c: _float8(c) and c.parallel.tp > 1,
             lambda c: f"--float8 with --tp {c.parallel.tp} is not wired yet (torchao's "
                       "float8 tensor-parallel styles are not in loom's TP plan); use --tp 1",
             "loom: torchao's Float8ColwiseParallel / Float8RowwiseParallel are not in loom's "
@@ -107,7 +109,8 @@ REFUSALS: tuple[Refusal, ...] = (
             "loom: the schedules' per-micro-batch gradient sync is FSDP2's "
             "(set_requires_gradient_sync); SimpleFSDP stages have no such hook; not wired "
             "yet"),
-    Refusal((), _pp_tp_vocab_loss,
+    Refusal((("pp-1f1b", "loss-parallel"), ("pp-interleaved", "loss-parallel")),
+            _pp_tp_vocab_loss,
             lambda c: f"--pp with --tp and --loss-impl {c.loss.loss_impl} is not wired yet "
                       "(the last stage would hand the loss a tp-sharded DTensor); use another "
                       "--loss-impl",
@@ -133,8 +136,6 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                             "test_dp2_tensorwise_with_float8_all_gather_tracks_the_plain_run",
     ("dp_shard", "fused-linear"): "tests/integration/test_losses_multirank.py::"
                                   "test_five_step_losses_match_eager[dp2/fused-linear]",
-    ("dp_shard", "loss-parallel"): "tests/integration/test_losses_multirank.py::"
-                                   "test_five_step_losses_match_eager[dp2/loss-parallel]",
     ("dp_shard", "compile"): "tests/integration/test_knobs.py::"
                              "test_compile_matches_plain_run[compile-dp2]",
     ("dp_shard", "ac"): "tests/integration/test_knobs.py::"
@@ -187,8 +188,6 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
     ("pp-1f1b", "ep"): "tests/test_pipeline_parity.py::test_moe_pp2_ep2_matches_single_process",
     ("pp-1f1b", "fused-linear"): "tests/test_pipeline_parity.py::test_pipeline_layout_"
                                  "matches_single_process_slow[pp2_fused_linear]",
-    ("pp-1f1b", "loss-parallel"): "tests/test_pipeline_parity.py::test_pipeline_layout_"
-                                  "matches_single_process_slow[pp2_loss_parallel]",
     ("pp-interleaved", "ac"): "tests/test_pipeline_parity.py::test_pipeline_layout_"
                               "matches_single_process_slow[pp2_interleaved_ac]",
     ("dp_replicate", "compile"): "tests/test_simple_fsdp_parity.py::test_slow_cases_"
@@ -203,13 +202,13 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
 UNTESTED: frozenset[frozenset[str]] = frozenset(frozenset(pair) for pair in (
     ("dp_replicate", "tp"), ("dp_replicate", "pp-1f1b"), ("dp_replicate", "pp-interleaved"),
     ("dp_replicate", "float8"), ("dp_replicate", "fused-linear"),
-    ("dp_replicate", "loss-parallel"), ("dp_replicate", "ac"),
+    ("dp_replicate", "loss-parallel"), ("dp_replicate", "ac"), ("dp_shard", "loss-parallel"),
     ("pp-1f1b", "float8"), ("pp-1f1b", "compile"),
     ("pp-interleaved", "ep"), ("pp-interleaved", "float8"), ("pp-interleaved", "fused-linear"),
-    ("pp-interleaved", "loss-parallel"), ("pp-interleaved", "compile"),
+    ("pp-interleaved", "compile"),
     ("cp", "float8"), ("ep", "float8"), ("ep", "fused-linear"), ("ep", "loss-parallel"),
     ("simple-fsdp", "fused-linear"), ("simple-fsdp", "loss-parallel"),
-    ("float8", "fused-linear"), ("float8", "loss-parallel"), ("float8", "compile"),
+    ("float8", "fused-linear"), ("float8", "compile"),
     ("float8", "ac"), ("fused-linear", "compile"), ("fused-linear", "ac"),
     ("loss-parallel", "compile"),
 ))
