@@ -1,6 +1,5 @@
-"""Which parallelism features compose: the one refusal table validation raises from, and the
-composition matrix of docs/parallelism.md generated from it
-(`python -m loom.config.compose --write docs/parallelism.md`).
+"""Which parallelism features compose: the one refusal table validation raises from, which
+docs/parallelism.md's composition matrix is generated from (`loom.config.matrix`).
 
 Every refusal of a combination of features lives in `REFUSALS`; `refuse_combinations` is
 what `loom.config.validate` calls, so the docs' matrix and the check are the same table.
@@ -11,11 +10,9 @@ the pair), or listed in `UNTESTED`: accepted by validation, without a parity tes
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
-from pathlib import Path
 
 from loom.config.schema import JobConfig
 from loom.errors import ConfigError
@@ -243,44 +240,3 @@ def cell(a: str, b: str) -> tuple[str, str]:
     if pair in TESTED:
         return "composes", TESTED[pair]
     return "untested", "accepted; no parity test yet"
-
-
-BEGIN, END = "<!-- composition-matrix:begin -->", "<!-- composition-matrix:end -->"
-_MARK = {"composes": "✓", "refused": "✗", "untested": "?", "same flag": "—"}
-
-
-def render() -> str:
-    """The matrix section of docs/parallelism.md, between its markers."""
-    names = list(FEATURES)
-    lines = [BEGIN, "", "Generated from `src/loom/config/compose.py` by `python -m "
-             "loom.config.compose --write docs/parallelism.md`; ✓ composes (the test below "
-             "runs it), ✗ refused (why below), ? accepted but no parity test yet, — two "
-             "values of one flag.", "",
-             "| | " + " | ".join(f"`{n}`" for n in names) + " |",
-             "|---" * (len(names) + 1) + "|"]
-    for a in names:
-        row = [_MARK[cell(a, b)[0]] if a != b else "" for b in names]
-        lines.append(f"| `{a}` | " + " | ".join(row) + " |")
-    lines += ["", f"Each cell (reasons checked on torch {TORCH_CHECKED}):", ""]
-    for a, b in pairs():
-        status, detail = cell(a, b)
-        shown = f"`{detail}`" if status == "composes" else detail
-        lines.append(f"- `{a}` × `{b}`: {status}: {shown}")
-    others = [r.why for r in REFUSALS if not r.cells]
-    lines += ["", "Further refused combinations:", "", *(f"- {why}" for why in others), "",
-              END]
-    return "\n".join(lines)
-
-
-def with_matrix(text: str) -> str:
-    """`text` with its matrix section replaced by the generated one."""
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    return text[:start] + render() + text[end:]
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--write"]:
-        page = Path(sys.argv[2])
-        page.write_text(with_matrix(page.read_text()))
-    else:
-        print(render())
