@@ -1,7 +1,7 @@
 """Pipeline parity: the same seed and global batch on 1 process and under pipeline parallel
 (each working schedule, and pp composed with dp, tp, AC, gradient accumulation and the
-fused-linear loss at tp 1) give the same first-step gradients, per-step losses, gradient
-norms and final parameters (fp32).
+fused-linear and loss-parallel losses) give the same first-step gradients, per-step
+losses, gradient norms and final parameters (fp32).
 
 Gradients and parameters are gathered from every stage, so a stage that trains the wrong
 layers, or a loss weighted per micro-batch instead of per token, shows up by name.
@@ -34,6 +34,7 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "pp2_dp2": (4, 2, [*PP2, "--dp-shard", "2"]),
     "pp2_tp2": (4, 1, [*PP2, "--tp", "2"]),
     "pp2_tp2_interleaved": (4, 1, [*PP2, "--tp", "2", "--pp-schedule", "interleaved-1f1b"]),
+    "pp2_tp2_loss_parallel": (4, 1, [*PP2, "--tp", "2", "--loss-impl", "loss-parallel"]),
 }
 SLOW_LAYOUTS = {
     "pp2_gpipe": (2, 1, [*PP2, "--pp-schedule", "gpipe"]),
@@ -41,6 +42,7 @@ SLOW_LAYOUTS = {
     "pp2_accum": (2, 1, [*PP2, "--grad-accum-steps", "2", "--pp-microbatches", "2"]),
     "pp2_interleaved_ac": (2, 1, [*PP2, "--pp-schedule", "interleaved-1f1b", "--ac", "block"]),
     "pp2_fused_linear": (2, 1, [*PP2, "--loss-impl", "fused-linear"]),
+    "pp2_tp2_fused_linear": (4, 1, [*PP2, "--tp", "2", "--loss-impl", "fused-linear"]),
 }
 
 

@@ -81,9 +81,11 @@ def test_each_cell_is_what_validation_does(a: str, b: str,
     assert str(raised.value) == refusal.message(seen[0])
 
 
-def test_pp_tp_refuses_fused_linear_the_triple_the_matrix_does_not_show() -> None:
-    with pytest.raises(ConfigError, match="--loss-impl fused-linear is not wired yet"):
-        config_from_flags({**BASE, "pp": 2, "tp": 2, "loss_impl": "fused-linear"}, environ={})
+def test_pp_with_tp_takes_the_vocabulary_parallel_losses() -> None:
+    """Refused until #45; pp2 x tp2 parity cases run both."""
+    for loss in ("fused-linear", "loss-parallel"):
+        cfg = config_from_flags({**BASE, "pp": 2, "tp": 2, "loss_impl": loss}, environ={})
+        assert cfg.loss.loss_impl == loss
 
 
 def test_each_tested_cell_names_a_collected_test() -> None:

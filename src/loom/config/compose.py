@@ -70,11 +70,6 @@ def _float8(cfg: JobConfig) -> bool:
     return cfg.parallel.float8 != "off"
 
 
-def _pp_tp_vocab_loss(cfg: JobConfig) -> bool:
-    return _pp(cfg) and cfg.parallel.tp > 1 and cfg.loss.loss_impl in ("fused-linear",
-                                                                        "loss-parallel")
-
-
 REFUSALS: tuple[Refusal, ...] = (
     Refusal((("pp-1f1b", "cp"), ("pp-interleaved", "cp")),
             lambda c: _pp(c) and _cp(c),
@@ -106,14 +101,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "loom: the schedules' per-micro-batch gradient sync is FSDP2's "
             "(set_requires_gradient_sync); SimpleFSDP stages have no such hook; not wired "
             "yet"),
-    Refusal((("pp-1f1b", "loss-parallel"), ("pp-interleaved", "loss-parallel")),
-            _pp_tp_vocab_loss,
-            lambda c: f"--pp with --tp and --loss-impl {c.loss.loss_impl} is not wired yet "
-                      "(the last stage would hand the loss a tp-sharded DTensor); use another "
-                      "--loss-impl",
-            "--pp x --tp with --loss-impl fused-linear or loss-parallel: the last stage's "
-            "output meta tensor is a plain tensor, the loss wants a tp-sharded DTensor; not "
-            "wired yet"),
 )
 
 TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
@@ -185,6 +172,9 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
     ("pp-1f1b", "ep"): "tests/test_pipeline_parity.py::test_moe_pp2_ep2_matches_single_process",
     ("pp-1f1b", "fused-linear"): "tests/test_pipeline_parity.py::test_pipeline_layout_"
                                  "matches_single_process_slow[pp2_fused_linear]",
+    ("pp-1f1b", "loss-parallel"): "tests/test_pipeline_parity.py::"
+                                  "test_pipeline_layout_matches_single_process"
+                                  "[pp2_tp2_loss_parallel]",
     ("pp-interleaved", "ac"): "tests/test_pipeline_parity.py::test_pipeline_layout_"
                               "matches_single_process_slow[pp2_interleaved_ac]",
     ("dp_replicate", "compile"): "tests/test_simple_fsdp_parity.py::test_slow_cases_"
@@ -202,7 +192,7 @@ UNTESTED: frozenset[frozenset[str]] = frozenset(frozenset(pair) for pair in (
     ("dp_replicate", "loss-parallel"), ("dp_replicate", "ac"), ("dp_shard", "loss-parallel"),
     ("pp-1f1b", "float8"), ("pp-1f1b", "compile"),
     ("pp-interleaved", "ep"), ("pp-interleaved", "float8"), ("pp-interleaved", "fused-linear"),
-    ("pp-interleaved", "compile"),
+    ("pp-interleaved", "loss-parallel"), ("pp-interleaved", "compile"),
     ("cp", "float8"), ("ep", "float8"), ("ep", "fused-linear"), ("ep", "loss-parallel"),
     ("simple-fsdp", "fused-linear"), ("simple-fsdp", "loss-parallel"),
     ("float8", "fused-linear"), ("float8", "compile"),
