@@ -123,9 +123,11 @@ def test_moe_pp2_ep2_matches_single_process(tmp_path: Path) -> None:
 
 
 INTERLEAVED = [*PP2, "--pp-schedule", "interleaved-1f1b"]  # 2 stages per rank
-RESUME = [*COMMON, "--warmup-steps", "15", "--checkpoint-interval", "5"]
+RESUME = [*COMMON, "--warmup-steps", "15", "--checkpoint-interval", "5", "--comm-timeout-s", "120"]
 """Warmup spans steps 1-10, so the learning rate does not depend on --max-steps (a run
-stopped at 5 and one run to 10 share it) and the scheduler's state must come back."""
+stopped at 5 and one run to 10 share it) and the scheduler's state must come back. A rank
+that fails to resume leaves the others in a collective: they give up after 2 minutes, not
+the default 10."""
 CKPT_LAYOUTS = {"pp2": [*PP2, "--batch-size", "4"], "dp2": ["--dp-shard", "2", "--batch-size", "2"],
                 "interleaved": [*INTERLEAVED, "--batch-size", "4"],
                 "interleaved_dp2": [*INTERLEAVED, "--dp-shard", "2", "--batch-size", "2"]}
