@@ -1,6 +1,7 @@
 """Pipeline parity: the same seed and global batch on 1 process and under pipeline parallel
-(each working schedule, and pp composed with dp, tp, AC and gradient accumulation) give
-the same first-step gradients, per-step losses, gradient norms and final parameters (fp32).
+(each working schedule, and pp composed with dp, tp, AC, gradient accumulation and the
+fused-linear and loss-parallel losses) give the same first-step gradients, per-step
+losses, gradient norms and final parameters (fp32).
 
 Gradients and parameters are gathered from every stage, so a stage that trains the wrong
 layers, or a loss weighted per micro-batch instead of per token, shows up by name.
@@ -33,11 +34,16 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "pp2_interleaved": (2, 1, [*PP2, "--pp-schedule", "interleaved-1f1b"]),
     "pp2_dp2": (4, 2, [*PP2, "--dp-shard", "2"]),
     "pp2_tp2": (4, 1, [*PP2, "--tp", "2"]),
+    "pp2_tp2_interleaved": (4, 1, [*PP2, "--tp", "2", "--pp-schedule", "interleaved-1f1b"]),
+    "pp2_tp2_loss_parallel": (4, 1, [*PP2, "--tp", "2", "--loss-impl", "loss-parallel"]),
 }
 SLOW_LAYOUTS = {
     "pp2_gpipe": (2, 1, [*PP2, "--pp-schedule", "gpipe"]),
     "pp2_ac": (2, 1, [*PP2, "--ac", "block"]),
     "pp2_accum": (2, 1, [*PP2, "--grad-accum-steps", "2", "--pp-microbatches", "2"]),
+    "pp2_interleaved_ac": (2, 1, [*PP2, "--pp-schedule", "interleaved-1f1b", "--ac", "block"]),
+    "pp2_fused_linear": (2, 1, [*PP2, "--loss-impl", "fused-linear"]),
+    "pp2_tp2_fused_linear": (4, 1, [*PP2, "--tp", "2", "--loss-impl", "fused-linear"]),
 }
 
 
@@ -119,20 +125,86 @@ def test_moe_pp2_ep2_matches_single_process(tmp_path: Path) -> None:
                        rtol=PARAM_NORM_RTOL, what="parameters after 5 AdamW steps")
 
 
-@pytest.mark.multirank
-def test_checkpoints_move_between_pipeline_and_data_parallel(tmp_path: Path) -> None:
-    """A pp2 checkpoint loads on pp1 x dp2 and a dp2 one on pp2, bit-exact in parameters
-    (stages keep the whole model's names, so DCP reshards across layouts)."""
-    base = [*COMMON, "--checkpoint-interval", "2"]
-    layouts = {"pp2": [*PP2, "--batch-size", "4"], "dp2": ["--dp-shard", "2", "--batch-size", "2"]}
-    runs = [[*base, *layouts[name], "--max-steps", "2", "--outdir", str(tmp_path / name)]
-            for name in layouts]
-    runs += [[*base, *layouts[dst], "--max-steps", "2", "--resume",
-              str(tmp_path / src / "checkpoints" / "step-2"), "--outdir",
-              str(tmp_path / f"{src}-on-{dst}")] for src, dst in (("pp2", "dp2"), ("dp2", "pp2"))]
+INTERLEAVED = [*PP2, "--pp-schedule", "interleaved-1f1b"]  # 2 stages per rank
+RESUME = [*COMMON, "--warmup-steps", "15", "--checkpoint-interval", "5", "--comm-timeout-s", "120"]
+"""Warmup spans steps 1-10, so the learning rate does not depend on --max-steps (a run
+stopped at 5 and one run to 10 share it) and the scheduler's state must come back. A rank
+that fails to resume leaves the others in a collective: they give up after 2 minutes, not
+the default 10."""
+CKPT_LAYOUTS = {"pp2": [*PP2, "--batch-size", "4"], "dp2": ["--dp-shard", "2", "--batch-size", "2"],
+                "interleaved": [*INTERLEAVED, "--batch-size", "4"],
+                "interleaved_dp2": [*INTERLEAVED, "--dp-shard", "2", "--batch-size", "2"]}
+
+
+def resumed(root: Path, src: str, dst: str, step: int, max_steps: int, base: list[str]
+            ) -> list[str]:
+    """`dst`'s flags resuming `src`'s checkpoint at `step`, to `max_steps`."""
+    return [*base, *CKPT_LAYOUTS[dst], "--max-steps", str(max_steps), "--resume",
+            str(root / src / "checkpoints" / f"step-{step}"), "--outdir",
+            str(root / f"{src}-on-{dst}")]
+
+
+@pytest.fixture(scope="module")
+def layout_checkpoints(tmp_path_factory) -> Path:
+    """One 2-rank job: pp2 and dp2 save at step 2 and load on each other; dp2 (pp 1) runs
+    10 steps straight, saving at 5, and an interleaved pp2 run saves at 5; each resumes the
+    other's step-5 checkpoint to step 10, and the interleaved one its own."""
+    root = tmp_path_factory.mktemp("pp_checkpoints")
+    moves = [*COMMON, "--checkpoint-interval", "2"]
+    runs = [[*moves, *CKPT_LAYOUTS[name], "--max-steps", "2", "--outdir", str(root / name)]
+            for name in ("pp2", "dp2")]
+    runs += [resumed(root, src, dst, 2, 2, moves) for src, dst in (("pp2", "dp2"),
+                                                                   ("dp2", "pp2"))]
+    runs += [[*RESUME, *CKPT_LAYOUTS["dp2"], "--max-steps", "10", "--outdir",
+              str(root / "straight")],
+             [*RESUME, *CKPT_LAYOUTS["interleaved"], "--max-steps", "5", "--outdir",
+              str(root / "interleaved")]]
+    runs += [resumed(root, "interleaved", dst, 5, 10, RESUME) for dst in ("dp2", "interleaved")]
+    runs += [resumed(root, "straight", "interleaved", 5, 10, RESUME)]
     job = run_ranks(2, ["tests/workers/parity_worker.py", json.dumps(runs)], timeout=900)
     assert job.ok, job.describe()
+    return root
+
+
+@pytest.mark.multirank
+def test_checkpoints_move_between_pipeline_and_data_parallel(layout_checkpoints: Path) -> None:
+    """A pp2 checkpoint loads on pp1 x dp2 and a dp2 one on pp2, bit-exact in parameters
+    (stages keep the whole model's names, so DCP reshards across layouts)."""
     for src, dst in (("pp2", "dp2"), ("dp2", "pp2")):
-        torch.testing.assert_close(torch.load(tmp_path / f"{src}-on-{dst}" / "params.pt"),
-                                   torch.load(tmp_path / src / "params.pt"), rtol=0, atol=0,
-                                   msg=lambda m, s=src, d=dst: f"{s} loaded on {d}: {m}")
+        torch.testing.assert_close(torch.load(layout_checkpoints / f"{src}-on-{dst}" / "params.pt"),
+                                   torch.load(layout_checkpoints / src / "params.pt"), rtol=0,
+                                   atol=0, msg=lambda m, s=src, d=dst: f"{s} loaded on {d}: {m}")
+
+
+def assert_continues(root: Path, run: str) -> None:
+    """Steps 6-10 of a resumed run: the uninterrupted dp2 run's losses and gradient norms."""
+    straight = root / "straight"
+    assert sorted(column(straight)) == list(range(1, 11))
+    for key in ("train/loss", "grad/norm_preclip"):
+        expected = {s: v for s, v in column(straight, key).items() if s > 5}
+        assert_series_close(column(root / run, key), expected, rtol=LOSS_RTOL, what=key)
+    assert_norms_close(torch.load(root / run / "params.pt"),
+                       torch.load(straight / "params.pt"), rtol=PARAM_NORM_RTOL,
+                       what="parameters after 10 steps")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("run", ["interleaved-on-dp2", "straight-on-interleaved",
+                                 "interleaved-on-interleaved"])
+def test_interleaved_checkpoints_resume_on_one_stage_per_rank_and_back(
+        layout_checkpoints: Path, run: str) -> None:
+    """Two stages per rank save under the whole model's names: an interleaved pp2 step-5
+    checkpoint resumes at pp 1 (dp2), and a pp 1 one resumes interleaved; steps 6-10 are
+    the uninterrupted run's. Resumed on its own layout, pp rank 1 finds its stages'
+    parameters in the optimizer groups rank 0 saved."""
+    assert_continues(layout_checkpoints, run)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_interleaved_checkpoint_resumes_on_pp2_dp2(layout_checkpoints: Path) -> None:
+    """The interleaved pp2 step-5 checkpoint resumed interleaved at pp2 x dp2 (4 ranks)."""
+    job = run_ranks(4, ["tests/workers/parity_worker.py", json.dumps([resumed(
+        layout_checkpoints, "interleaved", "interleaved_dp2", 5, 10, RESUME)])], timeout=900)
+    assert job.ok, job.describe()
+    assert_continues(layout_checkpoints, "interleaved-on-interleaved_dp2")

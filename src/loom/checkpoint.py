@@ -117,6 +117,17 @@ def _groups_from_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
              for k, v in g.items()} for g in groups]
 
 
+def every_rank_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The optimizer groups with each group's parameter names joined over all ranks
+    (collective). loop.json is rank 0's, and a pipeline stage lists only its own
+    parameters: a rank that resumes other stages must still find its parameters there, or
+    its groups come back without their hyperparameters."""
+    shared: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shared, [g["params"] for g in groups])
+    return [{**g, "params": list(dict.fromkeys(n for names in shared for n in names[i]))}
+            for i, g in enumerate(groups)]
+
+
 def renamed(model_sd: dict[str, Any], optim_sd: dict[str, Any], rename: Callable[[str], str]
             ) -> tuple[dict[str, Any], dict[str, Any]]:
     """DCP's model and optimizer state dicts with every parameter name passed through
@@ -126,20 +137,35 @@ def renamed(model_sd: dict[str, Any], optim_sd: dict[str, Any], rename: Callable
             {"state": {rename(k): v for k, v in optim_sd["state"].items()}, "param_groups": groups})
 
 
+def plain_namer(model: nn.Module) -> Callable[[str], str]:
+    """Own name -> the plain model's name. A rank with several pipeline stages holds them
+    in one `nn.ModuleList` (`loom.step.parts_module`), which prefixes each name with the
+    stage's position on this rank (`0.layers.1.w`): that prefix goes too. Every stage is the
+    whole model with the other layers removed, so the rest is the whole model's name, unique
+    across stages, and DCP reshards to any other pipeline layout."""
+    if isinstance(model, nn.ModuleList):
+        return lambda name: clean_name(name.split(".", 1)[1])
+    return clean_name
+
+
 def plain_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
                      ) -> tuple[dict[str, Any], dict[str, Any], Callable[[str], str]]:
     """The model's and optimizer's state dicts under plain names, and the way back to the
     model's own names (SimpleFSDP's parametrizations store `w` as
-    `parametrizations.w.original`)."""
+    `parametrizations.w.original`; several stages per rank add their position)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    own = {clean_name(name): name for name in model_sd}
-    return (*renamed(model_sd, optim_sd, clean_name), lambda name: own.get(name, name))
+    plain = plain_namer(model)
+    own = {plain(name): name for name in model_sd}
+    if len(own) != len(model_sd):
+        raise ValueError("two of this rank's model parts share a parameter name")
+    return (*renamed(model_sd, optim_sd, plain), lambda name: own.get(name, name))
 
 
 def saved_model_state(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
     """The model state a checkpoint holds: all of it but frozen parameters (a LoRA run's
     base), which the run's source holds and every reader takes from there."""
-    frozen = {clean_name(n) for n, p in model.named_parameters() if not p.requires_grad}
+    plain = plain_namer(model)
+    frozen = {plain(n) for n, p in model.named_parameters() if not p.requires_grad}
     return {name: value for name, value in model_sd.items() if name not in frozen}
 
 
@@ -198,7 +224,8 @@ class Checkpointer:
         model_sd, optim_sd, _ = plain_state_dict(model, optimizer)
         state = {"model": saved_model_state(model, model_sd),
                  "optim": {"state": optim_sd["state"]}}
-        loop = {**extra, "param_groups": _groups_to_json(optim_sd["param_groups"])}
+        loop = {**extra, "param_groups": _groups_to_json(
+            every_rank_groups(optim_sd["param_groups"]))}
         error = None
         if self.rank == 0:
             error = self._attempt(lambda: (shutil.rmtree(tmp, ignore_errors=True),

@@ -1,6 +1,7 @@
 """Docs that cannot rot: every `loom ...` command in the README and docs/ is run in a cheap
 form, every relative link resolves, and docs/flags.md matches the schema it is generated
-from. A renamed flag, subcommand, page or heading fails here, not for a user.
+from (and docs/parallelism.md's composition matrix the refusal table, loom.config.matrix). A
+renamed flag, subcommand, page or heading fails here, not for a user.
 
 The cheap form of each command, by subcommand:
 - `loom train ARGS`: parsed and validated as `loom train` does before any work (flags,
@@ -38,7 +39,7 @@ from loom import flops
 from loom import launch as launch_command
 from loom.cli import COMMANDS
 from loom.cli import main as loom_main
-from loom.config import build_parser, parse_args
+from loom.config import build_parser, matrix, parse_args
 from loom.config.reference import render
 from loom.mesh import ParallelDims
 from loom.plan import command as plan_command
@@ -251,6 +252,13 @@ def test_every_relative_link_resolves():
 def test_flag_reference_is_current():
     stale = (REPO / "docs" / "flags.md").read_text() != render()
     assert not stale, "docs/flags.md is stale: python -m loom.config.reference > docs/flags.md"
+
+
+def test_composition_matrix_is_current():
+    page = (REPO / "docs" / "parallelism.md").read_text()
+    stale = matrix.with_matrix(page) != page
+    assert not stale, ("docs/parallelism.md's composition matrix is stale: python -m "
+                       "loom.config.matrix --write docs/parallelism.md")
 
 
 def test_flag_reference_names_every_flag():

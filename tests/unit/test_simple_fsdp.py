@@ -45,14 +45,17 @@ def test_compile_with_ac_warns_under_simple_fsdp() -> None:
     assert any("known to fail upstream" in w for w in cfg.warnings)
 
 
-@pytest.mark.parametrize(("replicate", "shard", "dims", "mode"), [
-    (1, 4, ("dp_shard",), "fully_shard"),
-    (4, 1, ("dp_replicate",), "replicate"),
-    (2, 2, ("dp_replicate", "dp_shard"), "hybrid_shard"),
-    (1, 1, ("dp_shard",), "fully_shard"),
+@pytest.mark.parametrize(("replicate", "shard", "cp", "dims", "mode"), [
+    (1, 4, 1, ("dp_shard",), "fully_shard"),
+    (4, 1, 1, ("dp_replicate",), "replicate"),
+    (2, 2, 1, ("dp_replicate", "dp_shard"), "hybrid_shard"),
+    (1, 1, 1, ("dp_shard",), "fully_shard"),
+    (1, 1, 2, ("dp_shard_cp",), "fully_shard"),  # cp ranks hold different tokens: they shard
+    (2, 1, 2, ("dp_replicate", "dp_shard_cp"), "hybrid_shard"),
 ])
-def test_mode_follows_the_mesh_degrees(replicate: int, shard: int, dims: tuple, mode: str) -> None:
-    parallel = ParallelDims(replicate, shard, 1, replicate * shard)
+def test_mode_follows_the_mesh_degrees(replicate: int, shard: int, cp: int, dims: tuple,
+                                       mode: str) -> None:
+    parallel = ParallelDims(replicate, shard, 1, replicate * shard * cp, cp=cp)
     assert sf.dense_dp_dims(parallel) == dims
     assert sf.mode_name(dims) == mode
     assert sf.dp_placements(dims) == tuple(

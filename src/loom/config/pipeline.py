@@ -92,7 +92,8 @@ def balanced_split(costs: list[float], n_stages: int) -> list[range]:
 
 
 def validate_pipeline(cfg: JobConfig) -> None:
-    """--pp and its flags, and the combinations that cannot run yet: one line each."""
+    """--pp and its flags, one line each (its combinations with other features are refused
+    from `loom.config.compose`'s table, before this runs)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     for name in ("pp", "pp_microbatches", "pp_stages_per_rank"):
         if getattr(p, name) < (1 if name == "pp" else 0):
@@ -110,22 +111,12 @@ def validate_pipeline(cfg: JobConfig) -> None:
                           "interleaved-1f1b for --pp-stages-per-rank > 1")
     if p.pp_schedule in LOOPED and per_rank < 2:
         raise ConfigError(f"--pp-schedule {p.pp_schedule} needs --pp-stages-per-rank >= 2")
-    if per_rank > 1 and (cfg.checkpoint.checkpoint_interval or cfg.checkpoint.resume):
-        raise ConfigError("checkpoints with several pipeline stages per rank are not wired yet "
-                          "(their keys would not match other layouts); use one stage per rank")
     units = m.n_layers + 2  # the embedding and the head count as layers
     if p.pp * per_rank > units:
         raise ConfigError(f"--pp {p.pp} x {per_rank} stages per rank exceeds the "
                           f"{units} layers (embedding, {m.n_layers} blocks, head) to split")
     if m.runs_transformers:
         raise ConfigError("--pp needs loom's own model (a Hugging Face model is one module)")
-    if p.data_parallel != "fsdp2":
-        raise ConfigError("--pp needs --data-parallel fsdp2 (SimpleFSDP stages are not "
-                          "wired to the pipeline schedules yet)")
-    if p.tp > 1 and cfg.loss.loss_impl in ("fused-linear", "loss-parallel"):
-        raise ConfigError(f"--pp with --tp and --loss-impl {cfg.loss.loss_impl} is not wired "
-                          "yet (the last stage would hand the loss a tp-sharded DTensor); use "
-                          "another --loss-impl")
     if p.pp_microbatches and t.batch_size % p.pp_microbatches:
         raise ConfigError(f"--pp-microbatches {p.pp_microbatches} must divide --batch-size "
                           f"{t.batch_size} (each pipeline micro-batch is a slice of it)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
+from loom.config.compose import refuse_combinations
 from loom.config.mixture import parse_mixture
 from loom.config.pipeline import validate_pipeline
 from loom.config.schema import EvalConfig, JobConfig, ModelConfig, OutputConfig, ParallelConfig
@@ -144,15 +145,13 @@ def _validate_eval(e: EvalConfig) -> None:
 
 
 def _validate_cp(cfg: JobConfig) -> None:
-    """Settings --cp cannot run with, as one line each."""
+    """Settings --cp cannot run with, as one line each (combinations with other features:
+    `loom.config.compose`)."""
     p, m, seq = cfg.parallel, cfg.model, cfg.data.seq_len
     if p.cp < 1:
         raise ConfigError(f"--cp must be >= 1, got {p.cp}")
     if p.cp == 1:
         return
-    if p.pp > 1:
-        raise ConfigError(f"--cp {p.cp} with --pp {p.pp} is not wired yet (pipeline stages "
-                          "do not shard sequences); use one of them")
     if seq % (2 * p.cp):
         raise ConfigError(f"--seq-len {seq} is not divisible by 2 x --cp {p.cp} = {2 * p.cp} "
                           "(each cp rank holds two mirrored chunks of the sequence)")
@@ -162,13 +161,6 @@ def _validate_cp(cfg: JobConfig) -> None:
     if m.runs_transformers:
         raise ConfigError(f"--cp {p.cp} needs loom's own model, not the Hugging Face model "
                           f"{m.model} (context parallel replaces loom's attention)")
-    if m.n_experts and m.aux_loss_coeff > 0:
-        raise ConfigError(f"--cp {p.cp} with --aux-loss-coeff {m.aux_loss_coeff}: the "
-                          "sequence-wise balance loss needs whole sequences, and cp ranks "
-                          "hold parts of them (use the default aux-loss-free balancing)")
-    if p.data_parallel != "fsdp2":
-        raise ConfigError(f"--cp {p.cp} needs --data-parallel fsdp2 (SimpleFSDP does not "
-                          "reduce gradients over cp yet)")
 
 
 def _validate_doc_mask(cfg: JobConfig) -> None:
@@ -194,12 +186,6 @@ def _validate_float8(cfg: JobConfig) -> None:
         raise ConfigError(f"--float8 needs loom's own model, not transformers' module for "
                           f"{m.model} (the converter swaps loom's linear layers; --model-impl "
                           "auto or native imports it natively where a family serves it)")
-    if p.tp > 1:
-        raise ConfigError(f"--float8 with --tp {p.tp} is not wired yet (torchao's float8 "
-                          "tensor-parallel styles are not in loom's TP plan); use --tp 1")
-    if p.data_parallel != "fsdp2":
-        raise ConfigError("--float8 needs --data-parallel fsdp2 (SimpleFSDP's "
-                          "parametrization is untested with torchao's float8 weights)")
     require_module("torchao", f"--float8 {p.float8}", "float8")
 
 
@@ -285,6 +271,7 @@ def validate(cfg: JobConfig) -> None:
                           "use --val-fraction)")
     if not shape_unknown:
         _validate_moe(m, p)
+    refuse_combinations(cfg)  # the composition matrix's refusals, one table
     _validate_cp(cfg)
     _validate_doc_mask(cfg)
     _validate_float8(cfg)

@@ -112,7 +112,8 @@ class Gather:
     `inner_mesh`/`inner_placements` are the TP/EP placements it had before (None for a
     plain parameter); `inner_shape` is its shape on that mesh's local rank, i.e. the global
     shape over the dp mesh. The gradient is summed over dp and multiplied by `grad_scale`
-    (1 / the full dp size, also for experts reduced over a smaller mesh), in the backward
+    (1 / dp x cp, the ranks holding different tokens, also for experts reduced over a
+    smaller mesh), in the backward
     `grad_sync` allows.
     """
 
@@ -268,10 +269,14 @@ class DataParallel:
 
 def dense_dp_dims(dims: ParallelDims) -> tuple[str, ...]:
     """replicate (DDP), fully_shard (a size-1 shard mesh when dp is off, so mixed precision
-    still applies) or hybrid_shard."""
+    still applies) or hybrid_shard. Under cp the shard dim is dp_shard x cp, as FSDP2's
+    (`ParallelDims.fsdp_mesh`): cp ranks hold different tokens of the same samples, so
+    their gradients are summed too."""
+    shard = "dp_shard_cp" if dims.cp_enabled else "dp_shard"
     if dims.dp_replicate_enabled:
-        return ("dp_replicate", "dp_shard") if dims.dp_shard_enabled else ("dp_replicate",)
-    return ("dp_shard",)
+        sharded = dims.dp_shard_enabled or dims.cp_enabled
+        return ("dp_replicate", shard) if sharded else ("dp_replicate",)
+    return (shard,)
 
 
 def mode_name(dp_dims: tuple[str, ...]) -> str:
@@ -289,7 +294,7 @@ def data_parallel(dims: ParallelDims, cfg: ParallelConfig, dp_dims: tuple[str, .
     placement = expert_placement(experts, shard[-1]) if experts and shard else None
     return DataParallel(dims, dp_dims, param_dtype=torch.bfloat16 if mixed else None,
                         reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype] if mixed else None,
-                        grad_scale=1.0 / dims.dp_size,
+                        grad_scale=1.0 / dims.loss_size,
                         recompute=recompute_gathers(cfg), placement=placement)
 
 

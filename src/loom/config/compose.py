@@ -1,0 +1,232 @@
+"""Which parallelism features compose: the one refusal table validation raises from, which
+docs/parallelism.md's composition matrix is generated from (`loom.config.matrix`).
+
+Every refusal of a combination of features lives in `REFUSALS`; `refuse_combinations` is
+what `loom.config.validate` calls, so the docs' matrix and the check are the same table.
+Each pair of `FEATURES` is either refused here, exercised by the parity test `TESTED` names
+(tests/unit/test_composition.py checks that the test exists and that validation accepts
+the pair), or listed in `UNTESTED`: accepted by validation, without a parity test yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import combinations
+
+from loom.config.schema import JobConfig
+from loom.errors import ConfigError
+
+TORCH_CHECKED = "2.13"
+"""The torch version the upstream reasons below were checked on."""
+
+FEATURES: dict[str, dict[str, object]] = {
+    "dp_shard": {"dp_shard": 2},
+    "dp_replicate": {"dp_replicate": 2},
+    "tp": {"tp": 2},
+    "pp-1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+    "pp-interleaved": {"pp": 2, "pp_schedule": "interleaved-1f1b"},
+    "cp": {"cp": 2},
+    "ep": {"model": "moe-debug", "ep": 2},
+    "simple-fsdp": {"data_parallel": "simple-fsdp"},
+    "float8": {"float8": "tensorwise"},
+    "fused-linear": {"loss_impl": "fused-linear"},
+    "loss-parallel": {"loss_impl": "loss-parallel", "tp": 2},  # at tp 1 it runs "compiled"
+    "compile": {"compile": True},
+    "ac": {"activation_checkpoint": "block"},
+}
+"""Feature -> the flags (config_from_flags keys) that turn it on, at degree 2. loss-parallel
+brings tp 2: at tp 1 it falls back to the compiled loss (`loom.losses.dispatch`)."""
+
+SAME_FLAG = {frozenset(("pp-1f1b", "pp-interleaved")): "--pp-schedule",
+             frozenset(("fused-linear", "loss-parallel")): "--loss-impl"}
+"""Pairs that are two values of one flag: they cannot both be on."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refused combination: the matrix cells it covers, when it applies, the one-line
+    error (it names the flags and what to do) and, for the docs, why."""
+
+    cells: tuple[tuple[str, str], ...]
+    applies: Callable[[JobConfig], bool]
+    message: Callable[[JobConfig], str]
+    why: str
+
+
+def _pp(cfg: JobConfig) -> bool:
+    return cfg.parallel.pp > 1
+
+
+def _cp(cfg: JobConfig) -> bool:
+    return cfg.parallel.cp > 1
+
+
+def _simple(cfg: JobConfig) -> bool:
+    return cfg.parallel.data_parallel != "fsdp2"
+
+
+def _float8(cfg: JobConfig) -> bool:
+    return cfg.parallel.float8 != "off"
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal((("pp-1f1b", "cp"), ("pp-interleaved", "cp")),
+            lambda c: _pp(c) and _cp(c),
+            lambda c: f"--cp {c.parallel.cp} with --pp {c.parallel.pp} is not wired yet "
+                      "(pipeline stages do not shard sequences); use one of them",
+            "loom: the stages' meta inputs and the schedule's micro-batches are whole "
+            "sequences; not wired yet"),
+    Refusal((), lambda c: _cp(c) and bool(c.model.n_experts) and c.model.aux_loss_coeff > 0,
+            lambda c: f"--cp {c.parallel.cp} with --aux-loss-coeff {c.model.aux_loss_coeff}: "
+                      "the sequence-wise balance loss needs whole sequences, and cp ranks "
+                      "hold parts of them (use the default aux-loss-free balancing)",
+            "MoE's sequence-wise balance loss (--aux-loss-coeff > 0) needs whole sequences; "
+            "cp ranks hold parts of them"),
+    Refusal((("tp", "float8"), ("float8", "loss-parallel")),
+            lambda c: _float8(c) and c.parallel.tp > 1,
+            lambda c: f"--float8 with --tp {c.parallel.tp} is not wired yet (torchao's "
+                      "float8 tensor-parallel styles are not in loom's TP plan); use --tp 1",
+            "loom: torchao's Float8ColwiseParallel / Float8RowwiseParallel are not in loom's "
+            "TP plan; not wired yet"),
+    Refusal((("simple-fsdp", "float8"),), lambda c: _float8(c) and _simple(c),
+            lambda c: "--float8 needs --data-parallel fsdp2 (SimpleFSDP's parametrization "
+                      "is untested with torchao's float8 weights)",
+            "loom: SimpleFSDP's gather parametrization is untested with torchao's float8 "
+            "weight subclass; refused until a parity test runs it"),
+    Refusal((("pp-1f1b", "simple-fsdp"), ("pp-interleaved", "simple-fsdp")),
+            lambda c: _pp(c) and _simple(c),
+            lambda c: "--pp needs --data-parallel fsdp2 (SimpleFSDP stages are not wired "
+                      "to the pipeline schedules yet)",
+            "loom: the schedules' per-micro-batch gradient sync is FSDP2's "
+            "(set_requires_gradient_sync); SimpleFSDP stages have no such hook; not wired "
+            "yet"),
+)
+
+TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
+    ("dp_shard", "dp_replicate"): "tests/test_parity.py::test_layout_matches_single_process"
+                                  "[hsdp2x2]",
+    ("dp_shard", "tp"): "tests/test_parity.py::test_layout_matches_single_process[dp2_tp2]",
+    ("dp_shard", "pp-1f1b"): "tests/test_pipeline_parity.py::"
+                             "test_pipeline_layout_matches_single_process[pp2_dp2]",
+    ("dp_shard", "pp-interleaved"): "tests/test_pipeline_parity.py::"
+                                    "test_interleaved_checkpoint_resumes_on_pp2_dp2",
+    ("dp_shard", "cp"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process"
+                        "[cp2_dp2]",
+    ("dp_shard", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process[ep2]",
+    ("dp_shard", "simple-fsdp"): "tests/test_simple_fsdp_parity.py::"
+                                 "test_matches_one_process_and_fsdp2[dp_shard4-eager]",
+    ("dp_shard", "float8"): "tests/integration/test_float8_runs.py::"
+                            "test_dp2_tensorwise_with_float8_all_gather_tracks_the_plain_run",
+    ("dp_shard", "fused-linear"): "tests/integration/test_losses_multirank.py::"
+                                  "test_five_step_losses_match_eager[dp2/fused-linear]",
+    ("dp_shard", "compile"): "tests/integration/test_knobs.py::"
+                             "test_compile_matches_plain_run[compile-dp2]",
+    ("dp_shard", "ac"): "tests/integration/test_knobs.py::"
+                        "test_activation_checkpointing_matches_plain_run[block-dp2]",
+    ("dp_replicate", "cp"): "tests/test_cp_parity.py::test_slow_cp_layout_matches_single_"
+                            "process[cp2_hsdp]",
+    ("dp_replicate", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+                            "[hsdp2x2_ep2]",
+    ("dp_replicate", "simple-fsdp"): "tests/test_simple_fsdp_parity.py::"
+                                     "test_matches_one_process_and_fsdp2[hsdp2x2-eager]",
+    ("tp", "pp-1f1b"): "tests/test_pipeline_parity.py::"
+                       "test_pipeline_layout_matches_single_process[pp2_tp2]",
+    ("tp", "cp"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process[cp2_tp2]",
+    ("tp", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+                  "[dp2_tp2_ep2_etp1]",
+    ("tp", "simple-fsdp"): "tests/test_simple_fsdp_parity.py::"
+                           "test_matches_one_process_and_fsdp2[dp2_tp2-eager]",
+    ("tp", "fused-linear"): "tests/integration/test_losses_multirank.py::"
+                            "test_five_step_losses_match_eager[tp2/fused-linear]",
+    ("tp", "loss-parallel"): "tests/integration/test_losses_multirank.py::"
+                             "test_five_step_losses_match_eager[tp2/loss-parallel]",
+    ("tp", "compile"): "tests/integration/test_knobs.py::"
+                       "test_compile_matches_plain_run[compile-tp2]",
+    ("tp", "ac"): "tests/integration/test_knobs.py::"
+                  "test_activation_checkpointing_matches_plain_run[block-tp2]",
+    ("pp-1f1b", "ac"): "tests/test_pipeline_parity.py::"
+                       "test_pipeline_layout_matches_single_process_slow[pp2_ac]",
+    ("cp", "simple-fsdp"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process"
+                           "[cp2_simple_fsdp]",
+    ("cp", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process[cp2_ep2]",
+    ("cp", "fused-linear"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process"
+                            "[cp2_fused_linear]",
+    ("cp", "loss-parallel"): "tests/test_cp_parity.py::test_slow_cp_layout_matches_single_"
+                             "process[cp2_tp2_selective_ac]",
+    ("cp", "compile"): "tests/test_cp_parity.py::test_slow_cp_layout_matches_single_process"
+                       "[cp2_compile]",
+    ("cp", "ac"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process[cp2_ac]",
+    ("ep", "simple-fsdp"): "tests/test_simple_fsdp_parity.py::"
+                           "test_matches_one_process_and_fsdp2[moe_ep2-eager]",
+    ("ep", "compile"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+                       "[ep2_ac_compile]",
+    ("ep", "ac"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+                  "[ep2_ac_compile]",
+    ("simple-fsdp", "compile"): "tests/test_simple_fsdp_parity.py::"
+                                "test_matches_one_process_and_fsdp2[dp_shard4-compiled]",
+    ("simple-fsdp", "ac"): "tests/test_simple_fsdp_parity.py::"
+                           "test_matches_one_process_and_fsdp2[dp_shard4-ac]",
+    ("tp", "pp-interleaved"): "tests/test_pipeline_parity.py::"
+                              "test_pipeline_layout_matches_single_process[pp2_tp2_interleaved]",
+    ("pp-1f1b", "ep"): "tests/test_pipeline_parity.py::test_moe_pp2_ep2_matches_single_process",
+    ("pp-1f1b", "fused-linear"): "tests/test_pipeline_parity.py::test_pipeline_layout_"
+                                 "matches_single_process_slow[pp2_fused_linear]",
+    ("pp-1f1b", "loss-parallel"): "tests/test_pipeline_parity.py::"
+                                  "test_pipeline_layout_matches_single_process"
+                                  "[pp2_tp2_loss_parallel]",
+    ("pp-interleaved", "ac"): "tests/test_pipeline_parity.py::test_pipeline_layout_"
+                              "matches_single_process_slow[pp2_interleaved_ac]",
+    ("dp_replicate", "compile"): "tests/test_simple_fsdp_parity.py::test_slow_cases_"
+                                 "match_one_process[hsdp2x2-compiled]",
+    ("loss-parallel", "ac"): "tests/test_cp_parity.py::test_slow_cp_layout_matches_single_"
+                             "process[cp2_tp2_selective_ac]",
+    ("compile", "ac"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+                       "[ep2_ac_compile]",
+}.items()}
+"""Pair -> the test that runs it (a node id; the test checks it is collected)."""
+
+UNTESTED: frozenset[frozenset[str]] = frozenset(frozenset(pair) for pair in (
+    ("dp_replicate", "tp"), ("dp_replicate", "pp-1f1b"), ("dp_replicate", "pp-interleaved"),
+    ("dp_replicate", "float8"), ("dp_replicate", "fused-linear"),
+    ("dp_replicate", "loss-parallel"), ("dp_replicate", "ac"), ("dp_shard", "loss-parallel"),
+    ("pp-1f1b", "float8"), ("pp-1f1b", "compile"),
+    ("pp-interleaved", "ep"), ("pp-interleaved", "float8"), ("pp-interleaved", "fused-linear"),
+    ("pp-interleaved", "loss-parallel"), ("pp-interleaved", "compile"),
+    ("cp", "float8"), ("ep", "float8"), ("ep", "fused-linear"), ("ep", "loss-parallel"),
+    ("simple-fsdp", "fused-linear"), ("simple-fsdp", "loss-parallel"),
+    ("float8", "fused-linear"), ("float8", "compile"),
+    ("float8", "ac"), ("fused-linear", "compile"), ("fused-linear", "ac"),
+    ("loss-parallel", "compile"),
+))
+"""Pairs validation accepts that no parity test runs yet: the gaps, named (a new test
+moves its pair to `TESTED`)."""
+
+
+def refusal_for(cfg: JobConfig) -> Refusal | None:
+    """The first table entry that refuses this configuration, or None."""
+    return next((r for r in REFUSALS if r.applies(cfg)), None)
+
+
+def refuse_combinations(cfg: JobConfig) -> None:
+    """Raise the first refused combination as one line (before any collective)."""
+    refusal = refusal_for(cfg)
+    if refusal is not None:
+        raise ConfigError(refusal.message(cfg))
+
+
+def pairs() -> list[tuple[str, str]]:
+    return list(combinations(FEATURES, 2))
+
+
+def cell(a: str, b: str) -> tuple[str, str]:
+    """(status, detail): same-flag, refused (why), tested (the test) or untested."""
+    pair = frozenset((a, b))
+    if pair in SAME_FLAG:
+        return "same flag", f"two values of {SAME_FLAG[pair]}"
+    for refusal in REFUSALS:
+        if (a, b) in refusal.cells or (b, a) in refusal.cells:
+            return "refused", refusal.why
+    if pair in TESTED:
+        return "composes", TESTED[pair]
+    return "untested", "accepted; no parity test yet"

@@ -1,0 +1,56 @@
+"""docs/parallelism.md's composition matrix, rendered from `loom.config.compose`'s table:
+`python -m loom.config.matrix --write docs/parallelism.md` regenerates the section between
+its markers (tests/unit/test_docs.py fails when it is stale). A module of its own, so that
+running it does not re-import what the `loom.config` package already imported."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from loom.config.compose import FEATURES, REFUSALS, TORCH_CHECKED, cell, pairs
+
+BEGIN, END = "<!-- composition-matrix:begin -->", "<!-- composition-matrix:end -->"
+_MARK = {"composes": "✓", "refused": "✗", "untested": "?", "same flag": "—"}
+
+
+def render() -> str:
+    """The matrix section of docs/parallelism.md, between its markers."""
+    names = list(FEATURES)
+    lines = [BEGIN, "", "Generated from `src/loom/config/compose.py` by `python -m "
+             "loom.config.matrix --write docs/parallelism.md`; ✓ composes (the test below "
+             "runs it), ✗ refused (why below), ? accepted but no parity test yet, — two "
+             "values of one flag.", "",
+             "| | " + " | ".join(f"`{n}`" for n in names) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        row = [_MARK[cell(a, b)[0]] if a != b else "" for b in names]
+        lines.append(f"| `{a}` | " + " | ".join(row) + " |")
+    lines += ["", f"Each cell (reasons checked on torch {TORCH_CHECKED}):", ""]
+    for a, b in pairs():
+        status, detail = cell(a, b)
+        shown = f"`{detail}`" if status == "composes" else detail
+        lines.append(f"- `{a}` × `{b}`: {status}: {shown}")
+    others = [r.why for r in REFUSALS if not r.cells]
+    lines += ["", "Further refused combinations:", "", *(f"- {why}" for why in others), "",
+              END]
+    return "\n".join(lines)
+
+
+def with_matrix(text: str) -> str:
+    """`text` with its matrix section replaced by the generated one."""
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    return text[:start] + render() + text[end:]
+
+
+def main(argv: list[str]) -> None:
+    """`--write PAGE`: regenerate PAGE's matrix section in place; else print it."""
+    if argv[:1] == ["--write"]:
+        page = Path(argv[1])
+        page.write_text(with_matrix(page.read_text()))
+    else:
+        print(render())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
