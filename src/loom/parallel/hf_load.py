@@ -129,6 +129,20 @@ def stream_weights(model: nn.Module, files: dict[str, str]) -> None:
                     dist.send(piece.to(local.device), dst=rank)
 
 
+def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty`, with weights that several modules share (tied embeddings) still
+    shared: `to_empty` gives each module its own new tensor, which FSDP2's units avoid by
+    holding one parameter, but an unwrapped model (one process) would train two."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for (first, first_name), *others in (o for o in owners.values() if len(o) > 1):
+        for module, name in others:
+            setattr(module, name, getattr(first, first_name))
+
+
 def compute_non_persistent_buffers(model: HFCausalLM) -> None:
     """Run the model's initializer for what the checkpoint does not hold, as
     `from_pretrained` does: every saved tensor is marked initialized, so only the
@@ -155,7 +169,7 @@ def build_hf_model(cfg: JobConfig, dims: ParallelDims, device: torch.device,
                     "rank 0 loads the whole model and broadcasts it")
         on_node_leaders(lambda: loaded.append(load_hf_model(cfg.model)), leader)
     parallelize(model, dims, cfg.parallel, loss_parallel=False, backend=backend)
-    model.to_empty(device=device)
+    to_empty_keeping_ties(model, device)
     with torch.no_grad():
         if files is None:
             receive_weights(model, loaded[0] if loaded else None)
