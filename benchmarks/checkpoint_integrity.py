@@ -40,11 +40,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from loom.checkpoint import storage_writer
-from loom.checkpoint_trust import file_record, write_manifest
+from loom.checkpoint.checkpointer import storage_writer
+from loom.checkpoint.trust import file_record, write_manifest
 
 try:
-    from loom.digest import checkpoint_digest
+    from loom.checkpoint.digest import checkpoint_digest
 except ImportError:  # a checkout from before `loom digest` (--compare-with)
     checkpoint_digest = None
 from loom.models.llama.model import ModelArgs, Transformer

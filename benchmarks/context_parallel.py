@@ -52,9 +52,9 @@ def random_data_trainer(flags: list[str]) -> Iterator:
     """This rank's Trainer for `flags` on random data in a throwaway run folder (one compute
     thread per CPU rank); the process group is torn down afterwards."""
     from loom.config import parse_args
-    from loom.mesh import ParallelDims
-    from loom.runtime import init_distributed, rank_info, teardown
-    from loom.train import Trainer
+    from loom.parallel.mesh import ParallelDims
+    from loom.runtime.distributed import init_distributed, rank_info, teardown
+    from loom.trainer.trainer import Trainer
 
     info = rank_info()
     device = init_distributed(info)

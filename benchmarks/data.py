@@ -117,7 +117,7 @@ def print_tokenize_table(rows: list[dict]) -> None:
 
 
 def tokenize(src: Path, out: Path, jobs: int) -> dict[str, float]:
-    from loom.tokenize import tokenize as run
+    from loom.commands.tokenize import tokenize as run
 
     shutil.rmtree(out, ignore_errors=True)
     manifest = run(str(src), out, jobs=jobs)

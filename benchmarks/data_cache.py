@@ -30,10 +30,10 @@ SCOPES = ("train", "data")
 
 
 def worker_train(argv: list[str]) -> dict[str, float]:
-    from loom import resolve, train
-    from loom.config import parse_args
-    from loom.mesh import ParallelDims
-    from loom.runtime import init_distributed, rank_info, teardown
+    from loom.config import parse_args, resolve
+    from loom.parallel.mesh import ParallelDims
+    from loom.runtime.distributed import init_distributed, rank_info, teardown
+    from loom.trainer import trainer as train
 
     build_datasets, data_s = resolve.build_datasets, []
 

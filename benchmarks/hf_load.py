@@ -74,14 +74,14 @@ def load(mode: str, folder: str) -> None:
     import torch.distributed as dist
 
     from loom.config import parse_args
-    from loom.mesh import ParallelDims
-    from loom.modeling import plain_model, resolve_model
+    from loom.hf.modeling import plain_model, resolve_model
     from loom.models.transformers.model import load_hf_model
     from loom.parallel import hf_load
     from loom.parallel.hf import resolve_hf_model
     from loom.parallel.init import load_weights
+    from loom.parallel.mesh import ParallelDims
     from loom.parallel.parallelize import parallelize
-    from loom.runtime import init_distributed, rank_info, teardown
+    from loom.runtime.distributed import init_distributed, rank_info, teardown
 
     info = rank_info()
     device = init_distributed(info)

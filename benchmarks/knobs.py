@@ -53,9 +53,9 @@ CONFIGS = {
 def measure(name: str, timed_steps: int) -> dict:
     """Run in the subprocess: one warm-up step, `timed_steps` timed, one profiled for memory."""
     from loom.config import parse_args
-    from loom.mesh import ParallelDims
-    from loom.runtime import init_distributed, rank_info, teardown
-    from loom.train import Trainer
+    from loom.parallel.mesh import ParallelDims
+    from loom.runtime.distributed import init_distributed, rank_info, teardown
+    from loom.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     info = rank_info()

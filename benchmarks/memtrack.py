@@ -1,11 +1,12 @@
 """Peak-memory probes shared by the benchmarks: Linux RSS high-water, and the profiler's
-allocation records (`loom.profiling.peak_live_bytes`, which `tests.plan_measure` uses too)."""
+allocation records (`loom.observability.profiling.peak_live_bytes`, which
+`tests.plan_measure` uses too)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from loom.profiling import peak_live_bytes
+from loom.observability.profiling import peak_live_bytes
 
 __all__ = ["peak_live_bytes", "reset_rss_high_water", "rss_high_water"]
 

@@ -49,12 +49,12 @@ def timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
 
 def worker(argv: list[str]) -> None:
     """Train in this process; print step start times and the time spent in metrics code."""
-    from loom import metrics
     from loom.config import parse_args
-    from loom.logs import setup_logging
-    from loom.mesh import ParallelDims
-    from loom.runtime import init_distributed, rank_info, teardown
-    from loom.train import Trainer
+    from loom.observability import metrics
+    from loom.parallel.mesh import ParallelDims
+    from loom.runtime.distributed import init_distributed, rank_info, teardown
+    from loom.runtime.logs import setup_logging
+    from loom.trainer.trainer import Trainer
 
     inside: list[float] = []
     for name in ("log_step", "_before_update", "forward_done"):  # patched before watch()

@@ -69,9 +69,9 @@ def step_peak_bytes(trainer, batch) -> int:
 def measure(name: str, model_flags: list[str], timed_steps: int) -> dict | None:
     """One rank of a configuration's job; rank 0 returns the result."""
     from loom.config import parse_args
-    from loom.mesh import ParallelDims
-    from loom.runtime import init_distributed, rank_info, teardown
-    from loom.train import Trainer
+    from loom.parallel.mesh import ParallelDims
+    from loom.runtime.distributed import init_distributed, rank_info, teardown
+    from loom.trainer.trainer import Trainer
 
     info = rank_info()
     device = init_distributed(info)

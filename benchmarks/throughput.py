@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.harness import run_ranks
 
-from loom.host_memory import TRIM_THRESHOLD
+from loom.runtime.host_memory import TRIM_THRESHOLD
 
 RESULTS = Path(__file__).parent / "results"
 DEBUG = ["--model", "debug", "--dataset", "random"]
@@ -90,8 +90,8 @@ RETAIN_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESH
 
 def cpu() -> str:
     """The CPU the figures were measured on: its name and bf16 evidence."""
-    from loom.flops import cpu_model_name
-    from loom.precision import cpu_bf16_support
+    from loom.numerics.precision import cpu_bf16_support
+    from loom.observability.flops import cpu_model_name
 
     return f"{cpu_model_name()}, {cpu_bf16_support()[1]}"
 
@@ -100,7 +100,7 @@ def auto_dtype() -> str:
     """What `--dtype auto` resolves to on this machine's CPU."""
     import torch
 
-    from loom.precision import resolve_precision
+    from loom.numerics.precision import resolve_precision
 
     return resolve_precision("auto", torch.device("cpu")).dtype
 
@@ -135,7 +135,7 @@ def bare_loop(flags: list[str], steps: int, warmup: int, dtype: str) -> dict:
     import torch.nn.functional as F
 
     from loom.config import parse_args
-    from loom.modeling import model_args
+    from loom.hf.modeling import model_args
     from loom.models.llama.model import Transformer
     from loom.parallel.init import init_weights
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from loom.metrics import read_rows
+from loom.observability.metrics import read_rows
 
 
 def rows(folder: Path, rank: int = 0) -> list[dict]:

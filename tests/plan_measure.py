@@ -26,12 +26,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from loom.config import JobConfig, parse_args
 from loom.config.pipeline import stages_per_rank
-from loom.logs import setup_logging
-from loom.mesh import ParallelDims
+from loom.observability.profiling import peak_live_bytes
+from loom.parallel.mesh import ParallelDims
 from loom.plan.trace import Breakdown
-from loom.profiling import peak_live_bytes
-from loom.runtime import init_distributed, rank_info, teardown
-from loom.train import Trainer
+from loom.runtime.distributed import init_distributed, rank_info, teardown
+from loom.runtime.logs import setup_logging
+from loom.trainer.trainer import Trainer
 
 
 def at_allocator(cfg: JobConfig) -> bool:

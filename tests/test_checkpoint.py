@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from loom.checkpoint import complete_checkpoints, storage_writer
-from loom.checkpoint_format import METADATA, TensorReader
+from loom.checkpoint.checkpointer import complete_checkpoints, storage_writer
+from loom.checkpoint.format import METADATA, TensorReader
 from tests.compare import column, rows
 from tests.harness import REPO, LoggedProcess, rank_env, run_ranks
 
@@ -202,7 +202,7 @@ def test_rank_failure_ends_the_job_with_its_message(tmp_path: Path) -> None:
 def test_export_loads_in_transformers_with_the_same_logits(resume_runs: Path,
                                                            tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from loom.export import export, load_model_state
+    from loom.hf.export import export, load_model_state
     from loom.models.llama.model import Transformer
 
     checkpoint = resume_runs / "dp2-resumed" / "checkpoints" / "step-20"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.export import export, export_peft, load_run_model
-from loom.lora_export import WEIGHTS_FILE
+from loom.hf.export import export, export_peft, load_run_model
+from loom.lora.export import WEIGHTS_FILE
 from tests.compare import column
 from tests.harness import run_ranks
 from tests.hf_models import save_tiny_model

@@ -23,11 +23,11 @@ from loom.errors import (
     NonFiniteLossError,
     Preempted,
 )
-from loom.logs import quiet_upstream_notices, setup_logging
-from loom.mesh import ParallelDims
-from loom.preflight import check_outdir
-from loom.runtime import rank_info
-from loom.watchdog import report, watch_launcher, write_error_file
+from loom.parallel.mesh import ParallelDims
+from loom.runtime.distributed import rank_info
+from loom.runtime.logs import quiet_upstream_notices, setup_logging
+from loom.runtime.preflight import check_outdir
+from loom.runtime.watchdog import report, watch_launcher, write_error_file
 
 USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
 
@@ -46,9 +46,11 @@ USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
 """
 
 
-COMMANDS = {"launch": "loom.launch", "export": "loom.export", "plan": "loom.plan.command",
-            "tokenize": "loom.tokenize", "eval": "loom.eval_command", "generate": "loom.generate",
-            "doctor": "loom.doctor", "verify": "loom.verify", "digest": "loom.digest"}
+COMMANDS = {"launch": "loom.runtime.launch", "export": "loom.hf.export",
+            "plan": "loom.plan.command", "tokenize": "loom.commands.tokenize",
+            "eval": "loom.commands.eval", "generate": "loom.commands.generate",
+            "doctor": "loom.commands.doctor", "verify": "loom.commands.verify",
+            "digest": "loom.checkpoint.digest"}
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
 
 
@@ -89,7 +91,7 @@ def run_train(argv: Sequence[str]) -> int:
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
         check_outdir(cfg.output.outdir)
         # Loaded by name, as COMMANDS are: bad flags fail before the model/parallel imports.
-        importlib.import_module("loom.train").main(cfg, info)
+        importlib.import_module("loom.trainer.trainer").main(cfg, info)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -23,9 +23,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from loom.config import ModelConfig
-from loom.mesh import ParallelDims
 from loom.models.registry import register
 from loom.models.spec import ModelParts, ModelPlan, ModelSpec
+from loom.parallel.mesh import ParallelDims
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from loom.checkpoint_trust import UnusableCheckpoint, verify_checkpoint
+from loom.checkpoint.trust import UnusableCheckpoint, verify_checkpoint
 from loom.config import ConfigError
 from loom.data.shards import read_manifest as read_shard_manifest
-from loom.export import load_model_state
+from loom.hf.export import load_model_state
 from loom.safe_io import MAX_JSON_BYTES, read_json_capped
 from tests.faults.test_checkpoint_trust import (
     TINY,
@@ -182,7 +182,7 @@ def test_declared_sizes_are_bounded_before_allocation(run: Path, tmp_path: Path,
                                                       monkeypatch) -> None:
     checkpoint = copy_run(run, tmp_path) / "checkpoints" / "step-2"
     edit_model_args(checkpoint, **change)
-    monkeypatch.setattr("loom.preflight.available_memory_bytes", lambda: 4 << 30)
+    monkeypatch.setattr("loom.runtime.preflight.available_memory_bytes", lambda: 4 << 30)
     with pytest.raises(error, match=message):
         load_model_state(checkpoint)
 

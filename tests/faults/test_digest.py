@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from loom.checkpoint_trust import UnusableCheckpoint
-from loom.digest import checkpoint_digest, main
+from loom.checkpoint.digest import checkpoint_digest, main
+from loom.checkpoint.trust import UnusableCheckpoint
 from tests.faults.test_checkpoint_trust import TINY, copy_run, flip_a_byte, loom, reseal
 
 

@@ -140,7 +140,7 @@ def stopped_rank_ends_the_job(tmp_path: Path, timeout_s: int) -> None:
 @pytest.mark.multirank
 def test_a_stopped_rank_ends_the_job_within_a_short_comm_timeout(tmp_path: Path) -> None:
     """The default selection's hang test. Not shorter: the process groups' timeout (13 s
-    here, `loom.watchdog.collective_timeout_s`) also bounds how far apart the ranks may
+    here, `loom.runtime.watchdog.collective_timeout_s`) also bounds how far apart the ranks may
     reach a group's creation, and with 5 s (6.5 s) one run in 9 on a loaded 2-core machine
     failed there, before the first step."""
     stopped_rank_ends_the_job(tmp_path, 10)
@@ -178,7 +178,8 @@ def test_config_error_reaches_the_terminal_20_times(tmp_path: Path) -> None:
 
 def test_a_stalled_step_dumps_stacks_and_exits_with_one_line(tmp_path: Path) -> None:
     """The watchdog alone, in one process: no heartbeat store, a step that never ends."""
-    body = ("import time; from pathlib import Path; from loom.watchdog import StepWatchdog\n"
+    body = ("import time; from pathlib import Path\n"
+            "from loom.runtime.watchdog import StepWatchdog\n"
             f"StepWatchdog(1.0, Path({str(tmp_path)!r}), 0, 1, None).start(3)\n"
             "time.sleep(60)")
     code, _, err = finish(start([sys.executable, "-c", body]), 50)
@@ -197,7 +198,7 @@ def test_the_agent_kills_a_stopped_rank_at_once_and_terminates_the_others(
         subprocess_handler,
     )
 
-    from loom import launch as loom_launch
+    from loom.runtime import launch as loom_launch
 
     handler = subprocess_handler.SubprocessHandler
     monkeypatch.setattr(handler, "close", handler.close)  # restored after the test

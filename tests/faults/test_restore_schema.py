@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.checkpoint_schema import (
+from loom.checkpoint.schema import (
     _FAMILY_KEYS,
     _MODEL_FLOATS,
     _MODEL_INTS,
@@ -21,7 +21,7 @@ from loom.checkpoint_schema import (
     check_read_settings,
     check_rng,
 )
-from loom.checkpoint_trust import UnusableCheckpoint, read_loop
+from loom.checkpoint.trust import UnusableCheckpoint, read_loop
 from loom.config import ConfigError
 from loom.models.llama.model import ModelArgs
 from loom.models.moe.model import MOE_FIELDS

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loom.checkpoint import complete_checkpoints
-from loom.resume import set_aside_later
+from loom.checkpoint.checkpointer import complete_checkpoints
+from loom.checkpoint.resume import set_aside_later
 from tests.faults.test_checkpoint_trust import TINY, loom
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from loom.config import ConfigError, parse_args
-from loom.metrics import read_rows
-from loom.metrics.rows import is_step_row
-from loom.rundir import LOCK_NAME, MARKER, claim
+from loom.observability.metrics import read_rows
+from loom.observability.metrics.rows import is_step_row
+from loom.runtime.rundir import LOCK_NAME, MARKER, claim
 from loom.safe_io import open_append, open_lock_file, read_json_capped, write_text_atomic
 from tests.faults.procs import digest
 from tests.harness import REPO, free_port, rank_env

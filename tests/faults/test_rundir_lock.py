@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from loom.config import ConfigError
-from loom.metrics import run_history
-from loom.rundir import LOCK_NAME, MARKER, claim
+from loom.observability.metrics import run_history
+from loom.runtime.rundir import LOCK_NAME, MARKER, claim
 from tests.faults.procs import (
     digest,
     error_lines,

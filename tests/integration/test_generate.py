@@ -12,13 +12,13 @@ import re
 import pytest
 import torch
 
+from loom.commands.generate import sample
 from loom.config import parse_args
 from loom.data.text import EMBEDDED_CORPUS
 from loom.data.tokenizers import load_shipped_tokenizer
-from loom.generate import sample
 from loom.models.llama.model import Transformer
 from loom.parallel.init import init_weights
-from loom.train import model_args
+from loom.trainer.trainer import model_args
 from tests.harness import run_ranks
 
 WORD = re.compile(r"[a-z]+")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from loom import eval_command, export
+from loom.commands import eval as eval_command
+from loom.hf import export
 from tests.harness import REPO
 from tests.hf_crafted import CASES, assert_refused
 from tests.hf_models import corpus_sample, save_tiny_model, save_tokenizer

@@ -9,7 +9,7 @@ import pytest
 
 import loom
 
-LAUNCH = "import sys; from loom.launch import main; sys.exit(main(sys.argv[1:]))"
+LAUNCH = "import sys; from loom.runtime.launch import main; sys.exit(main(sys.argv[1:]))"
 
 
 def run_launch(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.metrics import read_rows
-from loom.precision import resolve_precision
+from loom.numerics.precision import resolve_precision
+from loom.observability.metrics import read_rows
 from tests.compare import rows
 from tests.harness import REPO, run_ranks
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.tokenize import tokenize
+from loom.commands.tokenize import tokenize
 from tests.compare import column
 from tests.corpora import WORDS, documents, write_jsonl
 from tests.harness import run_ranks

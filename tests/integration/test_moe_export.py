@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from loom.export import main as export_main
+from loom.hf.export import main as export_main
 from tests.harness import run_ranks
 
 

@@ -22,7 +22,7 @@ import loom
 from tests.compare import column
 from tests.harness import free_port
 
-LAUNCH = "import sys; from loom.launch import main; sys.exit(main(sys.argv[1:]))"
+LAUNCH = "import sys; from loom.runtime.launch import main; sys.exit(main(sys.argv[1:]))"
 TRAIN = [sys.executable, "-m", "loom", "train", "--model", "debug", "--dataset", "random",
          "--vocab-size", "512", "--seq-len", "64", "--fp32", "--batch-size", "2",
          "--max-steps", "4", "--seed", "3"]

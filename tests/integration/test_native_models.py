@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from loom.config import parse_args
-from loom.modeling import plain_model, resolve_model
+from loom.hf.modeling import plain_model, resolve_model
 from loom.models.hf_checkpoint import HFCheckpoint
 from loom.models.registry import for_config
 from loom.parallel.init import clean_name, load_weights

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from loom.data.tokenizers import SHIPPED_FLAG, load_auto_tokenizer, load_shipped_tokenizer
-from loom.export import main as export_main
+from loom.hf.export import main as export_main
 from tests.harness import run_ranks
 
 pytest.importorskip("transformers")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from loom.commands.tokenize import tokenize
 from loom.data.shards import read_manifest
-from loom.plots import plot_series
-from loom.tokenize import tokenize
+from loom.observability.plots import plot_series
 from tests.compare import rows
 from tests.corpora import WORDS, documents, write_jsonl
 from tests.harness import run_ranks

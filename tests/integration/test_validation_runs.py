@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.tokenize import tokenize
+from loom.commands.tokenize import tokenize
 from tests.compare import column
 from tests.harness import run_ranks
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from loom import launch
 from loom.cli import run_train
+from loom.runtime import launch
 
 BASE = ["--model", "debug", "--dataset", "random", "--max-steps", "1", "--fp32"]
 MISTAKES = {  # id: (flags, message)
@@ -78,7 +78,7 @@ def test_outdir_that_cannot_be_a_run_folder(tmp_path, capsys, monkeypatch, where
     if where == "unwritable":  # chmod cannot stop root, so stand in for the permission check
         outdir = tmp_path / "locked" / "run"
         (tmp_path / "locked").mkdir()
-        monkeypatch.setattr("loom.preflight.os.access", lambda path, mode: False)
+        monkeypatch.setattr("loom.runtime.preflight.os.access", lambda path, mode: False)
     code = run_train([*BASE, "--outdir", str(outdir)])
     message = "cannot write in" if where == "unwritable" else "is a file, not a folder"
     assert_one_line_exit_2(code, capsys.readouterr().err, message)

@@ -10,7 +10,7 @@ import pytest
 from loom import __version__
 from loom.cli import main
 from loom.config import HELP_GROUPS, SECTIONS, build_parser, parse_args
-from loom.presets import PRESETS
+from loom.config.presets import PRESETS
 from tests.harness import REPO
 
 

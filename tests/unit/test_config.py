@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from loom.config import ConfigError, config_from_flags, parse_args
+from loom.config.presets import ALIASES, PRESETS
 from loom.models.llama.model import ModelArgs, Transformer
-from loom.presets import ALIASES, PRESETS
 
 
 def test_preset_fills_fields_but_explicit_flags_win():

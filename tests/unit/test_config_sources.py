@@ -8,6 +8,7 @@ from dataclasses import fields
 
 import pytest
 
+from loom.checkpoint.resume import architecture
 from loom.config import SECTIONS, ConfigError, JobConfig, config_from_flags, parse_args
 from loom.config.schema import DataConfig, ModelConfig, flag_fields
 from loom.errors import (
@@ -18,10 +19,9 @@ from loom.errors import (
     NonFiniteLossError,
     Preempted,
 )
-from loom.modeling import model_args
+from loom.hf.modeling import model_args
 from loom.models.llama.model import ModelArgs
 from loom.models.moe.model import MoEArgs
-from loom.resume import architecture
 
 ENV_FIELDS = {f.metadata["env"]: name for name, (_, f) in flag_fields().items()
               if f.metadata["env"]}

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from loom.cli import run_train
-from loom.mesh import MESH_DIMS, ParallelDims
 from loom.models.llama.model import CausalAttention
 from loom.parallel.context import (
     causal_offset_mask,
@@ -18,6 +17,7 @@ from loom.parallel.context import (
     sharded_causal_attention,
     unshard_sequence,
 )
+from loom.parallel.mesh import MESH_DIMS, ParallelDims
 from tests.compare import worst
 
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from loom.config import ConfigError, LossConfig
-from loom.executor import check_takes_documents
 from loom.losses import IGNORE_INDEX, build_criterion
 from loom.models.documents import document_mask, document_positions
 from loom.models.llama.model import ModelArgs, Transformer
-from loom.step import document_ids
+from loom.trainer.executor import check_takes_documents
+from loom.trainer.step import document_ids
 from tests.tiny import tiny_model
 
 EOT = 1

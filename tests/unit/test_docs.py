@@ -35,14 +35,14 @@ from pathlib import Path
 
 import pytest
 
-from loom import flops
-from loom import launch as launch_command
 from loom.cli import COMMANDS
 from loom.cli import main as loom_main
 from loom.config import build_parser, matrix, parse_args
 from loom.config.reference import render
-from loom.mesh import ParallelDims
+from loom.observability import flops
+from loom.parallel.mesh import ParallelDims
 from loom.plan import command as plan_command
+from loom.runtime import launch as launch_command
 from tests.harness import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

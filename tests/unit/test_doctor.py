@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from loom import doctor, flops
 from loom.cli import main as loom_main
-from loom.precision import resolve_precision
+from loom.commands import doctor
+from loom.numerics.precision import resolve_precision
+from loom.observability import flops
 
 BUSY = flops.PeakMeasurement(2e9, 0.49, 6, clean=False)
 IDLE = flops.PeakMeasurement(3e11, 1.0, 2, clean=True)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from loom.commands.eval import eval_config
 from loom.config import ConfigError, parse_args
 from loom.config.file import read_config_file, to_toml
 from loom.config.schema import SECTIONS
 from loom.config.valsets import split_val_dataset, val_prefix, val_sets
-from loom.eval_command import eval_config
-from loom.plots import plot_series
-from loom.progress import format_progress
+from loom.observability.plots import plot_series
+from loom.observability.progress import format_progress
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -77,7 +77,7 @@ def checkpoint_folder(root: Path) -> Path:
 
 
 def test_loom_eval_scores_the_whole_set_unless_eval_steps_limits_it(tmp_path, monkeypatch):
-    monkeypatch.setattr("loom.eval_command.read_loop",
+    monkeypatch.setattr("loom.commands.eval.read_loop",
                         lambda path: {"model_args": {"dim": 64}, "architecture": {}})
     step = checkpoint_folder(tmp_path)
     assert eval_config(step, ["--dataset", "x.txt"]).eval.eval_steps == 0  # 0: every window

@@ -8,9 +8,9 @@ import time
 import pytest
 from torch import nn
 
-from loom import flight
-from loom.flight import PlainData, describe, enable, group_label, last_collective, newest
 from loom.parallel.fsdp import enclosing, unit_names
+from loom.runtime import flight
+from loom.runtime.flight import PlainData, describe, enable, group_label, last_collective, newest
 
 
 def test_group_labels_name_mesh_dims_and_the_world():

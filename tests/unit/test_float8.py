@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from loom import float8
 from loom.config import ConfigError, parse_args
 from loom.config.validate import validate
-from loom.modeling import plain_model
+from loom.hf.modeling import plain_model
+from loom.numerics import float8
 
 float8_linear = pytest.importorskip(
     "torchao.float8.float8_linear",

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from loom import flops
 from loom.config import parse_args
-from loom.mesh import ParallelDims
-from loom.metrics import run_facts, step_flops
-from loom.modeling import plain_model
+from loom.hf.modeling import plain_model
 from loom.models.llama.model import ModelArgs, Transformer
+from loom.observability import flops
+from loom.observability.metrics import run_facts, step_flops
+from loom.parallel.mesh import ParallelDims
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
 BATCH, SEQ = 2, 256

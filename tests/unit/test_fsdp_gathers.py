@@ -12,8 +12,8 @@ from torch.profiler import profile
 
 import loom.parallel.parallelize as recipe
 from loom.config import ParallelConfig
-from loom.mesh import ParallelDims
 from loom.models.llama.model import ModelArgs, Transformer
+from loom.parallel.mesh import ParallelDims
 from loom.plan.trace import fake_world
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,

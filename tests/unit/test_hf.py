@@ -14,7 +14,6 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from loom import flops
 from loom.config import ConfigError, LossConfig, config_from_flags, parse_args
 from loom.data.loaders import sized_to_tokenizer
 from loom.losses import build_loss, resolve_loss_impl
@@ -25,6 +24,7 @@ from loom.models.transformers.model import (
     load_hf_model,
     with_hf_config,
 )
+from loom.observability import flops
 from loom.parallel.hf import apply_hf_ac, decoder_blocks
 from tests.hf_models import ARCHITECTURES, MODEL_VOCAB, SHAPE, save_tiny_model
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from loom import generate, verify
 from loom.cli import run_train
+from loom.commands import generate, verify
 from loom.config import ConfigError
 from loom.models.hf_folder import open_folder, read_header
 from loom.plan import command as plan

@@ -9,8 +9,8 @@ import gc
 import pytest
 import torch
 
-import loom.host_hygiene as hygiene
-from loom.host_hygiene import ScheduledGC, expandable_segments, to_device
+import loom.runtime.host_hygiene as hygiene
+from loom.runtime.host_hygiene import ScheduledGC, expandable_segments, to_device
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from loom.host_memory import glibc
+from loom.runtime.host_memory import glibc
 
 COUNT_FAULTS = """
 import resource, sys, torch
-from loom.host_memory import retain_freed_memory
+from loom.runtime.host_memory import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 def step():  # a 64 MiB and a 32 MiB transient, touched and freed, as a training step's

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import loom.metrics.recorder
-import loom.train
+import loom.observability.metrics.recorder
+import loom.trainer.trainer
 from loom.losses import MODES
-from loom.optim import clip_grad_norm as clip
-from loom.parity import build_trainer, fit
-from loom.runtime import RankInfo
-from loom.step import ahead_on_device
-from loom.train import Trainer
+from loom.runtime.distributed import RankInfo
+from loom.trainer.optim import clip_grad_norm as clip
+from loom.trainer.parity import build_trainer, fit
+from loom.trainer.step import ahead_on_device
+from loom.trainer.trainer import Trainer
 
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
          "nonzero", "argwhere")
@@ -110,7 +110,7 @@ def test_no_host_read_on_a_non_logging_step_for_every_loss(tmp_path, monkeypatch
 
 def test_the_counter_sees_a_nonzero(tmp_path, monkeypatch, process_group):
     """The counter catches a per-step `nonzero` (what fused-linear once did per chunk)."""
-    monkeypatch.setattr(loom.train, "clip_grad_norm",
+    monkeypatch.setattr(loom.trainer.trainer, "clip_grad_norm",
                         lambda params, *a, **k: (torch.ones(3).nonzero(), clip(params, *a, **k))[1])
     reads, _ = counted_run(tmp_path, monkeypatch, ["--max-steps", "3", "--log-every", "4"])
     assert reads.get(2, {}).get("nonzero") == 1, reads
@@ -158,8 +158,8 @@ def test_data_reaches_the_device_one_step_ahead():
 
 def test_a_rarely_logging_run_is_read_every_max_queued_steps(tmp_path, monkeypatch,
                                                            process_group):
-    monkeypatch.setattr(loom.train, "MAX_QUEUED", 3)
-    monkeypatch.setattr(loom.metrics.recorder, "MAX_QUEUED", 3)
+    monkeypatch.setattr(loom.trainer.trainer, "MAX_QUEUED", 3)
+    monkeypatch.setattr(loom.observability.metrics.recorder, "MAX_QUEUED", 3)
     reads, _ = counted_run(tmp_path, monkeypatch, ["--max-steps", "8", "--log-every", "100"])
     assert {step for step in range(1, 9) if reads.get(step)} == {1, 4, 7, 8}, reads
     rows = (tmp_path / "run" / "metrics-0.jsonl").read_text().splitlines()

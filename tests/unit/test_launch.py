@@ -8,9 +8,9 @@ import sys
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from loom import launch
-from loom.launch import Host, expand_nodelist, omp_threads, parse_args
-from loom.watchdog import HANG_KEY
+from loom.runtime import launch
+from loom.runtime.launch import Host, expand_nodelist, omp_threads, parse_args
+from loom.runtime.watchdog import HANG_KEY
 
 CPU_HOST = Host(cpus=64, accelerators=0)
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from loom import lora
 from loom.config import ConfigError, parse_args
 from loom.config.validate import validate
-from loom.lora import LoRALinear, apply_lora, expand_targets, merged, resolve_lora_targets
-from loom.modeling import plain_model
+from loom.hf.modeling import plain_model
+from loom.lora import converter as lora
+from loom.lora.converter import LoRALinear, apply_lora, expand_targets, merged, resolve_lora_targets
 from loom.models.llama.spec import LORA_TARGETS
 from loom.parallel.init import init_weights
 from loom.plan.trace import PEAK, fake_world, trace_step

@@ -1,7 +1,7 @@
 import pytest
 
 from loom.config import ConfigError
-from loom.mesh import ParallelDims
+from loom.parallel.mesh import ParallelDims
 
 
 def test_auto_dp_shard_takes_remaining_ranks():

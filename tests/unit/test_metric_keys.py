@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from loom.config import ConfigError, config_from_flags, parse_args
-from loom.metrics.health import LogitsTracker, exact_float_parts, input_range
-from loom.profiling import ProfileOptions, profile_schedule
-from loom.progress import format_progress
-from loom.tracking import Histograms, histogram
+from loom.observability.metrics.health import LogitsTracker, exact_float_parts, input_range
+from loom.observability.profiling import ProfileOptions, profile_schedule
+from loom.observability.progress import format_progress
+from loom.observability.tracking import Histograms, histogram
 
 
 class Head(nn.Module):

@@ -15,11 +15,17 @@ import pytest
 import torch
 
 from loom.config import ConfigError, config_from_flags, parse_args
-from loom.metrics import StepClock, memory_stats, steady_start, summarize, tensor_stats
-from loom.plots import PLOTS, write_plots
-from loom.profiling import torch_profile
-from loom.progress import Progress, auto_every, text_plot
-from loom.tracking import layer_of
+from loom.observability.metrics import (
+    StepClock,
+    memory_stats,
+    steady_start,
+    summarize,
+    tensor_stats,
+)
+from loom.observability.plots import PLOTS, write_plots
+from loom.observability.profiling import torch_profile
+from loom.observability.progress import Progress, auto_every, text_plot
+from loom.observability.tracking import layer_of
 
 CPU = torch.device("cpu")
 

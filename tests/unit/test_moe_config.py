@@ -5,10 +5,10 @@ import torch
 import torch.distributed as dist
 
 from loom.config import ConfigError, parse_args
-from loom.mesh import ParallelDims
-from loom.modeling import plain_model
+from loom.hf.modeling import plain_model
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
 from loom.parallel.expert import update_expert_bias
+from loom.parallel.mesh import ParallelDims
 
 
 def test_moe_flags_select_the_moe_model():

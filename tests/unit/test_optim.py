@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from loom.config import OptimConfig
-from loom.optim import build_lr_scheduler, build_optimizer, lr_multiplier
+from loom.trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "linear", "wsd"])

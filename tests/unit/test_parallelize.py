@@ -15,11 +15,11 @@ from torch._dynamo.utils import counters
 
 import loom.parallel.parallelize as recipe
 from loom.config import ParallelConfig
-from loom.mesh import ParallelDims
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile, compile_targets
+from loom.parallel.mesh import ParallelDims
 from loom.parallel.model_plan import model_plan
 from tests.tiny import tiny_model
 from tests.unit.test_hf import tiny

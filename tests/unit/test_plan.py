@@ -4,7 +4,7 @@ keeps of a block's activations."""
 import pytest
 
 from loom.config import parse_args
-from loom.mesh import ParallelDims
+from loom.parallel.mesh import ParallelDims
 from loom.plan.compiled import compiled_block_fraction
 from loom.plan.memory import extrapolate, held_in_phase
 from loom.plan.pipeline import others_alive, schedule_actions

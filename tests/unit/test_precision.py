@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom import precision
 from loom.config import ConfigError, parse_args
+from loom.numerics import precision
 from loom.parallel.fsdp import mixed_precision
 
 CPU = torch.device("cpu")

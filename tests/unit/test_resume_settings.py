@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from loom.config import ConfigError, parse_args
-from loom.resume import (
+from loom.checkpoint.resume import (
     apply_saved_settings,
     architecture,
     check_architecture,
@@ -18,8 +17,9 @@ from loom.resume import (
     resume_on_restart,
     run_settings,
 )
-from loom.runtime import rank_info
-from loom.train import model_args
+from loom.config import ConfigError, parse_args
+from loom.runtime.distributed import rank_info
+from loom.trainer.trainer import model_args
 
 
 def test_saved_settings_hold_unless_given_again(caplog) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loom import tokenize as tok
+from loom.commands import tokenize as tok
 from loom.config import ConfigError
 from loom.data import documents
 from loom.data.shards import ShardStream, read_manifest

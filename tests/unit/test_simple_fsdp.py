@@ -10,12 +10,12 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from loom.checkpoint import plain_state_dict
+from loom.checkpoint.checkpointer import plain_state_dict
 from loom.config import ConfigError, ParallelConfig, config_from_flags
-from loom.mesh import ParallelDims
 from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.parallel import simple_fsdp as sf
 from loom.parallel.init import clean_name, init_weights
+from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
 
 

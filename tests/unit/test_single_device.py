@@ -14,11 +14,11 @@ from torch.profiler import profile
 
 import loom.parallel.parallelize as recipe
 from loom.config import ParallelConfig, parse_args
-from loom.executor import loss_in_graph
-from loom.mesh import ParallelDims
 from loom.models.llama.model import ModelArgs, Transformer
-from loom.parity import build_trainer, fit
-from loom.runtime import RankInfo
+from loom.parallel.mesh import ParallelDims
+from loom.runtime.distributed import RankInfo
+from loom.trainer.executor import loss_in_graph
+from loom.trainer.parity import build_trainer, fit
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
                  max_seq_len=16)

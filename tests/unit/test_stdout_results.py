@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from loom import flops
+from loom.observability import flops
 from loom.plan import command as plan_command
 
 BUSY = flops.PeakMeasurement(2e9, 0.49, 6, clean=False)

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from loom.straggler import StragglerWatch, arrivals, lagging, own_step_times, spread
+from loom.runtime.straggler import StragglerWatch, arrivals, lagging, own_step_times, spread
 
 
 def test_arrivals_count_only_the_window() -> None:

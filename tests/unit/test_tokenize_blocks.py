@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from loom import tokenize as tok
+from loom.commands import tokenize as tok
 from loom.data import documents
 from loom.data.blocks import fragments
 from loom.data.shards import ShardStream, read_manifest

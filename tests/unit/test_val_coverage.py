@@ -12,8 +12,8 @@ import torch
 
 from loom.data.loaders import build_dataloader
 from loom.data.text import PackedTokens, window_count
-from loom.evaluate import WholeBatches, scoring_view
 from loom.losses import IGNORE_INDEX
+from loom.trainer.evaluate import WholeBatches, scoring_view
 
 META = {"pad_id": None, "eot_id": 0, "vocab_size": 1 << 16, "tokenizer": "ids"}
 

@@ -9,8 +9,7 @@ import sys
 import pytest
 import torch
 
-from loom.config import ConfigError
-from loom.verify import (
+from loom.commands.verify import (
     MOE_NOTE,
     Outcome,
     compare,
@@ -19,7 +18,8 @@ from loom.verify import (
     parse_layout,
     parse_request,
 )
-from loom.verify import main as verify_main
+from loom.commands.verify import main as verify_main
+from loom.config import ConfigError
 
 BASE = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64"]
 

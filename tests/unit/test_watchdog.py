@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from loom.watchdog import StepWatchdog
+from loom.runtime.watchdog import StepWatchdog
 
 
 def test_silent_ranks_are_named_with_the_host_their_last_heartbeat_gave(tmp_path: Path):

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
-from loom.logs import setup_logging
-from loom.runtime import RankInfo, init_distributed, rank_info, teardown
+from loom.runtime.distributed import RankInfo, init_distributed, rank_info, teardown
+from loom.runtime.logs import setup_logging
 
 
 @contextmanager

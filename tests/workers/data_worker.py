@@ -11,7 +11,7 @@ import torch
 
 from loom.config import parse_args
 from loom.data.loaders import build_dataloader, build_dataset
-from loom.mesh import ParallelDims
+from loom.parallel.mesh import ParallelDims
 from tests.workers.bootstrap import rank_job
 
 STEPS, BATCH, SEED = 4, 2, 3

@@ -6,9 +6,9 @@ import errno
 import sys
 from pathlib import Path
 
-import loom.checkpoint
+import loom.checkpoint.checkpointer
 from loom import cli
-from loom.checkpoint_format import TensorWriter
+from loom.checkpoint.format import TensorWriter
 
 
 class FullDiskWriter(TensorWriter):
@@ -22,5 +22,5 @@ def storage_writer(path: Path) -> TensorWriter:
 
 
 if __name__ == "__main__":
-    loom.checkpoint.storage_writer = storage_writer
+    loom.checkpoint.checkpointer.storage_writer = storage_writer
     cli.main(["train", *sys.argv[1:]])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from loom.cli import run_train
-from loom.runtime import rank_info
-from loom.train import Trainer
+from loom.runtime.distributed import rank_info
+from loom.trainer.trainer import Trainer
 
 original_step = Trainer.train_step
 

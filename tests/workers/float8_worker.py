@@ -11,11 +11,11 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-from loom import float8
 from loom.config import parse_args
-from loom.extensions import StepContext, after_optimizer_step
-from loom.mesh import ParallelDims
-from loom.modeling import plain_model
+from loom.hf.modeling import plain_model
+from loom.numerics import float8
+from loom.parallel.mesh import ParallelDims
+from loom.trainer.extensions import StepContext, after_optimizer_step
 from tests.workers.bootstrap import rank_job
 
 

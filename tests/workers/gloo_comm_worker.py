@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from loom.parallel.gloo_comm import PairwiseAllGather, PairwiseReduceScatter
-from loom.runtime import init_distributed, rank_info, teardown
+from loom.runtime.distributed import init_distributed, rank_info, teardown
 
 
 def worst_differences(group: dist.ProcessGroup) -> dict[str, float]:

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 import loom.parallel.hf_load as hf_load
-import loom.train as train
+import loom.trainer.trainer as train
 from loom.config import ConfigError, ModelConfig, parse_args
-from loom.mesh import ParallelDims
 from loom.models.transformers.model import HFCausalLM, load_hf_model
+from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
 from tests.workers.bootstrap import rank_job
 from tests.workers.parity_worker import full

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from loom.parallel.init import clean_name
-from loom.parity import build_trainer, fit, whole_model
+from loom.trainer.parity import build_trainer, fit, whole_model
 from tests.workers.bootstrap import rank_job
 
 

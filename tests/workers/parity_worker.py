@@ -18,8 +18,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from loom.parallel.init import clean_name
-from loom.parity import batch_gradients, build_trainer, fit, full, full_parameters, whole_model
-from loom.train import Trainer
+from loom.trainer.parity import (
+    batch_gradients,
+    build_trainer,
+    fit,
+    full,
+    full_parameters,
+    whole_model,
+)
+from loom.trainer.trainer import Trainer
 from tests.routing import ROUTING_FILE, RoutingHooks
 from tests.workers.bootstrap import rank_job
 

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.config import ParallelConfig
-from loom.mesh import ParallelDims
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.init import clean_name, init_weights
+from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
-from loom.runtime import init_distributed, rank_info, teardown
+from loom.runtime.distributed import init_distributed, rank_info, teardown
 from tests.workers.parity_worker import full
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,

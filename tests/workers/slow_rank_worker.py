@@ -11,7 +11,8 @@ import sys
 import time
 from typing import Any
 
-from loom import cli, train
+from loom import cli
+from loom.trainer import trainer as train
 
 
 def slowed(step: Any, factor: float, min_s: float) -> Any:

@@ -1,5 +1,5 @@
 """The job configuration: declared once (schema), read from flags, environment, presets and
-a --config file (parser, sources, file), validated once (validate). `loom.resolve` adds what
+a --config file (parser, sources, file), validated once (validate). `loom.config.resolve` adds what
 is learned at start-up and gives the trainer the final, frozen config."""
 
 from loom.config.parser import HELP_GROUPS, build_parser, parse_args

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from loom.presets import is_hf_model
+from loom.config.presets import is_hf_model
 
 
 def flag(default: Any, help: str, *, aliases: Sequence[str] = (), type: Callable | None = None,
@@ -84,7 +84,7 @@ class ModelConfig:
 
     @property
     def runs_transformers(self) -> bool:
-        """The model is transformers' own module (resolved by `loom.modeling.resolve_model`;
+        """The model is transformers' own module (resolved by `loom.hf.modeling.resolve_model`;
         `--model-impl transformers` decides it before then)."""
         return self.from_hub_format and self.model_impl == "transformers"
 

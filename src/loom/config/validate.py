@@ -176,7 +176,7 @@ def _validate_doc_mask(cfg: JobConfig) -> None:
 
 def _validate_float8(cfg: JobConfig) -> None:
     """--float8 layouts that cannot run, one line each (the device is checked when the model
-    is converted, in `loom.float8`)."""
+    is converted, in `loom.numerics.float8`)."""
     p, m = cfg.parallel, cfg.model
     if p.float8 == "off":
         if p.float8_emulate:
@@ -191,7 +191,7 @@ def _validate_float8(cfg: JobConfig) -> None:
 
 def _validate_lora(cfg: JobConfig) -> None:
     """--lora-* values and layouts LoRA is not wired for, one line each (the targets are
-    checked against the model in `loom.resolve`)."""
+    checked against the model in `loom.config.resolve`)."""
     lo, p = cfg.lora, cfg.parallel
     if lo.lora_rank < 0 or not lo.lora_alpha > 0 or not 0.0 <= lo.lora_dropout < 1.0:
         raise ConfigError(f"--lora-rank must be >= 0, --lora-alpha > 0 and --lora-dropout in "
@@ -217,7 +217,7 @@ def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
     shape_unknown = m.runs_transformers or (m.from_hub_format and m.model_impl == "auto")
-    """Until `loom.modeling.resolve_model` reads the checkpoint's config, its shape is not
+    """Until `loom.hf.modeling.resolve_model` reads the checkpoint's config, its shape is not
     known; transformers' module has no loom shape at all."""
     positive = {"--dim": m.dim, "--n-layers": m.n_layers, "--n-heads": m.n_heads,
                 "--n-kv-heads": m.n_kv_heads, "--tp": p.tp, "--dp-replicate": p.dp_replicate,

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from loom.mesh import ParallelDims
 from loom.models.documents import shard_document_mask
 from loom.models.registry import for_model
+from loom.parallel.mesh import ParallelDims
 
 logger = logging.getLogger("loom")
 

@@ -39,9 +39,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from loom.extensions import StepContext, StepHook, register_step_hook
-from loom.mesh import ParallelDims
 from loom.models.moe.model import ExpertWeights, MoE
+from loom.parallel.mesh import ParallelDims
+from loom.trainer.extensions import StepContext, StepHook, register_step_hook
 
 logger = logging.getLogger("loom")
 

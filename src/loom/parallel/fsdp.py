@@ -15,12 +15,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from loom import flight
 from loom.config import ParallelConfig
-from loom.mesh import ParallelDims
 from loom.models.spec import ModelPlan
+from loom.numerics.precision import torch_dtype
 from loom.parallel.gloo_comm import use_pairwise_collectives
-from loom.precision import torch_dtype
+from loom.parallel.mesh import ParallelDims
+from loom.runtime import flight
 
 logger = logging.getLogger("loom")
 
@@ -114,7 +114,7 @@ def enclosing(model: nn.Module, units: list[nn.Module | list[nn.Module]]
 
 
 def name_forward(unit: nn.Module | list[nn.Module], name: str, outer: str | None) -> None:
-    """Hooks that tell `loom.flight` whose forward runs, so that a collective the Flight
+    """Hooks that tell `loom.runtime.flight` whose forward runs, so that a collective the Flight
     Recorder sees can be matched to the unit it gathers: the pre-hook goes before FSDP's
     own (prepend), which issues the all-gather; the post-hook gives the forward back to
     the `outer` unit (None after the root's). A timestamp and a tuple per call."""
@@ -132,8 +132,8 @@ def name_forward(unit: nn.Module | list[nn.Module], name: str, outer: str | None
 
 
 class NamedAllGather(DefaultAllGather):
-    """FSDP's own all-gather, called inside `loom.flight.moving(unit)`: the Flight Recorder's
-    entry for it is then matched to the unit whose parameters it gathers, in forward,
+    """FSDP's own all-gather, called inside `loom.runtime.flight.moving(unit)`: the Flight
+    Recorder's entry for it is then matched to the unit whose parameters it gathers, in forward,
     backward or a prefetch alike."""
 
     def __init__(self, unit: str) -> None:

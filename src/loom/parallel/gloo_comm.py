@@ -7,7 +7,7 @@ Both are rewritten here as exchanges of one shard with each peer, with no extra 
 NCCL and the other accelerator backends keep FSDP's own collectives.
 
 Torch's Flight Recorder does not see point-to-point sends on gloo, so each exchange records
-itself in `loom.flight` as it is posted. Every FSDP unit gets its own pair of collectives,
+itself in `loom.runtime.flight` as it is posted. Every FSDP unit gets its own pair of collectives,
 which know the unit's name: a hang report then says whose parameters a stuck exchange
 moves, whatever order prefetching, activation checkpointing or compile run them in.
 """
@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
-from loom import flight
+from loom.runtime import flight
 
 
 class _AllOf(dist.Work):
@@ -33,7 +33,7 @@ class _AllOf(dist.Work):
         self._works = works
 
     def wait(self, timeout: object = None) -> bool:
-        with flight.blocked():  # a straggler's peers wait here: see loom.straggler
+        with flight.blocked():  # a straggler's peers wait here: see loom.runtime.straggler
             for work in self._works:
                 work.wait()
         return True

@@ -27,7 +27,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from loom.config import JobConfig, ModelConfig
 from loom.data.loaders import on_node_leaders
-from loom.mesh import ParallelDims
 from loom.models.hf_checkpoint import HFCheckpoint
 from loom.models.hf_folder import read_weights
 from loom.models.registry import for_config
@@ -38,6 +37,7 @@ from loom.models.transformers.model import (
     load_hf_model,
 )
 from loom.parallel.init import clean_name
+from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
 
 logger = logging.getLogger("loom")

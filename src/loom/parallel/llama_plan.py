@@ -18,9 +18,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from loom.mesh import ParallelDims
 from loom.models.llama.model import Transformer, TransformerBlock
 from loom.models.spec import ModelPlan
+from loom.parallel.mesh import ParallelDims
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from torch import nn
 
 from loom.config import ParallelConfig
-from loom.mesh import ParallelDims
+from loom.numerics.precision import describe
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile
 from loom.parallel.context import apply_cp
 from loom.parallel.fsdp import apply_fsdp
+from loom.parallel.mesh import ParallelDims
 from loom.parallel.model_plan import ModelPlan, model_plan
 from loom.parallel.simple_fsdp import apply_simple_fsdp
 from loom.parallel.single import apply_single_device, runs_plain
-from loom.precision import describe
 
 logger = logging.getLogger("loom")
 

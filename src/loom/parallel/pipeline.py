@@ -32,11 +32,11 @@ from loom.config.pipeline import (
     stages_per_rank,
 )
 from loom.losses import Criterion
-from loom.mesh import ParallelDims
 from loom.models.registry import for_model
 from loom.models.spec import ModelParts
-from loom.precision import torch_dtype
-from loom.step import Accumulated, Batch, StepExecutor
+from loom.numerics.precision import torch_dtype
+from loom.parallel.mesh import ParallelDims
+from loom.trainer.step import Accumulated, Batch, StepExecutor
 
 logger = logging.getLogger("loom")
 

@@ -39,10 +39,10 @@ from torch.utils.checkpoint import (
 )
 
 from loom.config import ParallelConfig
-from loom.mesh import ParallelDims
 from loom.models.spec import ModelPlan
+from loom.numerics.precision import torch_dtype
 from loom.parallel.fsdp import REDUCE_DTYPES, expert_placement
-from loom.precision import torch_dtype
+from loom.parallel.mesh import ParallelDims
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from loom.config import ParallelConfig
-from loom.mesh import ParallelDims
 from loom.models.spec import ModelPlan
-from loom.precision import torch_dtype
+from loom.numerics.precision import torch_dtype
+from loom.parallel.mesh import ParallelDims
 
 
 def runs_plain(dims: ParallelDims, cfg: ParallelConfig) -> bool:

@@ -16,16 +16,16 @@ import torch
 
 from loom.config import ConfigError, JobConfig, parse_args, validate
 from loom.data.cache import default_cache_dir
-from loom.logs import setup_logging
-from loom.lora import resolve_lora_targets
+from loom.hf.modeling import resolve_model
+from loom.lora.converter import resolve_lora_targets
 from loom.losses import resolve_loss_impl
-from loom.mesh import ParallelDims
-from loom.modeling import resolve_model
+from loom.numerics.precision import resolve_precision
+from loom.parallel.mesh import ParallelDims
 from loom.plan.peaks import predict_memory
 from loom.plan.search import search
 from loom.plan.speed import predict_step_time
 from loom.plan.trace import fake_world
-from loom.precision import resolve_precision
+from loom.runtime.logs import setup_logging
 
 logger = logging.getLogger("loom")
 
@@ -55,7 +55,8 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--device-memory", required=True)
     parser.add_argument("--device", default="cpu",
-                        help="cpu (measured peak) or a name in loom.flops.PEAK_TFLOPS, e.g. H100")
+                        help="cpu (measured peak) or a name in "
+                        "loom.observability.flops.PEAK_TFLOPS, e.g. H100")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--search", action="store_true")
     return parser

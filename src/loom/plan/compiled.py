@@ -31,8 +31,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from loom.config import JobConfig, ModelConfig
 from loom.config.pipeline import choose_microbatches
-from loom.modeling import plain_model
-from loom.precision import default_dtype, torch_dtype
+from loom.hf.modeling import plain_model
+from loom.numerics.precision import default_dtype, torch_dtype
 
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,
           torch.ops.aten.alias.default, torch.ops.aten.transpose.int,

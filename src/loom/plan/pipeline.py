@@ -35,7 +35,8 @@ from loom.config.pipeline import (
     stage_indices,
     stages_per_rank,
 )
-from loom.modeling import plain_model
+from loom.hf.modeling import plain_model
+from loom.numerics.precision import torch_dtype
 from loom.parallel.pipeline import layer_costs
 from loom.plan.memory import GATHERED, traced
 from loom.plan.trace import (
@@ -47,7 +48,6 @@ from loom.plan.trace import (
     first_micro_batch,
     with_layers,
 )
-from loom.precision import torch_dtype
 
 STATIC = ("Sharded Param", "Sharded Grad", "OptState", "Buffer")
 """What a held stage keeps between its micro-batches (tracker categories)."""

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from loom.config import ConfigError, JobConfig, validate
-from loom.mesh import ParallelDims
+from loom.parallel.mesh import ParallelDims
 from loom.plan.memory import GiB, finish, in_gib
 from loom.plan.peaks import traced_phases
 from loom.plan.speed import NODE_SIZE, predict_step_time

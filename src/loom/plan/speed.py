@@ -1,8 +1,8 @@
 """Predicted step time: counted FLOPs over a device peak, plus communication that cannot
 hide behind compute. An estimate for ranking layouts, not a measurement.
 
-FLOPs come from `loom.flops.count_step_flops` (the unsharded model under fake tensors) at
-reduced depth, extrapolated per block like memory. Every rank does 1/world of them
+FLOPs come from `loom.observability.flops.count_step_flops` (the unsharded model under fake
+tensors) at reduced depth, extrapolated per block like memory. Every rank does 1/world of them
 (dp splits the batch, tp the matmuls, cp the sequence, pp the layers, see
 `predict_step_time` for the pipeline's bubble); activation checkpointing adds the
 recomputed forward. Communication volume is derived from the layout: FSDP all-gathers (forward and,
@@ -20,14 +20,14 @@ import torch
 
 from loom.config import DataConfig, JobConfig, ModelConfig
 from loom.config.pipeline import bubble_fraction, choose_microbatches, stages_per_rank
-from loom.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
-from loom.mesh import ParallelDims
-from loom.modeling import model_args, plain_model
+from loom.hf.modeling import model_args, plain_model
 from loom.models.moe.model import active_param_count
+from loom.numerics.precision import torch_dtype
+from loom.observability.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
+from loom.parallel.mesh import ParallelDims
 from loom.plan.memory import traced_depths
 from loom.plan.pipeline import compute_share
 from loom.plan.trace import with_layers
-from loom.precision import torch_dtype
 
 EFFICIENCY = 0.4
 """Fraction of the matmul peak a training step reaches (assumed; torchtitan's published

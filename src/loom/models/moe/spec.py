@@ -8,11 +8,11 @@ from dataclasses import fields
 from torch import nn
 
 from loom.config import ModelConfig
-from loom.mesh import ParallelDims
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer
 from loom.models.spec import ModelPlan, ModelSpec
 from loom.parallel.expert import apply_moe_parallel, moe_layers
 from loom.parallel.llama_plan import dense_plan
+from loom.parallel.mesh import ParallelDims
 
 
 def moe_args(m: ModelConfig) -> MoEArgs:

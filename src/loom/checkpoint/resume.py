@@ -1,0 +1,241 @@
+"""Resuming a run: which checkpoint, the run settings it brings back, and whether this run's
+model is the one it holds. All of it happens before the dataset and model are built."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loom.checkpoint.checkpointer import checkpoint_dir, complete_checkpoints, is_step_dir, step_of
+from loom.checkpoint.schema import (
+    READ_SETTINGS,
+    RUN_SETTINGS,
+    SchemaError,
+    check_read_settings,
+    check_rng,
+)
+from loom.checkpoint.trust import UnusableCheckpoint, read_json, read_loop, verify_checkpoint
+from loom.config import ConfigError, JobConfig
+from loom.models.llama.model import ModelArgs
+
+logger = logging.getLogger("loom")
+
+_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
+"""What every model's parameter shapes depend on (an HF model's, as read from its config)."""
+_LOOM_FIELDS = ("ffn_hidden_dim",)
+"""loom's own derivation of the feed-forward width (not an HF model's: not recorded)."""
+_MOE_FIELDS = ("n_experts", "n_shared_experts", "moe_hidden_dim", "n_dense_layers")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    saved: dict[str, Any]
+    """The checkpoint's loop.json: loop, scheduler and optimizer state, settings, model."""
+    run_id: str
+
+
+def resume_on_restart(cfg: JobConfig, restarts: int) -> JobConfig:
+    """A restarted job (torchrun's --max-restarts, a Slurm requeue) continues its own run
+    from the newest complete checkpoint in --outdir, as `--resume auto` would, without the
+    user adding the flag: the restarted command line is the one that started the job. An
+    explicit --resume wins; without --outdir every attempt would get a new folder, so the
+    restart says it starts over."""
+    if restarts == 0 or cfg.checkpoint.resume is not None:
+        return cfg
+    if cfg.output.outdir is None:
+        note = (f"restart {restarts} of this job starts a new run: pass --outdir so that a "
+                "restart continues the same run folder")
+        return replace(cfg, warnings=(*cfg.warnings, note))
+    note = (f"restart {restarts} of this job: continuing from the newest complete checkpoint "
+            f"in {cfg.output.outdir} (--resume auto)")
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"),
+                   warnings=(*cfg.warnings, note))
+
+
+def new_run_id() -> str:
+    """Chosen by rank 0, shared with every rank; marks the checkpoints this run may prune."""
+    chosen = [uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+def _gather(problems: list[str]) -> list[str]:
+    shared: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shared, problems)
+    return [p for found in shared for p in found]
+
+
+def rng_problems(path: Path, names: list[str]) -> list[str]:
+    """Which of the checkpoint's RNG files are out of schema for this build of torch."""
+    torch_bytes = torch.get_rng_state().numel()
+    cuda_bytes = torch.cuda.get_rng_state().numel() if torch.cuda.is_available() else None
+    problems = []
+    for name in names:
+        try:
+            check_rng(read_json(path, name), torch_bytes, cuda_bytes)
+        except (SchemaError, UnusableCheckpoint) as e:
+            problems.append(f"{name} {e}")
+    return problems
+
+
+def open_checkpoint(path: Path) -> ResumePoint:
+    """Verify a checkpoint (collective) and read its loop state; every value it restores is
+    checked against `loom.checkpoint.schema` first (each rank checks a share of the RNG
+    files, and all raise the same error)."""
+    manifest = verify_checkpoint(path, dist.get_rank(), dist.get_world_size(), _gather)
+    saved = read_loop(path)
+    if is_step_dir(path) and step_of(path) != saved["step"]:
+        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: loop.json has step "
+                                 f"{saved['step']}, its folder {path.name}")
+    rngs = sorted(n for n in manifest["files"] if n.startswith("rng-"))
+    problems = _gather(rng_problems(path, rngs[dist.get_rank()::dist.get_world_size()]))
+    if problems:
+        raise UnusableCheckpoint(f"checkpoint {path} is unsafe: {problems[0]}")
+    return ResumePoint(path, saved, str(manifest.get("run_id")))
+
+
+def _with_hint(error: UnusableCheckpoint, path: Path) -> UnusableCheckpoint:
+    """Name the newest older checkpoint of the same folder in the message."""
+    older = [p for p in complete_checkpoints(path.parent.parent) if step_of(p) < step_of(path)] \
+        if path.parent.name == "checkpoints" and path.name.startswith("step-") else []
+    hint = f"; resume from {older[-1].name} with --resume {older[-1]}" if older else ""
+    return UnusableCheckpoint(f"{error}{hint}")
+
+
+def find_resume(resume: str | None, outdir: Path) -> ResumePoint | None:
+    """None: a new run. `auto`: the newest usable checkpoint in the run folder, if any;
+    `latest` (bare --resume): the same, but there must be one; else a checkpoint folder.
+    A corrupt newest checkpoint is skipped with a warning in favour of an older one."""
+    if resume is None:
+        return None
+    if resume not in ("auto", "latest"):
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError(f"--resume {resume}: no such checkpoint folder")
+        try:
+            return open_checkpoint(path)
+        except UnusableCheckpoint as e:
+            raise _with_hint(e, path) from None
+    found = complete_checkpoints(outdir)
+    if not found and resume == "latest":
+        raise ConfigError(f"--resume: no checkpoint in {checkpoint_dir(outdir)} to resume "
+                          "from (--resume auto starts a new run when there is none)")
+    errors = []
+    for path in reversed(found):
+        try:
+            point = open_checkpoint(path)
+        except UnusableCheckpoint as e:
+            logger.warning("--resume %s: skipping %s (%s)", resume, path.name, e)
+            errors.append(e)
+            continue
+        return point
+    if errors:
+        raise UnusableCheckpoint(f"--resume {resume}: no usable checkpoint in "
+                                 f"{checkpoint_dir(outdir)}; the newest: {errors[0]}")
+    logger.info("--resume auto: no checkpoint in %s, starting a new run", checkpoint_dir(outdir))
+    return None
+
+
+def set_aside_later(outdir: Path, resumed: Path, step: int) -> Path | None:
+    """After `--resume PATH` at `step`, the run folder's checkpoints past that step belong
+    to the branch this run abandons: moved into `checkpoints/abandoned-<time>/` (kept, but
+    no longer `step-N`), so `--resume auto` continues the new branch, never the old one.
+    Returns that folder, or None when there was nothing to move."""
+    later = [p for p in complete_checkpoints(outdir)
+             if step_of(p) > step and p.resolve() != resumed.resolve()]
+    if not later:
+        return None
+    aside = checkpoint_dir(outdir) / f"abandoned-{datetime.now():%Y%m%d-%H%M%S-%f}"
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    return aside
+
+
+def run_settings(cfg: JobConfig) -> dict[str, Any]:
+    """What a checkpoint records: the run settings it restores, and what the run read."""
+    return {name: getattr(getattr(cfg, section), name)
+            for group in (RUN_SETTINGS, READ_SETTINGS)
+            for section, names in group.items() for name in names}
+
+
+def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any], path: Path) -> JobConfig:
+    """The checkpoint's run settings, except those given again; what the run reads must be
+    what the command line says (`check_read_settings`). One info line lists every restored
+    setting and every difference; `loom.config.resolve` validates the result with the other
+    start-up facts."""
+    changed = check_read_settings(saved, run_settings(cfg), path,
+                                  cfg.checkpoint.resume_new_data)
+    kept: dict[str, dict[str, Any]] = {}
+    for section, names in RUN_SETTINGS.items():
+        for name in (n for n in names if n in saved):
+            now = getattr(getattr(cfg, section), name)
+            if name in cfg.explicit:
+                if now != saved[name]:
+                    changed.append(f"--{name.replace('_', '-')} {saved[name]} -> {now}")
+            else:
+                kept.setdefault(section, {})[name] = saved[name]
+    cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in kept.items()})
+    restored = ", ".join(f"{n} {v}" for kw in kept.values() for n, v in kw.items()) or "none"
+    logger.info("resume: restored from %s: %s%s", path.name, restored,
+                f"; given again: {', '.join(changed)}" if changed else "")
+    return cfg
+
+
+def rescale_lr(optimizer: Any, scheduler: Any, saved_lr: float, lr: float) -> None:
+    """--lr given again on resume: the loaded optimizer and scheduler state carry the saved
+    peak lr, and every scheduled lr is proportional to it. The scheduler is changed through
+    its state dict (its public interface), never by writing its attributes."""
+    if saved_lr == 0:
+        raise ConfigError(f"--lr {lr}: the checkpoint was trained at --lr 0, whose schedule "
+                          "cannot be rescaled; start a new run from it instead")
+    scale = lr / saved_lr
+    state = scheduler.state_dict()
+    for key in ("base_lrs", "_last_lr"):
+        state[key] = [value * scale for value in state[key]]
+    scheduler.load_state_dict(state)
+    for group in optimizer.param_groups:
+        group["lr"] *= scale
+        group["initial_lr"] *= scale
+
+
+def architecture(cfg: JobConfig, args: ModelArgs) -> dict[str, Any]:
+    """What the parameters' shapes depend on: the kind of model (dense, moe or hf) and its
+    sizes; a resumed run must match it field by field."""
+    m = cfg.model
+    kind = "hf" if m.runs_transformers else "moe" if m.n_experts else "dense"
+    arch: dict[str, Any] = {"kind": kind}
+    if kind == "hf":
+        arch["model"] = m.model
+    if kind != "hf" and m.family is not None:  # absent before families had names
+        arch["family"] = m.family
+    if kind != "hf" and getattr(args, "qk_norm", False):
+        arch["qk_norm"] = 1
+    head_dim = getattr(args, "head_dim", None)
+    if kind != "hf" and head_dim is not None and head_dim != args.dim // args.n_heads:
+        arch["head_dim"] = head_dim
+    names = _SHAPE_FIELDS if kind == "hf" else (*_SHAPE_FIELDS, *_LOOM_FIELDS)
+    arch.update({f: getattr(args, f) for f in names})
+    if kind == "moe":
+        arch.update({f: getattr(m, f) for f in _MOE_FIELDS})
+    lo = cfg.lora
+    if lo.lora_rank:  # the adapters' shapes, and the scale an export merges with
+        arch.update(lora_rank=lo.lora_rank, lora_alpha=repr(float(lo.lora_alpha)),
+                    lora_targets=lo.lora_targets)  # (the schema holds integers and names)
+    return arch
+
+
+def check_architecture(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """One line naming the first field where the checkpoint's model and this run's differ."""
+    for field in dict.fromkeys([*saved, *current]):
+        if saved.get(field) != current.get(field):
+            raise ConfigError(f"--resume: checkpoint has {field} {saved.get(field)}, this run "
+                              f"{current.get(field)}; give the checkpoint's model flags")

@@ -1,0 +1,1 @@
+"""The thin commands beside `loom train`: eval, generate, doctor, verify, tokenize."""

@@ -1,0 +1,120 @@
+"""`loom eval CHECKPOINT --dataset ...`: a saved model's validation loss, through training's
+own resume path. Above `loom.trainer.trainer` (which builds the evaluator it uses), so neither
+imports the other inside a function."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+
+from loom.checkpoint.trust import read_loop
+from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
+from loom.hf.export import run_config
+from loom.hf.modeling import resolve_model
+from loom.lora.converter import LoraSettings
+from loom.parallel.mesh import ParallelDims
+from loom.runtime.distributed import init_distributed, rank_info, teardown
+from loom.runtime.logs import setup_logging
+from loom.safe_io import write_text_atomic
+from loom.trainer.evaluate import Evaluator, Validation, build_validation
+from loom.trainer.trainer import Trainer
+
+MODEL_FIELDS = frozenset(f.name for f in fields(ModelConfig))
+"""The checkpoint's model_args are named like these config fields (every family's)."""
+
+
+def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
+    """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
+    are evaluated, else --dataset), every window of each unless --eval-steps limits it; the
+    model's shape comes from the checkpoint, and the run writes only to
+    `<run>/eval-step-N/`."""
+    if not (checkpoint / "loop.json").is_file():
+        raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
+    loop = read_loop(checkpoint)
+    shape = {k: v for k, v in loop["model_args"].items() if k in MODEL_FIELDS}
+    if loop["architecture"].get("family"):
+        shape["family"] = loop["architecture"]["family"]
+    cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
+                      "--resume-new-data",  # evaluating other data is the point
+                      "--outdir", str(checkpoint.parent.parent / f"eval-{checkpoint.name}")])
+    model = replace(cfg.model, **shape)
+    steps = cfg.eval.eval_steps if "eval_steps" in cfg.explicit else 0  # 0: the whole set
+    cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False),
+                  eval=replace(cfg.eval, eval_steps=steps))
+    return resolve_model(with_lora(cfg, checkpoint, loop["architecture"]))
+
+
+def with_lora(cfg: JobConfig, checkpoint: Path, arch: dict) -> JobConfig:
+    """A LoRA run's adapters as it trained them, on its base: its checkpoint holds no
+    frozen weight, so the run's Hugging Face --model is read again (a base from loom's
+    init is drawn from the restored seed)."""
+    lora = LoraSettings.recorded(arch)
+    if lora is None:
+        return cfg
+    cfg = replace(cfg, lora=replace(cfg.lora, lora_rank=lora.rank, lora_alpha=lora.alpha,
+                                    lora_targets=",".join(lora.targets)))
+    base = run_config(checkpoint).get("model", {}).get("model")
+    if base is not None and ModelConfig(model=base).from_hub_format:
+        cfg = replace(cfg, model=replace(cfg.model, model=base))
+    return cfg  # a Hugging Face --model is checked before any rank starts
+
+
+def scored_line(checkpoint: Path, name: str, evaluator: Evaluator,
+                result: dict[str, float]) -> str:
+    """What `loom eval` prints for one set: loss, perplexity and the tokens it scored."""
+    p = evaluator.prefix
+    extent = "every window" if evaluator.whole else \
+        f"the first {evaluator.steps} of {evaluator.batches} global batches"
+    return (f"{checkpoint}{f' [{name}]' if name else ''}: {p}loss {result[p + 'loss']:.4f}  "
+            f"{p}ppl {result[p + 'ppl']:.2f}  scored {result[p + 'tokens']:,} tokens "
+            f"({extent})")
+
+
+def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
+    """Load the checkpoint through training's own resume path and evaluate --dataset."""
+    cfg = eval_config(checkpoint, argv)
+    info = rank_info()
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size)
+    device = init_distributed(info)
+    trainer = Trainer(cfg, info, dims, device)
+    evaluator: Validation = trainer.evaluator or build_validation(
+        {"": trainer.loader.dataset}, trainer.executor, dims, device, cfg.train.batch_size,
+        cfg.eval.eval_steps, every=0)
+    result = evaluator.evaluate()
+    if info.is_main:
+        out = trainer.metrics.outdir / "eval.json"
+        write_text_atomic(out, json.dumps({"checkpoint": str(checkpoint),
+                                           "dataset": cfg.data.dataset, **result}, indent=2)
+                          + "\n")
+        for name, one in evaluator.evaluators.items():
+            print(scored_line(checkpoint, name, one, result))
+        print(f"written to {out}")
+    trainer.close()
+    del trainer, evaluator  # collected by teardown, before the process groups go
+    teardown()
+    return result
+
+
+def main(argv: Sequence[str]) -> int:
+    rank = rank_info().rank
+    setup_logging(rank)
+    if not argv or argv[0].startswith("-"):
+        asked = bool(argv) and argv[0] in ("-h", "--help")  # else a usage error: stderr
+        print("usage: loom eval CHECKPOINT --dataset DATA [--val-fraction F] [--val-dataset "
+              "[NAME=]PATH ...] [training flags: --eval-steps (default: the whole set), "
+              "--batch-size, --seq-len, mesh...]",
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    try:
+        run_eval(Path(argv[0]), argv[1:])
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # rank-specific: every rank reports its own
+        print(f"error (rank {rank}): {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0

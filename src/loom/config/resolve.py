@@ -1,0 +1,92 @@
+"""One step from the validated flags to the final, frozen config the trainer uses.
+
+Flags, environment, preset and --config file were merged and checked by `loom.config`;
+what only the started job can know is added here, in this order: the run settings of the
+checkpoint being resumed, the seed they fix, the precision this device supports, a Hugging
+Face model's own shape, the tokenizer's vocabulary and the loss the mesh allows. The result
+is validated once; nothing downstream rewrites it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loom.checkpoint.resume import (
+    ResumePoint,
+    apply_saved_settings,
+    architecture,
+    check_architecture,
+    find_resume,
+)
+from loom.config import JobConfig, validate
+from loom.data.loaders import build_datasets
+from loom.hf.modeling import model_args, plain_model, resolve_model
+from loom.lora.converter import resolve_lora_targets
+from loom.losses import resolve_loss_impl
+from loom.numerics.precision import Precision, resolve_precision
+from loom.parallel.hf import resolve_hf_model
+from loom.parallel.mesh import ParallelDims
+from loom.runtime.distributed import RankInfo, seed_everything
+from loom.runtime.preflight import available_memory_bytes, check_model_fits
+
+logger = logging.getLogger("loom")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The final config and what was learned while making it."""
+
+    cfg: JobConfig
+    precision: Precision
+    resume: ResumePoint | None
+    dataset: Any
+    """The training set (or a stream spec), whose tokenizer sized the vocabulary."""
+    val_datasets: dict[str, Any]
+    """The validation sets by name (the default set's name is "")."""
+
+
+def check_fits(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
+    """Fail in one line, before the data or the model is allocated, on a model too large
+    for this device (the vocab is the flag's: a tokenizer may replace it with its own)."""
+    if cfg.model.runs_transformers:
+        return
+    with torch.device("meta"):
+        model = plain_model(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = available_memory_bytes() if device.type == "cpu" else None
+    check_model_fits(n_params, dims.dp_shard * dims.cp * dims.tp, free, buffers)
+
+
+def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device,
+            outdir: Path) -> Resolved:
+    """The final config of a job whose process group and mesh are up (collective: rank 0
+    reads checkpoints and HF configs and shares them, each node tokenizes once)."""
+    resume = find_resume(flags.checkpoint.resume, outdir)
+    cfg = flags if resume is None else apply_saved_settings(flags, resume.saved["settings"],
+                                                                   resume.path)
+    seed_everything(cfg.train.seed)
+    precision = resolve_precision(cfg.parallel.dtype, device)
+    logger.info("precision: %s (%s)", precision.dtype, precision.reason)
+    cfg = replace(cfg, parallel=replace(cfg.parallel, dtype=precision.dtype))
+    cfg = resolve_model(cfg)  # a no-op after `loom train`'s own, for callers that skip it
+    if cfg.parallel.tp != dims.tp:
+        raise ValueError("the model was resolved after the mesh was built; call "
+                         "loom.hf.modeling.resolve_model on the flags first")
+    cfg = resolve_hf_model(cfg, info.local_rank)
+    cfg = resolve_lora_targets(cfg)
+    validate(cfg)  # the facts added below come from loom itself, not from the user
+    check_fits(cfg, dims, device)
+    dataset, val_datasets, cfg = build_datasets(cfg, info.local_rank)
+    cfg = resolve_loss_impl(cfg)  # effective --loss-impl, before the tp plan
+    if resume is not None:  # before the model is built
+        check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)))
+    return Resolved(cfg, precision, resume, dataset, val_datasets)

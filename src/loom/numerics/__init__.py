@@ -1,0 +1,1 @@
+"""Number formats: the precision a run computes in, and float8 training."""

@@ -1,0 +1,1 @@
+"""What a run reports: metrics, FLOPs, plots, progress, trackers, profiles, memory snapshots."""

@@ -1,0 +1,183 @@
+"""The step executor: forward and backward of one optimizer step's micro-batches over the
+model parts, and a batch's loss without gradients (evaluation).
+
+The loss is a sum over valid tokens. Each backward weighs its sum by (loss ranks / the
+step's valid tokens), so FSDP's average over the loss mesh makes every gradient the mean over
+the global batch's valid tokens, whatever the layout. Only one rank per loss-mesh coordinate
+owns the sum (tp ranks hold copies, pipeline stages without the head hold none): summing the
+owned shares over every rank gives the step's loss once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.losses import IGNORE_INDEX, Criterion
+from loom.parallel.context import gather_sequence
+from loom.parallel.grad_sync import set_gradient_sync
+from loom.parallel.mesh import ParallelDims
+from loom.runtime.host_hygiene import to_device
+
+Batch = dict[str, torch.Tensor]
+MicroLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+                     tuple[torch.Tensor, torch.Tensor]]
+"""(model, inputs, labels, documents) -> (loss sum, valid count) of one micro-batch."""
+
+
+def document_ids(inputs: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """(B, T) input ids -> (B, T) index of the packed document each token belongs to: an
+    end-of-text token closes its document, the token after it opens the next (--doc-mask).
+    Derived from the ids themselves, so every loader, layout and pipeline stage agrees."""
+    ends = (inputs == eot_id).long()
+    return ends.cumsum(dim=1) - ends
+
+
+def forward_loss(criterion: Criterion, model: nn.Module, inputs: torch.Tensor,
+                 labels: torch.Tensor, documents: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's forward and criterion: what a single-device compile takes whole."""
+    return criterion(criterion.forward(model, inputs, documents), labels)
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: loss (mean over the global batch's valid tokens), pre-clip
+    gradient norm and valid tokens stay on the device; the MoE metrics are host floats."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    valid_tokens: torch.Tensor
+    moe: dict[str, float] = field(default_factory=dict)
+    applied: torch.Tensor | None = None
+    """1.0 where the optimizer applied the update, 0.0 where a non-finite step was skipped
+    (on the device: read with the metrics)."""
+
+
+@dataclass
+class Accumulated:
+    """Forward and backward done: this rank's owned share of the loss sum, and the step's
+    valid-token count summed over the loss mesh."""
+
+    loss_sum: torch.Tensor
+    valid: torch.Tensor
+
+
+class StepExecutor(ABC):
+    """Forward and backward over the model parts; subclasses decide how micro-batches flow."""
+
+    owns_loss: bool
+    norm_group: dist.ProcessGroup | None = None
+    """Where gradient-norm squares are summed besides each parameter's own mesh."""
+
+    eot_id: int | None = None
+    """--doc-mask: the end-of-text id that separates packed documents (None: no mask)."""
+
+    def __init__(self, parts: list[nn.Module], criterion: Criterion, dims: ParallelDims,
+                 device: torch.device):
+        self.parts, self.criterion, self.dims, self.device = parts, criterion, dims, device
+        self.loss_group = dims.get_mesh("loss").get_group()
+
+    def layout(self) -> dict[str, object]:
+        """How the step is executed, for config.json (the pipeline's stages and bubble)."""
+        return {}
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def count_valid(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """The step's valid tokens over the loss mesh: int64, exact at any batch size."""
+        valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches])
+        total = valid.sum().to(self.device)
+        dist.all_reduce(total, group=self.loss_group)
+        return total
+
+    def owned(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        return loss_sum if self.owns_loss else torch.zeros_like(loss_sum)
+
+    def to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_device(batch["input"], self.device), to_device(batch["labels"], self.device)
+
+    def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The batch's document indices under --doc-mask, else None: of the whole sequences
+        under context parallel (`inputs` are this rank's shards; a document may span them),
+        which the model's cp hook turns into this shard's positions and mask."""
+        if self.eot_id is None:
+            return None
+        if self.dims.cp_enabled:
+            inputs = gather_sequence(inputs, self.dims.get_mesh("cp"))
+        return document_ids(inputs, self.eot_id)
+
+    @abstractmethod
+    def forward_backward(self, micro_batches: list[Batch],
+                         forward_done: Callable[[], None]) -> Accumulated:
+        """Forward and backward of one optimizer step's micro-batches."""
+
+    @abstractmethod
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        """This rank's owned share of the batch's loss sum, without gradients."""
+
+
+class AccumulationExecutor(StepExecutor):
+    """One model part: each micro-batch's forward and backward in turn, gradients reduced
+    across dp after the last (`defer_reduction`: each weight's full-size gradient is held
+    until then) or after each."""
+
+    def __init__(self, parts: list[nn.Module], criterion: Criterion, dims: ParallelDims,
+                 device: torch.device, defer_reduction: bool = True):
+        super().__init__(parts, criterion, dims, device)
+        self.owns_loss = dims.tp_rank == 0
+        self.defer_reduction = defer_reduction
+        self.micro_loss: MicroLoss = partial(forward_loss, criterion)
+        """Replaced by its compiled form where model and loss compile as one graph."""
+
+    def forward_backward(self, micro_batches: list[Batch],
+                         forward_done: Callable[[], None]) -> Accumulated:
+        total = self.count_valid(micro_batches)
+        scale = self.dims.loss_size / total
+        model = self.parts[0]
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            if len(micro_batches) > 1 and self.defer_reduction:
+                set_gradient_sync(model, last)
+            inputs, labels = self.to_device(batch)
+            micro_sum, _ = self.micro_loss(model, inputs, labels, self.documents(inputs))
+            if last:
+                forward_done()
+            (micro_sum * scale).backward()
+            loss_sum += micro_sum.detach()
+        return Accumulated(self.owned(loss_sum), total)
+
+    @torch.no_grad()
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        inputs, labels = self.to_device(batch)
+        return self.owned(self.micro_loss(self.parts[0], inputs, labels,
+                                          self.documents(inputs))[0])
+
+
+def parts_module(parts: list[nn.Module]) -> nn.Module:
+    """One module holding every parameter of this rank's parts (for the optimizer, the
+    checkpoint and the metrics): the part itself when there is one."""
+    return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+
+
+def ahead_on_device(steps: Iterator[tuple[int, int, list[Batch]]], device: torch.device
+                    ) -> Iterator[tuple[int, int, list[Batch]]]:
+    """The steps' micro-batches copied to `device` one step ahead: step k+1's copy is
+    queued (non-blocking) before step k is handed out, so it runs behind step k's work on
+    the device's stream and step k+1 finds its data there without a host wait."""
+    queued = None
+    for epoch, bidx, micro in steps:
+        moved = (epoch, bidx, [{k: to_device(v, device) for k, v in b.items()} for b in micro])
+        if queued is not None:
+            yield queued
+        queued = moved
+    if queued is not None:
+        yield queued
