@@ -1,16 +1,12 @@
 """Hang reports name the collective from torch's Flight Recorder entries."""
 
-import io
-import os
-import pickle
 import time
 
-import pytest
 from torch import nn
 
 from loom.parallel.fsdp import enclosing, unit_names
 from loom.runtime import flight
-from loom.runtime.flight import PlainData, describe, enable, group_label, last_collective, newest
+from loom.runtime.flight import describe, enable, group_label, last_collective, newest
 
 
 def test_group_labels_name_mesh_dims_and_the_world():
@@ -102,12 +98,3 @@ def test_an_fsdp_call_names_the_entries_created_inside_it_even_while_it_blocks()
         assert flight.unit_at(inside) == "layers.1"  # still under way, as in a hang
     assert flight.unit_at(inside) == "layers.1"
     assert flight.unit_at(time.time_ns()) == "layers.0"
-
-
-def test_the_dump_reader_takes_plain_data_and_refuses_any_class_or_function():
-    """The Flight Recorder's pickled dump is read by an unpickler with an empty allow-list:
-    plain data comes back, a reference to any callable (here os.system) is refused."""
-    plain = {"entries": [{"seq_id": 3, "profiling_name": "gloo:all_gather"}], "version": "2"}
-    assert PlainData(io.BytesIO(pickle.dumps(plain))).load() == plain
-    with pytest.raises(pickle.UnpicklingError, match="refused posix.system"):
-        PlainData(io.BytesIO(pickle.dumps(os.system))).load()

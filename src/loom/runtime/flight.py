@@ -19,17 +19,16 @@ guessed from a stale name.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
-import pickle
 import time
 from collections import deque
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
+
+from loom.runtime import plain_pickle
 
 try:  # private; present in torch 2.13 (checked), for gloo and NCCL groups alike
     from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
@@ -121,14 +120,6 @@ def blocked_s() -> float:
     return _blocked_ns[0] / 1e9
 
 
-class PlainData(pickle.Unpickler):
-    """An unpickler for plain data only (dicts, lists, strings, numbers): any class or
-    function reference is refused, so no bytes can make it run code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refused {module}.{name}: only plain data is read")
-
-
 def arrival_times() -> list[int]:
     """When this rank entered each collective still in the recorder, in ns since the epoch
     (host-side stamps; nothing is synchronised). Read at logging steps, so from the pickled
@@ -137,8 +128,8 @@ def arrival_times() -> list[int]:
     if _dump_fr_trace is None or not dist.is_initialized():
         return []
     try:
-        dump = PlainData(io.BytesIO(
-            _dump_fr_trace(includeCollectives=True, includeStackTraces=False))).load()
+        dump = plain_pickle.loads(
+            _dump_fr_trace(includeCollectives=True, includeStackTraces=False))
     except Exception:  # the recorder is off (buffer size 0) or its dump failed
         return []
     return [int(e.get("time_created_ns", 0)) for e in dump.get("entries") or []]
