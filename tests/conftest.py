@@ -5,7 +5,8 @@ import os
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
+
+from tests.one_rank import one_rank_group
 
 # Inductor's compiled kernels persist across sessions: a warm cache turns a 25-40 s cold
 # compile into ~3 s. Spawned ranks inherit the variable; CI sets the same folder.
@@ -24,11 +25,6 @@ def loom_logger_restored():
 
 @pytest.fixture
 def process_group():
-    """A one-rank gloo group (a store only), as `loom train` starts for one process; left
-    as it was found when a group already exists."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+    """A one-rank gloo group for one test (`tests.one_rank`)."""
+    with one_rank_group():
+        yield

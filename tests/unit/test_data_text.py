@@ -12,7 +12,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import torch.distributed as dist
 
 from loom.config import ConfigError, config_from_flags
 from loom.data import text
@@ -21,6 +20,7 @@ from loom.data.loaders import build_dataloader, build_dataset, sized_to_tokenize
 from loom.data.text import PackedTokens, mask_labels, resolve_source, select_rows
 from loom.data.tokenizers import SHIPPED_TOKENIZER, load_auto_tokenizer, load_shipped_tokenizer
 from loom.losses import IGNORE_INDEX
+from tests.one_rank import one_rank_group
 
 DOCS = ["The first document is short.", "A second one, with more words in it than the first.",
         "Third: it has\nseveral lines\n\nand a blank one.", "Fourth and last."]
@@ -29,12 +29,8 @@ DOCS = ["The first document is short.", "A second one, with more words in it tha
 @pytest.fixture(scope="module")
 def process_group():
     """build_dataset coordinates ranks through collectives; one rank suffices here."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 @pytest.fixture(scope="module")

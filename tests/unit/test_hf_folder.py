@@ -39,42 +39,38 @@ def test_the_real_folder_is_accepted(pristine: Path) -> None:
     assert folder.stored_elements == sum(t.numel() for t in stored.values())
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_train_refuses_in_one_line(pristine, tmp_path, capsys, case) -> None:
-    folder = crafted(pristine, tmp_path, case)
-    code = run_train(["--model", str(folder), "--dataset", "random", "--max-steps", "1",
-                      "--seq-len", "16", "--outdir", str(tmp_path / "run")])
-    assert_refused(code, capsys.readouterr().err, folder, case)
-    assert not (tmp_path / "run").exists()
+def _train(folder: Path, out: Path) -> int:
+    return run_train(["--model", str(folder), "--dataset", "random", "--max-steps", "1",
+                      "--seq-len", "16", "--outdir", str(out)])
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_plan_refuses_in_one_line(pristine, tmp_path, capsys, case) -> None:
-    folder = crafted(pristine, tmp_path, case)
-    code = plan.main(["--world-size", "1", "--device-memory", "8GiB", "--model", str(folder),
+def _plan(folder: Path, out: Path) -> int:
+    return plan.main(["--world-size", "1", "--device-memory", "8GiB", "--model", str(folder),
                       "--seq-len", "16"])
-    captured = capsys.readouterr()
-    assert_refused(code, captured.err, folder, case)
-    assert captured.out == ""
+
+
+def _generate(folder: Path, out: Path) -> int:
+    return generate.main([str(folder), "--prompt", "hi", "--max-new-tokens", "1"])
+
+
+def _verify(folder: Path, out: Path) -> int:
+    return verify.main(["--layouts", "dp1", "dp1", "--model", str(folder), "--dataset",
+                        "random", "--seq-len", "16", "--outdir", str(out)])
+
+
+COMMANDS = {"train": _train, "plan": _plan, "generate": _generate, "verify": _verify}
+"""Each command that opens a Hugging Face folder, given the folder and a place to write."""
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_generate_refuses_in_one_line(pristine, tmp_path, capsys, case) -> None:
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_refuses_in_one_line(pristine, tmp_path, capsys, command, case) -> None:
     folder = crafted(pristine, tmp_path, case)
-    code = generate.main([str(folder), "--prompt", "hi", "--max-new-tokens", "1"])
+    out = tmp_path / "out"
+    code = COMMANDS[command](folder, out)
     captured = capsys.readouterr()
     assert_refused(code, captured.err, folder, case)
-    assert captured.out == ""
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_verify_refuses_in_one_line(pristine, tmp_path, capsys, case) -> None:
-    folder = crafted(pristine, tmp_path, case)
-    code = verify.main(["--layouts", "dp1", "dp1", "--model", str(folder), "--dataset",
-                        "random", "--seq-len", "16", "--outdir", str(tmp_path / "runs")])
-    captured = capsys.readouterr()
-    assert_refused(code, captured.err, folder, case)
-    assert captured.out == "" and not (tmp_path / "runs").exists()
+    assert captured.out == "" and not out.exists()
 
 
 def safetensors_file(path: Path, header: dict, data: bytes) -> Path:

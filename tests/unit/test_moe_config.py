@@ -9,6 +9,7 @@ from loom.hf.modeling import plain_model
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
 from loom.parallel.expert import update_expert_bias
 from loom.parallel.mesh import ParallelDims
+from tests.one_rank import one_rank_group
 
 
 def test_moe_flags_select_the_moe_model():
@@ -72,11 +73,8 @@ def test_expert_bias_moves_towards_balance():
     moe = MoE(args)
     moe.reset_buffers()
     moe.tokens_per_expert.copy_(torch.tensor([5.0, 1.0, 1.0, 1.0]))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         row = update_expert_bias(moe, dist.group.WORLD)
-    finally:
-        dist.destroy_process_group()
     torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
     assert moe.tokens_per_expert.sum() == 0
     assert row["moe/load_imbalance"] == 2.5

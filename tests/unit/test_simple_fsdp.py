@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -17,6 +16,7 @@ from loom.parallel import simple_fsdp as sf
 from loom.parallel.init import clean_name, init_weights
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
+from tests.one_rank import one_rank_group
 
 
 class FakeMesh:
@@ -157,15 +157,12 @@ def wrapped(data_parallel: str) -> tuple[MoETransformer, torch.optim.Optimizer]:
 def test_names_init_and_state_dict_keys_match_fsdp2() -> None:
     """Under plain names, SimpleFSDP's parameters, their seeded values and the model and
     optimizer state-dict keys are FSDP2's; the way back gives the model's own names."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         states = {}
         for data_parallel in ("fsdp2", "simple-fsdp"):
             model, optimizer = wrapped(data_parallel)
             values = {clean_name(n): p.full_tensor() for n, p in model.named_parameters()}
             states[data_parallel] = (values, *plain_state_dict(model, optimizer))
-    finally:
-        dist.destroy_process_group()
     (fsdp2, f_model, f_optim, _), (simple, s_model, s_optim, own_name) = states.values()
     assert "layers.1.moe.experts.w1" in simple and len(simple) == len(fsdp2)
     for name, value in fsdp2.items():
