@@ -15,8 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from loom.checkpoint.checkpointer import complete_checkpoints, storage_writer
+from loom.checkpoint.checkpointer import storage_writer
 from loom.checkpoint.format import METADATA, TensorReader
+from loom.checkpoint.layout import complete_checkpoints
 from tests.compare import column, rows
 from tests.harness import REPO, LoggedProcess, rank_env, run_ranks
 

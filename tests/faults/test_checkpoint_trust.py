@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from loom.checkpoint.checkpointer import complete_checkpoints
 from loom.checkpoint.format import METADATA, TensorReader
+from loom.checkpoint.layout import complete_checkpoints
 from loom.checkpoint.trust import UnusableCheckpoint, file_record, read_metadata, verify_checkpoint
 from tests.compare import rows
 from tests.harness import REPO, free_port, rank_env, run_ranks

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.checkpoint.checkpointer import complete_checkpoints
+from loom.checkpoint.layout import complete_checkpoints
 from loom.checkpoint.resume import set_aside_later
 from tests.faults.test_checkpoint_trust import TINY, loom
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loom.checkpoint.checkpointer import complete_checkpoints, prunable
+from loom.checkpoint.layout import complete_checkpoints, prunable
 
 
 def fake_checkpoint(outdir: Path, step: int, run_id: str | None) -> Path:

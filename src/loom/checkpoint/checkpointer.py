@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from loom.checkpoint.format import METADATA, TensorReader, TensorWriter
+from loom.checkpoint.layout import checkpoint_dir, complete_checkpoints, prunable, step_of
 from loom.checkpoint.trust import (
-    MANIFEST,
     HashingFileSystem,
     UnusableCheckpoint,
     file_record,
@@ -40,11 +40,8 @@ from loom.checkpoint.trust import (
 )
 from loom.errors import CheckpointWriteError
 from loom.parallel.init import clean_name
-from loom.safe_io import read_json_capped
 
 logger = logging.getLogger("loom")
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 @dataclass
@@ -55,40 +52,6 @@ class LoopState:
     tokens_seen: int = 0
     samples_seen: int = 0
     """Global samples consumed: the data position, independent of the dp layout."""
-
-
-def checkpoint_dir(outdir: Path) -> Path:
-    return outdir / "checkpoints"
-
-
-def is_step_dir(path: Path) -> bool:
-    return _STEP_DIR.match(path.name) is not None
-
-
-def step_of(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
-
-
-def complete_checkpoints(outdir: Path) -> list[Path]:
-    """Finished checkpoints, oldest first (temporary folders of interrupted saves ignored)."""
-    root = checkpoint_dir(outdir)
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()
-             and not p.is_symlink()] if root.is_dir() else []
-    return sorted(found, key=step_of)
-
-
-def run_id_of(path: Path) -> str | None:
-    try:
-        return read_json_capped(path / MANIFEST).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def prunable(checkpoints: list[Path], run_id: str, keep: int, just_saved: Path) -> list[Path]:
-    """This run's checkpoints beyond the newest `keep`; never another run's, never
-    `just_saved`."""
-    ours = [p for p in checkpoints if run_id_of(p) == run_id and p != just_saved]
-    return ours[:max(0, len(ours) - (keep - 1))]
 
 
 def _rng_state() -> dict[str, Any]:

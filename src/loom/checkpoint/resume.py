@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.checkpoint.checkpointer import checkpoint_dir, complete_checkpoints, is_step_dir, step_of
+from loom.checkpoint.layout import checkpoint_dir, complete_checkpoints, is_step_dir, step_of
 from loom.checkpoint.schema import (
     READ_SETTINGS,
     RUN_SETTINGS,
