@@ -203,7 +203,8 @@ def test_rank_failure_ends_the_job_with_its_message(tmp_path: Path) -> None:
 def test_export_loads_in_transformers_with_the_same_logits(resume_runs: Path,
                                                            tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from loom.hf.export import export, load_model_state
+    from loom.hf.export import export
+    from loom.hf.run_checkpoint import load_model_state
     from loom.models.llama.model import Transformer
 
     checkpoint = resume_runs / "dp2-resumed" / "checkpoints" / "step-20"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.hf.export import export, export_peft, load_run_model
+from loom.hf.export import export, export_peft
+from loom.hf.run_checkpoint import load_run_model
 from loom.lora.export import WEIGHTS_FILE
 from tests.compare import column
 from tests.harness import run_ranks

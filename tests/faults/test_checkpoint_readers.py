@@ -15,7 +15,7 @@ import pytest
 from loom.checkpoint.trust import UnusableCheckpoint, verify_checkpoint
 from loom.config import ConfigError
 from loom.data.shards import read_manifest as read_shard_manifest
-from loom.hf.export import load_model_state
+from loom.hf.run_checkpoint import load_model_state
 from loom.safe_io import MAX_JSON_BYTES, read_json_capped
 from tests.faults.test_checkpoint_trust import (
     TINY,

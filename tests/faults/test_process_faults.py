@@ -198,7 +198,7 @@ def test_the_agent_kills_a_stopped_rank_at_once_and_terminates_the_others(
         subprocess_handler,
     )
 
-    from loom.runtime import launch as loom_launch
+    from loom.runtime import launch_agent as loom_launch
 
     handler = subprocess_handler.SubprocessHandler
     monkeypatch.setattr(handler, "close", handler.close)  # restored after the test

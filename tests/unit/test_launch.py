@@ -8,8 +8,9 @@ import sys
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from loom.runtime import launch
-from loom.runtime.launch import Host, expand_nodelist, omp_threads, parse_args
+from loom.runtime import launch, launch_agent, launch_commands
+from loom.runtime.launch import parse_args
+from loom.runtime.launch_commands import Host, expand_nodelist, omp_threads
 from loom.runtime.watchdog import HANG_KEY
 
 CPU_HOST = Host(cpus=64, accelerators=0)
@@ -135,7 +136,7 @@ def test_unknown_program_fails_before_starting_ranks(capsys):
 
 
 def test_env_assignments_are_shell_quoted():
-    command = launch.Command(["echo", "a b"], {"X": "1 2"})
+    command = launch_commands.Command(["echo", "a b"], {"X": "1 2"})
     assert str(command) == "X='1 2' echo 'a b'"
 
 
@@ -146,7 +147,7 @@ def test_failure_is_one_line(capsys, tmp_path):
         0: ProcessFailure(local_rank=0, pid=10, exitcode=-15, error_file=missing),
     }
     failures[0].timestamp = failures[1].timestamp + 1  # rank 1 failed first
-    assert launch._report_failure(ChildFailedError("loom", failures)) == 3
+    assert launch_agent._report_failure(ChildFailedError("loom", failures)) == 3
     assert capsys.readouterr().err == "loom launch: rank 1 (local 1) failed with exit code 3\n"
 
 
@@ -167,7 +168,7 @@ def test_config_error_of_another_rank_is_printed_when_rank_0_was_stopped(capsys,
     """Rank 1 failed first and the agent stopped rank 0 before it printed (issue #20)."""
     line = "error: --n-heads 4 is not divisible by --tp 3"
     failures = {0: failure(tmp_path, 0, -15, timestamp=99), 1: failure(tmp_path, 1, 2, line)}
-    assert launch._report_failure(ChildFailedError("loom", failures)) == 2
+    assert launch_agent._report_failure(ChildFailedError("loom", failures)) == 2
     assert capsys.readouterr().err == line + "\n"
 
 
@@ -175,7 +176,7 @@ def test_config_error_already_printed_by_rank_0_is_not_repeated(capsys, tmp_path
     line = "error: --n-heads 4 is not divisible by --tp 3"
     failures = {0: failure(tmp_path, 0, -15, line, timestamp=100),
                 1: failure(tmp_path, 1, 2, line, timestamp=100)}
-    assert launch._report_failure(ChildFailedError("loom", failures)) == 2
+    assert launch_agent._report_failure(ChildFailedError("loom", failures)) == 2
     assert capsys.readouterr().err == ""
 
 
@@ -183,7 +184,7 @@ def test_summary_names_the_cause_not_the_ranks_that_lost_it(capsys, tmp_path):
     lost = "error (rank 0): lost contact with another rank: Connection reset by peer"
     failures = {0: failure(tmp_path, 0, 1, lost, timestamp=99),
                 1: failure(tmp_path, 1, -9, timestamp=101)}
-    assert launch._report_failure(ChildFailedError("loom", failures)) == 128 + 9
+    assert launch_agent._report_failure(ChildFailedError("loom", failures)) == 128 + 9
     assert capsys.readouterr().err == \
         "loom launch: rank 1 (local 1) was killed by SIGKILL; 1 other rank(s) failed too\n"
 
@@ -197,12 +198,12 @@ def test_a_hang_is_one_line_naming_who_never_arrived_and_who_waited(capsys, tmp_
 
     failures = {0: waited(0), 1: failure(tmp_path, 1, -9, timestamp=110), 2: waited(2),
                 3: waited(3, "all_reduce #9 on world (module unknown)")}
-    assert launch._report_failure(ChildFailedError("loom", failures)) == 1
+    assert launch_agent._report_failure(ChildFailedError("loom", failures)) == 1
     assert capsys.readouterr().err == (
         "loom launch: rank 1 (host-a) never entered all_gather #1559 on dp_shard (layers.3); "
         "ranks 0,2,3 waited 20 s\n")
     failures = {0: waited(0, None), 1: failure(tmp_path, 1, -9, timestamp=110)}
-    launch._report_failure(ChildFailedError("loom", failures))
+    launch_agent._report_failure(ChildFailedError("loom", failures))
     assert capsys.readouterr().err == \
         "loom launch: rank 1 (host-a) stopped (silent since step 7); rank 0 waited 20 s\n"
 
@@ -212,13 +213,13 @@ def test_a_hang_is_one_line_naming_who_never_arrived_and_who_waited(capsys, tmp_
     ("14999", "29999"), ("15000", "15000"),
 ])
 def test_the_rendezvous_port_comes_from_the_job_id(job_id: str, port: str) -> None:
-    assert launch.job_port(job_id) == port
+    assert launch_commands.job_port(job_id) == port
 
 
 def test_neighbouring_and_array_jobs_get_different_ports() -> None:
-    ports = {launch.job_port(str(job)) for job in range(9000, 9100)}
+    ports = {launch_commands.job_port(str(job)) for job in range(9000, 9100)}
     assert len(ports) == 100 and all(15000 <= int(p) < 30000 for p in ports)
-    array = {launch.job_port(f"77[{i}].server") for i in range(50)}
+    array = {launch_commands.job_port(f"77[{i}].server") for i in range(50)}
     assert len(array) == 50 and all(15000 <= int(p) < 30000 for p in array)
 
 

@@ -30,8 +30,8 @@ from loom.errors import LaunchError
 from loom.numerics.precision import cpu_bf16_support, resolve_precision, torch_dtype
 from loom.observability import flops
 from loom.runtime.distributed import pick_device
-from loom.runtime.launch import BUILDERS, choose_launcher, detect_host
 from loom.runtime.launch import parse_args as parse_launch_args
+from loom.runtime.launch_commands import BUILDERS, choose_launcher, detect_host
 from loom.runtime.logs import setup_logging
 
 GiB = 1024**3

@@ -1,7 +1,7 @@
 """`loom generate CHECKPOINT --prompt TEXT`: continue a prompt with a trained model, in one
 process, so a user can see what training produced.
 
-A loom checkpoint is read through `loom.hf.export.load_run_model` (DCP with loom's
+A loom checkpoint is read through `loom.hf.run_checkpoint.load_run_model` (DCP with loom's
 pickle-free reader); a Hugging Face folder (e.g. from `loom export`) through transformers.
 Greedy by default; --temperature and --top-k sample. No KV cache: each new token runs the
 whole window again, which is fine for the short samples this is meant for.
@@ -21,7 +21,7 @@ from torch import nn
 from loom.config import ConfigError, ModelConfig
 from loom.data.chat import template_of
 from loom.data.tokenizers import TextTokenizer, load_tokenizer
-from loom.hf.export import load_run_model, run_tokenizer
+from loom.hf.run_checkpoint import load_run_model, run_tokenizer
 from loom.models.transformers.model import load_hf_model
 
 Logits = Callable[[torch.Tensor], torch.Tensor]

@@ -6,6 +6,10 @@ Hugging Face equivalent); a transformers-path run to its own architecture. Tenso
 from the checkpoint and written one at a time (safetensors, sharded with an index above
 5 GB), into a staging folder renamed into place only after the export checked itself:
 transformers loads it, without remote code, and its logits on a fixed batch match loom's.
+
+The pieces: `run_checkpoint` reads the checkpoint, `export_plan` says what is written per
+family, `export_files` writes the safetensors and stages the folder, `export_check`
+compares logits; this module adds the configs and the tokenizer and is the command.
 """
 
 from __future__ import annotations
@@ -13,25 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import shutil
-import struct
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-
-from loom.checkpoint.format import DATA_FILE, TensorReader
-from loom.checkpoint.trust import UnusableCheckpoint, read_loop, verify_checkpoint
-from loom.config import ConfigError, ModelConfig
+from loom.config import ConfigError
 from loom.data.hub import looks_like_hub_id
 from loom.data.tokenizers import (
     SHIPPED_FLAG,
@@ -40,359 +32,21 @@ from loom.data.tokenizers import (
     save_tokenizer,
     tokenizer_name,
 )
-from loom.lora.converter import LoraSettings, apply_lora, merge_adapters
-from loom.lora.export import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    base_reader,
-    merging,
-    peft_logits,
-    peft_plan,
-)
-from loom.models.hf_folder import INDEX, SINGLE
-from loom.models.registry import export_adapter, family
-from loom.models.spec import ModelSpec
-from loom.models.transformers.model import hf_model_from_config, load_hf_model
+from loom.hf.export_check import check_peft, verify_export
+from loom.hf.export_files import DTYPES, MAX_SHARD_BYTES, staged, write_weights
+from loom.hf.export_plan import export_plan
+from loom.hf.run_checkpoint import run_model, run_reader, run_tokenizer
+from loom.lora.export import CONFIG_FILE, WEIGHTS_FILE
 from loom.runtime.logs import setup_logging
-from loom.runtime.preflight import check_host_fits
-from loom.safe_io import read_json_capped, write_text_atomic
+from loom.safe_io import write_text_atomic
 
 logger = logging.getLogger("loom")
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
-MAX_SHARD_BYTES = 5 * 1024**3
-"""Shard size above which the weights are split across files with an index, as the Hub
-does."""
-VERIFY_TOLERANCE = 1e-4
-"""Largest |logit difference| / max |logit| accepted between transformers and loom."""
-
-
-HOST_COPIES = 3
-"""Copies of the weights `loom generate` and export's check hold at once (loaded, a second
-model, serialised), for the memory check."""
-
-
-@dataclass(frozen=True)
-class RunModel:
-    """What a checkpoint holds: its family, the family's arguments and the run's model
-    settings (transformers-path runs: the Hugging Face name)."""
-
-    spec: ModelSpec
-    args: Any
-    model_cfg: ModelConfig
-    checkpoint: Path
-    lora: LoraSettings | None = None
-    """A LoRA run's adapters (the model is built with them)."""
-    base: str | None = None
-    seed: int = 0
-    """A LoRA run's source (its --model) and seed: its checkpoint holds no frozen weight."""
-
-    def build(self) -> nn.Module:
-        if self.spec.name == "transformers":
-            return hf_model_from_config(self.model_cfg, dtype=torch.float32)
-        model = self.spec.build(self.args)
-        if self.lora is not None:
-            apply_lora(model, self.lora)
-        return model
-
-
-def run_model(checkpoint: Path) -> RunModel:
-    """Verify a checkpoint and say which model it holds (nothing loaded yet)."""
-    manifest = verify_checkpoint(checkpoint)
-    loop = read_loop(checkpoint)
-    arch = loop["architecture"]
-    if arch.get("kind") == "hf":
-        settings = run_config(checkpoint).get("model", {})
-        model_cfg = ModelConfig(model=arch.get("model"), model_impl="transformers",
-                                trust_remote_code=bool(settings.get("trust_remote_code")))
-        held = RunModel(family("transformers"), model_cfg, model_cfg, checkpoint)
-        check_model_bytes(held, manifest, f"{arch.get('model')}/config.json: the sizes of "
-                                          f"the model checkpoint {checkpoint} trained")
-        return held
-    name = arch.get("family") or ("moe" if arch.get("kind") == "moe" else "llama")
-    spec = family(name)
-    model_cfg = ModelConfig(**loop["model_args"], family=name)
-    lora = LoraSettings.recorded(arch)
-    base = run_config(checkpoint).get("model", {}).get("model") if lora else None
-    held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint, lora, base,
-                    loop["settings"].get("seed", 0))
-    check_model_bytes(held, manifest, f"checkpoint {checkpoint} is unsafe: loop.json "
-                                      "model_args")
-    return held
-
-
-def check_model_bytes(held: RunModel, manifest: dict[str, Any], source: str) -> None:
-    """The model that `source` (the checkpoint's `model_args`, or for transformers' module
-    the config.json of the folder it trained from) describes is no larger than the
-    checkpoint's data files (which hold its fp32 weights), and fits in memory with its
-    buffers, before anything is allocated: a crafted `max_seq_len` or `dim` stops here in
-    one line."""
-    with torch.device("meta"):
-        model = held.build()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
-                  or held.lora is None)  # a LoRA checkpoint holds no frozen weight
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    stored = sum(r["bytes"] for name, r in manifest["files"].items() if DATA_FILE.match(name))
-    if weights > stored:
-        raise UnusableCheckpoint(f"{source} describe {weights:,} bytes of weights, its data "
-                                 f"files hold {stored:,}")
-    check_host_fits(HOST_COPIES * weights + buffers, f"the model of {held.checkpoint}")
-
-
-def read_state(checkpoint: Path, state: dict[str, torch.Tensor]) -> None:
-    """Fill `state` (names as in the model) from the checkpoint with loom's pickle-free
-    reader; only the named tensors are read."""
-    try:
-        with warnings.catch_warnings():  # its note that it loads in one process: intended
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": state}, storage_reader=TensorReader(checkpoint), no_dist=True)
-    except CheckpointException as e:  # a BaseException: names the first rank's failure
-        failure = next(iter(e.failures.values()), (e,))[0]
-        reason = f"{type(failure).__name__}: {failure}"
-        raise UnusableCheckpoint(f"checkpoint {checkpoint} cannot be loaded: "
-                                 f"{' '.join(reason.split())[:300]}") from None
-
-
-def load_run_model(checkpoint: Path) -> tuple[nn.Module, RunModel]:
-    """The checkpoint's whole model in this one process (fp32, training mode); a LoRA
-    run's frozen base from the run's source."""
-    held = run_model(checkpoint)
-    model = held.build()
-    state = model.state_dict()
-    frozen = frozen_names(model)
-    read_state(checkpoint, {n: t for n, t in state.items() if n not in frozen})
-    if frozen:
-        read_base = base_reader(held.spec, held.args, held.base, held.seed)
-        for name in frozen:
-            state[name].copy_(read_base(name))
-    model.load_state_dict(state)
-    return model, held
-
-
-def frozen_names(model: nn.Module) -> set[str]:
-    """The parameters a checkpoint of this (built) model does not hold."""
-    return {name for name, p in model.named_parameters() if not p.requires_grad}
-
-
-def run_reader(held: RunModel, shapes: dict[str, Any]) -> Callable[[str], torch.Tensor]:
-    """Each tensor of the run's model by name: from the checkpoint, or for a LoRA run's
-    frozen base, from the run's source."""
-    saved = reader(held.checkpoint, shapes)
-    if held.lora is None:
-        return saved
-    with torch.device("meta"):
-        frozen = frozen_names(held.build())
-    base = base_reader(held.spec, held.args, held.base, held.seed)
-    return lambda name: base(name) if name in frozen else saved(name)
-
-
-def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Any]:
-    """The checkpoint's full model state and its family's arguments."""
-    model, held = load_run_model(checkpoint)
-    return model.state_dict(), held.args
-
-
-def run_tokenizer(checkpoint: Path) -> str | None:
-    """The tokenizer of the run that saved `checkpoint`, from its run folder's config.json
-    (None: the shipped one)."""
-    settings = run_config(checkpoint)
-    return tokenizer_name(settings.get("data", {}).get("tokenizer_name"),
-                          settings.get("model", {}).get("model"))
-
-
-def run_config(checkpoint: Path) -> dict[str, Any]:
-    """The `data` and `model` tables of the config.json of the run that saved `checkpoint`
-    ({} where there is none); the names in them must be strings or null."""
-    config = checkpoint.parent.parent / "config.json"
-    if not config.exists() and not config.is_symlink():
-        return {}
-    try:
-        settings = read_json_capped(config)
-        tables = {k: settings.get(k, {}) for k in ("data", "model")}
-        if not all(isinstance(t, dict) for t in tables.values()) or not all(
-                isinstance(t.get(k), str | None) for t, k in
-                ((tables["data"], "tokenizer_name"), (tables["model"], "model"))):
-            raise ValueError("tokenizer_name or model is not a name")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ConfigError(f"{config} is unusable ({e}); nothing was written") from None
-    return tables
-
-
-Tensors = Callable[[Callable[[str], torch.Tensor]], Iterator[tuple[str, torch.Tensor]]]
-"""Given a reader of loom tensors by name, the exported (name, tensor) pairs in order."""
-
-
-def export_plan(held: RunModel, dtype: str, peft: bool = False
-                ) -> tuple[dict[str, Any], Tensors, dict[str, Any]]:
-    """(config.json, the tensors to write, loom shapes by name) of the export; a model with
-    no Hugging Face equivalent fails here, in one line, before anything is written. A LoRA
-    run's adapters are merged, or with `peft` are the export (`loom.lora.export`)."""
-    with torch.device("meta"):
-        model = held.build()
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if held.spec.name == "transformers":
-        config = json.loads(model.hf.config.to_json_string())
-        config["dtype"] = "float32" if dtype == "fp32" else "bfloat16"
-        names = [name for name, _ in model.named_parameters()] + [
-            name for name, _ in model.named_buffers() if name in shapes]
-
-        def tensors(read: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-            for name in names:
-                yield name.removeprefix("hf."), read(name)
-
-        return config, tensors, shapes
-    try:
-        adapter = export_adapter(held.spec, held.args)
-    except ConfigError as e:
-        raise ConfigError(f"cannot export {held.checkpoint}: {e}; nothing was written") from None
-    args = adapter.settle(held.args, run_reader(held, shapes))
-    if peft:
-        return peft_plan(adapter, args, held.lora, shapes, run_reader(held, shapes),
-                         run_config(held.checkpoint).get("model", {}).get("model"))
-    if held.lora is None:
-        return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(args, read), shapes
-    return adapter.hf_config(args, dtype), lambda read: adapter.hf_tensors(
-        args, merging(read, held.lora, list(shapes))), shapes
-
-
-def shard_layout(entries: list[tuple[str, torch.Size, torch.dtype]],
-                 limit: int) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
-    """Consecutive tensors grouped into shards of at most `limit` bytes (a larger tensor
-    gets a shard of its own)."""
-    shards: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
-    size = 0
-    for name, shape, dt in entries:
-        nbytes = math.prod(shape) * dt.itemsize
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape, dt))
-        size += nbytes
-    return shards
-
-
-def safetensors_header(shard: list[tuple[str, torch.Size, torch.dtype]]) -> bytes:
-    """The header of a safetensors file holding `shard` in order: an 8-byte length, then
-    JSON padded with spaces to a multiple of 8 bytes."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, dt in shard:
-        nbytes = math.prod(shape) * dt.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dt], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
-def write_weights(folder: Path, tensors: Tensors, read: Callable[[str], torch.Tensor],
-                  shapes: dict[str, Any], dt: torch.dtype, limit: int,
-                  single: str = SINGLE) -> int:
-    """Stream the exported tensors into safetensors files (one in memory at a time); the
-    layout is planned first from meta tensors of the same shapes. Returns the file count."""
-    entries = [(name, tuple(t.shape), dt) for name, t in
-               tensors(lambda n: torch.empty(shapes[n], device="meta"))]
-    shards = shard_layout(entries, limit)
-    files = ([single] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    stream = tensors(read)
-    weight_map = {}
-    for file, shard in zip(files, shards, strict=True):
-        with open(folder / file, "wb") as f:
-            f.write(safetensors_header(shard))
-            for name, shape, _ in shard:
-                got, tensor = next(stream)
-                assert got == name and tuple(tensor.shape) == shape, (got, name)
-                f.write(tensor.detach().to(dt).contiguous().view(torch.uint8).numpy().tobytes())
-                weight_map[name] = file
-    if len(files) > 1:
-        total = sum(math.prod(s) * dt.itemsize for _, s, _ in entries)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_text_atomic(folder / INDEX, json.dumps(index, indent=2) + "\n")
-    return len(files)
-
-
-def reader(checkpoint: Path, shapes: dict[str, Any]) -> Callable[[str], torch.Tensor]:
-    def read(name: str) -> torch.Tensor:
-        state = {name: torch.empty(shapes[name])}
-        read_state(checkpoint, state)
-        return state[name]
-
-    return read
-
 
 def generation_config(tokenizer: TextTokenizer | None) -> dict[str, Any]:
     eos = None if tokenizer is None else tokenizer.eot_id
     return {"bos_token_id": eos, "eos_token_id": eos, "do_sample": False,
             "transformers_version": "loom"}
 
-
-def verify_export(folder: Path, checkpoint: Path, dtype: str) -> float:
-    """Load the export with transformers (CPU, no remote code) and compare its logits on a
-    fixed batch with loom's own model of the checkpoint (its weights rounded to `dtype` as
-    exported; a LoRA run's adapters merged first, as exported); returns the largest
-    difference relative to the largest logit."""
-    model, held = load_run_model(checkpoint)
-    if held.lora is not None:
-        merge_adapters(model)
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            tensor.copy_(tensor.to(DTYPES[dtype]))
-    hf = load_hf_model(ModelConfig(model=str(folder.resolve())))
-    vocab = hf.hf.config.vocab_size
-    tokens = torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        theirs = hf.eval()(tokens)
-    return compare_logits(model, tokens, theirs, "transformers'")
-
-
-def compare_logits(model: nn.Module, tokens: torch.Tensor, theirs: torch.Tensor,
-                   whose: str) -> float:
-    """The largest difference between loom's logits and `theirs`, relative to loom's
-    largest; a ConfigError above the tolerance."""
-    with torch.no_grad():
-        ours = model.eval()(tokens).float()
-    diff = float((ours - theirs.float()).abs().max() / ours.abs().max().clamp(min=1e-30))
-    if not diff <= VERIFY_TOLERANCE:
-        raise ConfigError(f"export check failed: {whose} logits differ from loom's by "
-                          f"{diff:.2e} of the largest (tolerance {VERIFY_TOLERANCE:g}); "
-                          "nothing was written")
-    return diff
-
-
-@contextmanager
-def staged(outdir: Path) -> Iterator[Path]:
-    """A staging folder beside `outdir` whose files are moved into it only when the block
-    succeeds (the folder is removed when it fails): no half-written export."""
-    staging = outdir.parent / f".{outdir.name}.partial"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    outdir.mkdir(parents=True, exist_ok=True)
-    for item in staging.iterdir():
-        item.replace(outdir / item.name)
-    staging.rmdir()
-
-
-def check_peft(folder: Path, checkpoint: Path, base: str, dtype: str) -> float:
-    """peft loads the adapter folder on the run's base folder with loom's logits (its
-    adapters rounded to `dtype` as exported)."""
-    model, _ = load_run_model(checkpoint)
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if ".lora_" in name:
-                tensor.copy_(tensor.to(DTYPES[dtype]))
-    hf = load_hf_model(ModelConfig(model=base)).hf
-    tokens = torch.randint(hf.config.vocab_size, (2, 16),
-                           generator=torch.Generator().manual_seed(0))
-    return compare_logits(model, tokens, peft_logits(folder, hf, tokens), "peft's")
 
 
 def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool) -> str:
