@@ -2,11 +2,14 @@
 
 import time
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from loom.parallel.fsdp import enclosing, unit_names
 from loom.runtime import flight
 from loom.runtime.flight import describe, enable, group_label, last_collective, newest
+from tests.one_rank import one_rank_group
 
 
 def test_group_labels_name_mesh_dims_and_the_world():
@@ -98,3 +101,17 @@ def test_an_fsdp_call_names_the_entries_created_inside_it_even_while_it_blocks()
         assert flight.unit_at(inside) == "layers.1"  # still under way, as in a hang
     assert flight.unit_at(inside) == "layers.1"
     assert flight.unit_at(time.time_ns()) == "layers.0"
+
+
+def test_arrival_times_come_from_the_recorders_json_dump(monkeypatch):
+    """A one-rank gloo group after three all-reduces: each entry's arrival stamp is read
+    from the JSON dump, in order, within the time the collectives ran."""
+    monkeypatch.setenv(flight.BUFFER_ENV, "16")
+    before = time.time_ns()
+    with one_rank_group():
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2))
+        times = flight.arrival_times()
+    assert len(times) == 3 and times == sorted(times)
+    assert before <= times[0] and times[-1] <= time.time_ns()
+    assert flight.arrival_times() == []  # no process group, nothing read
