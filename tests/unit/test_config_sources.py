@@ -10,7 +10,8 @@ import pytest
 
 from loom.checkpoint.resume import architecture
 from loom.config import SECTIONS, ConfigError, JobConfig, config_from_flags, parse_args
-from loom.config.schema import DataConfig, ModelConfig, flag_fields
+from loom.config.job import flag_fields
+from loom.config.schema import DataConfig, ModelConfig
 from loom.errors import (
     BAD_INPUT_EXIT,
     DIVERGED_EXIT,

@@ -11,7 +11,7 @@ import pytest
 from loom.commands.eval import eval_config
 from loom.config import ConfigError, parse_args
 from loom.config.file import read_config_file, to_toml
-from loom.config.schema import SECTIONS
+from loom.config.job import SECTIONS
 from loom.config.valsets import split_val_dataset, val_prefix, val_sets
 from loom.observability.plots import plot_series
 from loom.observability.progress import format_progress

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Set
 from pathlib import Path
 from typing import Any
 
-from loom.config.schema import flag_fields
+from loom.config.job import flag_fields
 from loom.errors import ConfigError
 
 MAX_INT = 2**53

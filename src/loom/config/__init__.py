@@ -1,14 +1,14 @@
-"""The job configuration: declared once (schema), read from flags, environment, presets and
-a --config file (parser, sources, file), validated once (validate). `loom.config.resolve` adds what
-is learned at start-up and gives the trainer the final, frozen config."""
+"""The job configuration: declared once (schema, composed into one `JobConfig` by job), read
+from flags, environment, presets and a --config file (parser, sources, file), validated once
+(validate). `loom.config.resolve` adds what is learned at start-up and gives the trainer the
+final, frozen config."""
 
+from loom.config.job import SECTIONS, JobConfig
 from loom.config.parser import HELP_GROUPS, build_parser, parse_args
 from loom.config.schema import (
-    SECTIONS,
     CheckpointConfig,
     DataConfig,
     EvalConfig,
-    JobConfig,
     LoraConfig,
     LossConfig,
     ModelConfig,

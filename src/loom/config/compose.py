@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
-from loom.config.schema import JobConfig
+from loom.config.job import JobConfig
 from loom.errors import ConfigError
 
 TORCH_CHECKED = "2.13"

@@ -8,8 +8,8 @@ from dataclasses import fields
 from typing import Any
 
 from loom.config.file import read_config_file
+from loom.config.job import SECTIONS, JobConfig
 from loom.config.presets import PRESETS
-from loom.config.schema import SECTIONS, JobConfig
 from loom.config.sources import config_from_flags
 from loom.errors import ConfigError
 

@@ -3,7 +3,8 @@ many micro-batches a batch splits into, where the model is cut, and the flag che
 
 from __future__ import annotations
 
-from loom.config.schema import JobConfig, ParallelConfig
+from loom.config.job import JobConfig
+from loom.config.schema import ParallelConfig
 from loom.errors import ConfigError
 
 SINGLE = {"gpipe": "GPipe", "1f1b": "1F1B"}

@@ -12,8 +12,8 @@ import dataclasses
 import sys
 from typing import Any
 
+from loom.config.job import SECTIONS
 from loom.config.parser import HELP_GROUPS
-from loom.config.schema import SECTIONS
 
 HEADER = """# Flag reference
 

@@ -2,14 +2,14 @@
 
 Every training flag is a dataclass field whose metadata holds its help text, aliases and
 environment variable; the parser and the environment source are generated from these
-declarations, so a flag or knob cannot exist without a documented field behind it.
+declarations, so a flag or knob cannot exist without a documented field behind it. The
+sections are composed into the whole job, `JobConfig`, by `loom.config.job`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from loom.config.presets import is_hf_model
@@ -335,36 +335,3 @@ class OutputConfig:
                               "rank's logits (a forward hook on the output head; absent under "
                               "--loss-impl fused-linear, which never forms them) "
                               "($LOOM_TRACK_LOGITS)", env="LOOM_TRACK_LOGITS")
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    warnings: tuple[str, ...] = ()
-    """Messages produced while resolving the config, logged once by rank 0."""
-    explicit: tuple[str, ...] = ()
-    """Fields set by a flag or an environment knob, not by a preset or a --config file (a
-    resumed run keeps the others from its checkpoint)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-SECTIONS = {f.name: f.default_factory for f in fields(JobConfig)
-            if f.name not in ("warnings", "explicit")}
-"""The flag groups of `JobConfig`, by attribute name."""
-
-
-def flag_fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Every flag's field and its section, by field name (names are unique across sections)."""
-    return {f.name: (section, f) for section, factory in SECTIONS.items()
-            for f in fields(factory)}

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import Field, replace
 from typing import Any
 
+from loom.config.job import SECTIONS, JobConfig, flag_fields
 from loom.config.presets import is_hf_model, resolve_preset
-from loom.config.schema import SECTIONS, JobConfig, flag_fields
 from loom.config.validate import knob_warnings, validate
 from loom.errors import ConfigError
 

@@ -7,9 +7,10 @@ import importlib.util
 import math
 
 from loom.config.compose import refuse_combinations
+from loom.config.job import JobConfig
 from loom.config.mixture import parse_mixture
 from loom.config.pipeline import validate_pipeline
-from loom.config.schema import EvalConfig, JobConfig, ModelConfig, OutputConfig, ParallelConfig
+from loom.config.schema import EvalConfig, ModelConfig, OutputConfig, ParallelConfig
 from loom.config.valsets import DEFAULT_SET, val_sets
 from loom.errors import ConfigError
 
