@@ -13,7 +13,7 @@ import pytest
 
 from loom.commands import tokenize as tok
 from loom.config import ConfigError
-from loom.data import documents
+from loom.data import pieces as piece_plan
 from loom.data.shards import ShardStream, read_manifest
 from loom.data.split import held_out_cut
 from loom.data.text import PackedTokens
@@ -71,7 +71,7 @@ def test_an_interrupted_run_resumes_with_the_missing_pieces_only(tmp_path, monke
                                                                  capsys):
     docs = corpus()
     src = write_jsonl(tmp_path / "docs.jsonl", docs)
-    monkeypatch.setattr(documents, "PIECE_BYTES", 2000)  # several pieces
+    monkeypatch.setattr(piece_plan, "PIECE_BYTES", 2000)  # several pieces
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

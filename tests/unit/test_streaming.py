@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from loom.config import ConfigError
-from loom.data import documents
-from loom.data.documents import plan_pieces
+from loom.data import pieces as piece_plan
+from loom.data.pieces import plan_pieces
 from loom.data.streaming import PackedStream, Position, StreamSpec
 from loom.data.tokenizers import load_shipped_tokenizer
 
@@ -23,7 +23,7 @@ def spec(tmp_path_factory) -> StreamSpec:
     path = tmp_path_factory.mktemp("stream") / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(documents, "PIECE_BYTES", 400)  # several pieces
+        m.setattr(piece_plan, "PIECE_BYTES", 400)  # several pieces
         pieces = plan_pieces((Path(path),), "json")
     assert len(pieces) > 3
     return StreamSpec(tuple(pieces), "text", "train", load_shipped_tokenizer(), seq_len=15,

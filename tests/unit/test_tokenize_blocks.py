@@ -21,7 +21,7 @@ import pytest
 import zstandard
 
 from loom.commands import tokenize as tok
-from loom.data import documents
+from loom.data import pieces as piece_plan
 from loom.data.blocks import fragments
 from loom.data.shards import ShardStream, read_manifest
 from loom.data.tokenizers import load_shipped_tokenizer
@@ -60,7 +60,7 @@ def test_fragments_at_any_block_size_encode_as_the_whole_text():
 def test_tiny_blocks_and_pieces_give_the_whole_file_tokens(tmp_path, monkeypatch):
     """A .txt file cut into byte-range pieces and tiny blocks, and a jsonl document far
     longer than a block, tokenize as if each document were encoded whole."""
-    monkeypatch.setattr(documents, "PIECE_BYTES", 3000)  # several pieces per file
+    monkeypatch.setattr(piece_plan, "PIECE_BYTES", 3000)  # several pieces per file
     text = text_of(4000)
     (tmp_path / "one.txt").write_text(text, encoding="utf-8", newline="")
     tok.tokenize(str(tmp_path / "one.txt"), tmp_path / "out-txt", jobs=2, block_chars=64)
@@ -110,7 +110,7 @@ def test_jsonl_parquet_gzip_and_zstd_inputs_give_the_same_tokens(tmp_path):
 ])
 def test_a_bad_jsonl_line_is_one_line_naming_file_and_line_and_exit_2(
         tmp_path, monkeypatch, capsys, bad_line, message):
-    monkeypatch.setattr(documents, "PIECE_BYTES", 100)  # the bad line is in a later piece
+    monkeypatch.setattr(piece_plan, "PIECE_BYTES", 100)  # the bad line is in a later piece
     lines = [json.dumps({"text": f"document number {i}"}) for i in range(20)]
     lines[11] = bad_line
     path = tmp_path / "docs.jsonl"

@@ -1,6 +1,6 @@
 """`loom tokenize SRC OUT`: a corpus to fixed-size token shards and a manifest.
 
-Pieces of the source (documents.py) are tokenized by `-j` processes into `OUT/.parts/`,
+Pieces of the source (pieces.py) are tokenized by `-j` processes into `OUT/.parts/`,
 each part written whole or not at all, so an interrupted run redoes only missing parts.
 The parts are then packed in source order into shards of `--shard-tokens` tokens; the
 manifest is written last, so a folder with a manifest is always complete.
@@ -25,7 +25,8 @@ import numpy as np
 
 from loom.config import ConfigError
 from loom.data.cache import token_dtype
-from loom.data.documents import hub_documents, plan_pieces
+from loom.data.documents import hub_documents
+from loom.data.pieces import plan_pieces
 from loom.data.shards import MANIFEST, SHARD_FORMAT, shard_name
 from loom.data.text import resolve_source
 from loom.data.tokenizers import TextTokenizer, load_tokenizer, tokenizer_identity

@@ -31,7 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from torch.utils.data import Dataset
 
 from loom.config import ConfigError
-from loom.data.documents import open_binary
+from loom.data.compressed import open_binary
 from loom.data.text import TextSource, mask_labels, window_count
 from loom.data.tokenizers import TextTokenizer
 

@@ -1,7 +1,7 @@
 """`--streaming`: documents read, tokenized and packed on the fly, for corpora too large to
 pre-tokenize.
 
-Document d of piece p (documents.py; a hub dataset is one piece) belongs to dp rank
+Document d of piece p (pieces.py; a hub dataset is one piece) belongs to dp rank
 (p + d) mod dp, so the tp ranks of a dp group read the same tokens. Each rank packs its
 documents, end-of-text after each, into windows of seq_len + 1 tokens. After every window
 the position of the next unread token, (epoch, piece, document, offset), is known; a
@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from loom.config import ConfigError, JobConfig
-from loom.data.documents import Piece, plan_pieces, read_piece
+from loom.data.documents import read_piece
+from loom.data.pieces import Piece, plan_pieces
 from loom.data.text import resolve_source
 from loom.data.tokenizers import TextTokenizer, load_tokenizer
 

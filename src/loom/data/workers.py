@@ -1,4 +1,4 @@
-"""Tokenizer processes for `loom tokenize`: each takes pieces (documents.py) one at a
+"""Tokenizer processes for `loom tokenize`: each takes pieces (pieces.py) one at a
 time and writes each piece's tokens to `OUT/.parts/` block by block, so its memory does not
 grow with the piece; the parent watches every process, so one that dies (killed, out of
 memory, crashed) ends the run at once, naming the piece, instead of hanging.
@@ -27,7 +27,8 @@ import numpy as np
 
 from loom.config import ConfigError
 from loom.data.cache import token_dtype
-from loom.data.documents import Piece, PieceReader
+from loom.data.documents import PieceReader
+from loom.data.pieces import Piece
 from loom.data.tokenizers import TextTokenizer, load_tokenizer
 
 ENCODE_BATCH = 256
