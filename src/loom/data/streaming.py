@@ -94,10 +94,13 @@ class PackedStream:
 
 class StreamLoader:
     """Batches of a PackedStream with the loader interface the training loop uses.
-    `len` is nominal (--max-steps worth): a stream has no epoch length."""
+    `len` is nominal (--max-steps worth): a stream has no epoch length. `dataset` is the
+    stream, as a DataLoader's is its dataset: the trainer asks it whether it is a mixture
+    (a stream never is) when it checkpoints, resumes and summarises."""
 
     def __init__(self, stream: PackedStream, batch_size: int, batches: int):
         self.stream, self.batch_size, self.batches = stream, batch_size, batches
+        self.dataset = stream
         self.sampler = self  # set_epoch() is called on the sampler
 
     def __len__(self) -> int:
