@@ -1,31 +1,21 @@
 """The loop's metrics object: `Metrics` writes a row per step (rank 0 adds progress, the
-trackers (W&B, TensorBoard), the summary and plots); `NullMetrics` (--no-metrics) costs
-nothing and is the overhead baseline. Both write config.json and answer to the same
-`RunMetrics` protocol."""
+trackers (W&B, TensorBoard), the summary and plots). The no-op (`NullMetrics`, --no-metrics),
+the `RunMetrics` protocol both answer to, config.json and `RunPlace` are in `sink`;
+building either from the config is `build.build_metrics`."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from loom.config import JobConfig
 from loom.observability import flops
-from loom.observability.metrics.facts import (
-    RunFacts,
-    hostnames,
-    peak_cache,
-    run_dtype,
-    run_facts,
-    step_flops,
-)
+from loom.observability.metrics.facts import RunFacts
 from loom.observability.metrics.health import (
     HEALTH_KEYS,
     INPUT_KEYS,
@@ -37,20 +27,14 @@ from loom.observability.metrics.health import (
     tensor_stats,
 )
 from loom.observability.metrics.rows import RowWriter, StepClock, gather_floats, timing_spread
+from loom.observability.metrics.sink import MAX_QUEUED, RunPlace, write_config
 from loom.observability.metrics.summary import write_summary
 from loom.observability.progress import Progress
-from loom.observability.tracking import Histograms, TensorBoardRun, Tracker, WandbRun
-from loom.parallel.mesh import ParallelDims
+from loom.observability.tracking import Histograms, Tracker, WandbRun
 from loom.runtime import flight
 from loom.runtime.straggler import StragglerWatch, arrivals, own_step_times, spread
-from loom.safe_io import write_text_atomic
 
 logger = logging.getLogger("loom")
-
-
-MAX_QUEUED = 1000
-"""Steps whose device values may wait for a read: a run logging rarely (--log-every 10000)
-is read every this many steps instead of holding ever more small device tensors."""
 
 
 @dataclass
@@ -68,86 +52,6 @@ class PendingRow:
     host: dict[str, Any]
     """Columns already on the host: memory, the micro-batch count, the MoE and eval ones."""
 
-
-@dataclass(frozen=True)
-class RunPlace:
-    """Where this rank's metrics are measured and written."""
-
-    rank: int
-    dims: ParallelDims
-    device: torch.device
-    outdir: Path
-    started: float
-    """perf_counter() when the run's setup began: summary.json's setup_s counts from here."""
-
-
-class RunMetrics(Protocol):
-    """What the trainer calls on its metrics, whether they are on or off."""
-
-    outdir: Path
-
-    def write_config(self, config: dict[str, Any]) -> None: ...
-
-    def synced(self) -> None: ...
-    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0,
-              input_iter: int = 0) -> None: ...
-    def forward_done(self) -> None: ...
-    def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None, *,
-                 valid_tokens: torch.Tensor | None = None,
-                 batches: list[dict[str, torch.Tensor]] | None = None,
-                 applied: torch.Tensor | None = None,
-                 ) -> dict[str, Any] | None: ...
-    def flush(self, before: int | None = None) -> dict[str, Any] | None: ...
-    def finish(self, extra: dict[str, Any] | None = None) -> None: ...
-    def close(self) -> None: ...
-
-
-def write_config(outdir: Path, rank: int, config: dict[str, Any]) -> list[str]:
-    """Collective: every rank adds its hostname; rank 0 writes config.json. Returns the
-    hostnames in rank order."""
-    names = hostnames()
-    if rank == 0:
-        text = json.dumps({**config, "hostnames": names}, indent=2, default=str)
-        write_text_atomic(outdir / "config.json", text + "\n")
-    return names
-
-
-class NullMetrics:
-    """Metrics off: the loop's calls cost nothing; only config.json is written."""
-
-    def __init__(self, outdir: Path, rank: int):
-        self.outdir, self.rank = outdir, rank
-        outdir.mkdir(parents=True, exist_ok=True)
-
-    def write_config(self, config: dict[str, Any]) -> None:
-        write_config(self.outdir, self.rank, config)
-
-    def begin(self, total_steps: int, start_step: int = 0, tokens_seen: int = 0,
-              input_iter: int = 0) -> None:
-        pass
-
-    def forward_done(self) -> None:
-        pass
-
-    def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None, *,
-                 valid_tokens: torch.Tensor | None = None,
-                 batches: list[dict[str, torch.Tensor]] | None = None,
-                 applied: torch.Tensor | None = None) -> None:
-        return None
-
-    def flush(self, before: int | None = None) -> None:
-        return None
-
-    def synced(self) -> None:
-        pass
-
-    def finish(self, extra: dict[str, Any] | None = None) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Metrics:
@@ -437,28 +341,3 @@ def optimizer_updates(optimizer: torch.optim.Optimizer) -> int:
         if "step" in state:
             return int(state["step"])
     return 0
-
-
-def build_metrics(cfg: JobConfig, place: RunPlace, model: nn.Module,
-                  optimizer: torch.optim.Optimizer,
-                  build_model: Callable[[JobConfig], nn.Module]) -> RunMetrics:
-    """The rank's metrics (or the no-op when metrics are off), watching model and optimizer.
-    FLOPs are counted on `build_model(cfg)`, the unparallelized model, only when metrics
-    are on. W&B's run and TensorBoard's writer are created here, before training starts."""
-    out, main, device = cfg.output, place.rank == 0, place.device
-    if not out.metrics:
-        return NullMetrics(place.outdir, place.rank)
-    facts = run_facts(cfg, place.dims, device, sum(p.numel() for p in model.parameters()),
-                      step_flops(cfg, build_model))
-    wandb = WandbRun(place.outdir, cfg.to_dict() | {"derived": asdict(facts)}) \
-        if out.wandb and main else None
-    metrics = Metrics(place, facts, health_every=out.health_every,
-                      progress=Progress(out.log_every, enabled=main), wandb=wandb,
-                      histograms=Histograms.from_config(place.outdir, place.rank, out),
-                      remeasure=lambda: flops.peak_flops(device, run_dtype(cfg, device),
-                                                         peak_cache(cfg), remeasure=True),
-                      logits=LogitsTracker() if out.track_logits else None,
-                      trackers=(TensorBoardRun(place.outdir),) if out.tensorboard and main
-                      else ())
-    metrics.watch(model, optimizer)
-    return metrics
