@@ -91,7 +91,7 @@ def run_train(argv: Sequence[str]) -> int:
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
         check_outdir(cfg.output.outdir)
         # Loaded by name, as COMMANDS are: bad flags fail before the model/parallel imports.
-        importlib.import_module("loom.trainer.trainer").main(cfg, info)
+        importlib.import_module("loom.trainer.entry").main(cfg, info)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

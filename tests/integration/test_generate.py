@@ -16,9 +16,9 @@ from loom.commands.generate import sample
 from loom.config import parse_args
 from loom.data.text import EMBEDDED_CORPUS
 from loom.data.tokenizers import load_shipped_tokenizer
+from loom.hf.modeling import model_args
 from loom.models.llama.model import Transformer
 from loom.parallel.init import init_weights
-from loom.trainer.trainer import model_args
 from tests.harness import run_ranks
 
 WORD = re.compile(r"[a-z]+")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import loom.trainer.trainer
+import loom.trainer.entry
 from loom.cli import run_train
 from loom.errors import FAILURE_EXIT, DeviceOutOfMemory
 from loom.observability.memory_snapshot import MemorySnapshots
@@ -72,7 +72,7 @@ def test_out_of_memory_ends_the_rank_with_its_line_and_no_traceback(monkeypatch,
         raise DeviceOutOfMemory("CUDA out of memory. Tried to allocate 2.00 GiB; allocator "
                                 "snapshot in run/memory-oom-rank0.pickle: ...")
 
-    monkeypatch.setattr(loom.trainer.trainer, "main", out_of_memory)
+    monkeypatch.setattr(loom.trainer.entry, "main", out_of_memory)
     assert run_train(["--model", "debug", "--dataset", "random"]) == FAILURE_EXIT
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error")]

@@ -18,8 +18,8 @@ from loom.checkpoint.resume import (
     run_settings,
 )
 from loom.config import ConfigError, parse_args
+from loom.hf.modeling import model_args
 from loom.runtime.distributed import rank_info
-from loom.trainer.trainer import model_args
 
 
 def test_saved_settings_hold_unless_given_again(caplog) -> None:

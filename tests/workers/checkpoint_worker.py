@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from loom.config import parse_args
-from loom.trainer.trainer import run
+from loom.trainer.entry import run
 from tests.workers.bootstrap import rank_job
 from tests.workers.parity_worker import full_parameters
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import loom.parallel.hf_load as hf_load
+import loom.trainer.model_parts as model_parts
 import loom.trainer.trainer as train
 from loom.config import ConfigError, ModelConfig, parse_args
 from loom.models.transformers.model import HFCausalLM, load_hf_model
@@ -56,7 +57,7 @@ def main(runs: list[tuple[str, list[str]]]) -> None:
     with rank_job() as (info, device):
         for loader, argv in runs:
             set_up_loader(loader, info.rank)
-            train.build_hf_model = LOADERS[loader]
+            model_parts.build_hf_model = LOADERS[loader]
             cfg = parse_args(argv)
             trainer = train.Trainer(cfg, info, ParallelDims.from_config(cfg.parallel,
                                                                         info.world_size), device)

@@ -3,7 +3,7 @@
 Three groups, one process group: the vocab-parallel kernels on DTensors at tp 2; one
 forward + backward of the parallelized model (dp 2 and tp 2, fp32 and bf16 parameters),
 whose full gradients show that the fused head's weight gradient goes through FSDP; and
-5-step training runs through `loom.trainer.trainer.run`. Rank 0 writes the measured differences
+5-step training runs through `loom.trainer.entry.run`. Rank 0 writes the measured differences
 to the JSON file named by argv[1]; the tests decide what passes.
 """
 
@@ -29,7 +29,7 @@ from loom.observability.metrics import read_rows
 from loom.parallel.init import clean_name, init_weights
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
-from loom.trainer.trainer import run
+from loom.trainer.entry import run
 from tests.workers.bootstrap import rank_job
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=32,

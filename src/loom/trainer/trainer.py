@@ -1,4 +1,6 @@
-"""`loom train`: config -> runtime -> mesh -> data -> model -> parallelize -> optimizer -> loop."""
+"""`loom train`: config -> runtime -> mesh -> data -> model -> parallelize -> optimizer -> loop.
+The Trainer holds the built components and runs the loop; what start-up builds once lives in
+`setup` and `model_parts`, the entry points (`main`, `run`) in `entry`."""
 
 from __future__ import annotations
 
@@ -7,84 +9,48 @@ import logging
 import signal
 import time
 from collections.abc import Iterator
-from datetime import datetime
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from loom.checkpoint.checkpointer import Checkpointer, LoopState
-from loom.checkpoint.resume import (
-    ResumePoint,
-    architecture,
-    new_run_id,
-    rescale_lr,
-    resume_on_restart,
-    run_settings,
-    set_aside_later,
-)
-from loom.config import ConfigError, JobConfig
+from loom.checkpoint.resume import architecture, new_run_id, run_settings
+from loom.config import JobConfig
 from loom.config.resolve import resolve
-from loom.data.loaders import build_dataloader, end_of_text, on_node_leaders
-from loom.data.mixture import check_mixture_state, mixture_state, mixture_summary
-from loom.data.streaming import StreamLoader, data_state, restore_data_state
+from loom.data.loaders import build_dataloader, end_of_text
+from loom.data.mixture import mixture_state, mixture_summary
+from loom.data.streaming import StreamLoader, data_state
 from loom.errors import NonFiniteLossError, Preempted
-from loom.hf.export import export
-from loom.hf.modeling import model_args, plain_model, resolve_model
+from loom.hf.modeling import model_args, plain_model
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.numerics import float8 as _float8  # noqa: F401  (registers the --float8 converter and hook)
 from loom.observability.memory_snapshot import MemorySnapshots
-from loom.observability.metrics import MAX_QUEUED, RunPlace, build_metrics, environment_facts
+from loom.observability.metrics import MAX_QUEUED, RunPlace, build_metrics
 from loom.observability.profiling import maybe_profile
 from loom.observability.progress import Progress
 from loom.parallel.context import shard_batch
-from loom.parallel.hf_load import build_hf_model, open_native_checkpoint
-from loom.parallel.init import init_weights, load_weights
 from loom.parallel.mesh import ParallelDims
-from loom.parallel.parallelize import parallelize
-from loom.parallel.pipeline import split_stages
 from loom.runtime import flight
-from loom.runtime.distributed import RankInfo, backend_for, init_distributed, teardown
+from loom.runtime.distributed import RankInfo
 from loom.runtime.host_hygiene import ScheduledGC
-from loom.runtime.host_memory import retain_freed_memory
 from loom.runtime.rundir import RunFolder
-from loom.runtime.watchdog import StepWatchdog, collective_timeout_s, heartbeat_store
+from loom.runtime.watchdog import StepWatchdog, heartbeat_store
 from loom.trainer.evaluate import build_evaluator
 from loom.trainer.executor import build_executor
-from loom.trainer.extensions import (
-    StepContext,
-    active_step_hooks,
-    added_parameter_std,
-    after_optimizer_step,
-    convert_model,
-)
+from loom.trainer.extensions import StepContext, active_step_hooks, after_optimizer_step
+from loom.trainer.model_parts import build_model_parts
 from loom.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from loom.trainer.setup import (
+    agree_on_outdir,
+    effective_config,
+    host_group,
+    maybe_resume,
+    optimizer_steps_per_epoch,
+)
 from loom.trainer.step import Batch, StepResult, ahead_on_device, parts_module
 
 logger = logging.getLogger("loom")
-
-
-def host_group(world_size: int) -> dist.ProcessGroup | None:
-    """A group for host values (the stop request): the default one on gloo, else a gloo
-    group beside the accelerator's, whose collectives would wait on the device queue;
-    None for one process, which needs none."""
-    if world_size == 1:
-        return None
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo")
-
-
-def agree_on_outdir(outdir: str | None) -> Path:
-    """The given folder, or a timestamped one chosen by rank 0 and shared with every rank."""
-    if outdir is None:
-        chosen = [f"outputs/{datetime.now():%Y-%m-%d-%H%M%S}"]
-        dist.broadcast_object_list(chosen, src=0)
-        outdir = chosen[0]
-    return Path(outdir)
 
 
 class Trainer:
@@ -109,8 +75,8 @@ class Trainer:
             start.dataset, batch_size=cfg.train.batch_size, dp_rank=dims.dp_rank,
             dp_size=dims.dp_size, seed=self.seed, num_workers=cfg.data.num_workers)
         self.accum = cfg.train.grad_accum_steps
-        self.steps_per_epoch = self.optimizer_steps_per_epoch()
-        self.model_parts = self.build_model_parts()
+        self.steps_per_epoch = optimizer_steps_per_epoch(self.loader, self.accum)
+        self.model_parts = build_model_parts(cfg, dims, device, self.seed)
         self.model = parts_module(self.model_parts)  # every parameter this rank holds
         self.executor = build_executor(self.model_parts, cfg, dims, device,
                                        end_of_text(start.dataset))
@@ -121,10 +87,12 @@ class Trainer:
                                          cfg.checkpoint.keep_checkpoints,
                                          cfg.checkpoint.async_checkpoint, info.rank,
                                          resume.run_id if resume else new_run_id())
-        self.loop = self.maybe_resume(resume)
+        self.loop = maybe_resume(resume, cfg, self.model, self.optimizer, self.scheduler,
+                                 self.loader, self.checkpointer, info.rank, self.global_batch)
         self.metrics = build_metrics(cfg, RunPlace(info.rank, dims, device, outdir, self.started),
                                      self.model, self.optimizer, plain_model)
-        self.metrics.write_config(self.effective_config())
+        self.metrics.write_config(effective_config(cfg, info, dims, device, self.global_batch,
+                                                   self.precision, self.executor))
         self.token_group = dims.get_mesh("loss").get_group()
         self.hook_metrics: dict[str, float] = {}  # the last update's, kept over skipped steps
         self.skipped_in_a_row = 0
@@ -140,87 +108,9 @@ class Trainer:
         self.snapshots = MemorySnapshots(device, outdir, info.rank,
                                          cfg.output.memory_snapshot)
 
-    def optimizer_steps_per_epoch(self) -> int:
-        """Each optimizer step takes `accum` loader batches; a ragged remainder is dropped."""
-        steps = len(self.loader) // self.accum
-        if steps == 0:
-            raise ConfigError(
-                f"zero full optimizer steps per epoch: {len(self.loader)} batches per rank "
-                f"cannot fill --grad-accum-steps {self.accum}; lower --grad-accum-steps or "
-                "--batch-size, or add data")
-        return steps
-
     @property
     def global_batch(self) -> int:
         return self.dims.global_batch_size(self.cfg.train.batch_size) * self.accum
-
-    def maybe_resume(self, resume: ResumePoint | None) -> LoopState:
-        """Load a checkpoint into model, optimizer and scheduler; the data position is kept
-        in global samples, so it is exact whenever the global batch is unchanged."""
-        if resume is None:
-            return LoopState()
-        path, saved = resume.path, resume.saved
-        Checkpointer.load(path, self.model, self.optimizer, self.info.rank, saved)
-        self.scheduler.load_state_dict(saved["scheduler"])
-        if self.cfg.optim.lr != saved["settings"]["lr"]:
-            rescale_lr(self.optimizer, self.scheduler, saved["settings"]["lr"], self.cfg.optim.lr)
-        loop = LoopState(step=saved["step"], tokens_seen=saved["tokens_seen"],
-                         samples_seen=saved["samples_seen"])
-        restore_data_state(self.loader, saved)
-        check_mixture_state(self.loader.dataset, saved, loop.samples_seen)
-        if loop.samples_seen % self.global_batch:
-            logger.warning("resuming with global batch %d, which does not divide the %d "
-                           "samples consumed: continuing from the last whole step",
-                           self.global_batch, loop.samples_seen)
-        logger.info("resumed from %s at step %d", path, loop.step)
-        explicit = self.cfg.checkpoint.resume not in ("auto", "latest")
-        if explicit and self.info.rank == 0:
-            aside = set_aside_later(self.checkpointer.root.parent, path, loop.step)
-            if aside is not None:
-                logger.info("--resume %s: the later checkpoints of the branch it leaves "
-                            "were moved to %s (--resume auto continues this one)", path.name,
-                            aside)
-        return loop
-
-    def build_model_parts(self) -> list[nn.Module]:
-        """This rank's model parts: the whole model, or its pipeline stages, each built on
-        the meta device, parallelized, then filled: by the name-seeded init, or from a
-        Hugging Face checkpoint a native family imports (each tensor read by the first rank
-        of its mesh and scattered). transformers' module has its own loader."""
-        cfg = self.cfg
-        if cfg.model.runs_transformers:
-            return self.log_size([build_hf_model(cfg, self.dims, self.device,
-                                                 backend_for(self.device))])
-        with torch.device("meta"):
-            whole = plain_model(cfg)
-            parts = split_stages(whole, cfg.parallel, self.dims)
-        if cfg.model.from_hub_format:
-            read = open_native_checkpoint(cfg, whole).read
-            fill = partial(load_weights, device=self.device, read=read, seed=self.seed,
-                           added=added_parameter_std(cfg))
-        else:
-            fill = partial(init_weights, seed=self.seed, device=self.device,
-                           added=added_parameter_std(cfg))
-        for part in parts:
-            convert_model(part, cfg)  # float8, QAT...: before tensor parallel sees the modules
-            parallelize(part, self.dims, cfg.parallel,
-                        loss_parallel=cfg.loss.loss_impl == "loss-parallel",
-                        backend=backend_for(self.device))
-            fill(part)
-        return self.log_size(parts)
-
-    def log_size(self, parts: list[nn.Module]) -> list[nn.Module]:
-        n_params = sum(p.numel() for part in parts for p in part.parameters())
-        logger.info("model: %s, %.2fM parameters in this rank's part(s)",
-                    self.cfg.model.model or "custom", n_params / 1e6)
-        return parts
-
-    def effective_config(self) -> dict[str, Any]:
-        return {**self.cfg.to_dict(), "world_size": self.info.world_size,
-                "mesh": self.dims.degrees, "device": str(self.device),
-                "global_batch_size": self.global_batch, "precision": vars(self.precision),
-                **self.executor.layout(),
-                "environment": {**environment_facts(), "restarts": self.info.restarts}}
 
     def train_step(self, micro_batches: list[Batch]) -> StepResult:
         """Forward and backward (the executor), clip, step. Nothing here reads the device
@@ -429,18 +319,6 @@ class Trainer:
         if ckpt.due(step) or (final and ckpt.enabled):
             self.save_checkpoint()
 
-    def save_hf(self) -> None:
-        """Global rank 0 exports the final checkpoint to <outdir>/hf as `loom export` does;
-        the other ranks wait, and a failure ends every rank with rank 0's line."""
-        checkpoint = self.checkpointer.root / f"step-{self.loop.step}"
-        target = self.checkpointer.root.parent / "hf"
-
-        def write() -> None:
-            done = export(checkpoint, target, trust_remote_code=self.cfg.model.trust_remote_code)
-            logger.info("--save-hf: %s -> %s (%s)", checkpoint, target, done)
-
-        on_node_leaders(write, leader=self.info.rank == 0)
-
     def save_checkpoint(self) -> None:
         start = time.perf_counter()
         self.checkpointer.save(self.loop.step, self.model, self.optimizer, {
@@ -456,28 +334,3 @@ class Trainer:
         self.metrics.close()
         self.run_folder.close()
 
-
-def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
-    """Train one job in an initialised process group; returns the trainer for inspection."""
-    trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size), device)
-    try:
-        trainer.fit()
-        if trainer.cfg.checkpoint.save_hf:
-            trainer.save_hf()
-    finally:
-        trainer.close()
-    return trainer
-
-
-def main(cfg: JobConfig, info: RankInfo) -> None:
-    """Train a validated config (see `loom.cli.run_train`, which checks the flags and the
-    mesh before any heavy import or collective)."""
-    cfg = resolve_model(resume_on_restart(cfg, info.restarts))
-    for warning in cfg.warnings:
-        logger.warning(warning)
-    device = init_distributed(info, collective_timeout_s(cfg.train.comm_timeout_s))
-    if device.type == "cpu" and cfg.train.host_memory == "retain" and retain_freed_memory():
-        logger.info("host memory: freed blocks kept for reuse (--host-memory release: glibc's "
-                    "default)")
-    run(cfg, info, device)
-    teardown()  # only after success: a failed rank must exit at once, not wait in a barrier
