@@ -104,14 +104,15 @@ def test_an_fsdp_call_names_the_entries_created_inside_it_even_while_it_blocks()
 
 
 def test_arrival_times_come_from_the_recorders_json_dump(monkeypatch):
-    """A one-rank gloo group after three all-reduces: each entry's arrival stamp is read
-    from the JSON dump, in order, within the time the collectives ran."""
+    """A one-rank gloo group after three all-reduces: their arrival stamps are read from the
+    JSON dump, in order, within the time the collectives ran."""
     monkeypatch.setenv(flight.BUFFER_ENV, "16")
     before = time.time_ns()
     with one_rank_group():
         for _ in range(3):
             dist.all_reduce(torch.ones(2))
         times = flight.arrival_times()
-    assert len(times) == 3 and times == sorted(times)
-    assert before <= times[0] and times[-1] <= time.time_ns()
+    mine = [t for t in times if t >= before]  # the recorder is per process: earlier
+    assert len(mine) == 3 and mine == sorted(mine)  # tests' groups may have left entries
+    assert mine[-1] <= time.time_ns()
     assert flight.arrival_times() == []  # no process group, nothing read
