@@ -102,7 +102,7 @@ def mark_step() -> None:
 def plain_loop(flags: list[str], steps: int, warmup: int) -> list[int]:
     """The reference: loom's Transformer, cross-entropy, foreach clip, fused AdamW."""
     from loom.config import parse_args
-    from loom.hf.modeling import plain_model, resolve_model
+    from loom.models.resolve import plain_model, resolve_model
 
     cfg = resolve_model(parse_args([*flags, "--dataset", "random"]))
     torch.manual_seed(0)
@@ -149,7 +149,7 @@ def loom_run(flags: list[str], steps: int, warmup: int) -> list[int] | None:
     """loom's `fit()` over warmup + steps + 1 steps, the middle `steps` recorded; the last
     (a logging step: the end) is left out. Rank 0 returns the counts."""
     from loom.config import parse_args
-    from loom.hf.modeling import resolve_model
+    from loom.models.resolve import resolve_model
     from loom.parallel.mesh import ParallelDims
     from loom.runtime.distributed import init_distributed, rank_info, teardown
     from loom.trainer.trainer import Trainer

@@ -135,8 +135,8 @@ def bare_loop(flags: list[str], steps: int, warmup: int, dtype: str) -> dict:
     import torch.nn.functional as F
 
     from loom.config import parse_args
-    from loom.hf.modeling import model_args
     from loom.models.llama.model import Transformer
+    from loom.models.resolve import model_args
     from loom.parallel.init import init_weights
 
     cfg = parse_args([*flags, "--fp32"])

@@ -16,8 +16,8 @@ from loom.commands.generate import sample
 from loom.config import parse_args
 from loom.data.text import EMBEDDED_CORPUS
 from loom.data.tokenizers import load_shipped_tokenizer
-from loom.hf.modeling import model_args
 from loom.models.llama.model import Transformer
+from loom.models.resolve import model_args
 from loom.parallel.init import init_weights
 from tests.harness import run_ranks
 

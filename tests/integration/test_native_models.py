@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from loom.config import parse_args
-from loom.hf.modeling import plain_model, resolve_model
 from loom.models.hf_checkpoint import HFCheckpoint
 from loom.models.registry import for_config
+from loom.models.resolve import plain_model, resolve_model
 from loom.parallel.init import clean_name, load_weights
 from tests.compare import losses
 from tests.harness import REPO, run_ranks

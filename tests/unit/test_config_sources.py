@@ -20,9 +20,9 @@ from loom.errors import (
     NonFiniteLossError,
     Preempted,
 )
-from loom.hf.modeling import model_args
 from loom.models.llama.model import ModelArgs
 from loom.models.moe.model import MoEArgs
+from loom.models.resolve import model_args
 
 ENV_FIELDS = {f.metadata["env"]: name for name, (_, f) in flag_fields().items()
               if f.metadata["env"]}

@@ -9,7 +9,7 @@ from torch import nn
 
 from loom.config import ConfigError, parse_args
 from loom.config.validate import validate
-from loom.hf.modeling import plain_model
+from loom.models.resolve import plain_model
 from loom.numerics import float8
 
 float8_linear = pytest.importorskip(

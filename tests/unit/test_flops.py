@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from loom.config import parse_args
-from loom.hf.modeling import plain_model
 from loom.models.llama.model import ModelArgs, Transformer
+from loom.models.resolve import plain_model
 from loom.observability import flops
 from loom.observability.metrics import run_facts, step_flops
 from loom.parallel.mesh import ParallelDims

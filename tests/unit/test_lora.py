@@ -9,10 +9,10 @@ from torch import nn
 
 from loom.config import ConfigError, parse_args
 from loom.config.validate import validate
-from loom.hf.modeling import plain_model
 from loom.lora import converter as lora
 from loom.lora.converter import LoRALinear, apply_lora, expand_targets, merged, resolve_lora_targets
 from loom.models.llama.spec import LORA_TARGETS
+from loom.models.resolve import plain_model
 from loom.parallel.init import init_weights
 from loom.plan.trace import PEAK, fake_world, trace_step
 

@@ -18,7 +18,7 @@ from loom.checkpoint.resume import (
     run_settings,
 )
 from loom.config import ConfigError, parse_args
-from loom.hf.modeling import model_args
+from loom.models.resolve import model_args
 from loom.runtime.distributed import rank_info
 
 

@@ -12,10 +12,10 @@ from torch.distributed.fsdp import fully_shard
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from loom.config import parse_args
-from loom.hf.modeling import plain_model
+from loom.models.resolve import plain_model
 from loom.numerics import float8
 from loom.parallel.mesh import ParallelDims
-from loom.trainer.extensions import StepContext, after_optimizer_step
+from loom.protocols.extensions import StepContext, after_optimizer_step
 from tests.workers.bootstrap import rank_job
 
 

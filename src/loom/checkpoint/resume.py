@@ -170,7 +170,7 @@ def run_settings(cfg: JobConfig) -> dict[str, Any]:
 def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any], path: Path) -> JobConfig:
     """The checkpoint's run settings, except those given again; what the run reads must be
     what the command line says (`check_read_settings`). One info line lists every restored
-    setting and every difference; `loom.config.resolve` validates the result with the other
+    setting and every difference; `loom.trainer.resolve` validates the result with the other
     start-up facts."""
     changed = check_read_settings(saved, run_settings(cfg), path,
                                   cfg.checkpoint.resume_new_data)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from loom.checkpoint.trust import read_loop
 from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
-from loom.hf.modeling import resolve_model
 from loom.hf.run_checkpoint import run_config
 from loom.lora.converter import LoraSettings
+from loom.models.resolve import resolve_model
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import init_distributed, rank_info, teardown
 from loom.runtime.logs import setup_logging

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from loom.config import ConfigError, JobConfig, parse_args
 from loom.errors import BAD_INPUT_EXIT, FAILURE_EXIT
-from loom.hf.modeling import resolve_model
+from loom.models.resolve import resolve_model
 from loom.observability.metrics import read_rows
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, init_distributed, rank_info, teardown

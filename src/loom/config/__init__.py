@@ -1,6 +1,6 @@
 """The job configuration: declared once (schema, composed into one `JobConfig` by job), read
 from flags, environment, presets and a --config file (parser, sources, file), validated once
-(validate). `loom.config.resolve` adds what is learned at start-up and gives the trainer the
+(validate). `loom.trainer.resolve` adds what is learned at start-up and gives the trainer the
 final, frozen config."""
 
 from loom.config.job import SECTIONS, JobConfig

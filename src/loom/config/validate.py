@@ -192,7 +192,7 @@ def _validate_float8(cfg: JobConfig) -> None:
 
 def _validate_lora(cfg: JobConfig) -> None:
     """--lora-* values and layouts LoRA is not wired for, one line each (the targets are
-    checked against the model in `loom.config.resolve`)."""
+    checked against the model in `loom.trainer.resolve`)."""
     lo, p = cfg.lora, cfg.parallel
     if lo.lora_rank < 0 or not lo.lora_alpha > 0 or not 0.0 <= lo.lora_dropout < 1.0:
         raise ConfigError(f"--lora-rank must be >= 0, --lora-alpha > 0 and --lora-dropout in "
@@ -218,7 +218,7 @@ def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
     shape_unknown = m.runs_transformers or (m.from_hub_format and m.model_impl == "auto")
-    """Until `loom.hf.modeling.resolve_model` reads the checkpoint's config, its shape is not
+    """Until `loom.models.resolve.resolve_model` reads the checkpoint's config, its shape is not
     known; transformers' module has no loom shape at all."""
     positive = {"--dim": m.dim, "--n-layers": m.n_layers, "--n-heads": m.n_heads,
                 "--n-kv-heads": m.n_kv_heads, "--tp": p.tp, "--dp-replicate": p.dp_replicate,

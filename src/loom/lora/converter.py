@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ConfigError, JobConfig
-from loom.hf.modeling import plain_model
 from loom.models.registry import for_config, for_model
-from loom.trainer.extensions import ModelConverter, register_converter
+from loom.models.resolve import plain_model
+from loom.protocols.extensions import ModelConverter, register_converter
 
 logger = logging.getLogger("loom")
 

@@ -35,14 +35,14 @@ from loom.config import JobConfig
 from loom.errors import ConfigError
 from loom.models.moe.model import TokenChoiceRouter
 from loom.models.registry import for_config
-from loom.runtime.distributed import pick_device
-from loom.trainer.extensions import (
+from loom.protocols.extensions import (
     ModelConverter,
     StepContext,
     StepHook,
     register_converter,
     register_step_hook,
 )
+from loom.runtime.distributed import pick_device
 
 logger = logging.getLogger("loom")
 

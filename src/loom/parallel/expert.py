@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
 
 from loom.models.moe.model import ExpertWeights, MoE
 from loom.parallel.mesh import ParallelDims
-from loom.trainer.extensions import StepContext, StepHook, register_step_hook
+from loom.protocols.extensions import StepContext, StepHook, register_step_hook
 
 logger = logging.getLogger("loom")
 

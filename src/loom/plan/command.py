@@ -16,9 +16,9 @@ import torch
 
 from loom.config import ConfigError, JobConfig, parse_args, validate
 from loom.data.cache import default_cache_dir
-from loom.hf.modeling import resolve_model
 from loom.lora.converter import resolve_lora_targets
 from loom.losses import resolve_loss_impl
+from loom.models.resolve import resolve_model
 from loom.numerics.precision import resolve_precision
 from loom.parallel.mesh import ParallelDims
 from loom.plan.peaks import predict_memory

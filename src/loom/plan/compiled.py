@@ -31,7 +31,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from loom.config import JobConfig, ModelConfig
 from loom.config.pipeline import choose_microbatches
-from loom.hf.modeling import plain_model
+from loom.models.resolve import plain_model
 from loom.numerics.precision import default_dtype, torch_dtype
 
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,

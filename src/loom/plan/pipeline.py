@@ -35,7 +35,7 @@ from loom.config.pipeline import (
     stage_indices,
     stages_per_rank,
 )
-from loom.hf.modeling import plain_model
+from loom.models.resolve import plain_model
 from loom.numerics.precision import torch_dtype
 from loom.parallel.pipeline import layer_costs
 from loom.plan.memory import GATHERED, traced

@@ -20,8 +20,8 @@ import torch
 
 from loom.config import DataConfig, JobConfig, ModelConfig
 from loom.config.pipeline import bubble_fraction, choose_microbatches, stages_per_rank
-from loom.hf.modeling import model_args, plain_model
 from loom.models.moe.model import active_param_count
+from loom.models.resolve import model_args, plain_model
 from loom.numerics.precision import torch_dtype
 from loom.observability.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
 from loom.parallel.mesh import ParallelDims

@@ -24,17 +24,17 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.config import JobConfig
-from loom.hf.modeling import plain_model
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.losses import Criterion, build_criterion
 from loom.losses.cross_entropy import localise
+from loom.models.resolve import plain_model
 from loom.numerics.precision import torch_dtype
 from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import stage_module
 from loom.plan.compiled import compiled_loss_memory
-from loom.trainer.extensions import convert_model
+from loom.protocols.extensions import convert_model
 from loom.trainer.optim import build_optimizer, clip_grad_norm
 from loom.trainer.step import document_ids
 

@@ -14,7 +14,7 @@ from loom.checkpoint.resume import resume_on_restart
 from loom.config import JobConfig
 from loom.data.loaders import on_node_leaders
 from loom.hf.export import export
-from loom.hf.modeling import resolve_model
+from loom.models.resolve import resolve_model
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, init_distributed, teardown
 from loom.runtime.host_memory import retain_freed_memory

@@ -14,8 +14,8 @@ from loom.losses import build_criterion
 from loom.models.registry import named_part
 from loom.parallel.compile import compile_kwargs
 from loom.parallel.mesh import ParallelDims
-from loom.parallel.pipeline import PipelineExecutor
 from loom.parallel.single import runs_plain
+from loom.trainer.pipeline import PipelineExecutor
 from loom.trainer.step import AccumulationExecutor, StepExecutor
 
 

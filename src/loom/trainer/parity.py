@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from loom.config import parse_args
-from loom.hf.modeling import resolve_model
+from loom.models.resolve import resolve_model
 from loom.parallel.context import shard_batch
 from loom.parallel.init import clean_name
 from loom.parallel.mesh import ParallelDims

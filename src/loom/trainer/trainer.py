@@ -17,13 +17,12 @@ import torch.distributed as dist
 from loom.checkpoint.checkpointer import Checkpointer, LoopState
 from loom.checkpoint.resume import architecture, new_run_id, run_settings
 from loom.config import JobConfig
-from loom.config.resolve import resolve
 from loom.data.loaders import build_dataloader, end_of_text
 from loom.data.mixture import mixture_state, mixture_summary
 from loom.data.streaming import StreamLoader, data_state
 from loom.errors import NonFiniteLossError, Preempted
-from loom.hf.modeling import model_args, plain_model
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
+from loom.models.resolve import model_args, plain_model
 from loom.numerics import float8 as _float8  # noqa: F401  (registers the --float8 converter and hook)
 from loom.observability.memory_snapshot import MemorySnapshots
 from loom.observability.metrics import MAX_QUEUED, RunPlace, build_metrics
@@ -31,6 +30,7 @@ from loom.observability.profiling import maybe_profile
 from loom.observability.progress import Progress
 from loom.parallel.context import shard_batch
 from loom.parallel.mesh import ParallelDims
+from loom.protocols.extensions import StepContext, active_step_hooks, after_optimizer_step
 from loom.runtime import flight
 from loom.runtime.distributed import RankInfo
 from loom.runtime.host_hygiene import ScheduledGC
@@ -38,9 +38,9 @@ from loom.runtime.rundir import RunFolder
 from loom.runtime.watchdog import StepWatchdog, heartbeat_store
 from loom.trainer.evaluate import build_evaluator
 from loom.trainer.executor import build_executor
-from loom.trainer.extensions import StepContext, active_step_hooks, after_optimizer_step
 from loom.trainer.model_parts import build_model_parts
 from loom.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from loom.trainer.resolve import resolve
 from loom.trainer.setup import (
     agree_on_outdir,
     effective_config,

@@ -25,9 +25,9 @@ from loom.checkpoint.resume import (
 )
 from loom.config import JobConfig, validate
 from loom.data.loaders import build_datasets
-from loom.hf.modeling import model_args, plain_model, resolve_model
 from loom.lora.converter import resolve_lora_targets
 from loom.losses import resolve_loss_impl
+from loom.models.resolve import model_args, plain_model, resolve_model
 from loom.numerics.precision import Precision, resolve_precision
 from loom.parallel.hf import resolve_hf_model
 from loom.parallel.mesh import ParallelDims
@@ -80,7 +80,7 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     cfg = resolve_model(cfg)  # a no-op after `loom train`'s own, for callers that skip it
     if cfg.parallel.tp != dims.tp:
         raise ValueError("the model was resolved after the mesh was built; call "
-                         "loom.hf.modeling.resolve_model on the flags first")
+                         "loom.models.resolve.resolve_model on the flags first")
     cfg = resolve_hf_model(cfg, info.local_rank)
     cfg = resolve_lora_targets(cfg)
     validate(cfg)  # the facts added below come from loom itself, not from the user

@@ -1,0 +1,110 @@
+"""The house rules that keep `src/loom` navigable, checked on the source itself (issue #43):
+packages by job with a small root, no file over 350 lines, dependencies that point down (no
+package cycle) and no import hidden inside a function to dodge one."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "loom"
+MAX_LINES = 350
+MAX_ROOT_MODULES = 8
+
+
+def modules() -> dict[str, ast.Module]:
+    """Every module of the package by dotted name, parsed."""
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = ast.parse(path.read_text(), filename=str(path))
+    return found
+
+
+def loom_imports(tree: ast.AST) -> list[tuple[ast.AST, str]]:
+    """(node, imported module) for every absolute import of loom in `tree`."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "loom" or node.module.startswith("loom."):
+                out.append((node, node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node, a.name) for a in node.names if a.name.split(".")[0] == "loom"]
+    return out
+
+
+def package(module: str) -> str:
+    """The package a module belongs to: `loom.trainer.step` -> `trainer`; a root module is its
+    own node (`loom.errors` -> `errors`), since `cli` sits above everything and `errors` below."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "loom"
+
+
+def package_graph() -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> the module-level edges that make it."""
+    graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for name, tree in modules().items():
+        for _, target in loom_imports(tree):
+            if package(name) != package(target):
+                graph[package(name)][package(target)].append(f"{name} -> {target}")
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """Strongly connected components of more than one package (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(set(graph) | {w for edges in graph.values() for w in edges}):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_file_in_src_is_over_350_lines():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these by job: {long}"
+
+
+def test_the_root_holds_a_handful_of_modules():
+    root = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+
+
+def test_no_loom_import_hides_inside_a_function():
+    hidden = []
+    for name, tree in modules().items():
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                hidden += [f"{name}.{fn.name}: {target}" for _, target in loom_imports(fn)]
+    assert not hidden, hidden
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    """The check below can fail: a graph with a two-package loop is reported."""
+    graph = {"a": {"b": ["x"]}, "b": {"a": ["y"], "c": ["z"]}, "c": {}}
+    assert cycles(graph) == [["a", "b"]]
