@@ -164,8 +164,10 @@ def test_a_malformed_manifest_is_one_line(run: Path, tmp_path: Path, manifest: s
 
 
 def edit_model_args(checkpoint: Path, **change) -> None:
+    """A crafted but consistent record: `architecture` repeats `model_args` ({family, **args})."""
     loop = json.loads((checkpoint / "loop.json").read_text())
     loop["model_args"].update(change)
+    loop["architecture"].update(change)
     (checkpoint / "loop.json").write_text(json.dumps(loop))
     reseal(checkpoint)
 
