@@ -61,7 +61,10 @@ class SelfAttention(nn.Module):
     def __init__(self, args: GPT2Args):
         super().__init__()
         self.head_dim = args.dim // args.n_heads
-        self.q, self.k, self.v = (nn.Linear(args.dim, args.dim) for _ in range(3))
+        self.q, self.v = nn.Linear(args.dim, args.dim), nn.Linear(args.dim, args.dim)
+        # No key bias: softmax ignores a shift shared by every key, so its true gradient is
+        # zero and AdamW would turn each layout's rounding noise into lr-sized steps.
+        self.k = nn.Linear(args.dim, args.dim, bias=False)
         self.proj = nn.Linear(args.dim, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
