@@ -318,9 +318,9 @@ def test_a_checkpoint_of_the_flat_record_loads_as_family_and_arguments(
     upgraded = read_loop(legacy)
     assert upgraded["architecture"] == {"family": "llama", **args}
     assert upgraded["model_args"] == args
-    state, held = load_model_state(legacy)
+    state, loaded = load_model_state(legacy)
     reference, _ = load_model_state(run / "checkpoints" / "step-1")
-    assert held.spec.name == "llama" and state.keys() == reference.keys()
+    assert loaded == ModelArgs(**args) and state.keys() == reference.keys()
     assert all(torch.equal(state[k], reference[k]) for k in state)
     proc = loom("train", *TINY, "--max-steps", "2", "--resume", str(legacy),
                 "--outdir", str(tmp_path / "resumed"))
