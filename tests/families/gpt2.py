@@ -2,7 +2,9 @@
 with biases, GELU MLP, biased projections. Nothing under src/ knows it; it trains under
 dp, tp and pp through its spec alone (tests/integration/test_custom_family.py).
 
-Importing this module registers the family as `gpt2-test`.
+Importing this module registers the family as `gpt2-test` (its spec with the model
+registry, its parallel plan with `loom.parallel.model_plan`). Its checkpoints record its own
+five arguments and nothing else.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from loom.config import ModelConfig
 from loom.models.registry import register
 from loom.models.spec import ModelParts, ModelPlan, ModelSpec
 from loom.parallel.mesh import ParallelDims
+from loom.parallel.model_plan import register_plan
 
 
 @dataclass(frozen=True)
@@ -35,14 +38,6 @@ class GPT2Args:
     n_heads: int
     vocab_size: int
     max_seq_len: int
-
-    @property
-    def n_kv_heads(self) -> int:  # what the run's recorded architecture asks of any family
-        return self.n_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        return 4 * self.dim
 
 
 def gpt2_args(m: ModelConfig) -> GPT2Args:
@@ -66,7 +61,10 @@ class SelfAttention(nn.Module):
     def __init__(self, args: GPT2Args):
         super().__init__()
         self.head_dim = args.dim // args.n_heads
-        self.q, self.k, self.v = (nn.Linear(args.dim, args.dim) for _ in range(3))
+        self.q, self.v = nn.Linear(args.dim, args.dim), nn.Linear(args.dim, args.dim)
+        # No key bias: softmax ignores a shift shared by every key, so its true gradient is
+        # zero and AdamW would turn each layout's rounding noise into lr-sized steps.
+        self.k = nn.Linear(args.dim, args.dim, bias=False)
         self.proj = nn.Linear(args.dim, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,8 +78,8 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: GPT2Args):
         super().__init__()
-        self.fc = nn.Linear(args.dim, args.ffn_hidden_dim)
-        self.proj = nn.Linear(args.ffn_hidden_dim, args.dim)
+        self.fc = nn.Linear(args.dim, 4 * args.dim)
+        self.proj = nn.Linear(4 * args.dim, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -159,6 +157,8 @@ def gpt2_plan(model: GPT2) -> ModelPlan:
 
 
 GPT2_SPEC = register(ModelSpec(
-    name="gpt2-test", model_cls=GPT2, args_from_config=gpt2_args, build=GPT2, plan=gpt2_plan,
+    name="gpt2-test", model_cls=GPT2, args_from_config=gpt2_args, build=GPT2,
+    args_cls=GPT2Args,
     parts=ModelParts(embedding="embed", blocks="blocks", head=("ln_f", "head"), output="head",
-                     attention="attn", attention_core=None)))
+                     attention="attn", attention_core=None, feed_forward=("mlp",))))
+register_plan(GPT2_SPEC.name, gpt2_plan)

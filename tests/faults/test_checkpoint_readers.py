@@ -11,11 +11,13 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
-from loom.checkpoint.trust import UnusableCheckpoint, verify_checkpoint
+from loom.checkpoint.trust import UnusableCheckpoint, read_loop, verify_checkpoint
 from loom.config import ConfigError
 from loom.data.shards import read_manifest as read_shard_manifest
 from loom.hf.run_checkpoint import load_model_state
+from loom.models.llama.model import ModelArgs
 from loom.safe_io import MAX_JSON_BYTES, read_json_capped
 from tests.faults.test_checkpoint_trust import (
     TINY,
@@ -164,8 +166,10 @@ def test_a_malformed_manifest_is_one_line(run: Path, tmp_path: Path, manifest: s
 
 
 def edit_model_args(checkpoint: Path, **change) -> None:
+    """A crafted but consistent record: `architecture` repeats `model_args` ({family, **args})."""
     loop = json.loads((checkpoint / "loop.json").read_text())
     loop["model_args"].update(change)
+    loop["architecture"].update(change)
     (checkpoint / "loop.json").write_text(json.dumps(loop))
     reseal(checkpoint)
 
@@ -284,3 +288,44 @@ def test_a_tensor_missing_from_resealed_metadata_is_one_line(run: Path, tmp_path
     assert line.startswith(f"error: checkpoint {checkpoint} cannot be loaded: ") and \
         "model.norm.weight" in line, line
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+LATER_LLAMA_FIELDS = ("head_dim", "qk_norm", "rope_factor", "rope_low_freq_factor",
+                      "rope_high_freq_factor", "rope_original_max_seq_len", "tie_embeddings")
+"""Fields Llama's arguments gained after the first checkpoints (absent from those)."""
+
+
+def write_legacy_record(checkpoint: Path) -> dict:
+    """Rewrite loop.json as loom wrote it before families owned their arguments: a flat
+    Llama model_args without the later fields, an architecture of kind and shapes."""
+    loop = json.loads((checkpoint / "loop.json").read_text())
+    args = loop["model_args"]
+    ffn = args["hidden_dim"] or ModelArgs(**args).ffn_hidden_dim
+    loop["model_args"] = {k: v for k, v in args.items() if k not in LATER_LLAMA_FIELDS}
+    loop["architecture"] = {"kind": "dense", **{k: args[k] for k in (
+        "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")}, "ffn_hidden_dim": ffn}
+    (checkpoint / "loop.json").write_text(json.dumps(loop))
+    reseal(checkpoint)
+    return args
+
+
+def test_a_checkpoint_of_the_flat_record_loads_as_family_and_arguments(
+        run: Path, tmp_path: Path) -> None:
+    """A checkpoint written before `{family, **args}` reads as the Llama family with its
+    arguments (later fields at their defaults), loads the same tensors, and resumes."""
+    legacy = copy_run(run, tmp_path) / "checkpoints" / "step-1"
+    args = write_legacy_record(legacy)
+    upgraded = read_loop(legacy)
+    assert upgraded["architecture"] == {"family": "llama", **args}
+    assert upgraded["model_args"] == args
+    state, loaded = load_model_state(legacy)
+    reference, _ = load_model_state(run / "checkpoints" / "step-1")
+    assert loaded == ModelArgs(**args) and state.keys() == reference.keys()
+    assert all(torch.equal(state[k], reference[k]) for k in state)
+    proc = loom("train", *TINY, "--max-steps", "2", "--resume", str(legacy),
+                "--outdir", str(tmp_path / "resumed"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = loom("train", *TINY, "--dim", "64", "--max-steps", "2", "--resume", str(legacy),
+                "--outdir", str(tmp_path / "other"))
+    assert proc.returncode == 2 and "checkpoint has dim 32, this run 64" in proc.stderr, \
+        proc.stderr[-2000:]

@@ -12,10 +12,6 @@ import pytest
 import torch
 
 from loom.checkpoint.schema import (
-    _FAMILY_KEYS,
-    _MODEL_FLOATS,
-    _MODEL_INTS,
-    _MOE_KEYS,
     SchemaError,
     check_loop,
     check_read_settings,
@@ -24,7 +20,7 @@ from loom.checkpoint.schema import (
 from loom.checkpoint.trust import UnusableCheckpoint, read_loop
 from loom.config import ConfigError
 from loom.models.llama.model import ModelArgs
-from loom.models.moe.model import MOE_FIELDS
+from loom.models.moe.model import MoEArgs
 from tests.faults.test_checkpoint_trust import TINY, copy_run, loom, one_line, reseal
 
 
@@ -110,18 +106,21 @@ def test_the_saved_loop_json_is_in_schema(run: Path) -> None:
 
 
 def test_a_mixture_of_experts_model_args_are_in_schema(run: Path) -> None:
-    """A MoE run's model_args carry MoEArgs' fields (the schema names exactly those); a
-    value out of range or of the wrong kind is still refused."""
-    assert set(MOE_FIELDS) == _MOE_KEYS
+    """A MoE run's model_args carry exactly MoEArgs' fields; a value out of range or of
+    the wrong kind is still refused, and a dense field missing or an unknown one too."""
     loop = json.loads((sorted((run / "checkpoints").iterdir())[-1] / "loop.json").read_text())
-    loop["model_args"].update(n_experts=8, top_k=2, n_shared_experts=1, moe_hidden_dim=None,
-                              n_dense_layers=1, score_func="sigmoid", route_norm=True,
-                              route_scale=1.0, load_balance_coeff=1e-3, aux_loss_coeff=0.0)
+    args = {f.name: getattr(MoEArgs(**loop["model_args"]), f.name) for f in fields(MoEArgs)}
+    loop = {**loop, "model_args": args, "architecture": {"family": "moe", **args}}
     check_loop(loop)
     for key, bad in (("score_func", "exec"), ("top_k", 0), ("route_norm", "yes"),
                      ("aux_loss_coeff", -1.0), ("moe_hidden_dim", 0)):
-        with pytest.raises(SchemaError, match=f"model_args.{key}"):
-            check_loop({**loop, "model_args": {**loop["model_args"], key: bad}})
+        with pytest.raises(SchemaError, match=f"model_args.{key}|{key} is"):
+            check_loop({**loop, "model_args": {**args, key: bad},
+                        "architecture": {**loop["architecture"], key: bad}})
+    with pytest.raises(SchemaError, match="model_args lacks n_experts"):
+        check_loop({**loop, "model_args": {k: v for k, v in args.items() if k != "n_experts"}})
+    with pytest.raises(SchemaError, match="model_args has unknown key 'ffn_hidden_dim'"):
+        check_loop({**loop, "model_args": {**args, "ffn_hidden_dim": 4}})
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -210,11 +209,13 @@ def test_a_checkpoint_that_reads_another_dataset_stops_in_one_line(run: Path, tm
 
 
 def test_every_dense_model_field_is_in_schema(run: Path) -> None:
-    """The schema names exactly ModelArgs' fields; an imported family's field of the wrong
-    kind is refused."""
-    named = {*_MODEL_INTS, *_MODEL_FLOATS, "ffn_dim_multiplier", "hidden_dim", *_FAMILY_KEYS}
-    assert {f.name for f in fields(ModelArgs)} == named
+    """The record holds exactly ModelArgs' fields, architecture repeating model_args; an
+    imported family's field of the wrong kind is refused."""
     loop = json.loads((sorted((run / "checkpoints").iterdir())[-1] / "loop.json").read_text())
-    for key, bad in (("qk_norm", 1), ("head_dim", 0), ("rope_factor", float("inf"))):
+    assert set(loop["model_args"]) == {f.name for f in fields(ModelArgs)}
+    assert loop["architecture"] == {"family": "llama", **loop["model_args"]}
+    for key, bad in (("qk_norm", 1), ("head_dim", -1), ("rope_factor", float("inf"))):
         with pytest.raises(SchemaError, match=f"model_args.{key}"):
             check_loop({**loop, "model_args": {**loop["model_args"], key: bad}})
+    with pytest.raises(SchemaError, match="architecture.dim is 7, model_args.dim"):
+        check_loop({**loop, "architecture": {**loop["architecture"], "dim": 7}})

@@ -87,10 +87,10 @@ def test_model_arguments_are_the_config_fields_of_the_same_name(flags):
 def test_architecture_records_the_kind_of_model():
     moe = parse_args(["--model", "moe-debug"])
     arch = architecture(moe, model_args(moe))
-    assert (arch["kind"], arch["n_experts"], arch["moe_hidden_dim"]) == ("moe", 8, 128), arch
+    assert (arch["family"], arch["n_experts"], arch["moe_hidden_dim"]) == ("moe", 8, 128), arch
     hf = parse_args(["--model", "owner/repo", "--model-impl", "transformers"])
     arch = architecture(hf, model_args(hf))
-    assert (arch["kind"], arch["model"]) == ("hf", "owner/repo") and \
+    assert (arch["family"], arch["model"]) == ("transformers", "owner/repo") and \
         "ffn_hidden_dim" not in arch, arch
 
 

@@ -108,3 +108,12 @@ def test_the_cycle_finder_sees_a_cycle():
     """The check below can fail: a graph with a two-package loop is reported."""
     graph = {"a": {"b": ["x"]}, "b": {"a": ["y"], "c": ["z"]}, "c": {}}
     assert cycles(graph) == [["a", "b"]]
+
+
+def test_no_package_cycle():
+    """Dependencies point down: no set of packages imports each other in a loop."""
+    graph = package_graph()
+    loops = cycles(graph)
+    detail = {tuple(loop): {f"{a} -> {b}": graph[a][b][:2] for a in loop for b in graph[a]
+                            if b in loop} for loop in loops}
+    assert not loops, detail

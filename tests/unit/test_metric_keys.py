@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from loom.config import ConfigError, config_from_flags, parse_args
+from loom.models.spec import FAMILY_ATTR
 from loom.observability.metrics.health import LogitsTracker, exact_float_parts, input_range
 from loom.observability.profiling import ProfileOptions, profile_schedule
 from loom.observability.progress import format_progress
@@ -15,11 +16,13 @@ from loom.observability.tracking import Histograms, histogram
 
 
 class Head(nn.Module):
-    """A model whose head is named like loom's: `output`."""
+    """A model whose head is named like loom's: `output`, marked as the Llama family's (the
+    tracker finds the head through the family's spec, as for a built model)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.output = nn.Linear(4, 8)
+        setattr(self, FAMILY_ATTR, "llama")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(x)

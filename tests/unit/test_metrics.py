@@ -150,9 +150,9 @@ def test_plots_without_data_draw_no_empty_legend(tmp_path):
 
 
 def test_layer_names_group_parameters_per_block():
-    assert layer_of("layers.3.attention.wq.weight") == "layer3"
-    assert layer_of("layers.0._checkpoint_wrapped_module.ffn_norm.weight") == "layer0"
-    assert layer_of("tok_embeddings.weight") == "tok_embeddings"
+    assert layer_of("layers.3.attention.wq.weight", "layers") == "layer3"
+    assert layer_of("layers.0._checkpoint_wrapped_module.ffn_norm.weight", "layers") == "layer0"
+    assert layer_of("tok_embeddings.weight", "layers") == "tok_embeddings"
 
 
 @pytest.mark.parametrize(("environ", "message"), [

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from loom.models.moe.balance import moe_metrics
 from loom.models.moe.model import (
     GroupedExperts,
     MoE,
@@ -16,7 +17,7 @@ from loom.models.moe.model import (
     sequence_balance_loss,
     weighted_combine,
 )
-from loom.parallel.expert import expert_order, moe_metrics, window_counts
+from loom.parallel.expert import expert_order, window_counts
 from loom.parallel.fsdp import expert_placement
 
 ARGS = MoEArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32,

@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 
 from loom.config import ConfigError, parse_args
+from loom.models.moe.balance import update_expert_bias
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
 from loom.models.resolve import plain_model
-from loom.parallel.expert import update_expert_bias
 from loom.parallel.mesh import ParallelDims
 from tests.one_rank import one_rank_group
 

@@ -89,11 +89,14 @@ def test_other_micro_batches_alive_before_and_after_the_first_backward():
 
 def test_held_gradients_count_in_every_later_phase_gathered_weights_only_before_blocks():
     held = {"Unsharded Grad": 3, "Unsharded Param": 2}
-    assert held_in_phase("FSDPTransformer.layers.last|Peak Forward", held) == {
+    embedding = "tok_embeddings"
+    assert held_in_phase("FSDPTransformer.layers.last|Peak Forward", held, embedding) == {
         "Unsharded Grad": 3}
-    assert held_in_phase("FSDPTransformer.tok_embeddings|Peak Backward", held) == held
-    assert held_in_phase("peak", held) == {"Unsharded Grad": 3}
-    assert held_in_phase("FSDPTransformer.layers.last|Peak Forward|first", held) is None
+    assert held_in_phase("FSDPTransformer.tok_embeddings|Peak Backward", held,
+                         embedding) == held
+    assert held_in_phase("peak", held, "tok_embeddings") == {"Unsharded Grad": 3}
+    assert held_in_phase("FSDPTransformer.layers.last|Peak Forward|first", held,
+                         "tok_embeddings") is None
 
 
 def test_compiled_block_keeps_less_the_lower_the_budget():

@@ -47,7 +47,7 @@ def test_a_different_model_is_named_by_its_field() -> None:
     check_architecture(arch(), arch("--lr", "1"))
     for flags, message in [(["--dim", "64"], "checkpoint has dim 128, this run 64"),
                            (["--vocab-size", "99"], "checkpoint has vocab_size 32000, this run 99"),
-                           (["--n-experts", "4"], "checkpoint has kind dense, this run moe")]:
+                           (["--n-experts", "4"], "checkpoint has family llama, this run moe")]:
         with pytest.raises(ConfigError, match=message):
             check_architecture(arch(), arch(*flags))
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from loom.checkpoint.layout import checkpoint_dir, complete_checkpoints, is_step_dir, step_of
+from loom.checkpoint.model_record import HF_SHAPE, LORA_KEYS, TRANSFORMERS, parameter_shapes
 from loom.checkpoint.schema import (
     READ_SETTINGS,
     RUN_SETTINGS,
@@ -23,16 +24,9 @@ from loom.checkpoint.schema import (
 )
 from loom.checkpoint.trust import UnusableCheckpoint, read_json, read_loop, verify_checkpoint
 from loom.config import ConfigError, JobConfig
-from loom.models.llama.model import ModelArgs
+from loom.models.registry import for_config
 
 logger = logging.getLogger("loom")
-
-_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
-"""What every model's parameter shapes depend on (an HF model's, as read from its config)."""
-_LOOM_FIELDS = ("ffn_hidden_dim",)
-"""loom's own derivation of the feed-forward width (not an HF model's: not recorded)."""
-_MOE_FIELDS = ("n_experts", "n_shared_experts", "moe_hidden_dim", "n_dense_layers")
-
 
 @dataclass(frozen=True)
 class ResumePoint:
@@ -207,35 +201,47 @@ def rescale_lr(optimizer: Any, scheduler: Any, saved_lr: float, lr: float) -> No
         group["initial_lr"] *= scale
 
 
-def architecture(cfg: JobConfig, args: ModelArgs) -> dict[str, Any]:
-    """What the parameters' shapes depend on: the kind of model (dense, moe or hf) and its
-    sizes; a resumed run must match it field by field."""
+def architecture(cfg: JobConfig, args: Any) -> dict[str, Any]:
+    """The model a checkpoint holds, `{family, **args}`: its family and every one of the
+    family's arguments (transformers' module: its name and the shape read from it), and a
+    LoRA run's adapters."""
     m = cfg.model
-    kind = "hf" if m.runs_transformers else "moe" if m.n_experts else "dense"
-    arch: dict[str, Any] = {"kind": kind}
-    if kind == "hf":
-        arch["model"] = m.model
-    if kind != "hf" and m.family is not None:  # absent before families had names
-        arch["family"] = m.family
-    if kind != "hf" and getattr(args, "qk_norm", False):
-        arch["qk_norm"] = 1
-    head_dim = getattr(args, "head_dim", None)
-    if kind != "hf" and head_dim is not None and head_dim != args.dim // args.n_heads:
-        arch["head_dim"] = head_dim
-    names = _SHAPE_FIELDS if kind == "hf" else (*_SHAPE_FIELDS, *_LOOM_FIELDS)
-    arch.update({f: getattr(args, f) for f in names})
-    if kind == "moe":
-        arch.update({f: getattr(m, f) for f in _MOE_FIELDS})
+    spec = for_config(m)
+    arch: dict[str, Any] = {"family": spec.name}
+    if m.runs_transformers:
+        arch.update(model=m.model, **{f: getattr(args, f) for f in HF_SHAPE})
+    else:
+        arch.update(spec.record(args))
     lo = cfg.lora
     if lo.lora_rank:  # the adapters' shapes, and the scale an export merges with
         arch.update(lora_rank=lo.lora_rank, lora_alpha=repr(float(lo.lora_alpha)),
-                    lora_targets=lo.lora_targets)  # (the schema holds integers and names)
+                    lora_targets=lo.lora_targets)  # (alpha as text: its exact digits)
     return arch
 
 
 def check_architecture(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """One line naming the first field where the checkpoint's model and this run's differ."""
-    for field in dict.fromkeys([*saved, *current]):
+    """One line naming the first field where the checkpoint's model and this run's differ
+    in what the parameters are: the family, the adapters and every argument that changes a
+    parameter's shape (both models rebuilt from their records on the meta device); an
+    argument that changes no shape (RoPE's base, the balancing step) may change on resume."""
+    fixed = ("family", *LORA_KEYS, "model")
+    if saved.get("family") == TRANSFORMERS:
+        fixed = tuple(dict.fromkeys([*saved, *current]))
+    for field in fixed:
         if saved.get(field) != current.get(field):
-            raise ConfigError(f"--resume: checkpoint has {field} {saved.get(field)}, this run "
-                              f"{current.get(field)}; give the checkpoint's model flags")
+            _differ(field, saved, current)
+    if saved["family"] == TRANSFORMERS:
+        return
+    shapes = parameter_shapes(saved)
+    if shapes == parameter_shapes(current):
+        return
+    differ = [f for f in dict.fromkeys([*saved, *current]) if saved.get(f) != current.get(f)]
+    for field in differ:  # the first whose change alone reshapes a parameter
+        if parameter_shapes({**saved, field: current.get(field)}) != shapes:
+            _differ(field, saved, current)
+    _differ(differ[0], saved, current)
+
+
+def _differ(field: str, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    raise ConfigError(f"--resume: checkpoint has {field} {saved.get(field)}, this run "
+                      f"{current.get(field)}; give the checkpoint's model flags")

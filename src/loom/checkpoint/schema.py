@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Set
 from pathlib import Path
 from typing import Any
 
+from loom.checkpoint.model_record import RecordError, check_record, is_legacy, upgrade
 from loom.config.job import flag_fields
 from loom.errors import ConfigError
 
@@ -51,22 +52,7 @@ _FIXED_GROUP_KEYS = {"amsgrad": False, "maximize": False, "capturable": False,
                      "differentiable": False, "decoupled_weight_decay": True}
 """AdamW options loom never changes: any other value is not a loom checkpoint's."""
 _CHOICE_GROUP_KEYS = {"foreach": (None, True, False), "fused": (None, True, False)}
-_MODEL_INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
-               "max_seq_len")
-_MODEL_FLOATS = ("rope_theta", "norm_eps")
-_FAMILY_INTS = ("head_dim", "rope_original_max_seq_len")
-_FAMILY_FLOATS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
-_FAMILY_BOOLS = ("qk_norm", "tie_embeddings")
-_FAMILY_KEYS = {*_FAMILY_INTS, *_FAMILY_FLOATS, *_FAMILY_BOOLS}
-"""Model fields the Llama family added for Hugging Face imports (absent from older
-checkpoints, so optional)."""
-_MOE_INTS = {"n_experts": 1, "top_k": 1, "n_shared_experts": 0, "n_dense_layers": 0}
-"""Integer MoE fields and their lowest value."""
-_MOE_FLOATS = ("route_scale", "load_balance_coeff", "aux_loss_coeff")
-_SCORE_FUNCS = ("sigmoid", "softmax")
-_MOE_KEYS = {*_MOE_INTS, *_MOE_FLOATS, "moe_hidden_dim", "score_func", "route_norm"}
 _POSITION_KEYS = ("epoch", "piece", "document", "offset")
-_ARCH_KINDS = ("dense", "moe", "hf")
 
 
 class SchemaError(ValueError):
@@ -193,53 +179,6 @@ def _null(value: Any, where: str) -> None:
                           "null")
 
 
-def _moe_args(args: dict[str, Any]) -> None:
-    """The mixture-of-experts fields a MoE model's args add (loom.models.moe.model.MoEArgs)."""
-    for key, low in _MOE_INTS.items():
-        if key in args:
-            _integer(args[key], f"model_args.{key}", low, 2**31 - 1)
-    if args.get("moe_hidden_dim") is not None:
-        _integer(args["moe_hidden_dim"], "model_args.moe_hidden_dim", 1, 2**31 - 1)
-    for key in _MOE_FLOATS:
-        if key in args:
-            _number(args[key], f"model_args.{key}", 0.0, 1e30)
-    if "score_func" in args and args["score_func"] not in _SCORE_FUNCS:
-        raise SchemaError(f"model_args.score_func is not one of {', '.join(_SCORE_FUNCS)}")
-    if "route_norm" in args and not isinstance(args["route_norm"], bool):
-        raise SchemaError("model_args.route_norm is not true or false")
-
-
-def _model_args(value: Any) -> None:
-    args = _object(value, "model_args", {*_MODEL_INTS, *_MODEL_FLOATS, "ffn_dim_multiplier",
-                                         "hidden_dim"}, {*_MOE_KEYS, *_FAMILY_KEYS})
-    _moe_args(args)
-    for key in _FAMILY_INTS:
-        if key in args:
-            _integer(args[key], f"model_args.{key}", 1, 2**31 - 1)
-    for key in _FAMILY_FLOATS:
-        if key in args:
-            _number(args[key], f"model_args.{key}", 1e-6, 1e6)
-    for key in _FAMILY_BOOLS:
-        if key in args and type(args[key]) is not bool:
-            raise SchemaError(f"model_args.{key} is not true or false")
-    for key in _MODEL_INTS:
-        _integer(args[key], f"model_args.{key}", 1, 2**31 - 1)
-    for key in _MODEL_FLOATS:
-        _number(args[key], f"model_args.{key}", 1e-30, 1e30)
-    if args.get("ffn_dim_multiplier") is not None:
-        _number(args["ffn_dim_multiplier"], "model_args.ffn_dim_multiplier", 1e-6, 1e6)
-    if args.get("hidden_dim") is not None:
-        _integer(args["hidden_dim"], "model_args.hidden_dim", 1, 2**31 - 1)
-
-
-def _architecture(value: Any) -> None:
-    if not isinstance(value, dict) or value.get("kind") not in _ARCH_KINDS:
-        raise SchemaError(f"architecture.kind is not one of {', '.join(_ARCH_KINDS)}")
-    for key, v in value.items():
-        if not isinstance(key, str) or not (type(v) in (int, str) or v is None):
-            raise SchemaError(f"architecture.{key} is {v!r}, not an integer or a name")
-
-
 def _positions(value: Any) -> None:
     if not isinstance(value, dict) or len(value) > 1 << 20:
         raise SchemaError("stream_positions is not an object")
@@ -286,8 +225,22 @@ def check_loop(loop: Any) -> None:
     if not loop["param_groups"]:
         raise SchemaError("param_groups is empty")
     _scheduler(loop["scheduler"], len(loop["param_groups"]))
-    _model_args(loop["model_args"])
-    _architecture(loop["architecture"])
+    try:
+        check_record(loop["architecture"], loop["model_args"])
+    except RecordError as e:
+        raise SchemaError(str(e)) from None
+
+
+def checked_loop(loop: Any) -> dict[str, Any]:
+    """loop.json checked (`check_loop`), a record of the flat form before families owned
+    their arguments read in the `{family, **args}` form."""
+    if isinstance(loop, dict) and is_legacy(loop):
+        try:
+            loop = upgrade(loop)
+        except RecordError as e:
+            raise SchemaError(str(e)) from None
+    check_loop(loop)
+    return loop
 
 
 RNG_WORDS = 625

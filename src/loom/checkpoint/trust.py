@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 from loom.checkpoint.format import METADATA, load_metadata
-from loom.checkpoint.schema import SchemaError, check_loop
+from loom.checkpoint.schema import SchemaError, checked_loop
 from loom.config import ConfigError
 from loom.safe_io import open_regular, read_json_capped, regular_size, write_text_atomic
 
@@ -200,7 +200,7 @@ def read_loop(path: Path) -> dict[str, Any]:
     """loop.json, checked against `loom.checkpoint.schema` before anything reads it."""
     loop = read_json(path, "loop.json")
     try:
-        check_loop(loop)
+        loop = checked_loop(loop)
     except SchemaError as e:
         raise UnusableCheckpoint(f"checkpoint {path} is unsafe: loop.json {e}") from None
     return loop

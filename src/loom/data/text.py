@@ -28,8 +28,8 @@ from loom.data.hub import (
     hub_offline,
     looks_like_hub_id,
 )
+from loom.data.labels import IGNORE_INDEX
 from loom.data.tokenizers import ASSETS, TextTokenizer, load_tokenizer, tokenizer_identity
-from loom.losses import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import datasets

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from loom.checkpoint.format import DATA_FILE, TensorReader
+from loom.checkpoint.model_record import rebuilt_args
 from loom.checkpoint.trust import UnusableCheckpoint, read_loop, verify_checkpoint
 from loom.config import ConfigError, ModelConfig
 from loom.data.tokenizers import tokenizer_name
@@ -31,6 +32,8 @@ from loom.models.transformers.model import hf_model_from_config
 from loom.runtime.preflight import check_host_fits
 from loom.safe_io import read_json_capped
 
+CONFIG_FIELDS = frozenset(f.name for f in fields(ModelConfig))
+"""The model flags a family's arguments are named after (model_cfg keeps those it has)."""
 HOST_COPIES = 3
 """Copies of the weights `loom generate` and export's check hold at once (loaded, a second
 model, serialised), for the memory check."""
@@ -54,7 +57,7 @@ class RunModel:
     def build(self) -> nn.Module:
         if self.spec.name == "transformers":
             return hf_model_from_config(self.model_cfg, dtype=torch.float32)
-        model = self.spec.build(self.args)
+        model = self.spec.new(self.args)
         if self.lora is not None:
             apply_lora(model, self.lora)
         return model
@@ -64,8 +67,8 @@ def run_model(checkpoint: Path) -> RunModel:
     """Verify a checkpoint and say which model it holds (nothing loaded yet)."""
     manifest = verify_checkpoint(checkpoint)
     loop = read_loop(checkpoint)
-    arch = loop["architecture"]
-    if arch.get("kind") == "hf":
+    arch = loop["architecture"]  # {family, **args}, checked against the family's dataclass
+    if arch["family"] == "transformers":
         settings = run_config(checkpoint).get("model", {})
         model_cfg = ModelConfig(model=arch.get("model"), model_impl="transformers",
                                 trust_remote_code=bool(settings.get("trust_remote_code")))
@@ -73,12 +76,17 @@ def run_model(checkpoint: Path) -> RunModel:
         check_model_bytes(held, manifest, f"{arch.get('model')}/config.json: the sizes of "
                                           f"the model checkpoint {checkpoint} trained")
         return held
-    name = arch.get("family") or ("moe" if arch.get("kind") == "moe" else "llama")
-    spec = family(name)
-    model_cfg = ModelConfig(**loop["model_args"], family=name)
+    spec = family(arch["family"])
+    try:
+        args = rebuilt_args(arch)
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise UnusableCheckpoint(f"checkpoint {checkpoint} is unsafe: loop.json model_args "
+                                 f"do not make a {spec.name} model ({e})") from None
+    model_cfg = ModelConfig(**{k: v for k, v in loop["model_args"].items() if k in CONFIG_FIELDS},
+                            family=spec.name)
     lora = LoraSettings.recorded(arch)
     base = run_config(checkpoint).get("model", {}).get("model") if lora else None
-    held = RunModel(spec, spec.args_from_config(model_cfg), model_cfg, checkpoint, lora, base,
+    held = RunModel(spec, args, model_cfg, checkpoint, lora, base,
                     loop["settings"].get("seed", 0))
     check_model_bytes(held, manifest, f"checkpoint {checkpoint} is unsafe: loop.json "
                                       "model_args")

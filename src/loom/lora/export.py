@@ -40,7 +40,7 @@ def base_reader(spec: ModelSpec, args: Any, source: str | None, seed: int) -> Re
     Face folder (read through the family's adapter, checked against the model first), or
     drawn from the seed as the run's init drew it."""
     with torch.device("meta"):
-        plain = spec.build(args)
+        plain = spec.new(args)
     if source is not None and ModelConfig(model=source).from_hub_format:
         try:
             folder = local_folder(ModelConfig(model=source))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-IGNORE_INDEX = -100
+from loom.data.labels import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

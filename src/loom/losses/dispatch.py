@@ -25,6 +25,7 @@ from loom.losses.cross_entropy import (
     vocab_parallel_cross_entropy,
 )
 from loom.losses.fused_linear import fused_head_loss
+from loom.models.registry import output_of
 
 logger = logging.getLogger("loom")
 
@@ -151,7 +152,7 @@ def _logits_mean(criterion: LogitsLoss, vocab_parallel: bool, logits: torch.Tens
 
 def build_loss(cfg: LossConfig, model: nn.Module, tp: int = 1) -> LossFn:
     """The mean loss of a whole model: its forward, then the criterion."""
-    return partial(_model_loss, build_criterion(cfg, getattr(model, "output", None), tp))
+    return partial(_model_loss, build_criterion(cfg, output_of(model), tp))
 
 
 def _model_loss(criterion: Criterion, model: nn.Module, inputs: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Model families by name, by module class and by Hugging Face architecture.
+"""Model families by name (a built model carries its own) and by Hugging Face architecture.
 
 loom's own families are registered here; a family defined elsewhere (a test, a user's
 package imported before training) calls `register` once and is then used like them.
@@ -15,7 +15,7 @@ from loom.config import ConfigError, ModelConfig
 from loom.models.llama.spec import LLAMA
 from loom.models.moe.spec import MOE
 from loom.models.qwen3.spec import QWEN3, QWEN3_MOE
-from loom.models.spec import HFAdapter, ModelSpec
+from loom.models.spec import FAMILY_ATTR, HFAdapter, ModelSpec
 from loom.models.transformers.spec import TRANSFORMERS
 
 _FAMILIES: dict[str, ModelSpec] = {}
@@ -46,13 +46,31 @@ def for_config(m: ModelConfig) -> ModelSpec:
 
 
 def for_model(model: nn.Module) -> ModelSpec:
-    """The spec of a built model (or pipeline stage): the first family registered for its
-    class or the nearest base class."""
+    """The spec of a built model (or pipeline stage): the family whose name `ModelSpec.new`
+    recorded on it (a Qwen3 model is "qwen3", though its class is Llama's); a model built
+    by hand, unmarked, by the first family registered for its class or a base class."""
+    name = getattr(model, FAMILY_ATTR, None)
+    if isinstance(name, str):
+        return family(name)
     for cls in type(model).__mro__:
         for spec in _FAMILIES.values():
             if spec.model_cls is cls:
                 return spec
     raise TypeError(f"no model family is registered for {type(model).__name__}")
+
+
+def spec_of(model: nn.Module) -> ModelSpec | None:
+    """`for_model`, or None for a module no family built (a container of pipeline stages)."""
+    try:
+        return for_model(model)
+    except (TypeError, ConfigError):
+        return None
+
+
+def output_of(model: nn.Module) -> nn.Module | None:
+    """The output projection of a family's model (None: none, or not a family's model)."""
+    spec = spec_of(model)
+    return None if spec is None else spec.output(model)
 
 
 def named_part(model: nn.Module, which: str) -> nn.Module | None:

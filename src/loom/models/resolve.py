@@ -37,7 +37,7 @@ def plain_model(cfg: JobConfig) -> nn.Module:
     """The unparallelized model on the current device (a transformers-path model: its
     architecture with fresh weights)."""
     spec = for_config(cfg.model)
-    return spec.build(spec.args_from_config(cfg.model))
+    return spec.new(spec.args_from_config(cfg.model))
 
 
 def hub_config(name: str) -> dict[str, Any]:

@@ -1,9 +1,13 @@
 """What the rest of loom knows of a model family: one `ModelSpec`, read, never reached around.
 
-A family lives in one folder, `loom/models/<family>/`, with the plain-PyTorch model, how its
-arguments come from the config, and a spec. Everything outside the folder (the parallelize
-recipe, pipeline cuts, context parallel, compile, init, FLOP counting, Hugging Face import
-and export) asks the spec, so a new family touches no module outside its folder.
+A family lives in one folder, `loom/models/<family>/`, with the plain-PyTorch model, its
+arguments dataclass (what a checkpoint records and is checked against), how the config
+fills it, and a spec. Everything outside the folder (the parallelize recipe, pipeline cuts,
+context parallel, compile, init, FLOP counting, float8, histograms, Hugging Face import and
+export) asks the spec, so a new family touches no module outside its folder. A built model
+carries its family's name (`FAMILY_ATTR`), so the spec is found by name, never by class.
+The family's parallel plan is registered with `loom.parallel.model_plan` by the same name:
+models never import the parallel code.
 
 The model protocol a spec promises (written down because the recipe relies on it):
 - `forward(tokens, positions=None, return_hidden=False)`: ids (B, T) -> logits (B, T, V);
@@ -22,7 +26,7 @@ The model protocol a spec promises (written down because the recipe relies on it
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +49,8 @@ class ModelParts:
     """Each block's attention child: what `--ac selective` recomputes."""
     attention_core: str | None = "attention.core"
     """Within a block, the (q, k, v) -> out module that context parallel replaces."""
+    feed_forward: tuple[str, ...] = ("feed_forward", "moe")
+    """Each block's feed-forward child (dense or routed): what `--hist ffn` records."""
 
 
 @dataclass
@@ -120,19 +126,40 @@ class HFAdapter(Protocol):
         ...
 
 
+FAMILY_ATTR = "loom_family"
+"""The attribute `ModelSpec.new` sets on a built model: its family's name (a deep copy, a
+pipeline stage, keeps it)."""
+
+
+@dataclass(frozen=True)
+class SpecHook:
+    """A step hook the family registers itself (`loom.protocols.extensions` runs it after
+    every optimizer step of a model of this family)."""
+
+    name: str
+    run: Callable[[nn.Module, Any], dict[str, float]]
+    """(the rank's model part, the process group of ranks holding different tokens) ->
+    metrics for the step's row."""
+
+
+def _none(model: nn.Module) -> list[nn.Module]:
+    return []
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family: how to build it and what every parallelism acts on."""
 
     name: str
     model_cls: type[nn.Module]
-    """Instances of this class (and subclasses not registered themselves) use this spec."""
+    """What the family builds (a model built without `new` is found by this class)."""
     args_from_config: Callable[[Any], Any]
-    """ModelConfig -> the family's arguments."""
+    """ModelConfig -> the family's arguments (the flags and preset fill them)."""
     build: Callable[[Any], nn.Module]
     """Arguments -> the unparallelized model (built under whatever device is current)."""
-    plan: Callable[[nn.Module], ModelPlan]
-    """The parallel plan of a built model or pipeline stage."""
+    args_cls: type | None = None
+    """The arguments dataclass: a checkpoint's `model_args` must hold exactly its fields,
+    each of its type; None: the family records no arguments of its own."""
     parts: ModelParts | None = ModelParts()
     """Attribute names of the parts; None: the model cannot be cut or context-parallel."""
     block_cost: Callable[[nn.Module], float] | None = None
@@ -144,6 +171,40 @@ class ModelSpec:
     """The linears within a block that `--lora-rank` adapts by default (module paths
     relative to the block); empty: the user names them with --lora-targets."""
     description: str = ""
+    block_inputs: Callable[[nn.Module], tuple[Any, ...]] = lambda model: ()
+    """What a block's forward takes after the hidden states (Llama: the RoPE table)."""
+    routers: Callable[[nn.Module], list[nn.Module]] = _none
+    """The router gates (linears that stay in --dtype under float8)."""
+    active_params: Callable[[Any], int] | None = None
+    """Arguments -> the parameters one token multiplies (routed experts by top-k / E);
+    None: all of them."""
+    hooks: tuple[SpecHook, ...] = ()
+    """Step hooks every run of this family uses (the MoE expert-bias update)."""
 
     def part(self, model: nn.Module, name: str | None) -> nn.Module | None:
         return None if name is None else getattr(model, name, None)
+
+    def new(self, args: Any) -> nn.Module:
+        """The model of `args`, marked with this family's name."""
+        model = self.build(args)
+        setattr(model, FAMILY_ATTR, self.name)
+        return model
+
+    def field_names(self) -> tuple[str, ...]:
+        return () if self.args_cls is None else tuple(f.name for f in fields(self.args_cls))
+
+    def record(self, args: Any) -> dict[str, Any]:
+        """The arguments as a checkpoint records them: every field of the dataclass."""
+        return {name: getattr(args, name) for name in self.field_names()}
+
+    def embedding(self, model: nn.Module) -> nn.Module | None:
+        return None if self.parts is None else self.part(model, self.parts.embedding)
+
+    def blocks(self, model: nn.Module) -> nn.ModuleDict | None:
+        """The block container (None: the family names none, or the model lacks it)."""
+        found = None if self.parts is None else self.part(model, self.parts.blocks)
+        return found if isinstance(found, nn.ModuleDict) else None
+
+    def output(self, model: nn.Module) -> nn.Module | None:
+        """The output projection (None where a pipeline stage does not hold it)."""
+        return None if self.parts is None else self.part(model, self.parts.output)

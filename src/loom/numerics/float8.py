@@ -33,7 +33,6 @@ from torch import nn
 
 from loom.config import JobConfig
 from loom.errors import ConfigError
-from loom.models.moe.model import TokenChoiceRouter
 from loom.models.registry import for_config
 from loom.protocols.extensions import (
     ModelConverter,
@@ -87,9 +86,9 @@ def linear_filter(part: nn.Module, cfg: JobConfig) -> Callable[[nn.Module, str],
     """Which linears become float8 (torchao's filter: module, name): plain `nn.Linear`
     inside the family's blocks (so never the head, which sits after them), not a router
     gate, both dims multiples of 16."""
-    parts = for_config(cfg.model).parts
-    blocks = parts.blocks if parts is not None else "layers"
-    gates = {id(m.gate) for m in part.modules() if isinstance(m, TokenChoiceRouter)}
+    spec = for_config(cfg.model)
+    blocks = spec.parts.blocks if spec.parts is not None else None
+    gates = {id(m) for m in spec.routers(part)}
 
     def keep(module: nn.Module, fqn: str) -> bool:
         return (type(module) is nn.Linear and fqn.split(".")[0] == blocks

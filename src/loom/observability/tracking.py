@@ -18,14 +18,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from loom.config import OutputConfig
+from loom.models.registry import spec_of
 from loom.parallel.init import clean_name
 from loom.safe_io import open_append
 
 logger = logging.getLogger("loom")
 
 HIST_BINS = 64
-BLOCK_PARTS = {"attn": ("attention",), "ffn": ("feed_forward", "moe")}
-"""Histogram kind -> the block child whose output it records (dense or MoE feed-forward)."""
 
 
 TENSORBOARD_DIR = "tensorboard"
@@ -99,10 +98,11 @@ def histogram(t: torch.Tensor, bins: int = HIST_BINS, samples: int = 0) -> torch
     return torch.cat([lo.reshape(1), hi.reshape(1), torch.histc(x, bins=bins)])
 
 
-def layer_of(name: str) -> str:
-    """'layers.3.attention.wq.weight' -> 'layer3'; 'tok_embeddings.weight' -> 'tok_embeddings'."""
+def layer_of(name: str, blocks: str | None) -> str:
+    """A parameter's group: 'layer3' for the fourth block's (`blocks`: the family's block
+    container), else its top-level module ('tok_embeddings.weight' -> 'tok_embeddings')."""
     parts = clean_name(name).split(".")
-    return f"layer{parts[1]}" if parts[0] == "layers" and len(parts) > 1 else parts[0]
+    return f"layer{parts[1]}" if parts[0] == blocks and len(parts) > 1 else parts[0]
 
 
 def block_child(block: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
@@ -118,7 +118,8 @@ class Histograms:
     def __init__(self, outdir: Path, rank: int, every: int, kinds: str, bins: int = HIST_BINS,
                  samples: int = 0, layers: str = "all"):
         self.every, self.bins, self.samples = every, bins, samples
-        self.layers = None if layers == "all" else {p.strip() for p in layers.split(",")}
+        self.chosen = None if layers == "all" else {p.strip() for p in layers.split(",")}
+        self.blocks_name: str | None = None
         self.kinds = {k for k in kinds.split(",") if k} if every > 0 else set()
         self.path = outdir / f"histograms-{rank}.jsonl"
         self.model: nn.Module | None = None
@@ -136,21 +137,27 @@ class Histograms:
         return bool(self.kinds) and step % self.every == 0
 
     def layer_selected(self, index: str) -> bool:
-        return self.layers is None or index in self.layers
+        return self.chosen is None or index in self.chosen
 
     def attach(self, model: nn.Module) -> None:
         self.model, self.armed = model, self.due(1)
         modules = {}
-        if "logits" in self.kinds and isinstance(getattr(model, "output", None), nn.Module):
-            modules["logits"] = model.output
-        blocks = getattr(model, "layers", None)
-        blocks = {n: b for n, b in blocks.items() if self.layer_selected(n)} \
-            if isinstance(blocks, nn.ModuleDict) else {}
+        spec = spec_of(model)  # None: a container of pipeline stages (no histograms)
+        parts = None if spec is None else spec.parts
+        self.blocks_name = None if parts is None else parts.blocks
+        head = None if spec is None else spec.output(model)
+        if "logits" in self.kinds and head is not None:
+            modules["logits"] = head
+        blocks = None if spec is None else spec.blocks(model)
+        blocks = {} if blocks is None else \
+            {n: b for n, b in blocks.items() if self.layer_selected(n)}
+        children = {"attn": () if parts is None or parts.attention is None
+                    else (parts.attention,), "ffn": () if parts is None else parts.feed_forward}
         if "acts" in self.kinds:
             modules.update({f"acts/layer{name}": block for name, block in blocks.items()})
         for kind in ("attn", "ffn"):
             if kind in self.kinds:
-                found = {f"{kind}/layer{n}": block_child(b, BLOCK_PARTS[kind])
+                found = {f"{kind}/layer{n}": block_child(b, children[kind])
                          for n, b in blocks.items()}
                 modules.update({k: m for k, m in found.items() if m is not None})
         self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
@@ -167,7 +174,7 @@ class Histograms:
             return
         groups: dict[str, list[torch.Tensor]] = defaultdict(list)
         for name, p in self.model.named_parameters():
-            layer = layer_of(name)
+            layer = layer_of(name, self.blocks_name)
             if layer.startswith("layer") and not self.layer_selected(layer[len("layer"):]):
                 continue
             if p.grad is not None:

@@ -1,4 +1,7 @@
-"""Expert parallel (EP) and expert tensor parallel (ETP) for the MoE model.
+"""Expert parallel (EP) and expert tensor parallel (ETP): placements and the token dispatch.
+
+The MoE family's plan (parallel/moe_plan.py) applies them to its blocks; this module
+names no module of any family.
 
 EP shards the routed experts on dim 0 over the `ep` dim of the expert mesh (`ParallelDims`:
 at etp 1 it spans dp_shard x cp x tp ranks, tp first; at etp = tp it spans dp_shard x cp).
@@ -15,7 +18,6 @@ are replicated over tp and their gradients, partial per tp rank, are summed.
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,26 +32,13 @@ from torch.distributed.tensor import (
     Placement,
     Replicate,
     Shard,
-    distribute_tensor,
-)
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    parallelize_module,
 )
 
-from loom.models.moe.model import ExpertWeights, MoE
 from loom.parallel.mesh import ParallelDims
-from loom.protocols.extensions import StepContext, StepHook, register_step_hook
 
 logger = logging.getLogger("loom")
 
 WEIGHTS = ("w1", "w2", "w3")
-
-
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def sum_grad_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -161,114 +150,3 @@ def expert_placements(dims: ParallelDims) -> tuple[tuple[str, ...], dict[str, li
         for w in WEIGHTS:
             placements[w].append(hidden[w] if dims.etp_enabled else Replicate())
     return tuple(names), placements
-
-
-class LocalExpertWeights(ExpertWeights):
-    """The sharded (DTensor) expert weights as this rank's local tensors; `grad_placements`
-    says how each local gradient relates to the whole."""
-
-    def __init__(self, grad_placements: list[list[Placement]]):
-        super().__init__()
-        self.grad_placements = grad_placements
-
-    def forward(self, *weights: DTensor) -> tuple[torch.Tensor, ...]:
-        return tuple(w.to_local(grad_placements=p)
-                     for w, p in zip(weights, self.grad_placements, strict=True))
-
-
-def shard_experts(experts: nn.Module, mesh: DeviceMesh,
-                  placements: dict[str, list[Placement]]) -> None:
-    """Turn the expert weights into DTensors; replicas over tp (etp = 1) see different
-    tokens, so their gradients are declared partial and summed."""
-    for w in WEIGHTS:
-        full = getattr(experts, w)
-        experts.register_parameter(w, nn.Parameter(
-            distribute_tensor(full, mesh, placements[w], src_data_rank=None)))
-    experts.weights = LocalExpertWeights(
-        [[Partial() if isinstance(p, Replicate) else p for p in placements[w]] for w in WEIGHTS])
-
-
-def moe_tp_plan(moe: MoE) -> dict:
-    """MoE input all-gathered from sequence-sharded to replicated (router replicated), the
-    output's partial sums reduce-scattered back; shared experts column/row-wise."""
-    plan: dict = {"moe": PrepareModuleInputOutput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
-    if moe.shared_experts is not None:
-        plan.update({"moe.shared_experts.w1": ColwiseParallel(),
-                     "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
-                     "moe.shared_experts.w3": ColwiseParallel()})
-    return plan
-
-
-def _sum_router_grads(tp_mesh: DeviceMesh, module: nn.Module, args: tuple,
-                      output: tuple) -> tuple:
-    """Each tp rank's gradient of the chosen weights is partial (it saw hidden shards or a
-    share of the tokens); summed, the replicated router gets the full gradient."""
-    top_scores, expert_idx, scores = output
-    return sum_grad_over(top_scores, tp_mesh), expert_idx, scores
-
-
-def apply_moe_parallel(model: nn.Module, dims: ParallelDims) -> None:
-    """EP/ETP and the MoE TP plan on every MoE block (after the dense TP plan)."""
-    names, placements = expert_placements(dims)
-    if not names:
-        return
-    tp_mesh = dims.get_mesh("tp") if dims.tp_enabled else None
-    ep_group = dims.get_mesh("ep").get_group() if dims.ep_enabled else None
-    moe_blocks = [b for b in model.modules() if isinstance(getattr(b, "moe", None), MoE)]
-    if not moe_blocks:  # a dense model: nothing to place, nothing to say
-        return
-    for block in moe_blocks:
-        if tp_mesh is not None:
-            parallelize_module(block, tp_mesh, moe_tp_plan(block.moe))
-            block.moe.router.register_forward_hook(partial(_sum_router_grads, tp_mesh))
-        shard_experts(block.moe.experts, dims.get_mesh(names), placements)
-        dispatcher = TokenDispatcher(ep_group, tp_mesh, split_tokens=not dims.etp_enabled)
-        block.moe.experts.register_forward_pre_hook(dispatcher.before)
-        block.moe.experts.register_forward_hook(dispatcher.after)
-    logger.info("MoE: experts on mesh %s (ep=%d, etp=%d, efsdp=%d)%s", names, dims.ep,
-                dims.etp, dims.efsdp if dims.ep_enabled else dims.dp_shard * dims.cp,
-                ", tp ranks split the tokens" if tp_mesh is not None and dims.etp == 1 else "")
-
-
-@torch.no_grad()
-def update_expert_bias(model: nn.Module, token_group: dist.ProcessGroup) -> dict[str, float]:
-    """After an optimizer step: all-reduce each MoE layer's token counts over the ranks
-    holding different tokens (dp x cp), move the expert bias by coeff * sign(mean - count),
-    reset the counts; returns the MoE metrics."""
-    layers = moe_layers(model)
-    if not layers:
-        return {}
-    counts = torch.stack([m.tokens_per_expert for m in layers])  # (L, E)
-    packed = torch.cat([counts.flatten(), torch.stack([m.aux_loss for m in layers])])
-    dist.all_reduce(packed, group=token_group)
-    counts = packed[:counts.numel()].view_as(counts)
-    aux = packed[counts.numel():] / dist.get_world_size(token_group)
-    for moe, layer_counts in zip(layers, counts, strict=True):
-        if moe.load_balance_coeff > 0:
-            moe.expert_bias.add_(moe.load_balance_coeff
-                                 * torch.sign(layer_counts.mean() - layer_counts))
-        moe.tokens_per_expert.zero_()
-    return moe_metrics(counts, aux if layers[0].aux_loss_coeff > 0 else None)
-
-
-def moe_metrics(counts: torch.Tensor, aux: torch.Tensor | None) -> dict[str, float]:
-    """Tokens per expert (min/max/mean over every layer's experts) and load imbalance
-    (max/mean per layer, averaged and worst over layers)."""
-    imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)
-    values = [counts.min(), counts.max(), counts.mean(), imbalance.mean(), imbalance.max()]
-    keys = ["tokens_per_expert_min", "tokens_per_expert_max", "tokens_per_expert_mean",
-            "load_imbalance", "load_imbalance_max"]
-    if aux is not None:
-        values.append(aux.sum())
-        keys.append("aux_loss")
-    return dict(zip([f"moe/{k}" for k in keys], torch.stack(values).tolist(), strict=True))
-
-
-def _expert_bias_hook(context: StepContext) -> dict[str, float]:
-    return update_expert_bias(context.model, context.token_group)
-
-
-register_step_hook(StepHook(
-    "moe-expert-bias", enabled=lambda cfg: cfg.model.n_experts > 0, run=_expert_bias_hook))

@@ -11,6 +11,7 @@ from torch import nn
 
 from loom.config import ConfigError, JobConfig
 from loom.data.loaders import on_node_leaders
+from loom.models.spec import ModelPlan
 from loom.models.transformers.model import HFCausalLM, load_hf_config, with_hf_config
 
 
@@ -47,3 +48,10 @@ def apply_hf_ac(model: HFCausalLM) -> None:
         hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def transformers_plan(model: HFCausalLM) -> ModelPlan:
+    """Its decoder blocks, its own checkpointing, no TP, and blocks compiled without
+    fullgraph (a graph break in code loom does not own costs speed, not the run)."""
+    return ModelPlan(model, decoder_blocks(model), f"Hugging Face {type(model.hf).__name__}",
+                     attention=None, own_ac=lambda: apply_hf_ac(model), fullgraph=False)

@@ -31,6 +31,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from loom.config import JobConfig, ModelConfig
 from loom.config.pipeline import choose_microbatches
+from loom.models.registry import for_model
 from loom.models.resolve import plain_model
 from loom.numerics.precision import default_dtype, torch_dtype
 
@@ -58,29 +59,31 @@ def compiled_block_fraction(cfg: JobConfig) -> float:
 @functools.cache
 def _fraction(model: ModelConfig, batch: int, seq_len: int, dtype: str, budget: float) -> float:
     with default_dtype(torch_dtype(dtype)), torch.device("meta"):
-        transformer = plain_model(JobConfig(model=model))
-    block = next(iter(transformer.layers.values()))
+        whole = plain_model(JobConfig(model=model))
+    spec = for_model(whole)
+    block = next(iter(spec.blocks(whole).values()))
     with FakeTensorMode(allow_non_fake_inputs=True):
         block.to_empty(device="cpu")
         x = torch.empty(batch, seq_len, model.dim, dtype=torch_dtype(dtype), requires_grad=True)
-        rope = torch.empty(transformer.rope.shape, dtype=transformer.rope.dtype)
-        return _compiled_saved_bytes(block, x, rope, budget) / _eager_saved_bytes(block, x, rope)
+        extra = tuple(torch.empty(t.shape, dtype=t.dtype) for t in spec.block_inputs(whole))
+        return (_compiled_saved_bytes(block, (x, *extra), budget)
+                / _eager_saved_bytes(block, (x, *extra)))
 
 
-def _eager_saved_bytes(block: nn.Module, x: torch.Tensor, rope: torch.Tensor) -> int:
+def _eager_saved_bytes(block: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
     """Bytes an eager forward leaves alive: what autograd saved, and the output (which the
     next block saves as its input, as the compiled block saves `x`)."""
     tracker = MemTracker()
-    tracker.track_external(block, x, rope)
+    tracker.track_external(block, *inputs)
     with tracker:
         (before,) = tracker.get_tracker_snapshot().values()
-        out = block(x, rope)
+        out = block(*inputs)
         (after,) = tracker.get_tracker_snapshot().values()
     del out
     return after["Total"] - before["Total"]
 
 
-def _compiled_saved_bytes(block: nn.Module, x: torch.Tensor, rope: torch.Tensor,
+def _compiled_saved_bytes(block: nn.Module, inputs: tuple[torch.Tensor, ...],
                           budget: float) -> int:
     """Bytes of the tensors the partitioner saves for backward (its forward graph's outputs
     after the block's own), parameters and their views excluded."""
@@ -98,7 +101,7 @@ def _compiled_saved_bytes(block: nn.Module, x: torch.Tensor, rope: torch.Tensor,
     with functorch_config.patch(activation_memory_budget=budget):
         aot_function(call, fw_compiler=keep_forward, bw_compiler=lambda gm, _: gm,
                      decompositions=select_decomp_table(),
-                     partition_fn=inductor_partition)(*params, x, rope)
+                     partition_fn=inductor_partition)(*params, *inputs)
     (graph,) = forward_graphs
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     weights = set(placeholders[:len(params)])

@@ -31,6 +31,7 @@ from loom.plan.trace import (
     Breakdown,
     Stage,
     first_micro_batch,
+    part_names,
     trace_step,
     with_layers,
 )
@@ -102,14 +103,14 @@ def extrapolate(low: Breakdown, high: Breakdown, low_depth: int, depth: int,
     return out
 
 
-def held_in_phase(name: str, held: Breakdown) -> Breakdown | None:
+def held_in_phase(name: str, held: Breakdown, embedding: str | None) -> Breakdown | None:
     """What a block's earlier micro-batch leaves alive in phase `name`: its unreduced
     gradients throughout the next one; its gathered parameters (a pipeline stage keeps them
     from a block's backward to its next forward) only in the embedding's phases, whose
     forward comes before, and backward after, every block's."""
     if first_micro_batch(name) or name == MICROBATCH:
         return None
-    if name.split("|")[0].endswith("tok_embeddings"):
+    if embedding is not None and name.split("|")[0].endswith(embedding):
         return held
     return {kind: nbytes for kind, nbytes in held.items() if kind not in GATHERED}
 
@@ -128,7 +129,7 @@ def traced(cfg: JobConfig, world_size: int, stage: Stage | None = None) -> dict[
     held = {kind: max(0, high_held.get(kind, 0) - low_held.get(kind, 0)) for kind in TRANSIENT}
     depth = cfg.model.n_layers
     phases = {name: extrapolate(low[name], high[name], low_depth, depth, block_saves,
-                                held_in_phase(name, held))
+                                held_in_phase(name, held, part_names(cfg).embedding))
               for name in low.keys() & high.keys()}
     phases[HELD] = {kind: max(0, low_held.get(kind, 0) + (depth - low_depth) * growth)
                     for kind, growth in held.items()}

@@ -20,7 +20,7 @@ import torch
 
 from loom.config import DataConfig, JobConfig, ModelConfig
 from loom.config.pipeline import bubble_fraction, choose_microbatches, stages_per_rank
-from loom.models.moe.model import active_param_count
+from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.numerics.precision import torch_dtype
 from loom.observability.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
@@ -66,8 +66,8 @@ def _moe_flops(cfg: JobConfig) -> float:
     6 x active parameters x tokens, plus attention's 12 x layers x dim x seq per token
     (full T x T, as `count_step_flops` counts it)."""
     m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
-    args = model_args(cfg)
-    return tokens * (6 * active_param_count(args) + 12 * m.n_layers * m.dim * cfg.data.seq_len)
+    active = for_config(m).active_params(model_args(cfg))
+    return tokens * (6 * active + 12 * m.n_layers * m.dim * cfg.data.seq_len)
 
 
 def _flops(cfg: JobConfig) -> float:
@@ -79,7 +79,7 @@ def _flops(cfg: JobConfig) -> float:
 def _flops_per_sample(model: ModelConfig, seq_len: int) -> float:
     """FLOPs grow linearly with the batch: counted once per model and sequence length."""
     cfg = JobConfig(model=model, data=DataConfig(seq_len=seq_len))
-    if cfg.model.n_experts:
+    if for_config(cfg.model).active_params is not None:  # routed experts
         return _moe_flops(cfg)
 
     def count(c: JobConfig) -> float:

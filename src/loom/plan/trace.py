@@ -23,11 +23,13 @@ from torch.distributed.pipelining import PipelineStage
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loom.config import JobConfig
+from loom.config import ConfigError, JobConfig
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.losses import Criterion, build_criterion
 from loom.losses.cross_entropy import localise
+from loom.models.registry import for_config, output_of
 from loom.models.resolve import plain_model
+from loom.models.spec import ModelParts
 from loom.numerics.precision import torch_dtype
 from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.mesh import ParallelDims
@@ -133,22 +135,33 @@ def _categories(snapshot: dict) -> Breakdown:
             if kind != "Total"}
 
 
-def _phase_name(fqn: str, state: object, n_layers: int) -> str:
-    """'<module>|<state>', the last block named 'last' so traces of any depth share it."""
+def part_names(cfg: JobConfig) -> ModelParts:
+    """The names of the family's parts, which the trace's phases are named by."""
+    spec = for_config(cfg.model)
+    if spec.parts is None:
+        raise ConfigError(f"loom plan: the {spec.name} family names no parts to trace")
+    return spec.parts
+
+
+def _phase_name(fqn: str, state: object, n_layers: int, blocks: str) -> str:
+    """'<module>|<state>', the last block (in the family's container `blocks`) named 'last'
+    so traces of any depth share it."""
     parts = fqn.split(".")
-    if "layers" in parts[:-1] and parts[parts.index("layers") + 1] == str(n_layers - 1):
-        parts[parts.index("layers") + 1] = "last"
+    if blocks in parts[:-1] and parts[parts.index(blocks) + 1] == str(n_layers - 1):
+        parts[parts.index(blocks) + 1] = "last"
     return f"{'.'.join(parts)}|{getattr(state, 'value', state)}"
 
 
-def module_phases(tracker: FSDPMemTracker, n_layers: int) -> dict[str, Breakdown]:
+def module_phases(tracker: FSDPMemTracker, n_layers: int, blocks: str
+                  ) -> dict[str, Breakdown]:
     """Each FSDP unit's forward and backward peak snapshot."""
     phases = {}
     for stats in tracker.memory_tracking.values():
         for state, snaps in stats.snapshots.items():
             if "Peak" in str(getattr(state, "value", state)) and snaps and snaps[-1]:
                 (snap,) = snaps[-1].values()
-                phases[_phase_name(stats.mod_fqn, state, n_layers)] = _categories(snap)
+                phases[_phase_name(stats.mod_fqn, state, n_layers, blocks)] = \
+                    _categories(snap)
     return phases
 
 
@@ -186,7 +199,7 @@ def trace_step(cfg: JobConfig, world_size: int,
         optimizer.step()  # creates the optimizer state: the next step is the steady state
         optimizer.zero_grad(set_to_none=True)
         tracker = FSDPMemTracker(model, optimizer)
-        n_layers = cfg.model.n_layers
+        n_layers, blocks = cfg.model.n_layers, part_names(cfg).blocks
         after_forward: Breakdown = {}
 
         def mark() -> None:
@@ -197,7 +210,8 @@ def trace_step(cfg: JobConfig, world_size: int,
         held: Breakdown = {}
 
         def between() -> None:  # the tracker follows one call of each unit: keep, restart
-            first.update({k + FIRST: b for k, b in module_phases(tracker, n_layers).items()})
+            phases = module_phases(tracker, n_layers, blocks)
+            first.update({k + FIRST: b for k, b in phases.items()})
             (peak_so_far,) = tracker.get_tracker_snapshot("peak").values()
             first[PEAK + FIRST] = _categories(peak_so_far)
             (now,) = tracker.get_tracker_snapshot().values()
@@ -210,7 +224,7 @@ def trace_step(cfg: JobConfig, world_size: int,
         (peak,) = tracker.get_tracker_snapshot("peak").values()
         kept = {k: after_forward.get(k, 0) - before.get(k, 0) for k in ("Activation", "Temp")}
         return {PEAK: _categories(peak), MICROBATCH: kept, HELD: held, **first,
-                **module_phases(tracker, n_layers)}
+                **module_phases(tracker, n_layers, blocks)}
 
 
 Step = Callable[[Callable[[], None], Callable[[], None]], None]
@@ -232,7 +246,7 @@ def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> S
     tokens (a 1/cp share of each sequence under context parallel); under --grad-accum-steps
     for two, the second beside the first's gradients: unreduced (--accum-reduce step) or
     reduced into the sharded ones, as the accumulation loop leaves them."""
-    criterion = traced_criterion(cfg, getattr(model, "output", None), dims.tp)
+    criterion = traced_criterion(cfg, output_of(model), dims.tp)
     tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len // dims.cp, dtype=torch.long)
     documents = traced_documents(tokens, cfg)
 
@@ -262,7 +276,7 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
     keeps the parameters gathered and the gradients unsharded (torch defers FSDP's
     reduction to after the last micro-batch, `perform_reduce_grad`), so a second
     micro-batch, when there is one, runs beside the first one's gradients."""
-    criterion = traced_criterion(cfg, getattr(model, "output", None), dims.tp)
+    criterion = traced_criterion(cfg, output_of(model), dims.tp)
     if stage.last and criterion.hidden:
         model.hidden_output = True
     mb, seq, dim = stage.microbatch, cfg.data.seq_len, cfg.model.dim

@@ -11,7 +11,8 @@
   metrics for the step's row.
 
 Each is registered once with a predicate on the resolved config that says whether the run
-uses it; the trainer only calls `convert_model` and `after_optimizer_step`.
+uses it; a model family's own step hooks (`ModelSpec.hooks`) are its spec's, used by every
+run of that family. The trainer only calls `convert_model` and `after_optimizer_step`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config import JobConfig
+from loom.models.registry import for_config
+from loom.models.spec import SpecHook
 
 Enabled = Callable[[JobConfig], bool]
 
@@ -77,8 +80,15 @@ def active_converters(cfg: JobConfig) -> list[ModelConverter]:
     return [c for c in _CONVERTERS.values() if c.enabled(cfg)]
 
 
+def _family_hook(hook: SpecHook) -> StepHook:
+    return StepHook(hook.name, enabled=lambda cfg: True,
+                    run=lambda context: hook.run(context.model, context.token_group))
+
+
 def active_step_hooks(cfg: JobConfig) -> list[StepHook]:
-    return [h for h in _STEP_HOOKS.values() if h.enabled(cfg)]
+    """The registered hooks the run enables, then its model family's own."""
+    own = [_family_hook(h) for h in for_config(cfg.model).hooks]
+    return [*(h for h in _STEP_HOOKS.values() if h.enabled(cfg)), *own]
 
 
 def convert_model(part: nn.Module, cfg: JobConfig, traced_only: bool = False) -> None:

@@ -45,6 +45,14 @@ class ModelArgs:
     writes them tied again while they are still equal."""
 
     def __post_init__(self) -> None:
+        """Sizes a model cannot be built with are refused here, where every model's
+        arguments pass (a checkpoint's `model_args` too: `loom.checkpoint.model_record`)."""
+        for name in ("dim", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+                     "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} is {getattr(self, name)}, not at least 1")
+        if not (self.rope_theta > 0 and self.norm_eps > 0):
+            raise ValueError("rope_theta and norm_eps must be positive")
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import torch
+
 from loom.config import ModelConfig
 from loom.models.llama.hf import LlamaAdapter
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.models.spec import ModelSpec
-from loom.parallel.llama_plan import dense_plan
 
 
 def dense_args(m: ModelConfig) -> ModelArgs:
     """Every field from the config field of the same name (never copied by hand)."""
     return ModelArgs(**{f.name: getattr(m, f.name) for f in fields(ModelArgs)})
+
+
+def rope_input(model: Transformer) -> tuple[torch.Tensor]:
+    """Each block takes the RoPE table after the hidden states."""
+    return (model.rope,)
 
 
 LORA_TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
@@ -22,5 +28,5 @@ LORA_TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
 
 LLAMA = ModelSpec(
     name="llama", model_cls=Transformer, args_from_config=dense_args, build=Transformer,
-    plan=dense_plan, hf=(LlamaAdapter(),), lora_targets=LORA_TARGETS,
+    args_cls=ModelArgs, block_inputs=rope_input, hf=(LlamaAdapter(),), lora_targets=LORA_TARGETS,
     description="GQA attention with RoPE (Llama 3.1 scaling), SwiGLU, RMSNorm")

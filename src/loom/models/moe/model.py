@@ -15,6 +15,8 @@ from torch import nn
 
 from loom.models.llama.model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
 
+SCORE_FUNCS = ("sigmoid", "softmax")
+
 
 @dataclass(frozen=True)
 class MoEArgs(ModelArgs):
@@ -28,6 +30,16 @@ class MoEArgs(ModelArgs):
     route_scale: float = 1.0
     load_balance_coeff: float = 1e-3
     aux_loss_coeff: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func is {self.score_func!r}, not one of "
+                             f"{', '.join(SCORE_FUNCS)}")
+        if not 1 <= self.top_k <= max(1, self.n_experts):
+            raise ValueError(f"top_k is {self.top_k}, not in [1, n_experts]")
+        if self.moe_hidden_dim is not None and self.moe_hidden_dim < 1:
+            raise ValueError(f"moe_hidden_dim is {self.moe_hidden_dim}, not at least 1")
 
     @property
     def expert_hidden_dim(self) -> int:

@@ -8,30 +8,14 @@ from dataclasses import fields
 from torch import nn
 
 from loom.config import ModelConfig
-from loom.models.moe.model import MoE, MoEArgs, MoETransformer
-from loom.models.spec import ModelPlan, ModelSpec
-from loom.parallel.expert import apply_moe_parallel, moe_layers
-from loom.parallel.llama_plan import dense_plan
-from loom.parallel.mesh import ParallelDims
+from loom.models.llama.spec import rope_input
+from loom.models.moe.balance import moe_layers, update_expert_bias
+from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
+from loom.models.spec import ModelSpec, SpecHook
 
 
 def moe_args(m: ModelConfig) -> MoEArgs:
     return MoEArgs(**{f.name: getattr(m, f.name) for f in fields(MoEArgs)})
-
-
-def moe_plan(model: MoETransformer) -> ModelPlan:
-    """The dense plan, then EP/ETP and the MoE TP plan; routed experts get their own dp
-    mesh under EP."""
-    plan = dense_plan(model)
-    dense_tp = plan.tensor_parallel
-
-    def tensor_parallel(dims: ParallelDims, loss_parallel: bool) -> None:
-        dense_tp(dims, loss_parallel)
-        apply_moe_parallel(model, dims)
-
-    plan.tensor_parallel = tensor_parallel
-    plan.experts = [moe.experts for moe in moe_layers(model)]
-    return plan
 
 
 def _count(module: nn.Module) -> int:
@@ -47,7 +31,14 @@ def moe_block_cost(block: nn.Module) -> float:
     return _count(block) - experts + experts * moe.top_k / moe.expert_bias.numel()
 
 
+def router_gates(model: nn.Module) -> list[nn.Module]:
+    return [layer.router.gate for layer in moe_layers(model)]
+
+
+EXPERT_BIAS = SpecHook("moe-expert-bias", update_expert_bias)
+
 MOE = ModelSpec(
     name="moe", model_cls=MoETransformer, args_from_config=moe_args, build=MoETransformer,
-    plan=moe_plan, block_cost=moe_block_cost,
+    args_cls=MoEArgs, block_cost=moe_block_cost, block_inputs=rope_input,
+    routers=router_gates, active_params=active_param_count, hooks=(EXPERT_BIAS,),
     description="top-k routed experts (sigmoid or softmax), shared experts, expert bias")

@@ -5,16 +5,8 @@ expert parallelism (their plans name a native family's modules)."""
 from __future__ import annotations
 
 from loom.config import ModelConfig
-from loom.models.spec import ModelPlan, ModelSpec
+from loom.models.spec import ModelSpec
 from loom.models.transformers.model import HFCausalLM, hf_model_from_config
-from loom.parallel.hf import apply_hf_ac, decoder_blocks
-
-
-def transformers_plan(model: HFCausalLM) -> ModelPlan:
-    """Its decoder blocks, its own checkpointing, no TP, and blocks compiled without
-    fullgraph (a graph break in code loom does not own costs speed, not the run)."""
-    return ModelPlan(model, decoder_blocks(model), f"Hugging Face {type(model.hf).__name__}",
-                     attention=None, own_ac=lambda: apply_hf_ac(model), fullgraph=False)
 
 
 def same_config(m: ModelConfig) -> ModelConfig:
@@ -23,7 +15,7 @@ def same_config(m: ModelConfig) -> ModelConfig:
 
 TRANSFORMERS = ModelSpec(
     name="transformers", model_cls=HFCausalLM, args_from_config=same_config,
-    build=hf_model_from_config, plan=transformers_plan, parts=None,
+    build=hf_model_from_config, parts=None,
     description="transformers' module of the checkpoint's architecture")
 
 LIMITS = ("tensor, pipeline, context and expert parallel, SimpleFSDP, the fused-linear loss "

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from loom.models.registry import spec_of
+
 GIB = 2**30
 HEALTH_KEYS = ("grad/norm", "grad/max_abs", "grad/nonfinite",
                "param/norm", "param/max_abs", "param/nonfinite")
@@ -62,8 +64,20 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 LOGITS_KEYS = ("logits/max_abs", "logits/nonfinite")
-HEAD_NAMES = ("output", "lm_head")
-"""Names of the output head in loom's Transformer and in Hugging Face models."""
+HF_HEAD = "lm_head"
+"""The output head's name in Hugging Face models (a native family's spec names its own)."""
+
+
+def output_heads(model: nn.Module) -> list[nn.Module]:
+    """The output heads of this rank's model part(s): the family's, or a Hugging Face
+    model's `lm_head`."""
+    spec = spec_of(model)
+    if spec is not None and spec.parts is not None:
+        head = spec.output(model)
+        return [] if head is None else [head]
+    if isinstance(model, nn.ModuleList) and spec is None:
+        return [h for part in model for h in output_heads(part)]
+    return [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == HF_HEAD]
 
 
 class LogitsTracker:
@@ -78,8 +92,7 @@ class LogitsTracker:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def attach(self, model: nn.Module) -> None:
-        heads = [m for name, m in model.named_modules()
-                 if name.rsplit(".", 1)[-1] in HEAD_NAMES]
+        heads = output_heads(model)
         self.handles = [h.register_forward_hook(self._record, with_kwargs=True) for h in heads]
 
     def _record(self, module: nn.Module, args: Any, kwargs: dict[str, Any],

@@ -1,0 +1,173 @@
+"""The model-family contract stays true: outside `loom/models/` and the family plans no code
+names a family's submodules or imports a family's model module; `loom.models` never imports
+`loom.parallel`; a built model names its own family; a family's hooks are its spec's; a
+checkpoint's model record is checked against the family's own arguments dataclass."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import loom
+import loom.parallel.expert
+import tests.families.gpt2  # noqa: F401  (registers gpt2-test)
+from loom.checkpoint.model_record import RecordError, check_record, upgrade
+from loom.checkpoint.resume import architecture, check_architecture
+from loom.config import ConfigError, parse_args
+from loom.models.llama.model import ModelArgs, Transformer
+from loom.models.registry import for_model
+from loom.models.resolve import model_args, plain_model
+from loom.protocols import extensions
+
+SRC = Path(loom.__file__).parent
+FAMILY_PLANS = ("parallel/llama_plan.py", "parallel/moe_plan.py", "parallel/hf.py")
+"""Where a family's modules may be named outside its folder: its parallel plan."""
+SUBMODULES = {"tok_embeddings", "layers", "output", "attention", "moe", "feed_forward",
+              "attention_norm", "ffn_norm"}
+"""Attribute names of loom's families' parts (Llama's and MoE's)."""
+NOT_A_MODEL = {("output", "cfg"), ("output", "flags"), ("output", "self.cfg"),
+               ("layers", "plan"), ("attention", "plan"), ("attention", "parts"),
+               ("feed_forward", "parts"),
+               ("moe", "result")}
+"""(attribute, receiver) pairs that are no model: the output flags (`cfg.output`), the
+spec's own ModelPlan and ModelParts fields, the step's hook metrics (`StepResult.moe`)."""
+
+
+def outside_families() -> list[Path]:
+    return [p for p in sorted(SRC.rglob("*.py"))
+            if p.relative_to(SRC).parts[0] != "models"
+            and str(p.relative_to(SRC)) not in FAMILY_PLANS]
+
+
+def reach_ins(path: Path, root: Path = SRC) -> list[str]:
+    """Each place the module names a family's submodule (an attribute, not a string or a
+    comment: the AST has neither) or imports a family's model module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in SUBMODULES:
+            receiver = ast.unparse(node.value)
+            if (node.attr, receiver) not in NOT_A_MODEL and receiver != "spec":
+                found.append(f"{path.relative_to(root)}:{node.lineno} {receiver}.{node.attr}")
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        for name in names:
+            parts = name.split(".")
+            if parts[:2] == ["loom", "models"] and len(parts) == 4 and parts[3] == "model" \
+                    and parts[2] != "transformers":  # transformers' module: the HF interop
+                found.append(f"{path.relative_to(root)}:{node.lineno} import {name}")
+    return found
+
+
+def test_no_module_outside_the_families_names_their_submodules() -> None:
+    found = [hit for path in outside_families() for hit in reach_ins(path)]
+    assert not found, "reach into a family (ask its spec instead):\n" + "\n".join(found)
+
+
+def test_the_scan_finds_a_reach_in(tmp_path: Path) -> None:
+    """The scan is not blind: each kind of reach-in it forbids is found."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from loom.models.moe.model import MoE\n"
+                     "def f(model, block):\n    return model.tok_embeddings, block.moe.router,"
+                     " model.output, cfg.output  # model.layers\n")
+    found = reach_ins(probe, tmp_path)
+    assert sorted(f.split(" ", 1)[1] for f in found) == [
+        "block.moe", "import loom.models.moe.model", "model.output", "model.tok_embeddings"]
+
+
+def test_models_never_import_the_parallel_code() -> None:
+    found = []
+    for path in sorted((SRC / "models").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(SRC)}: {n}" for n in names
+                      if n.startswith(("loom.parallel", "loom.trainer"))]
+    assert not found, found
+
+
+def test_a_built_model_names_its_family_not_its_class() -> None:
+    small = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1"]
+    qwen3 = plain_model(parse_args(["--family", "qwen3", *small]))
+    assert type(qwen3) is Transformer and for_model(qwen3).name == "qwen3"
+    assert for_model(plain_model(parse_args(small))).name == "llama"
+    assert for_model(Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2,
+                                           n_kv_heads=1))).name == "llama"  # unmarked
+
+
+def test_the_expert_bias_hook_is_the_moe_spec_s_not_an_import_side_effect() -> None:
+    assert "moe-expert-bias" not in extensions._STEP_HOOKS
+    hooks = {h.name for h in extensions.active_step_hooks(parse_args(["--model", "moe-debug"]))}
+    assert "moe-expert-bias" in hooks
+    dense = {h.name for h in extensions.active_step_hooks(parse_args(["--model", "debug"]))}
+    assert "moe-expert-bias" not in dense
+
+
+GPT2 = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 128}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({**GPT2, "n_kv_heads": 4}, r"model_args has unknown key 'n_kv_heads' \(the gpt2-test "
+                                r"family has no such field\)"),
+    ({k: v for k, v in GPT2.items() if k != "max_seq_len"}, "model_args lacks max_seq_len"),
+    ({**GPT2, "dim": "64"}, "model_args.dim is '64', not int"),
+    ({**GPT2, "dim": True}, "model_args.dim is True, not int"),
+    ({**GPT2, "n_heads": -1}, r"model_args.n_heads is -1, not an integer in \[0, "),
+])
+def test_model_args_are_checked_against_the_family_s_dataclass(args: dict, message: str
+                                                               ) -> None:
+    check_record({"family": "gpt2-test", **GPT2}, GPT2)
+    with pytest.raises(RecordError, match=message) as error:
+        check_record({"family": "gpt2-test", **GPT2}, args)
+    assert "\n" not in str(error.value)
+
+
+def test_the_architecture_names_a_family_and_repeats_its_arguments() -> None:
+    with pytest.raises(RecordError, match="architecture.family is 'gpt3', not one of"):
+        check_record({"family": "gpt3", **GPT2}, GPT2)
+    with pytest.raises(RecordError, match="architecture lacks n_layers"):
+        check_record({"family": "gpt2-test", "dim": 64}, GPT2)
+    with pytest.raises(RecordError, match="architecture has unknown key 'kind'"):
+        check_record({"family": "gpt2-test", **GPT2, "kind": "dense"}, GPT2)
+
+
+def legacy(cfg_flags: list[str], kind: str, **arch: object) -> dict:
+    """The record loom wrote before families owned their arguments."""
+    args = vars(model_args(parse_args(cfg_flags)))
+    later = {"head_dim", "qk_norm", "rope_factor", "rope_low_freq_factor",
+             "rope_high_freq_factor", "rope_original_max_seq_len", "tie_embeddings"}
+    shape = {k: args[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")}
+    flat = {k: v for k, v in args.items() if k not in later or arch.get(k)}
+    return {"model_args": flat, "architecture": {"kind": kind, **shape, **arch}}
+
+
+@pytest.mark.parametrize(("flags", "kind", "arch", "family"), [
+    (["--model", "debug"], "dense", {}, "llama"),
+    (["--model", "debug", "--family", "qwen3", "--qk-norm"], "dense",
+     {"family": "qwen3", "qk_norm": 1}, "qwen3"),
+    (["--model", "moe-debug"], "moe", {"n_experts": 8}, "moe"),
+])
+def test_an_old_flat_record_reads_as_family_and_arguments(flags: list[str], kind: str,
+                                                          arch: dict, family: str) -> None:
+    record = legacy(flags, kind, **arch)
+    if family == "qwen3":
+        record["model_args"]["qk_norm"] = True
+    new = upgrade(record)
+    check_record(new["architecture"], new["model_args"])
+    assert new["architecture"]["family"] == family
+    cfg = parse_args(flags)
+    current = architecture(cfg, model_args(cfg))
+    check_architecture(new["architecture"], current)  # resumes with the same flags
+    other = parse_args([*flags, "--n-layers", "3"])
+    with pytest.raises(ConfigError, match="checkpoint has n_layers"):
+        check_architecture(new["architecture"], architecture(other, model_args(other)))
+
+
+def test_an_argument_that_shapes_nothing_may_change_on_resume() -> None:
+    """As before `{family, **args}`: the shapes decide (RoPE's base changes none)."""
+    cfg = parse_args(["--model", "debug"])
+    saved = architecture(cfg, model_args(cfg))
+    later = replace(cfg, model=replace(cfg.model, rope_theta=5e5))
+    check_architecture(saved, architecture(later, model_args(later)))
