@@ -57,6 +57,8 @@ def test_a_failing_fit_raises_and_leaves_no_process_group(tmp_path):
         loom.fit([*TINY, *COMPILED, "--dataset", str(tmp_path / "missing"),
                   "--outdir", str(tmp_path / "bad-data")])
     assert not dist.is_initialized()
+    retried = loom.fit([*TINY, "--max-steps", "1", "--outdir", str(tmp_path / "bad-data")])
+    assert retried.step == 1, "the failed start-up kept the run folder"
     with pytest.raises(NonFiniteLossError):  # a failure in the step itself
         loom.fit([*TINY, "--lr", "1e30", "--max-grad-norm", "0", "--outdir",
                   str(tmp_path / "diverged")])
