@@ -25,7 +25,7 @@ from loom.errors import (
 )
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import rank_info
-from loom.runtime.logs import quiet_upstream_notices, setup_logging
+from loom.runtime.logs import quiet_upstream_notices
 from loom.runtime.preflight import check_outdir
 from loom.runtime.watchdog import report, watch_launcher, write_error_file
 
@@ -73,25 +73,25 @@ def config_toml(cfg: JobConfig) -> str:
 
 
 def run_train(argv: Sequence[str]) -> int:
-    """Configuration errors are the same on every rank: rank 0 prints the line, all exit 2
-    (each rank also leaves the line for `loom launch`, in case rank 0 was stopped first).
-    Anything else is rank-specific and printed by the rank that hit it."""
+    """`loom.fit` with exit codes. Configuration errors are the same on every rank: rank 0
+    prints the line, all exit 2 (each rank also leaves the line for `loom launch`, in case
+    rank 0 was stopped first). Anything else is rank-specific and printed by the rank that
+    hit it."""
     watch_launcher()
     info = rank_info()
     rank = info.rank
-    setup_logging(rank)
     try:
         cfg = parse_args(argv)
         if "--print-config" in argv:
             if rank == 0:
                 print(config_toml(cfg), end="")
             return 0
-        if not cfg.output.verbose:
+        if not cfg.output.verbose:  # this process's own: its loggers are born quiet
             quiet_upstream_notices()
         ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
         check_outdir(cfg.output.outdir)
         # Loaded by name, as COMMANDS are: bad flags fail before the model/parallel imports.
-        importlib.import_module("loom.trainer.entry").main(cfg, info)
+        importlib.import_module("loom.trainer.entry").fit(cfg)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

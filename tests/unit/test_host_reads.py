@@ -18,7 +18,7 @@ import loom.trainer.trainer
 from loom.losses import MODES
 from loom.runtime.distributed import RankInfo
 from loom.trainer.optim import clip_grad_norm as clip
-from loom.trainer.parity import build_trainer, fit
+from loom.trainer.parity import layout_training
 from loom.trainer.step import ahead_on_device
 from loom.trainer.trainer import Trainer
 
@@ -34,10 +34,15 @@ def counted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str
                 ) -> tuple[dict[int, Counter], Trainer]:
     """Host reads by the step that was running (from its train_step to the next's)."""
     info = RankInfo(rank=0, world_size=1, local_rank=0, master_addr="localhost", master_port=0)
-    trainer = build_trainer(["--model", "debug", "--dataset", "random", "--vocab-size", "256",
-                             "--seq-len", "32", "--batch-size", "2", "--fp32",
-                             "--outdir", str(tmp_path / "run"), *flags], info,
-                            torch.device("cpu"))
+    with layout_training(["--model", "debug", "--dataset", "random", "--vocab-size", "256",
+                          "--seq-len", "32", "--batch-size", "2", "--fp32",
+                          "--outdir", str(tmp_path / "run"), *flags], info,
+                         torch.device("cpu")) as trainer:
+        return counted_steps(trainer, monkeypatch), trainer
+
+
+def counted_steps(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> dict[int, Counter]:
+    """Train `trainer` to the end, counting host reads by the step that was running."""
     reads: dict[int, Counter] = {}
     current, loading = [0], [False]
 
@@ -80,9 +85,9 @@ def counted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str
         return step(micro)
 
     monkeypatch.setattr(trainer, "train_step", numbered_step)
-    fit(trainer)
+    trainer.fit()
     monkeypatch.undo()
-    return reads, trainer
+    return reads
 
 
 LOGGING = {1, 4, 8}

@@ -9,19 +9,19 @@ from collections import Counter
 
 import pytest
 import torch
-import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loom.config import ConfigError, config_from_flags
+from loom.config import ConfigError, ParallelConfig, config_from_flags
 from loom.models.llama.model import ModelArgs
 from loom.models.spec import ModelPlan
 from loom.parallel.checkpointing import apply_ac
-from loom.parallel.compile import apply_compile
+from loom.parallel.compile import apply_compile, compiler_settings
 from loom.parallel.init import clean_name
 from loom.parallel.llama_plan import dense_plan as loom_plan
+from loom.runtime.scope import applied
 from tests.tiny import tiny_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
@@ -136,7 +136,7 @@ def test_selective_warns_when_no_block_has_attention(caplog):
 def test_compile_in_place_keeps_state_dict_keys_and_numerics():
     model, reference = tiny_model(ARGS), tiny_model(ARGS)
     keys = list(model.state_dict())
-    apply_compile(loom_plan(model), "default", 1.0, backend="aot_eager")
+    apply_compile(loom_plan(model), "default", backend="aot_eager")
     assert list(model.state_dict()) == keys
     assert all(block._compiled_call_impl is not None for block in model.layers.values())
     assert_same_numerics(model, reference, atol=1e-5)
@@ -145,8 +145,8 @@ def test_compile_in_place_keeps_state_dict_keys_and_numerics():
 def test_compile_passes_fullgraph_and_inductor_mode_only(monkeypatch):
     seen = []
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: seen.append(kw))
-    apply_compile(loom_plan(tiny_model(ARGS)), "max-autotune", 1.0, backend="inductor")
-    apply_compile(loom_plan(tiny_model(ARGS)), "max-autotune", 1.0, backend="aot_eager")
+    apply_compile(loom_plan(tiny_model(ARGS)), "max-autotune", backend="inductor")
+    apply_compile(loom_plan(tiny_model(ARGS)), "max-autotune", backend="aot_eager")
     inductor, aot = seen[0], seen[-1]
     assert len(seen) == 2 * ARGS.n_layers
     assert inductor == dict(backend="inductor", fullgraph=True, mode="max-autotune")
@@ -161,7 +161,7 @@ def test_compile_fullgraph_rejects_a_graph_break():
 
     model = tiny_model(ARGS)
     model.layers["0"] = Breaking()
-    apply_compile(loom_plan(model), "default", 1.0, backend="aot_eager")
+    apply_compile(loom_plan(model), "default", backend="aot_eager")
     with pytest.raises(Exception, match="graph_break|Graph break|graph break"):
         model(tokens())
 
@@ -181,17 +181,13 @@ def saved_activation_bytes(model: nn.Module) -> int:
 
 
 def compiled_saved_bytes(ac: str, budget: float) -> int:
-    """Saved bytes of a fresh compile (the budget is read when a graph is compiled); the
-    process-wide budget is restored afterwards."""
-    torch._dynamo.reset()
+    """Saved bytes of a fresh compile under a run's compiler settings at `budget` (read
+    when the graph compiles, at the first call); restored afterwards."""
     model = tiny_model(ARGS)
     apply_ac(loom_plan(model), ac)
-    with functorch_config.patch(activation_memory_budget=1.0):
-        apply_compile(loom_plan(model), "default", budget, backend="aot_eager")
-        try:
-            return saved_activation_bytes(model)
-        finally:
-            torch._dynamo.reset()
+    with applied(compiler_settings(ParallelConfig(compile=True, act_mem_budget=budget))):
+        apply_compile(loom_plan(model), "default", backend="aot_eager")
+        return saved_activation_bytes(model)
 
 
 def test_memory_budget_and_checkpointing_save_less_under_compile():

@@ -68,11 +68,11 @@ def test_cpu_keeps_the_error_and_refuses_the_flag(tmp_path):
 
 def test_out_of_memory_ends_the_rank_with_its_line_and_no_traceback(monkeypatch, capsys):
     """The CLI's end of it: exit 1, the snapshot's line, no traceback."""
-    def out_of_memory(cfg, info):
+    def out_of_memory(cfg):
         raise DeviceOutOfMemory("CUDA out of memory. Tried to allocate 2.00 GiB; allocator "
                                 "snapshot in run/memory-oom-rank0.pickle: ...")
 
-    monkeypatch.setattr(loom.trainer.entry, "main", out_of_memory)
+    monkeypatch.setattr(loom.trainer.entry, "fit", out_of_memory)
     assert run_train(["--model", "debug", "--dataset", "random"]) == FAILURE_EXIT
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error")]

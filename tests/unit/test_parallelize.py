@@ -18,9 +18,10 @@ from loom.config import ParallelConfig
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.parallel.checkpointing import apply_ac
-from loom.parallel.compile import apply_compile, compile_targets
+from loom.parallel.compile import apply_compile, compile_targets, compiler_settings
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.model_plan import model_plan
+from loom.runtime.scope import applied
 from tests.tiny import tiny_model
 from tests.unit.test_hf import tiny
 
@@ -71,7 +72,7 @@ def compiled_under(monkeypatch, caplog, ac: str, **flags: bool) -> tuple[nn.Modu
     apply_ac(plan, ac)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="loom"):
-        apply_compile(plan, "default", 1.0, backend="aot_eager", **flags)
+        apply_compile(plan, "default", backend="aot_eager", **flags)
     return model, seen
 
 
@@ -132,16 +133,13 @@ def moe_loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.
 def test_compiled_moe_block_is_one_graph_with_the_experts_and_same_numerics() -> None:
     """fp32 takes the per-expert loop, whose `.tolist()` splits become unbacked sizes: the
     MoE block is still one graph, the experts' weights among its inputs, no graph break."""
-    torch._dynamo.reset()
     counters.clear()
     GRAPHS.clear()
     model, reference = tiny_moe(), tiny_moe()
-    apply_compile(model_plan(model), "default", 1.0, backend="loom_recording_aot_eager")
-    try:
+    with applied(compiler_settings(ParallelConfig(compile=True))):  # capture_scalar_outputs
+        apply_compile(model_plan(model), "default", backend="loom_recording_aot_eager")
         loss, grads = moe_loss_and_grads(model)
         ref_loss, ref_grads = moe_loss_and_grads(reference)
-    finally:
-        torch._dynamo.reset()
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert len(GRAPHS) == 2, "one graph per block: the dense one and the MoE one"
     inputs = [str(n.target) for n in GRAPHS[1].graph.find_nodes(op="placeholder")]

@@ -18,7 +18,7 @@ from loom.models.llama.model import ModelArgs, Transformer
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo
 from loom.trainer.executor import loss_in_graph
-from loom.trainer.parity import build_trainer, fit
+from loom.trainer.parity import layout_training
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
                  max_seq_len=16)
@@ -59,19 +59,20 @@ def test_the_compiled_model_is_one_graph_without_breaks_or_recompiles(
     first and nothing after (a recompile would raise), and never breaks a graph; a step's
     forward is that one compiled region."""
     info = RankInfo(rank=0, world_size=1, local_rank=0, master_addr="localhost", master_port=0)
-    trainer = build_trainer([*FAMILIES[family], "--dataset", "random", "--vocab-size", "256",
-                             "--seq-len", "32", "--batch-size", "2", "--fp32", "--compile",
-                             "--max-steps", "10", "--log-every", "5",
-                             "--outdir", str(tmp_path / "run")], info, torch.device("cpu"))
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):  # a config module, not setattr
-        fit(trainer)
-    assert trainer.loop.step == 10
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    with profile() as prof:
-        trainer.executor.forward_backward([next(iter(trainer.loader))], lambda: None)
+    with layout_training([*FAMILIES[family], "--dataset", "random", "--vocab-size", "256",
+                          "--seq-len", "32", "--batch-size", "2", "--fp32", "--compile",
+                          "--max-steps", "10", "--log-every", "5",
+                          "--outdir", str(tmp_path / "run")], info,
+                         torch.device("cpu")) as trainer:
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        with torch._dynamo.config.patch(error_on_recompile=True):  # a config module
+            trainer.fit()
+        assert trainer.loop.step == 10
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        with profile() as prof:  # inside the run's settings, whose graphs it reuses
+            trainer.executor.forward_backward([next(iter(trainer.loader))], lambda: None)
     names = [e.name for e in prof.events()]
     assert sum(n.startswith("Torch-Compiled Region") for n in names) == 1
     assert "aten::_log_softmax" not in names, "the loss ran outside the graph"

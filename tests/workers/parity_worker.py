@@ -20,10 +20,9 @@ from torch.distributed.tensor import DTensor
 from loom.parallel.init import clean_name
 from loom.trainer.parity import (
     batch_gradients,
-    build_trainer,
-    fit,
     full,
     full_parameters,
+    layout_training,
     whole_model,
 )
 from loom.trainer.trainer import Trainer
@@ -59,26 +58,26 @@ def main(runs: list[list[str] | dict], options: list[str]) -> None:
         for run in runs:
             argv, routing = (run, None) if isinstance(run, list) else (run["argv"],
                                                                       run["routing"])
-            trainer = build_trainer(argv, info, device)
-            hooks = routing_hooks(trainer, routing)
-            saved = {}
-            if "--shares" in options:
-                saved["shares.json"] = shares(trainer)
-            if "--first-grads" in options:
-                saved["first-grads.pt"] = batch_gradients(trainer)
-            fit(trainer)
-            saved["params.pt"] = whole_model(trainer, lambda p: p)
-            if "--grads" in options:
-                saved["grads.pt"] = batch_gradients(trainer)
-            if hooks is not None:
-                hooks.save(trainer.metrics.outdir, info.rank)
-            if info.rank == 0:
-                for name, value in saved.items():
-                    path = trainer.metrics.outdir / name
-                    if name.endswith(".json"):
-                        path.write_text(json.dumps(value))
-                    else:
-                        torch.save(value, path)
+            with layout_training(argv, info, device) as trainer:
+                hooks = routing_hooks(trainer, routing)
+                saved = {}
+                if "--shares" in options:
+                    saved["shares.json"] = shares(trainer)
+                if "--first-grads" in options:
+                    saved["first-grads.pt"] = batch_gradients(trainer)
+                trainer.fit()
+                saved["params.pt"] = whole_model(trainer, lambda p: p)
+                if "--grads" in options:
+                    saved["grads.pt"] = batch_gradients(trainer)
+                if hooks is not None:
+                    hooks.save(trainer.metrics.outdir, info.rank)
+                if info.rank == 0:
+                    for name, value in saved.items():
+                        path = trainer.metrics.outdir / name
+                        if name.endswith(".json"):
+                            path.write_text(json.dumps(value))
+                        else:
+                            torch.save(value, path)
 
 
 if __name__ == "__main__":

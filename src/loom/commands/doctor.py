@@ -32,7 +32,7 @@ from loom.observability import flops
 from loom.runtime.distributed import pick_device
 from loom.runtime.launch import parse_args as parse_launch_args
 from loom.runtime.launch_commands import BUILDERS, choose_launcher, detect_host
-from loom.runtime.logs import setup_logging
+from loom.runtime.logs import logging_scope
 
 GiB = 1024**3
 LAUNCHERS = {"local": "torch elastic agent, in this process", "slurm": "srun (Slurm job)",
@@ -182,8 +182,8 @@ def main(argv: Sequence[str]) -> int:
         options = parser.parse_args(list(argv))
     except SystemExit as exit_:  # --help or a usage error, already printed
         return int(exit_.code or 0)
-    setup_logging(0, stream=sys.stderr)  # stdout holds the report alone
     cache = Path(os.environ.get("LOOM_CACHE_DIR") or default_cache_dir()).expanduser()
-    report = collect(os.environ, cache, Path(options.outdir))
+    with logging_scope(0, stream=sys.stderr):  # stdout holds the report alone
+        report = collect(os.environ, cache, Path(options.outdir))
     print(json.dumps(report, indent=1) if options.json else render(report))
     return 0

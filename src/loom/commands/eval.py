@@ -1,5 +1,5 @@
 """`loom eval CHECKPOINT --dataset ...`: a saved model's validation loss, through training's
-own resume path. Above `loom.trainer.trainer` (which builds the evaluator it uses), so neither
+own resume path. Above `loom.trainer` (whose Trainer builds the evaluator it uses), so neither
 imports the other inside a function."""
 
 from __future__ import annotations
@@ -10,17 +10,19 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 
+import torch
+
 from loom.checkpoint.trust import read_loop
 from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
 from loom.hf.run_checkpoint import run_config
 from loom.lora.converter import LoraSettings
 from loom.models.resolve import resolve_model
 from loom.parallel.mesh import ParallelDims
-from loom.runtime.distributed import init_distributed, rank_info, teardown
-from loom.runtime.logs import setup_logging
+from loom.runtime.distributed import RankInfo, process_group, rank_info
+from loom.runtime.logs import logging_scope
 from loom.safe_io import write_text_atomic
 from loom.trainer.evaluate import Evaluator, Validation, build_validation
-from loom.trainer.trainer import Trainer
+from loom.trainer.scoped import training
 
 MODEL_FIELDS = frozenset(f.name for f in fields(ModelConfig))
 """The checkpoint's model_args are named like these config fields (every family's)."""
@@ -77,30 +79,37 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
     """Load the checkpoint through training's own resume path and evaluate --dataset."""
     cfg = eval_config(checkpoint, argv)
     info = rank_info()
-    dims = ParallelDims.from_config(cfg.parallel, info.world_size)
-    device = init_distributed(info)
-    trainer = Trainer(cfg, info, dims, device)
-    evaluator: Validation = trainer.evaluator or build_validation(
-        {"": trainer.loader.dataset}, trainer.executor, dims, device, cfg.train.batch_size,
-        cfg.eval.eval_steps, every=0)
-    result = evaluator.evaluate()
-    if info.is_main:
-        out = trainer.metrics.outdir / "eval.json"
-        write_text_atomic(out, json.dumps({"checkpoint": str(checkpoint),
-                                           "dataset": cfg.data.dataset, **result}, indent=2)
-                          + "\n")
-        for name, one in evaluator.evaluators.items():
-            print(scored_line(checkpoint, name, one, result))
-        print(f"written to {out}")
-    trainer.close()
-    del trainer, evaluator  # collected by teardown, before the process groups go
-    teardown()
+    ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
+    with process_group(info) as (info, device):
+        return evaluate(checkpoint, cfg, info, device)  # its trainer goes before the group
+
+
+def evaluate(checkpoint: Path, cfg: JobConfig, info: RankInfo, device: torch.device
+             ) -> dict[str, float]:
+    """Evaluate in the started process group; rank 0 writes eval.json and prints."""
+    with training(cfg, info, device) as trainer:
+        evaluator: Validation = trainer.evaluator or build_validation(
+            {"": trainer.loader.dataset}, trainer.executor, trainer.dims, device,
+            cfg.train.batch_size, cfg.eval.eval_steps, every=0)
+        result = evaluator.evaluate()
+        if info.is_main:
+            out = trainer.metrics.outdir / "eval.json"
+            write_text_atomic(out, json.dumps({"checkpoint": str(checkpoint),
+                                               "dataset": cfg.data.dataset, **result},
+                                              indent=2) + "\n")
+            for name, one in evaluator.evaluators.items():
+                print(scored_line(checkpoint, name, one, result))
+            print(f"written to {out}")
     return result
 
 
 def main(argv: Sequence[str]) -> int:
     rank = rank_info().rank
-    setup_logging(rank)
+    with logging_scope(rank):
+        return eval_main(argv, rank)
+
+
+def eval_main(argv: Sequence[str], rank: int) -> int:
     if not argv or argv[0].startswith("-"):
         asked = bool(argv) and argv[0] in ("-h", "--help")  # else a usage error: stderr
         print("usage: loom eval CHECKPOINT --dataset DATA [--val-fraction F] [--val-dataset "

@@ -32,8 +32,9 @@ def load_model(path: Path, trust_remote_code: bool = False
                ) -> tuple[nn.Module, int, str | None]:
     """(model in eval mode, context length, tokenizer recorded by the run or None)."""
     if (path / "loop.json").is_file():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # by design
-        model, held = load_run_model(path)
+        with warnings.catch_warnings():  # its note that it loads in one process: by design
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            model, held = load_run_model(path)
         tokenizer = run_tokenizer(path)
         context = (held.args.max_seq_len if held.spec.name != "transformers"
                    else model.hf.config.max_position_embeddings)

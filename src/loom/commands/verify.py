@@ -48,10 +48,10 @@ from loom.errors import BAD_INPUT_EXIT, FAILURE_EXIT
 from loom.models.resolve import resolve_model
 from loom.observability.metrics import read_rows
 from loom.parallel.mesh import ParallelDims
-from loom.runtime.distributed import RankInfo, init_distributed, rank_info, teardown
-from loom.runtime.logs import setup_logging
+from loom.runtime.distributed import RankInfo, process_group, rank_info
+from loom.runtime.logs import logging_scope
 from loom.runtime.watchdog import watch_launcher, write_error_file
-from loom.trainer.parity import build_trainer, fit, whole_model
+from loom.trainer.parity import layout_training, whole_model
 
 logger = logging.getLogger("loom")
 
@@ -283,11 +283,13 @@ def run_layouts(request: Request, info: RankInfo, device: torch.device) -> list[
     for i, (layout, argv) in enumerate(zip(request.layouts, request.argvs, strict=True)):
         logger.info("verify: layout %d/%d %r", i + 1, len(request.layouts), layout.text)
         slug = re.sub(r"[^A-Za-z0-9.]+", "_", layout.text).strip("_")
-        trainer = build_trainer([*argv, "--outdir", str(root / f"{i}-{slug}")], info, device)
-        fit(trainer)
-        params = whole_model(trainer, lambda p: p)
+        with layout_training([*argv, "--outdir", str(root / f"{i}-{slug}")], info,
+                             device) as trainer:
+            trainer.fit()
+            params = whole_model(trainer, lambda p: p)
+            outdir = trainer.metrics.outdir
         if info.rank == 0:
-            outcomes.append(read_outcome(trainer.metrics.outdir, params))
+            outcomes.append(read_outcome(outdir, params))
         del trainer
         gc.collect()
     return outcomes
@@ -315,22 +317,22 @@ def main(argv: Sequence[str]) -> int:
         return 0
     watch_launcher()
     info = rank_info()
-    with contextlib.redirect_stdout(sys.stderr):
-        setup_logging(info.rank)
-        try:
-            request = parse_request(argv, info.world_size)
-            if len(request.layouts) < 2:
-                raise ConfigError("--layouts needs at least two layouts (the first is the "
-                                  "reference)")
-            device = init_distributed(info)
-            outcomes = run_layouts(request, info, device)
-        except ConfigError as e:
-            if info.rank == 0:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-            write_error_file(f"error: {e}")  # for `loom launch`, as `loom train` leaves it
-            return BAD_INPUT_EXIT
-    agreed = report(request, outcomes, request.options.json) if info.rank == 0 else True
-    flag = torch.tensor([float(agreed)], device=device)
-    dist.broadcast(flag, src=0)  # every rank exits with rank 0's verdict
-    teardown()
-    return 0 if flag.item() else FAILURE_EXIT
+    try:
+        request = parse_request(argv, info.world_size)
+        if len(request.layouts) < 2:
+            raise ConfigError("--layouts needs at least two layouts (the first is the "
+                              "reference)")
+        with process_group(info) as (info, device):
+            with contextlib.redirect_stdout(sys.stderr), logging_scope(info.rank):
+                outcomes = run_layouts(request, info, device)
+            agreed = report(request, outcomes, request.options.json) if info.rank == 0 \
+                else True
+            flag = torch.tensor([float(agreed)], device=device)
+            dist.broadcast(flag, src=0)  # every rank exits with rank 0's verdict
+            agreed = bool(flag.item())
+    except ConfigError as e:
+        if info.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        write_error_file(f"error: {e}")  # for `loom launch`, as `loom train` leaves it
+        return BAD_INPUT_EXIT
+    return 0 if agreed else FAILURE_EXIT

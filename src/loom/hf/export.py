@@ -37,7 +37,7 @@ from loom.hf.export_files import DTYPES, MAX_SHARD_BYTES, staged, write_weights
 from loom.hf.export_plan import export_plan
 from loom.hf.run_checkpoint import run_model, run_reader, run_tokenizer
 from loom.lora.export import CONFIG_FILE, WEIGHTS_FILE
-from loom.runtime.logs import setup_logging
+from loom.runtime.logs import logging_scope
 from loom.safe_io import write_text_atomic
 
 logger = logging.getLogger("loom")
@@ -149,7 +149,12 @@ def main(argv: Sequence[str]) -> int:
                         help="the tokenizer to ship (default: the run's; "
                         f"{SHIPPED_FLAG} names the shipped GPT-2 one)")
     opts = parser.parse_args(list(argv))
-    setup_logging(0, stream=sys.stderr)  # stdout holds the one result line
+    with logging_scope(0, stream=sys.stderr):  # stdout holds the one result line
+        return export_main(opts)
+
+
+def export_main(opts: argparse.Namespace) -> int:
+    """`loom export` with its options parsed; warning filters set here end with the scope."""
     if not opts.verbose:  # DCP's note that it loads in one process: exactly what export does
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
     if not (opts.checkpoint / "loop.json").is_file():

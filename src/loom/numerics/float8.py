@@ -97,19 +97,12 @@ def linear_filter(part: nn.Module, cfg: JobConfig) -> Callable[[nn.Module, str],
     return keep
 
 
-def quiet_torchao_import() -> None:
-    """torchao's import warns about each optional kernel library it cannot load (mxfp8 and
-    CUTLASS sm90a builds; float8 training uses neither) and torch warns about an enum it
-    registers: three lines of noise per rank that `--verbose` keeps."""
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-
-
 def convert_to_float8(part: nn.Module, cfg: JobConfig) -> None:
     """Swap the part's eligible linears for torchao's Float8Linear, in place, on meta."""
-    if not cfg.output.verbose:
-        quiet_torchao_import()
     # torchao is an optional dependency (the float8 extra): imported only when --float8 is on.
+    # Its import warns about each optional kernel library it cannot load (mxfp8 and CUTLASS
+    # sm90a builds; float8 training uses neither) and torch about an enum it registers: the
+    # run's log settings keep both loggers quiet unless --verbose (`loom.runtime.logs`).
     torchao_float8 = importlib.import_module("torchao.float8")
     config = float8_config(cfg, torchao_float8)
     keep = linear_filter(part, cfg)

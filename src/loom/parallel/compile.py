@@ -8,8 +8,9 @@ not grow with depth.
 Routed experts and expert parallel's dispatch and combine are compiled with their block.
 Their row counts are data-dependent: the all-to-all splits and the fp32 loop's chunk sizes
 come from `.tolist()`, which Dynamo captures as unbacked sizes once
-`capture_scalar_outputs` is on (`configure_dynamo`, the one place loom sets Dynamo
-options). Where the graph breaks:
+`capture_scalar_outputs` is on (`compiler_settings`, the one place loom declares Dynamo
+options; the run applies them for its duration, `loom.runtime.scope`). Where the graph
+breaks:
 
 - Without EP (either strategy) and under SimpleFSDP with EP: nowhere. The block (SimpleFSDP:
   the whole model) is one full graph, routed experts, all-to-all and (SimpleFSDP) the
@@ -35,21 +36,36 @@ import torch
 import torch._functorch.config as functorch_config  # the attribute exists only once imported
 from torch import nn
 
+from loom.config import ParallelConfig
 from loom.models.registry import named_part
 from loom.models.spec import ModelPlan
+from loom.runtime.scope import GlobalSettings
 
 logger = logging.getLogger("loom")
 
 
-def set_act_mem_budget(budget: float) -> None:
-    """Fraction of the default saved activations the min-cut partitioner may keep (1.0 = all);
-    below 1 it recomputes the cheapest ops in backward. Process-wide, read at compile time."""
-    functorch_config.activation_memory_budget = budget
-    # TP graphs carry the DeviceMesh as an opaque object the partitioner cannot size; it holds
-    # no activations, so counting it as zero is exact (the flag only affects size estimates;
-    # torch 2.11 has no such flag).
+def compiler_settings(cfg: ParallelConfig) -> GlobalSettings:
+    """The process-wide compiler options every compiled region of a run relies on, declared
+    here only; read when a graph compiles (at its first step), so the run keeps them in
+    force throughout (`loom.runtime.scope.applied`). Nothing without --compile.
+
+    - `capture_scalar_outputs`: `.tolist()` and `.item()` become unbacked symbolic sizes
+      instead of graph breaks, so the data-dependent expert splits (EP's all-to-all, the
+      fp32 per-expert loop) trace.
+    - `activation_memory_budget`: the fraction of the default saved activations the min-cut
+      partitioner may keep (1.0 = all); below 1 it recomputes the cheapest ops in backward.
+    - `unsafe_treat_script_objects_as_zero_size`: TP graphs carry the DeviceMesh as an
+      opaque object the partitioner cannot size; it holds no activations, so counting it as
+      zero is exact (the flag only affects size estimates; torch 2.11 has no such flag).
+    """
+    if not cfg.compile:
+        return GlobalSettings()
+    options: dict[str, Any] = {
+        "torch._dynamo.config.capture_scalar_outputs": True,
+        "torch._functorch.config.activation_memory_budget": cfg.act_mem_budget}
     if hasattr(functorch_config, "unsafe_treat_script_objects_as_zero_size"):
-        functorch_config.unsafe_treat_script_objects_as_zero_size = True
+        options["torch._functorch.config.unsafe_treat_script_objects_as_zero_size"] = True
+    return GlobalSettings(compiler=options, fresh_dynamo=True)
 
 
 def compile_kwargs(mode: str, backend: str) -> dict[str, Any]:
@@ -62,14 +78,14 @@ def _own_storage(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.
     return output.clone() if output._base is not None else output
 
 
-def prepare_compile(model: nn.Module, act_mem_budget: float) -> None:
-    """What every compiled-block recipe needs besides the compile calls.
+def prepare_compile(model: nn.Module) -> None:
+    """What every compiled-block recipe needs besides the compile calls and the run's
+    `compiler_settings`.
 
     Under TP the embedding returns a view of a collective's result (`to_local`); a compiled
     block given such a view as input drops its gradient (the embedding's gradient came out
     zero), so the embedding output gets its own storage first.
     """
-    set_act_mem_budget(act_mem_budget)
     embedding = named_part(model, "embedding")
     if embedding is not None:  # absent on later pipeline stages
         embedding.register_forward_hook(_own_storage)
@@ -84,25 +100,16 @@ def compile_targets(module: nn.Module, eager: set[nn.Module]) -> list[nn.Module]
     return [t for child in module.children() for t in compile_targets(child, eager)]
 
 
-def configure_dynamo() -> None:
-    """The process-wide Dynamo options every compiled region relies on, set here only.
-
-    `capture_scalar_outputs`: `.tolist()` and `.item()` become unbacked symbolic sizes
-    instead of graph breaks, so the data-dependent expert splits (EP's all-to-all, the fp32
-    per-expert loop) trace."""
-    torch._dynamo.config.capture_scalar_outputs = True
-
-
-def apply_compile(plan: ModelPlan, mode: str, act_mem_budget: float, backend: str = "inductor",
+def apply_compile(plan: ModelPlan, mode: str, backend: str = "inductor",
                   whole_model: bool = False, expert_parallel: bool = False,
                   checkpointed: bool = False) -> None:
     """Compile each block in place, so state-dict keys do not change (wrapping would add
     `_orig_mod.`). `whole_model`: the data-parallel wrapper lives in the graph (SimpleFSDP),
     so the model compiles as one graph; otherwise it is FSDP2, whose hooks around EP's expert
     units break a MoE block's graph, and with `checkpointed` (activation checkpointing) leave
-    the routed experts eager (see the module docstring)."""
-    prepare_compile(plan.model, act_mem_budget)
-    configure_dynamo()
+    the routed experts eager (see the module docstring). The caller keeps the run's
+    `compiler_settings` in force while the graphs compile, at the first step."""
+    prepare_compile(plan.model)
     kwargs = {**compile_kwargs(mode, backend), "fullgraph": plan.fullgraph}
     experts = set(plan.experts) if expert_parallel else set()
     hooked = set() if whole_model else experts
@@ -116,7 +123,7 @@ def apply_compile(plan: ModelPlan, mode: str, act_mem_budget: float, backend: st
     what = ("the whole model" if roots == [plan.model] else f"{len(roots)} blocks"
             if targets == roots else f"{len(targets)} modules of {len(roots)} blocks")
     logger.info("compiled %s (%s, mode %s, activation memory budget %.2f)", what, backend,
-                kwargs["mode"] or "default", act_mem_budget)
+                kwargs["mode"] or "default", functorch_config.activation_memory_budget)
     if eager:
         logger.warning("--compile with --ep and --ac under FSDP2: routed experts (and their "
                        "all-to-all) run eagerly, FSDP2's hooks around them would break the "

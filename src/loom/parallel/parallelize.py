@@ -65,7 +65,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     apply_ac(plan, cfg.activation_checkpoint)
     strategy = SINGLE_DEVICE if runs_plain(dims, cfg) else STRATEGIES[cfg.data_parallel]
     if cfg.compile:
-        apply_compile(plan, cfg.compile_mode, cfg.act_mem_budget, cfg.compile_backend,
+        apply_compile(plan, cfg.compile_mode, cfg.compile_backend,
                       whole_model=strategy.whole_graph,
                       expert_parallel=dims.ep_enabled,
                       checkpointed=cfg.activation_checkpoint != "none")

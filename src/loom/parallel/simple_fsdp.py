@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch._inductor.config as inductor_config
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -43,6 +42,7 @@ from loom.models.spec import ModelPlan
 from loom.numerics.precision import torch_dtype
 from loom.parallel.fsdp import REDUCE_DTYPES, expert_placement
 from loom.parallel.mesh import ParallelDims
+from loom.runtime.scope import GlobalSettings
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -305,6 +305,18 @@ def recompute_gathers(cfg: ParallelConfig) -> bool:
             and cfg.activation_checkpoint == "none")
 
 
+def bucketing_settings(cfg: ParallelConfig, device_type: str) -> GlobalSettings:
+    """Inductor's FX passes that merge SimpleFSDP's many small all-gathers and
+    reduce-scatters into buckets, for a compiled SimpleFSDP run on CUDA (where collectives
+    overlap compute); read when the graph compiles, so the run keeps them in force
+    (`loom.runtime.scope.applied`)."""
+    if not (cfg.compile and cfg.compile_backend == "inductor"
+            and cfg.data_parallel == "simple-fsdp" and device_type == "cuda"):
+        return GlobalSettings()
+    return GlobalSettings(compiler={"torch._inductor.config.bucket_all_gathers_fx": "only_fsdp",
+                                    "torch._inductor.config.bucket_reduce_scatters_fx": "all"})
+
+
 def apply_simple_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig,
                       backend: str) -> str:
     """The SimpleFSDP strategy: shard every parameter (routed experts first, over efsdp
@@ -321,8 +333,5 @@ def apply_simple_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig,
     dp_dims = dense_dp_dims(dims)
     dense = data_parallel(dims, cfg, dp_dims, None if dims.ep_enabled else plan.experts)
     count = sum(dense.wrap(m) for m in list(plan.model.modules()))
-    if cfg.compile and cfg.compile_backend == "inductor" and torch.cuda.is_available():
-        inductor_config.bucket_all_gathers_fx = "only_fsdp"
-        inductor_config.bucket_reduce_scatters_fx = "all"
     return (f"SimpleFSDP {mode_name(dp_dims)} over {dp_dims}, {count} parameter tensors, "
             f"gathers {'recomputed in backward' if recompute_gathers(cfg) else 'kept'}")

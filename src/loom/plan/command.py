@@ -25,7 +25,8 @@ from loom.plan.peaks import predict_memory
 from loom.plan.search import search
 from loom.plan.speed import predict_step_time
 from loom.plan.trace import fake_world
-from loom.runtime.logs import setup_logging
+from loom.runtime.logs import logging_scope
+from loom.runtime.scope import logger_levels
 
 logger = logging.getLogger("loom")
 
@@ -137,8 +138,12 @@ def report(plan: Plan, cfg: JobConfig, device: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """Exit 0 when the plan was made (fitting or not), 2 on bad input."""
-    setup_logging(0, stream=sys.stderr)  # stdout holds the plan alone
-    logger.setLevel(logging.WARNING)  # not each traced build's lines
+    with logging_scope(0, stream=sys.stderr), \
+            logger_levels({"loom": logging.WARNING}):  # not each traced build's lines
+        return plan_main(argv)  # stdout holds the plan alone
+
+
+def plan_main(argv: Sequence[str]) -> int:
     try:
         options, train_argv = plan_parser().parse_known_args(list(argv))
         if options.world_size < 1:

@@ -37,6 +37,7 @@ from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import stage_module
 from loom.plan.compiled import compiled_loss_memory
 from loom.protocols.extensions import convert_model
+from loom.runtime.scope import logger_levels
 from loom.trainer.optim import build_optimizer, clip_grad_norm
 from loom.trainer.step import document_ids
 
@@ -86,13 +87,8 @@ def fake_world(world_size: int) -> Iterator[None]:
 def quiet() -> Iterator[None]:
     """No warnings from a traced build: they speak of the reduced depth or stage (a stage
     of the head alone has no blocks to checkpoint), not of the user's flags."""
-    logger = logging.getLogger("loom")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
+    with logger_levels({"loom": logging.ERROR}):
         yield
-    finally:
-        logger.setLevel(level)
 
 
 class WorstCaseNonzero(TorchDispatchMode):

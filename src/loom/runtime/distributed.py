@@ -6,12 +6,13 @@ srun set their own variables, which are mapped onto the same fields.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -87,15 +88,22 @@ def backend_for(device: torch.device) -> str:
     return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
 
 
+def prepare_device(info: RankInfo) -> torch.device:
+    """This rank's device, made current, its allocator configured before the first
+    allocation on it."""
+    device = pick_device(info.local_rank)
+    expandable_segments(device)
+    if device.type in ("cuda", "xpu"):
+        getattr(torch, device.type).set_device(device)
+    return device
+
+
 def init_distributed(info: RankInfo, timeout_s: float = 600.0) -> torch.device:
     """Choose and set the device, then start the process group (a store-only one for a
     single plain process, so the mesh code paths are the same at world size 1; the model
     itself stays unwrapped there, see `loom.parallel.single`).
     A collective that waits longer than `timeout_s` for a peer fails instead of hanging."""
-    device = pick_device(info.local_rank)
-    expandable_segments(device)  # before the first allocation on it
-    if device.type in ("cuda", "xpu"):
-        getattr(torch, device.type).set_device(device)
+    device = prepare_device(info)
     backend = backend_for(device)
     flight.enable()  # a hang report can then name the collective a rank waits in
     if info.world_size == 1:
@@ -141,3 +149,40 @@ def teardown() -> None:
         if dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def in_current_group(info: RankInfo) -> RankInfo:
+    """`info` with the rank and size of the process group already up, if one is (a caller's
+    own group wins over the environment)."""
+    if not dist.is_initialized():
+        return info
+    return replace(info, rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def abandon(world_size: int) -> None:
+    """After a failure: one process destroys its group at once (no peer to wait for, so no
+    barrier). With several the group is left to the process's exit: a peer may be blocked
+    in a collective with this rank, and destroying a gloo group first waits for its pending
+    work, up to the collective timeout, where a failed rank must end at once."""
+    gc.collect()
+    if world_size == 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(info: RankInfo, timeout_s: float = 600.0
+                  ) -> Iterator[tuple[RankInfo, torch.device]]:
+    """The job's process group for the block, with this rank's place in it and its device.
+    Started here if none is up, and then torn down after: by `teardown` on success, by
+    `abandon` on failure. A group the caller started is used as it is (its rank and size
+    win over the environment's) and left up."""
+    if dist.is_initialized():
+        yield in_current_group(info), prepare_device(info)
+        return
+    device = init_distributed(info, timeout_s)
+    try:
+        yield info, device
+    except BaseException:
+        abandon(info.world_size)
+        raise
+    teardown()

@@ -1,24 +1,36 @@
-"""`loom train`'s entry points: `main` (what `loom.cli` loads by name once the flags are
-checked) sets up the process group and host memory, `run` builds a Trainer, runs its loop and
-the --save-hf export after it. Apart from trainer.py, which holds the loop, so that the loop's
+"""Training's entry points: `fit` (`loom.fit`, and `loom train`, which `loom.cli` loads by
+name once the flags are checked and which maps its exceptions to exit codes) checks the
+job, starts the process group if none is up and tears it down after, and returns what the
+run ended with; `run` builds a Trainer inside its run's settings, runs its loop and the
+--save-hf export after it. Apart from trainer.py, which holds the loop, so that the loop's
 module reads as the algorithm; above it, so nothing imports back."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from loom.checkpoint.checkpointer import Checkpointer
 from loom.checkpoint.resume import resume_on_restart
-from loom.config import JobConfig
+from loom.config import ConfigError, JobConfig, parse_args
 from loom.data.loaders import on_node_leaders
 from loom.hf.export import export
 from loom.models.resolve import resolve_model
+from loom.observability.metrics import read_rows
 from loom.parallel.mesh import ParallelDims
-from loom.runtime.distributed import RankInfo, init_distributed, teardown
+from loom.runtime.distributed import RankInfo, in_current_group, process_group, rank_info
 from loom.runtime.host_memory import retain_freed_memory
+from loom.runtime.logs import log_output
+from loom.runtime.preflight import check_outdir
 from loom.runtime.watchdog import collective_timeout_s
+from loom.trainer.scoped import training
 from loom.trainer.trainer import Trainer
 
 logger = logging.getLogger("loom")
@@ -38,26 +50,79 @@ def save_hf(checkpointer: Checkpointer, step: int, cfg: JobConfig, rank: int) ->
 
 
 def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
-    """Train one job in an initialised process group; returns the trainer for inspection."""
-    trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size), device)
-    try:
+    """Train one job in an initialised process group; returns the (closed) trainer for
+    inspection."""
+    with training(cfg, info, device) as trainer:
         trainer.fit()
         if trainer.cfg.checkpoint.save_hf:
             save_hf(trainer.checkpointer, trainer.loop.step, trainer.cfg, trainer.info.rank)
-    finally:
-        trainer.close()
     return trainer
 
 
-def main(cfg: JobConfig, info: RankInfo) -> None:
-    """Train a validated config (see `loom.cli.run_train`, which checks the flags and the
-    mesh before any heavy import or collective)."""
-    cfg = resolve_model(resume_on_restart(cfg, info.restarts))
-    for warning in cfg.warnings:
-        logger.warning(warning)
-    device = init_distributed(info, collective_timeout_s(cfg.train.comm_timeout_s))
-    if device.type == "cpu" and cfg.train.host_memory == "retain" and retain_freed_memory():
-        logger.info("host memory: freed blocks kept for reuse (--host-memory release: glibc's "
-                    "default)")
-    run(cfg, info, device)
-    teardown()  # only after success: a failed rank must exit at once, not wait in a barrier
+@dataclass(frozen=True)
+class FitResult:
+    """What a run ended with, on this rank."""
+
+    step: int
+    """The last optimizer step taken (a resumed run counts on from its checkpoint)."""
+    losses: dict[int, float]
+    """Training loss per step of this run, from this rank's metrics rows (every rank logs
+    the all-reduced loss); empty under --no-metrics."""
+    outdir: Path
+    """The run folder: config.json, metrics, summary.json, plots, checkpoints."""
+    summary: dict[str, Any] | None
+    """summary.json as rank 0 wrote it; None on other ranks and under --no-metrics."""
+
+
+def result_of(trainer: Trainer) -> FitResult:
+    outdir, rank = trainer.metrics.outdir, trainer.info.rank
+    rows = read_rows(outdir / f"metrics-{rank}.jsonl") \
+        if (outdir / f"metrics-{rank}.jsonl").is_file() else []
+    summary = outdir / "summary.json"
+    return FitResult(trainer.loop.step,
+                     {r["train/iter"]: r["train/loss"] for r in rows if "train/loss" in r},
+                     outdir, json.loads(summary.read_text()) if rank == 0
+                     and summary.is_file() else None)
+
+
+def job_config(config: JobConfig | Sequence[str]) -> JobConfig:
+    """A JobConfig as given, or parsed from `loom train` flags (a list of strings)."""
+    if isinstance(config, JobConfig):
+        return config
+    if isinstance(config, str):
+        raise ConfigError("loom.fit takes a JobConfig or a list of `loom train` flags, not "
+                          "one string (split it, e.g. with shlex.split)")
+    argv = list(config)
+    asked = sorted({"-h", "--help", "--print-config"} & set(argv))
+    if asked:
+        raise ConfigError(f"loom.fit: {', '.join(asked)} are `loom train`'s, on the command line")
+    return parse_args(argv)
+
+
+def fit(config: JobConfig | Sequence[str]) -> FitResult:
+    """Train a job: a JobConfig (`loom.config.parse_args([...])`) or `loom train`'s flags as
+    a list. Errors are raised, never turned into an exit (`loom.errors`: ConfigError for bad
+    input, NonFiniteLossError, Preempted, ...). The process group is started if none is up
+    (one process: gloo, world size 1, or the launcher's environment) and torn down after,
+    after a failure too in one process (`abandon` says why not with several); a group the
+    caller started is used and left up. Compiler options and
+    logger levels the run sets are restored after it. Progress goes to stdout (rank 0)
+    unless the `loom` logger has handlers of the caller's own."""
+    cfg = job_config(config)
+    info = in_current_group(rank_info())
+    owned = not logging.getLogger("loom").handlers
+    with log_output(info.rank) if owned else contextlib.nullcontext():
+        ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
+        check_outdir(cfg.output.outdir)
+        cfg = resolve_model(resume_on_restart(cfg, info.restarts))
+        for warning in cfg.warnings:
+            logger.warning(warning)
+        with process_group(info, collective_timeout_s(cfg.train.comm_timeout_s)) as (
+                info, device):
+            if device.type == "cpu" and cfg.train.host_memory == "retain" \
+                    and retain_freed_memory():
+                logger.info("host memory: freed blocks kept for reuse (--host-memory release: "
+                            "glibc's default)")
+            # The trainer is dropped before the group goes: its model and FSDP state sit in
+            # reference cycles holding collective handles (see `teardown`).
+            return result_of(run(cfg, info, device))

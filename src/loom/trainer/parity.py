@@ -5,7 +5,8 @@ so layouts that shard them differently can be compared element by element."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,8 +16,8 @@ from loom.config import parse_args
 from loom.models.resolve import resolve_model
 from loom.parallel.context import shard_batch
 from loom.parallel.init import clean_name
-from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo
+from loom.trainer.scoped import training
 from loom.trainer.trainer import Trainer
 
 
@@ -53,17 +54,12 @@ def batch_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     return grads
 
 
-def build_trainer(argv: Sequence[str], info: RankInfo, device: torch.device) -> Trainer:
-    """A trainer for `loom train` flags in the already initialised process group. Compiled
-    code of an earlier configuration is dropped first: dynamo would reuse it as it is."""
-    torch._dynamo.reset()
-    cfg = resolve_model(parse_args(argv))
-    return Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size), device)
-
-
-def fit(trainer: Trainer) -> None:
-    """Train to the end, then release the run folder (the trainer stays inspectable)."""
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+@contextlib.contextmanager
+def layout_training(argv: Sequence[str], info: RankInfo, device: torch.device
+                    ) -> Iterator[Trainer]:
+    """A trainer for `loom train` flags in the already initialised process group, inside
+    its run's settings (`loom.trainer.scoped.training`): the caller trains it (`fit()`) and
+    reads what it needs inside the block; it is closed on the way out and the process-wide
+    settings restored, so the next layout starts as a fresh process would."""
+    with training(resolve_model(parse_args(argv)), info, device) as trainer:
+        yield trainer

@@ -58,7 +58,18 @@ class Trainer:
 
     def __init__(self, flags: JobConfig, info: RankInfo, dims: ParallelDims,
                  device: torch.device):
-        """`flags`: the validated command line; everything below uses its resolved form."""
+        """`flags`: the validated command line; everything below uses its resolved form.
+        A start-up that fails releases the run folder it claimed: the caller (`loom.fit`
+        in a notebook) may fix the input and try again in the same process."""
+        try:
+            self.start(flags, info, dims, device)
+        except BaseException:
+            if hasattr(self, "run_folder"):
+                self.run_folder.close()
+            raise
+
+    def start(self, flags: JobConfig, info: RankInfo, dims: ParallelDims,
+              device: torch.device) -> None:
         self.info, self.dims, self.device = info, dims, device
         self.started = time.perf_counter()  # summary.json's setup_s counts from here
         dims.build_mesh(device.type)
