@@ -9,8 +9,11 @@ import torch
 import torch.nn.attention.flex_attention as flex
 import torch.nn.functional as F
 
+from loom.config import ParallelConfig
 from loom.models.documents import attention_mask, block_document_mask, document_mask
 from loom.models.llama.model import CausalAttention, ModelArgs
+from loom.parallel.mesh import ParallelDims
+from loom.parallel.parallelize import parallelize
 from loom.trainer.step import document_ids
 from tests.tiny import tiny_model
 
@@ -110,3 +113,14 @@ def test_dense_mask_sdpa_reference() -> None:
     scores = scores.masked_fill(~document_mask(documents), float("-inf"))
     want = torch.einsum("bhqk,bkhd->bqhd", F.softmax(scores, dim=-1), vv)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_compiled_runs_ask_for_the_block_mask(compiled: bool) -> None:
+    """parallelize turns the block mask on with --compile only (flex's eager form is a
+    dense reference, no cheaper than SDPA's mask)."""
+    model = tiny_model(ARGS)
+    parallelize(model, ParallelDims(1, 1, 1, 1),
+                ParallelConfig(dtype="fp32", compile=compiled, compile_backend="aot_eager"),
+                loss_parallel=False, backend="gloo")
+    assert model.flex_doc_mask is compiled
