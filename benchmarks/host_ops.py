@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -53,6 +54,8 @@ CASES = {  # name: (kind, extra loom flags, ranks, the plain case it is compared
     "loom-eager": ("loom", [], 1, "plain-eager"),
     "loom-compile": ("loom", ["--compile"], 1, "plain-compiled"),
     "loom-dp2-compile": ("loom", ["--compile"], 2, "plain-compiled"),
+    "loom-dp2-compile-zero2": ("loom", ["--compile", "--reshard-after-forward", "never"], 2,
+                               "plain-compiled"),
 }
 TARGETS = {"loom-eager": 1.0, "loom-compile": 1.0, "loom-dp2-compile": 2.0}
 """The issue's acceptance ratios (issue #42)."""
@@ -94,12 +97,31 @@ def ops_per_step(events: Iterable[FunctionEvent]) -> list[int]:
     return counts
 
 
+def breakdown(events: Iterable[FunctionEvent], steps: int,
+              top: int = 60) -> list[tuple[str, float]]:
+    """The most dispatched top-level operators, per recorded step (`--breakdown`), each
+    named with the innermost labelled region it ran in (FSDP's hooks, the optimizer)."""
+    events = list(events)
+    first = min((e.time_range.start for e in events if e.name == STEP_MARK), default=0)
+    names: dict[str, int] = {}
+    for e in events:
+        if counted(e) and top_level(e) and e.time_range.start >= first:
+            label = e.cpu_parent
+            while label is not None and label.name.startswith(("aten::", "autograd::")):
+                label = label.cpu_parent
+            region = re.sub(r" \(.*\)$", "", label.name) if label is not None else ""
+            name = f"{region} > {e.name}" if region else e.name  # units' ops summed
+            names[name] = names.get(name, 0) + 1
+    ranked = sorted(names.items(), key=lambda kv: -kv[1])[:top]
+    return [(name, n / steps) for name, n in ranked]
+
+
 def mark_step() -> None:
     with record_function(STEP_MARK):
         pass
 
 
-def plain_loop(flags: list[str], steps: int, warmup: int) -> list[int]:
+def plain_loop(flags: list[str], steps: int, warmup: int) -> profile:
     """The reference: loom's Transformer, cross-entropy, foreach clip, fused AdamW."""
     from loom.config import parse_args
     from loom.models.resolve import plain_model, resolve_model
@@ -129,7 +151,7 @@ def plain_loop(flags: list[str], steps: int, warmup: int) -> list[int]:
         for _ in range(steps):
             mark_step()
             step()
-    return ops_per_step(prof.events())
+    return prof
 
 
 def marked_loader(batches: Callable[[], Iterator[Any]]) -> Callable[[], Iterator[Any]]:
@@ -145,9 +167,9 @@ def marked_loader(batches: Callable[[], Iterator[Any]]) -> Callable[[], Iterator
     return drawn
 
 
-def loom_run(flags: list[str], steps: int, warmup: int) -> list[int] | None:
+def loom_run(flags: list[str], steps: int, warmup: int) -> profile | None:
     """loom's `fit()` over warmup + steps + 1 steps, the middle `steps` recorded; the last
-    (a logging step: the end) is left out. Rank 0 returns the counts."""
+    (a logging step: the end) is left out. Rank 0 returns the record."""
     from loom.config import parse_args
     from loom.models.resolve import resolve_model
     from loom.parallel.mesh import ParallelDims
@@ -182,20 +204,22 @@ def loom_run(flags: list[str], steps: int, warmup: int) -> list[int] | None:
         finally:
             trainer.close()
     teardown()
-    return ops_per_step(prof.events()) if info.rank == 0 else None
+    return prof if info.rank == 0 else None
 
 
 def worker(case: str, model_flags: list[str], steps: int, warmup: int) -> None:
     kind, extra, _, _ = CASES[case]
     torch.set_num_threads(1)
     run = plain_loop if kind == "plain" else loom_run
-    counts = run([*model_flags, *extra], steps, warmup)
-    if counts is not None:
-        print("RESULT " + json.dumps(counts))
+    prof = run([*model_flags, *extra], steps, warmup)
+    if prof is not None:
+        print("RESULT " + json.dumps(ops_per_step(prof.events())))
+        print("BREAKDOWN " + json.dumps(breakdown(prof.events(), steps)))
 
 
-def run_case(case: str, model_flags: str, steps: int, warmup: int) -> list[int]:
-    """One case in fresh processes; rank 0's per-step counts."""
+def run_case(case: str, model_flags: str, steps: int,
+             warmup: int) -> tuple[list[int], list[list[Any]]]:
+    """One case in fresh processes; rank 0's per-step counts and its busiest operators."""
     ranks, port = CASES[case][2], free_port()
     cmd = [sys.executable, __file__, "--worker", case, "--model-flags", model_flags,
            "--steps", str(steps), "--warmup", str(warmup)]
@@ -206,8 +230,10 @@ def run_case(case: str, model_flags: str, steps: int, warmup: int) -> list[int]:
     outputs = [p.communicate(timeout=1800) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{case} failed:\n{outputs[0][1][-3000:]}")
-    line = next(x for x in outputs[0][0].splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    lines = outputs[0][0].splitlines()
+    found = {tag: json.loads(x[len(tag) + 1:]) for x in lines for tag in ("RESULT", "BREAKDOWN")
+             if x.startswith(tag + " ")}
+    return found["RESULT"], found["BREAKDOWN"]
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -228,6 +254,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=3, help="recorded steps per case")
     parser.add_argument("--warmup", type=int, default=2, help="steps before recording")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print each case's most dispatched operators per step")
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -236,7 +264,7 @@ def main(argv: list[str]) -> None:
     cases = [c for c in CASES if c in args.cases or c in {CASES[n][3] for n in args.cases}]
     results: dict[str, dict[str, Any]] = {}
     for case in cases:
-        counts = run_case(case, args.model_flags, args.steps, args.warmup)
+        counts, busiest = run_case(case, args.model_flags, args.steps, args.warmup)
         baseline = CASES[case][3]
         median = int(statistics.median(counts))
         ratio = median / results[baseline]["median"] if baseline else None
@@ -245,6 +273,8 @@ def main(argv: list[str]) -> None:
                          "flags": [*shlex.split(args.model_flags), *CASES[case][1]],
                          "ranks": CASES[case][2]}
         print(f"{case}: {counts}", flush=True)
+        if args.breakdown:
+            print("\n".join(f"  {n:8.1f}  {name}" for name, n in busiest), flush=True)
     print(table(results))
     print(f"\n{args.model_flags}; {args.steps} recorded steps after {args.warmup}; "
           "top-level aten operators, a compiled region counted once")

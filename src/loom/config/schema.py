@@ -112,6 +112,9 @@ class ParallelConfig:
         "inductor", "torch.compile backend; aot_eager skips code generation (cheap, for tests) "
         "($LOOM_COMPILE_BACKEND)", choices=("inductor", "aot_eager"),
         env="LOOM_COMPILE_BACKEND")
+    cuda_graphs: bool = flag(
+        False, "replay each compiled single-device step as CUDA graphs (compile's "
+        "reduce-overhead mode); refused in one line where they cannot apply")
     dtype: str = flag("auto", "compute dtype: bf16 mixed precision (fp32 master weights), fp32, "
                       "or auto (bf16 on GPUs and native-bf16 CPUs, else fp32)",
                       choices=("auto", "bf16", "fp32"))

@@ -25,6 +25,15 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMi
 from loom.runtime import flight
 
 
+def _slot(flat: torch.Tensor, index: int, size: int) -> torch.Tensor:
+    """Part `index` of `size` equal parts of a collective's buffer: one `narrow` of FSDP's
+    flat buffers (a view and an index would be two host operators, per unit per step)."""
+    if flat.dim() == 1:
+        step = flat.numel() // size
+        return flat.narrow(0, index * step, step)
+    return flat.view(size, -1)[index]
+
+
 class _AllOf(dist.Work):
     """One handle for several point-to-point requests: FSDP waits on it like on a collective."""
 
@@ -61,10 +70,9 @@ class PairwiseAllGather(DefaultAllocMixin, AllGather):
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
         flight.entered("all_gather", group.group_desc, group.group_name, self.unit)
         rank, size = group.rank(), group.size()
-        slots = output_tensor.view(size, -1)
         peers = [peer for peer in range(size) if peer != rank]
         work = _exchange(group, [(input_tensor, peer) for peer in peers],
-                         [(slots[peer], peer) for peer in peers])
+                         [(_slot(output_tensor, peer, size), peer) for peer in peers])
         if async_op:
             return work
         work.wait()
@@ -90,14 +98,17 @@ class PairwiseReduceScatter(DefaultAllocMixin, ReduceScatter):
                                                   group=group, async_op=async_op)
         flight.entered("reduce_scatter", group.group_desc, group.group_name, self.unit)
         rank, size = group.rank(), group.size()
-        chunks = input_tensor.view(size, -1)
+
+        def chunk(i: int) -> torch.Tensor:
+            return _slot(input_tensor, i, size)
+
         if size == 1:
-            output_tensor.copy_(chunks[0])
+            output_tensor.copy_(chunk(0))
         for k in range(1, size):
-            into = output_tensor if k == 1 else chunks[(rank + k - 1) % size]
-            _exchange(group, [(chunks[(rank + k) % size], (rank + k) % size)],
+            into = output_tensor if k == 1 else chunk((rank + k - 1) % size)
+            _exchange(group, [(chunk((rank + k) % size), (rank + k) % size)],
                       [(into, (rank - k) % size)]).wait()
-            output_tensor += chunks[rank] if k == 1 else into
+            output_tensor += chunk(rank) if k == 1 else into
         if op == dist.ReduceOp.AVG:
             output_tensor /= size
         return None

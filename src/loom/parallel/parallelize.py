@@ -64,6 +64,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
         apply_cp(model, dims.get_mesh("cp"))
     apply_ac(plan, cfg.activation_checkpoint)
     strategy = SINGLE_DEVICE if runs_plain(dims, cfg) else STRATEGIES[cfg.data_parallel]
+    if cfg.compile and hasattr(model, "flex_doc_mask"):  # flex pays compiled only
+        model.flex_doc_mask = True
     if cfg.compile:
         apply_compile(plan, cfg.compile_mode, cfg.compile_backend,
                       whole_model=strategy.whole_graph,

@@ -23,12 +23,13 @@ from loom.checkpoint.resume import (
     check_architecture,
     find_resume,
 )
-from loom.config import JobConfig, validate
+from loom.config import ConfigError, JobConfig, validate
 from loom.data.loaders import build_datasets
 from loom.lora.converter import resolve_lora_targets
 from loom.losses import resolve_loss_impl
 from loom.models.resolve import model_args, plain_model, resolve_model
 from loom.numerics.precision import Precision, resolve_precision
+from loom.parallel.cuda_graphs import cuda_graphs_refusal, with_cuda_graphs
 from loom.parallel.hf import resolve_hf_model
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, seed_everything
@@ -85,6 +86,11 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     cfg = resolve_lora_targets(cfg)
     validate(cfg)  # the facts added below come from loom itself, not from the user
     check_fits(cfg, dims, device)
+    if cfg.parallel.cuda_graphs:  # needs the device and the layout: refused here, not earlier
+        refusal = cuda_graphs_refusal(cfg, dims, device.type)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        cfg = with_cuda_graphs(cfg)
     dataset, val_datasets, cfg = build_datasets(cfg, info.local_rank)
     cfg = resolve_loss_impl(cfg)  # effective --loss-impl, before the tp plan
     if resume is not None:  # before the model is built

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from loom.models.documents import document_mask, document_positions
+from loom.models.documents import attention_mask, document_positions
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,14 @@ class CausalAttention(nn.Module):
     replacement (context parallel) exchanges them small."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         """q (B, T, H, D), k and v (B, T, Hkv, D) -> (B, T, H, D). `mask` (B, 1, T, T) bool,
-        True where a query may attend a key, replaces the plain causal mask (--doc-mask)."""
+        True where a query may attend a key, or FlexAttention's block mask of the same,
+        replaces the plain causal mask (--doc-mask)."""
+        if isinstance(mask, BlockMask):
+            out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 block_mask=mask, enable_gqa=q.shape[2] != k.shape[2])
+            return out.transpose(1, 2)  # type: ignore[union-attr]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             is_causal=mask is None, enable_gqa=q.shape[2] != k.shape[2])
@@ -147,7 +153,7 @@ class Attention(nn.Module):
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         """`mask`: see CausalAttention; a keyword, so the tp plan's input layouts (x, rope)
         and a core without one (context parallel) stay as they are."""
         bsz, seqlen, _ = x.shape
@@ -192,7 +198,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -208,6 +214,10 @@ class Transformer(nn.Module):
     hidden_output = False
     """Return the final hidden states, not logits: a pipeline's last stage whose loss
     applies the head itself (fused-linear)."""
+
+    flex_doc_mask = False
+    """Give attention FlexAttention's block mask for `documents` where it can run, not the
+    dense one: set on compiled runs, where flex has kernels (`loom.models.documents`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -236,7 +246,8 @@ class Transformer(nn.Module):
         sequence's documents (context parallel)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if documents is not None:
-            positions, mask = document_positions(documents), document_mask(documents)
+            positions = document_positions(documents)
+            mask = attention_mask(documents, self.flex_doc_mask)
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)

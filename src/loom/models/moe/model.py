@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from loom.models.llama.model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
 
@@ -302,7 +303,7 @@ class MoETransformerBlock(nn.Module):
         self.moe = MoE(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.moe(self.ffn_norm(h))
 

@@ -1,0 +1,51 @@
+"""--cuda-graphs: refused in one line wherever CUDA graphs cannot apply, and otherwise
+compile's reduce-overhead mode. The replay itself needs a CUDA device (none in CI)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from loom.config import parse_args
+from loom.parallel.cuda_graphs import cuda_graphs_refusal, with_cuda_graphs
+from loom.parallel.mesh import ParallelDims
+
+BASE = ["--model", "debug", "--dataset", "random", "--cuda-graphs"]
+
+
+def refusal(flags: list[str], world_size: int = 1, device: str = "cuda") -> str | None:
+    cfg = parse_args([*BASE, *flags])
+    return cuda_graphs_refusal(cfg, ParallelDims.from_config(cfg.parallel, world_size), device)
+
+
+@pytest.mark.parametrize(("flags", "world_size", "device", "says"), [
+    ([], 1, "cuda", "needs --compile"),
+    (["--compile"], 1, "cpu", "needs a CUDA device; this run is on cpu"),
+    (["--compile"], 2, "cuda", "single-device steps only; this run has 2 processes"),
+    (["--compile", "--single-device", "fsdp2"], 1, "cuda", "plain single-device path"),
+    (["--compile", "--data-parallel", "simple-fsdp"], 1, "cuda", "plain single-device path"),
+    (["--compile", "--compile-backend", "aot_eager"], 1, "cuda", "inductor (not aot_eager)"),
+    (["--compile", "--compile-mode", "max-autotune"], 1, "cuda", "--compile-mode max-autotune"),
+    (["--compile", "--doc-mask"], 1, "cuda", "--doc-mask"),
+], ids=["no-compile", "cpu", "dp2", "fsdp2-at-one", "simple-fsdp", "aot-eager",
+        "max-autotune", "doc-mask"])
+def test_refused_where_they_cannot_apply(flags, world_size, device, says) -> None:
+    why = refusal(flags, world_size, device)
+    assert why is not None and says in why and "\n" not in why
+
+
+def test_a_static_single_device_compiled_step_gets_reduce_overhead() -> None:
+    assert refusal(["--compile"]) is None
+    cfg = with_cuda_graphs(parse_args([*BASE, "--compile"]))
+    assert cfg.parallel.compile_mode == "reduce-overhead"
+    assert with_cuda_graphs(parse_args(["--model", "debug"])).parallel.compile_mode == "default"
+
+
+def test_the_cli_refuses_on_the_cpu_in_one_line(tmp_path) -> None:
+    out = subprocess.run([sys.executable, "-m", "loom", "train", *BASE, "--compile",
+                          "--max-steps", "1", "--outdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr == "error: --cuda-graphs needs a CUDA device; this run is on cpu\n"
