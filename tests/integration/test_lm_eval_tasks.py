@@ -17,6 +17,7 @@ import pytest
 
 from loom.commands import eval as eval_command
 from loom.hf import export
+from tests.compare import column
 from tests.harness import REPO, run_ranks
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -76,6 +77,13 @@ def sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choices(WORDS, k=n))
 
 
+def train_flags(root: Path) -> list[str]:
+    return ["--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
+            "--multiple-of", "32", "--max-seq-len", "128", "--fp32", "--dataset",
+            str(root / "train.jsonl"), "--seq-len", "32", "--batch-size", "4", "--max-steps",
+            "4", "--lr", "3e-3", "--checkpoint-interval", "4"]
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict[str, Path]:
     """A checkpoint trained 4 steps, its export, and a folder of three local tasks."""
@@ -98,11 +106,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
                                                           data=root / "texts.jsonl"))
     (tasks / "passage.yaml").write_text(ROLLING_TASK.format(name="passage",
                                                             data=root / "passage.jsonl"))
-    proc = loom("train", "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads",
-                "2", "--multiple-of", "32", "--max-seq-len", "128", "--fp32", "--dataset",
-                str(root / "train.jsonl"), "--seq-len", "32", "--batch-size", "4",
-                "--max-steps", "4", "--lr", "3e-3", "--checkpoint-interval", "4",
-                "--outdir", str(root / "run"), cwd=root)
+    proc = loom("train", *train_flags(root), "--outdir", str(root / "run"), cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     checkpoint = root / "run" / "checkpoints" / "step-4"
     assert export.main([str(checkpoint), str(root / "hf")]) == 0
@@ -163,6 +167,27 @@ def test_rolling_loglikelihood_is_minus_loom_eval_loss_times_tokens(world, capsy
     assert scored["val/tokens"] > 60
     assert loglikelihood == pytest.approx(-scored["val/loss"] * scored["val/tokens"],
                                           rel=1e-4)
+
+
+@pytest.mark.slow  # a second training run
+def test_tasks_during_training_are_rows_and_match_loom_eval_tasks(world, capsys,
+                                                                  monkeypatch) -> None:
+    """--eval-tasks-every 2 over 4 steps: rows and files at steps 2 and 4 only, the last
+    equal to `loom eval --tasks` on the final checkpoint, and training itself unchanged
+    (the harness leaves the run's random generators alone)."""
+    root, run = world["root"], world["root"] / "periodic"
+    proc = loom("train", *train_flags(root), "--eval-tasks", "texts", "--eval-tasks-every", "2",
+                "--eval-tasks-include", str(world["tasks"]), "--outdir", str(run), cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = column(run, "eval/texts/bits_per_byte")
+    assert sorted(rows) == [2, 4], rows
+    assert sorted(p.name for p in (run / "eval").iterdir()) == ["tasks-step-2.json",
+                                                                "tasks-step-4.json"]
+    assert rows[2] != rows[4]  # the model changed in between
+    final = loom_tasks({**world, "checkpoint": run / "checkpoints" / "step-4"}, "texts",
+                       capsys, monkeypatch)
+    assert rows[4] == pytest.approx(final["metrics"]["eval/texts/bits_per_byte"], rel=1e-5)
+    assert column(run, "train/loss") == column(root / "run", "train/loss")
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -261,6 +261,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("--save-hf exports the final checkpoint: give --checkpoint-interval")
     _validate_output(cfg.output)
     _validate_eval(cfg.eval)
+    if cfg.eval.eval_tasks and (p.pp > 1 or p.cp > 1):  # each rank runs the model whole
+        raise ConfigError("--eval-tasks scores the tasks with the whole model on every rank: "
+                          "not with --pp or --cp yet")
     if d.streaming and (t.max_steps is None or cfg.eval.val_fraction
                         or d.dataset == "random" or d.num_workers):
         raise ConfigError("--streaming needs --max-steps (a stream has no epoch length) and "

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-from loom.config import ConfigError
+import torch
+from torch import nn
+
+from loom.config import ConfigError, JobConfig
 
 
 def require_lm_eval(flag: str) -> ModuleType:
@@ -18,3 +23,13 @@ def require_lm_eval(flag: str) -> ModuleType:
         raise ConfigError(f"{flag} needs lm-evaluation-harness, which is not installed: "
                           "pip install 'loom[eval]' (or lm_eval>=0.4)")
     return importlib.import_module("loom.lmeval.harness")
+
+
+def build_task_evaluation(cfg: JobConfig, model: nn.Module, device: torch.device,
+                          outdir: Path, is_main: bool) -> Any:
+    """The run's --eval-tasks (a `loom.lmeval.periodic.TaskEvaluation`), None without."""
+    if not cfg.eval.eval_tasks:
+        return None
+    require_lm_eval("--eval-tasks")
+    periodic = importlib.import_module("loom.lmeval.periodic")
+    return periodic.TaskEvaluation(cfg, model, device, outdir, is_main)

@@ -64,9 +64,9 @@ def run_tasks(lm: LM, tasks: list[str], manager: TaskManager, limit: int = 0,
     with contextlib.redirect_stdout(sys.stderr):  # it prints progress; stdout is results
         out = simple_evaluate(model=lm, tasks=tasks, task_manager=manager,
                               limit=limit or None, log_samples=False,
-                              bootstrap_iters=BOOTSTRAP_ITERS, random_seed=seed,
-                              numpy_random_seed=seed, torch_random_seed=seed,
-                              fewshot_random_seed=seed)
+                              bootstrap_iters=BOOTSTRAP_ITERS, random_seed=None,
+                              numpy_random_seed=None, torch_random_seed=None,
+                              fewshot_random_seed=seed)  # a run's global RNGs stay as they are
     if out is None:  # only a rank other than the harness's first gets None
         return {}
     return {k: out.get(k) for k in ("results", "n-samples", "n-shot", "versions")}
