@@ -26,6 +26,10 @@ from loom.observability.progress import format_progress
     (["--val-dataset", "a=x.txt", "--val-dataset", "a=y.txt"], "two sets with the name 'a'"),
     (["--val-dataset", "x.txt", "--val-dataset", "y.txt"], "two sets with no name"),
     (["--val-dataset", "code="], "no path after 'code='"),
+    (["--eval-tasks-every", "10"], "need --eval-tasks"),
+    (["--eval-tasks-include", "tasks/"], "need --eval-tasks"),
+    (["--eval-tasks", "t", "--eval-tasks-limit", "-1"], "--eval-tasks-limit must be >= 0"),
+    (["--eval-tasks", "t", "--pp", "2", "--n-layers", "2"], "not with --pp or --cp"),
 ])
 def test_bad_validation_flags(flags, message):
     with pytest.raises(ConfigError) as info:

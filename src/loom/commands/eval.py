@@ -4,6 +4,7 @@ imports the other inside a function."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ import torch
 from loom.checkpoint.trust import read_loop
 from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
 from loom.hf.run_checkpoint import run_config
+from loom.lmeval import require_lm_eval
 from loom.lora.converter import LoraSettings
 from loom.models.resolve import resolve_model
 from loom.parallel.mesh import ParallelDims
@@ -103,6 +105,21 @@ def evaluate(checkpoint: Path, cfg: JobConfig, info: RankInfo, device: torch.dev
     return result
 
 
+TASK_FLAGS = ("--tasks", "--eval-tasks")
+
+
+def asks_for_tasks(argv: Sequence[str]) -> bool:
+    """Whether `loom eval` runs benchmark tasks rather than the validation loss."""
+    return any(a in TASK_FLAGS or a.split("=", 1)[0] in TASK_FLAGS for a in argv)
+
+
+def run_tasks_eval(checkpoint: Path, argv: Sequence[str]) -> None:
+    """`--tasks`: lm-evaluation-harness on the checkpoint (its module imports the harness,
+    so it is loaded by name once the harness is known to be installed)."""
+    require_lm_eval("loom eval --tasks")
+    importlib.import_module("loom.commands.eval_tasks").evaluate_checkpoint(checkpoint, argv)
+
+
 def main(argv: Sequence[str]) -> int:
     rank = rank_info().rank
     with logging_scope(rank):
@@ -114,13 +131,15 @@ def eval_main(argv: Sequence[str], rank: int) -> int:
         asked = bool(argv) and argv[0] in ("-h", "--help")  # else a usage error: stderr
         print("usage: loom eval CHECKPOINT --dataset DATA [--val-fraction F] [--val-dataset "
               "[NAME=]PATH ...] [training flags: --eval-steps (default: the whole set), "
-              "--batch-size, --seq-len, mesh...]",
+              "--batch-size, --seq-len, mesh...]\n       loom eval CHECKPOINT --tasks T1,T2 "
+              "[--tasks-include PATH] [--tasks-limit N] (lm-evaluation-harness; one process)",
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
+    tasks = asks_for_tasks(argv[1:])
     try:
-        run_eval(Path(argv[0]), argv[1:])
+        (run_tasks_eval if tasks else run_eval)(Path(argv[0]), argv[1:])
     except ConfigError as e:
-        if rank == 0:
+        if rank == 0 or tasks:  # each task-eval rank checks for itself
             print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # rank-specific: every rank reports its own

@@ -263,6 +263,16 @@ class EvalConfig:
     eval_every: int = flag(0, "validation loss every N steps (0 = only after the last step)")
     eval_steps: int = flag(8, "global batches per validation (at most the whole set; 0 = the "
                            "whole set; loom eval's default: 0)")
+    eval_tasks: str | None = flag(
+        None, "lm-evaluation-harness tasks, comma-separated (the eval extra): run after the "
+        "last step and every --eval-tasks-every steps, logged as eval/TASK/METRIC; "
+        "`loom eval CKPT --tasks` runs them on a checkpoint", aliases=("--tasks",), type=str)
+    eval_tasks_every: int = flag(0, "--eval-tasks every N steps (0 = only after the last step)")
+    eval_tasks_include: str | None = flag(
+        None, "a folder or YAML file of local lm-evaluation-harness task configs for "
+        "--eval-tasks", aliases=("--tasks-include",), type=str)
+    eval_tasks_limit: int = flag(0, "--eval-tasks: at most N documents of each task (0 = all)",
+                                 aliases=("--tasks-limit",))
 
 
 @dataclass(frozen=True)

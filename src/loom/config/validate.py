@@ -143,6 +143,11 @@ def _validate_eval(e: EvalConfig) -> None:
                           f"set), got {e.eval_every} and {e.eval_steps}")
     if e.eval_every and not (e.val_fraction or e.val_dataset):
         raise ConfigError("--eval-every needs validation data: --val-dataset or --val-fraction")
+    if e.eval_tasks_every < 0 or e.eval_tasks_limit < 0:
+        raise ConfigError(f"--eval-tasks-every and --eval-tasks-limit must be >= 0, got "
+                          f"{e.eval_tasks_every} and {e.eval_tasks_limit}")
+    if (e.eval_tasks_every or e.eval_tasks_include) and not e.eval_tasks:
+        raise ConfigError("--eval-tasks-every and --eval-tasks-include need --eval-tasks")
 
 
 def _validate_cp(cfg: JobConfig) -> None:
@@ -256,6 +261,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("--save-hf exports the final checkpoint: give --checkpoint-interval")
     _validate_output(cfg.output)
     _validate_eval(cfg.eval)
+    if cfg.eval.eval_tasks and (p.pp > 1 or p.cp > 1):  # each rank runs the model whole
+        raise ConfigError("--eval-tasks scores the tasks with the whole model on every rank: "
+                          "not with --pp or --cp yet")
     if d.streaming and (t.max_steps is None or cfg.eval.val_fraction
                         or d.dataset == "random" or d.num_workers):
         raise ConfigError("--streaming needs --max-steps (a stream has no epoch length) and "

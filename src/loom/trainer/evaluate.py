@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -102,15 +103,22 @@ class Evaluator:
                 f"{self.prefix}tokens": int(packed[1])}
 
 
+class Periodic(Protocol):
+    """An evaluation of its own cadence (benchmark tasks: `loom.lmeval.periodic`)."""
+
+    def maybe_evaluate(self, step: int, final: bool) -> dict[str, float]: ...
+
+
 class Validation:
     """Every validation set of a run, evaluated at the same steps, in the order given; the
-    keys of all of them in one dict (each set's under its own prefix)."""
+    keys of all of them in one dict (each set's under its own prefix), with those of the
+    run's other evaluations (`others`, each when it is due)."""
 
-    def __init__(self, evaluators: dict[str, Evaluator]):
-        self.evaluators = evaluators
+    def __init__(self, evaluators: dict[str, Evaluator], others: Sequence[Periodic] = ()):
+        self.evaluators, self.others = evaluators, list(others)
 
     def maybe_evaluate(self, step: int, final: bool) -> dict[str, float]:
-        return {k: v for e in self.evaluators.values()
+        return {k: v for e in [*self.evaluators.values(), *self.others]
                 for k, v in e.maybe_evaluate(step, final).items()}
 
     def evaluate(self) -> dict[str, float]:
@@ -127,9 +135,13 @@ def build_validation(datasets: dict[str, Dataset], executor: StepExecutor, dims:
 
 
 def build_evaluator(datasets: dict[str, Dataset], cfg: JobConfig, dims: ParallelDims,
-                    executor: StepExecutor, device: torch.device) -> Validation | None:
-    """The run's validation (None without validation data)."""
-    if not datasets:
+                    executor: StepExecutor, device: torch.device,
+                    others: Sequence[Periodic | None] = ()) -> Validation | None:
+    """The run's validation and other evaluations (None without any)."""
+    others = [o for o in others if o is not None]
+    if not datasets and not others:
         return None
-    return build_validation(datasets, executor, dims, device, cfg.train.batch_size,
-                            cfg.eval.eval_steps, cfg.eval.eval_every)
+    validation = build_validation(datasets, executor, dims, device, cfg.train.batch_size,
+                                  cfg.eval.eval_steps, cfg.eval.eval_every)
+    validation.others = others
+    return validation

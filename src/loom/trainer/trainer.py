@@ -21,6 +21,7 @@ from loom.data.loaders import build_dataloader, end_of_text
 from loom.data.mixture import mixture_state, mixture_summary
 from loom.data.streaming import StreamLoader, data_state
 from loom.errors import NonFiniteLossError, Preempted
+from loom.lmeval import build_task_evaluation
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.models.resolve import model_args, plain_model
 from loom.numerics import float8 as _float8  # noqa: F401  (registers the --float8 converter and hook)
@@ -91,7 +92,9 @@ class Trainer:
         self.model = parts_module(self.model_parts)  # every parameter this rank holds
         self.executor = build_executor(self.model_parts, cfg, dims, device,
                                        end_of_text(start.dataset))
-        self.evaluator = build_evaluator(start.val_datasets, cfg, dims, self.executor, device)
+        tasks = build_task_evaluation(cfg, self.model, device, outdir, info.is_main)
+        self.evaluator = build_evaluator(start.val_datasets, cfg, dims, self.executor, device,
+                                         [tasks])
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps())
         self.checkpointer = Checkpointer(outdir, cfg.checkpoint.checkpoint_interval,

@@ -1,0 +1,35 @@
+"""Benchmark tasks through lm-evaluation-harness, an optional extra (`pip install
+'loom[eval]'`): `model` wraps loom's model as the harness's `LM`, `harness` finds and runs
+tasks. Both import `lm_eval`; callers check `require_lm_eval` first and import them by name,
+so loom runs without the extra until tasks are asked for."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.config import ConfigError, JobConfig
+
+
+def require_lm_eval(flag: str) -> ModuleType:
+    """`loom.lmeval.harness`, or one line saying how to install what it needs."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(f"{flag} needs lm-evaluation-harness, which is not installed: "
+                          "pip install 'loom[eval]' (or lm_eval>=0.4)")
+    return importlib.import_module("loom.lmeval.harness")
+
+
+def build_task_evaluation(cfg: JobConfig, model: nn.Module, device: torch.device,
+                          outdir: Path, is_main: bool) -> Any:
+    """The run's --eval-tasks (a `loom.lmeval.periodic.TaskEvaluation`), None without."""
+    if not cfg.eval.eval_tasks:
+        return None
+    require_lm_eval("--eval-tasks")
+    periodic = importlib.import_module("loom.lmeval.periodic")
+    return periodic.TaskEvaluation(cfg, model, device, outdir, is_main)
