@@ -23,7 +23,7 @@ def test_moe_checkpoint_records_its_arguments_and_export_names_what_it_lacks(tmp
            "score_func", "route_norm", "route_scale", "load_balance_coeff", "aux_loss_coeff"}
     recorded = {k: loop["model_args"].get(k) for k in moe}
     assert recorded == {k: config[k] for k in moe}, (recorded, config)
-    assert loop["architecture"]["kind"] == "moe", loop["architecture"]
+    assert loop["architecture"]["family"] == "moe", loop["architecture"]
 
     assert export_main([str(step), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
