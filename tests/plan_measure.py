@@ -27,10 +27,10 @@ from torch.profiler import ProfilerActivity, profile
 from loom.config import JobConfig, parse_args
 from loom.config.pipeline import stages_per_rank
 from loom.observability.profiling import peak_live_bytes
-from loom.parallel.mesh import ParallelDims
 from loom.plan.trace import Breakdown
 from loom.runtime.distributed import init_distributed, rank_info, teardown
 from loom.runtime.logs import setup_logging
+from loom.trainer.scoped import training
 from loom.trainer.trainer import Trainer
 
 
@@ -111,12 +111,8 @@ def main(runs: list[list[str]]) -> None:
             raise ValueError("a run measured at the allocator needs a job of its own")
         for i, argv in enumerate(runs):
             cfg = parse_args(argv)
-            trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
-                              device)
-            try:
+            with training(cfg, info, device) as trainer:  # the run's compiler settings too
                 peak = measure_step(trainer)
-            finally:
-                trainer.close()
             print("MEASURED " + json.dumps({"run": i, "rank": info.rank, "peak": peak}),
                   flush=True)
     finally:
