@@ -42,6 +42,7 @@ def train(root: Path) -> None:
     """Every multi-rank MoE comparison of the suite, trained under this process's
     capability into `root/<suite>/<layout>`."""
     moe.train_layouts(root / "moe")
+    moe.launch(4, moe.SLOW_LAYOUTS, root / "moe")
     simple.train_layouts(root / "simple")
     single = compiled.train_reference(root / "compiled")
     for case in compiled.CASES:
@@ -53,7 +54,7 @@ def train(root: Path) -> None:
 def pairs(root: Path) -> dict[str, tuple[Path, Path]]:
     """Every compared (candidate, reference) pair under `root`, by `suite/layout`."""
     found = {f"moe/{name}": (root / "moe" / name, root / "moe" / moe.reference_of(name))
-             for name in moe.LAYOUTS if name not in moe.SINGLES}
+             for name in {**moe.LAYOUTS, **moe.SLOW_LAYOUTS} if name not in moe.SINGLES}
     found |= {f"simple/{name}": (root / "simple" / name, root / "simple" / "single")
               for name in simple.LAYOUTS}
     found |= {f"compiled/{case}": (root / "compiled" / case, root / "compiled" / "single")

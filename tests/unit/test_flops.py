@@ -14,6 +14,7 @@ from loom.models.llama.model import ModelArgs, Transformer
 from loom.models.resolve import plain_model
 from loom.observability import flops
 from loom.observability.metrics import run_facts, step_flops
+from loom.observability.metrics.facts import sample_flops
 from loom.parallel.mesh import ParallelDims
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
@@ -277,3 +278,17 @@ def test_idle_bf16_machine_caches_its_peak_and_does_not_measure_again(tmp_path, 
     assert measured >= 2 and (tmp_path / flops.PEAK_CACHE).exists()
     assert flops.measured_peak(CPU, torch.bfloat16, tmp_path) == first
     assert len(rounds) == measured, "the second run measured the peak again"
+
+
+@pytest.mark.parametrize("model", ["debug", "moe-debug"])
+def test_a_step_counts_its_samples_times_one_sample_and_reuses_the_count(model, tmp_path):
+    """`step_flops` counts one sample once per process and scales it; that is exact only if
+    every operator's FLOPs are linear in the batch, which this checks against a count of the
+    whole batch (a quadratic-in-batch term or a per-batch constant would show)."""
+    cfg = parse_args(["--model", model, "--seq-len", "64", "--batch-size", "3",
+                      "--grad-accum-steps", "2", "--cache-dir", str(tmp_path)])
+    whole = flops.count_step_flops(lambda: plain_model(cfg), 6, 64)
+    hits = sample_flops.cache_info().hits
+    first, again = step_flops(cfg, plain_model), step_flops(cfg, plain_model)
+    assert first == again == whole
+    assert sample_flops.cache_info().hits >= hits + 1

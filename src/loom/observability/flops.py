@@ -1,7 +1,7 @@
 """Model FLOPs per step (counted, not guessed), the device's peak FLOP/s, and MFU.
 
 The count is forward + backward of the *unsharded* model at the real (batch, seq) shape,
-run under fake tensors (nothing allocated, so it cannot OOM) with the math attention
+run on the meta device (nothing allocated, so it cannot OOM) with the math attention
 kernel forced so attention's matmuls are seen (full T x T, no causal discount). The count
 runs in bf16, where MoE experts take `torch._grouped_mm` (FLOPs: 2 x routed rows x in x
 out, i.e. tokens x top-k; formula registered below), so MoE counts are exact too. These are
@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
@@ -92,12 +91,13 @@ def _train_step_flops(model: nn.Module, tokens: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
-def _fake_count(build_model: Callable[[], nn.Module], batch: int, seq: int) -> float:
-    """bf16 parameters, so MoE experts take the grouped matmul (FLOPs do not depend on the
-    dtype; the fp32 expert loop reads routing counts on the host, which fake tensors cannot)."""
-    with FakeTensorMode():
-        with default_dtype(torch.bfloat16):
-            model = build_model()
+def _meta_count(build_model: Callable[[], nn.Module], batch: int, seq: int) -> float:
+    """On the meta device: shapes only, no data, and ~2.5x cheaper than fake tensors (no
+    per-operator cache keys), which mattered because every run counts once per rank. bf16
+    parameters, so MoE experts take the grouped matmul (FLOPs do not depend on the dtype; the
+    fp32 expert loop reads routing counts on the host, which meta tensors cannot)."""
+    with torch.device("meta"), default_dtype(torch.bfloat16):
+        model = build_model()
         return float(_train_step_flops(model, torch.zeros(batch, seq, dtype=torch.long)))
 
 
@@ -108,11 +108,11 @@ def _probe_count(build_model: Callable[[], nn.Module], batch: int, seq: int) -> 
 
 
 def count_step_flops(build_model: Callable[[], nn.Module], batch: int, seq: int) -> FlopCount:
-    """Count under fake tensors; if that fails, a small real probe scaled by tokens."""
+    """Count on the meta device; if that fails, a small real probe scaled by tokens."""
     try:
-        return FlopCount(_fake_count(build_model, batch, seq), exact=True)
-    except Exception as e:  # any failure of the fake run; the probe is the documented fallback
-        logger.warning("FLOP count under fake tensors failed (%s: %s); using a %d-token real "
+        return FlopCount(_meta_count(build_model, batch, seq), exact=True)
+    except Exception as e:  # any failure of the meta run; the probe is the documented fallback
+        logger.warning("FLOP count on the meta device failed (%s: %s); using a %d-token real "
                        "probe scaled by tokens: attention is under-counted and MFU is a lower "
                        "bound", type(e).__name__, str(e).splitlines()[0][:200], PROBE_TOKENS)
     return FlopCount(_probe_count(build_model, batch, seq), exact=False)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import platform
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.config import JobConfig
+from loom.config import JobConfig, ModelConfig
 from loom.data.cache import default_cache_dir
 from loom.numerics.precision import resolve_precision, torch_dtype
 from loom.observability import flops
@@ -45,9 +46,20 @@ class RunFacts:
 
 def step_flops(cfg: JobConfig, build_model: Callable[[JobConfig], nn.Module]) -> flops.FlopCount:
     """Forward + backward FLOPs of one dp rank's optimizer step (batch x grad accum samples),
-    counted on the unparallelized model that `build_model` makes from the config."""
-    samples = cfg.train.batch_size * cfg.train.grad_accum_steps
-    return flops.count_step_flops(lambda: build_model(cfg), samples, cfg.data.seq_len)
+    counted on the unparallelized model that `build_model` makes from the config's model
+    section: one sample's count times the samples (every operator's FLOPs are linear in the
+    batch; tests/unit/test_flops.py checks it)."""
+    one = sample_flops(build_model, cfg.model, cfg.data.seq_len)
+    return replace(one, flops=one.flops * cfg.train.batch_size * cfg.train.grad_accum_steps)
+
+
+@lru_cache(maxsize=16)
+def sample_flops(build_model: Callable[[JobConfig], nn.Module], model: ModelConfig,
+                 seq: int) -> flops.FlopCount:
+    """One sample's count, kept per process: the same model at the same sequence length
+    counts the same, and `loom verify`, the parity harness and `loom.fit` callers build many
+    runs of one model in one process (each count is a forward and backward of the model)."""
+    return flops.count_step_flops(lambda: build_model(JobConfig(model=model)), 1, seq)
 
 
 def run_facts(cfg: JobConfig, dims: ParallelDims, device: torch.device, parameters: int,
