@@ -20,8 +20,6 @@ LAYOUTS = {  # name: (world size, flags); seq 64 splits into 2 x cp chunks (and 
     "cp2_dp2": (4, ["--cp", "2", "--dp-shard", "2"]),
     "cp2_tp2": (4, ["--cp", "2", "--tp", "2"]),
     "cp2_simple_fsdp": (2, ["--cp", "2", "--data-parallel", "simple-fsdp"]),
-    "cp2_dp2_simple_fsdp": (4, ["--cp", "2", "--dp-shard", "2", "--data-parallel",
-                                "simple-fsdp"]),
 }
 
 
@@ -47,6 +45,8 @@ SLOW_LAYOUTS = {
                                  "--loss-impl", "loss-parallel"]),
     "cp2_hsdp": (4, ["--cp", "2", "--dp-replicate", "2", "--dp-shard", "1"]),
     "cp2_tp2_simple_fsdp": (4, ["--cp", "2", "--tp", "2", "--data-parallel", "simple-fsdp"]),
+    "cp2_dp2_simple_fsdp": (4, ["--cp", "2", "--dp-shard", "2", "--data-parallel",
+                                "simple-fsdp"]),  # the default's cp2_simple_fsdp x cp2_dp2
     "cp2_chunked": (2, ["--cp", "2", "--loss-impl", "chunked", "--loss-chunk-size", "16"]),
     "cp2_chunked_backward": (2, ["--cp", "2", "--loss-impl", "chunked-backward",
                                  "--loss-chunk-size", "16"]),

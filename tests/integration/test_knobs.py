@@ -27,20 +27,48 @@ AC_ATOL = 1e-6
 COMPILE_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def knob_runs(tmp_path_factory) -> tuple[Path, str]:
-    root = tmp_path_factory.mktemp("knobs")
-    runs = [[*COMMON, *layout, *knob, "--outdir", str(root / f"{name}-{kname}")]
-            for name, layout in LAYOUTS.items() for kname, knob in KNOBS.items()]
+SLOW_CELLS = {("tp2", "selective"), ("tp2", "op"), ("tp2", "compile_budget")}
+"""Run in the slow selection: selective and op checkpointing and the memory budget wrap the
+same modules at tp 2 as at dp 2 (the default selection's cells); block AC and compile keep
+their tp 2 cells there."""
+
+
+def cells(knobs: list[str]) -> list:
+    return [pytest.param(layout, knob, marks=pytest.mark.slow) if (layout, knob) in SLOW_CELLS
+            else (layout, knob) for layout in LAYOUTS for knob in knobs]
+
+
+def train(root: Path, names: list[tuple[str, str]]) -> str:
+    """The (layout, knob) runs into `root` in one 2-rank job; rank 0's stdout."""
+    runs = [[*COMMON, *LAYOUTS[layout], *KNOBS[knob], "--outdir", str(root / f"{layout}-{knob}")]
+            for layout, knob in names]
     job = run_ranks(2, ["tests/workers/parity_worker.py", json.dumps(runs), "--grads"],
                     timeout=1200, env={"LOOM_COMPILE_BACKEND": "aot_eager"})
     assert job.ok, job.describe()
-    return root, job.ranks[0].stdout
+    return job.ranks[0].stdout
+
+
+@pytest.fixture(scope="module")
+def default_knob_runs(tmp_path_factory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("knobs")
+    return root, train(root, [(layout, knob) for layout in LAYOUTS for knob in KNOBS
+                              if (layout, knob) not in SLOW_CELLS])
+
+
+@pytest.fixture(scope="module")
+def slow_knob_runs(default_knob_runs) -> tuple[Path, str]:
+    root, _ = default_knob_runs  # beside the plain runs they are compared with
+    return root, train(root, sorted(SLOW_CELLS))
+
+
+@pytest.fixture
+def knob_runs(request, layout: str, knob: str) -> tuple[Path, str]:
+    slow = (layout, knob) in SLOW_CELLS
+    return request.getfixturevalue("slow_knob_runs" if slow else "default_knob_runs")
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("knob", ["block", "selective", "op"])
+@pytest.mark.parametrize(("layout", "knob"), cells(["block", "selective", "op"]))
 def test_activation_checkpointing_matches_plain_run(knob_runs, layout: str, knob: str) -> None:
     root, _ = knob_runs
     plain, ac = root / f"{layout}-none", root / f"{layout}-{knob}"
@@ -55,8 +83,7 @@ def test_activation_checkpointing_matches_plain_run(knob_runs, layout: str, knob
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("knob", ["compile", "compile_budget"])
+@pytest.mark.parametrize(("layout", "knob"), cells(["compile", "compile_budget"]))
 def test_compile_matches_plain_run(knob_runs, layout: str, knob: str) -> None:
     root, stdout = knob_runs
     assert "compiled 4 blocks (aot_eager" in stdout

@@ -16,6 +16,7 @@ from loom.observability import flops
 from loom.observability.metrics import run_facts, step_flops
 from loom.observability.metrics.facts import sample_flops
 from loom.parallel.mesh import ParallelDims
+from tests.hf_models import save_tiny_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
 BATCH, SEQ = 2, 256
@@ -292,3 +293,15 @@ def test_a_step_counts_its_samples_times_one_sample_and_reuses_the_count(model, 
     first, again = step_flops(cfg, plain_model), step_flops(cfg, plain_model)
     assert first == again == whole
     assert sample_flops.cache_info().hits >= hits + 1
+
+
+def test_a_model_that_reads_values_on_the_host_is_still_counted_exactly(tmp_path, caplog):
+    """transformers' modules call `.item()`, which the meta device refuses: the count falls
+    back to fake tensors (exact, no warning), not to the under-counting probe."""
+    save_tiny_model(tmp_path / "qwen2", "qwen2")
+    cfg = parse_args(["--model", str(tmp_path / "qwen2"), "--model-impl", "transformers",
+                      "--seq-len", "32", "--batch-size", "2", "--cache-dir", str(tmp_path)])
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        counted = step_flops(cfg, plain_model)
+    assert counted.exact and "lower bound" not in caplog.text
+    assert counted.flops == flops.count_step_flops(lambda: plain_model(cfg), 2, 32).flops

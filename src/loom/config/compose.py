@@ -121,9 +121,9 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
     ("dp_shard", "fused-linear"): "tests/integration/test_losses_multirank.py::"
                                   "test_five_step_losses_match_eager[dp2/fused-linear]",
     ("dp_shard", "compile"): "tests/integration/test_knobs.py::"
-                             "test_compile_matches_plain_run[compile-dp2]",
+                             "test_compile_matches_plain_run[dp2-compile]",
     ("dp_shard", "ac"): "tests/integration/test_knobs.py::"
-                        "test_activation_checkpointing_matches_plain_run[block-dp2]",
+                        "test_activation_checkpointing_matches_plain_run[dp2-block]",
     ("dp_replicate", "cp"): "tests/test_cp_parity.py::test_slow_cp_layout_matches_single_"
                             "process[cp2_hsdp]",
     ("dp_replicate", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process"
@@ -142,9 +142,9 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
     ("tp", "loss-parallel"): "tests/integration/test_losses_multirank.py::"
                              "test_five_step_losses_match_eager[tp2/loss-parallel]",
     ("tp", "compile"): "tests/integration/test_knobs.py::"
-                       "test_compile_matches_plain_run[compile-tp2]",
+                       "test_compile_matches_plain_run[tp2-compile]",
     ("tp", "ac"): "tests/integration/test_knobs.py::"
-                  "test_activation_checkpointing_matches_plain_run[block-tp2]",
+                  "test_activation_checkpointing_matches_plain_run[tp2-block]",
     ("pp-1f1b", "ac"): "tests/test_pipeline_parity.py::"
                        "test_pipeline_layout_matches_single_process_slow[pp2_ac]",
     ("cp", "simple-fsdp"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process"

@@ -1,8 +1,9 @@
 """Model FLOPs per step (counted, not guessed), the device's peak FLOP/s, and MFU.
 
 The count is forward + backward of the *unsharded* model at the real (batch, seq) shape,
-run on the meta device (nothing allocated, so it cannot OOM) with the math attention
-kernel forced so attention's matmuls are seen (full T x T, no causal discount). The count
+run on the meta device or under fake tensors (nothing allocated, so it cannot OOM) with the
+math attention kernel forced so attention's matmuls are seen (full T x T, no causal
+discount). The count
 runs in bf16, where MoE experts take `torch._grouped_mm` (FLOPs: 2 x routed rows x in x
 out, i.e. tokens x top-k; formula registered below), so MoE counts are exact too. These are
 model FLOPs: activation recompute is not counted, so MFU is model, not hardware, FLOPs
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
@@ -91,12 +93,15 @@ def _train_step_flops(model: nn.Module, tokens: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
-def _meta_count(build_model: Callable[[], nn.Module], batch: int, seq: int) -> float:
-    """On the meta device: shapes only, no data, and ~2.5x cheaper than fake tensors (no
-    per-operator cache keys), which mattered because every run counts once per rank. bf16
-    parameters, so MoE experts take the grouped matmul (FLOPs do not depend on the dtype; the
-    fp32 expert loop reads routing counts on the host, which meta tensors cannot)."""
-    with torch.device("meta"), default_dtype(torch.bfloat16):
+def _shape_only_count(build_model: Callable[[], nn.Module], batch: int, seq: int,
+                      meta: bool) -> float:
+    """Nothing allocated. The meta device first: ~2.5x cheaper than fake tensors (no
+    per-operator cache keys), which matters because every run counts on every rank; fake
+    tensors where a model reads a value on the host (transformers' modules call `.item()`,
+    which meta tensors refuse). bf16 parameters, so MoE experts take the grouped matmul
+    (FLOPs do not depend on the dtype; the fp32 expert loop reads routing counts on the
+    host)."""
+    with torch.device("meta") if meta else FakeTensorMode(), default_dtype(torch.bfloat16):
         model = build_model()
         return float(_train_step_flops(model, torch.zeros(batch, seq, dtype=torch.long)))
 
@@ -108,11 +113,16 @@ def _probe_count(build_model: Callable[[], nn.Module], batch: int, seq: int) -> 
 
 
 def count_step_flops(build_model: Callable[[], nn.Module], batch: int, seq: int) -> FlopCount:
-    """Count on the meta device; if that fails, a small real probe scaled by tokens."""
+    """Count on the meta device, else under fake tensors; if both fail, a small real probe
+    scaled by tokens."""
     try:
-        return FlopCount(_meta_count(build_model, batch, seq), exact=True)
-    except Exception as e:  # any failure of the meta run; the probe is the documented fallback
-        logger.warning("FLOP count on the meta device failed (%s: %s); using a %d-token real "
+        return FlopCount(_shape_only_count(build_model, batch, seq, meta=True), exact=True)
+    except Exception:  # a model that reads values on the host: fake tensors can give them
+        pass
+    try:
+        return FlopCount(_shape_only_count(build_model, batch, seq, meta=False), exact=True)
+    except Exception as e:  # any failure of the fake run; the probe is the documented fallback
+        logger.warning("FLOP count under fake tensors failed (%s: %s); using a %d-token real "
                        "probe scaled by tokens: attention is under-counted and MFU is a lower "
                        "bound", type(e).__name__, str(e).splitlines()[0][:200], PROBE_TOKENS)
     return FlopCount(_probe_count(build_model, batch, seq), exact=False)
