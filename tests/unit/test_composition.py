@@ -95,8 +95,11 @@ def test_each_tested_cell_names_a_collected_test() -> None:
 
 
 def test_the_refusals_off_the_matrix_still_refuse() -> None:
-    """The table's rows that cover no matrix cell (MoE's balance loss) apply."""
-    cases = {"--aux-loss-coeff": {"model": "moe-debug", "cp": 2, "aux_loss_coeff": 0.01}}
+    """The table's rows that cover no matrix cell (MoE's balance loss, SimpleFSDP with
+    compile and AC together) apply."""
+    cases = {"--aux-loss-coeff": {"model": "moe-debug", "cp": 2, "aux_loss_coeff": 0.01},
+             "compiled autograd": {"dp_shard": 2, "data_parallel": "simple-fsdp",
+                                   "compile": True, "activation_checkpoint": "block"}}
     assert len(cases) == sum(1 for r in REFUSALS if not r.cells)
     for text, flags in cases.items():
         with pytest.raises(ConfigError, match=text):
