@@ -100,6 +100,7 @@ def test_the_refusals_off_the_matrix_still_refuse() -> None:
     cases = {"--aux-loss-coeff": {"model": "moe-debug", "cp": 2, "aux_loss_coeff": 0.01},
              "compiled autograd": {"dp_shard": 2, "data_parallel": "simple-fsdp",
                                    "compile": True, "activation_checkpoint": "block"}}
+    # (the same row refuses tp 2 with compile and AC: tests/unit/test_knobs.py)
     assert len(cases) == sum(1 for r in REFUSALS if not r.cells)
     for text, flags in cases.items():
         with pytest.raises(ConfigError, match=text):

@@ -39,10 +39,10 @@ def test_hugging_face_models_are_refused_with_one_line() -> None:
                            "data_parallel": "simple-fsdp"}, environ={})
 
 
-def test_compile_with_ac_warns_under_simple_fsdp() -> None:
-    cfg = config_from_flags({"data_parallel": "simple-fsdp", "compile": True,
-                             "activation_checkpoint": "block"}, environ={})
-    assert any("known to fail upstream" in w for w in cfg.warnings)
+def test_compile_with_ac_is_refused_under_simple_fsdp() -> None:
+    with pytest.raises(ConfigError, match="fails in torch .* compiled autograd"):
+        config_from_flags({"data_parallel": "simple-fsdp", "compile": True,
+                           "activation_checkpoint": "block"}, environ={})
 
 
 @pytest.mark.parametrize(("replicate", "shard", "cp", "dims", "mode"), [

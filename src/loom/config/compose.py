@@ -94,16 +94,18 @@ REFUSALS: tuple[Refusal, ...] = (
                       "is untested with torchao's float8 weights)",
             "loom: SimpleFSDP's gather parametrization is untested with torchao's float8 "
             "weight subclass; refused until a parity test runs it"),
-    Refusal((), lambda c: _simple(c) and c.parallel.compile
-            and c.parallel.activation_checkpoint != "none",
-            lambda c: f"--data-parallel simple-fsdp with --compile and --ac "
-                      f"{c.parallel.activation_checkpoint} fails in torch {TORCH_CHECKED}'s "
-                      "compiled autograd; drop --compile or --ac, or use --data-parallel fsdp2",
-            f"SimpleFSDP with --compile and --ac together: torch {TORCH_CHECKED}'s compiled "
-            "autograd asserts that every tensor it saves is a tensor, and the checkpointed "
-            "gather saves its DeviceMesh (`expected all tensors_saved_with_vc_check to be "
-            "Tensors`; seen at dp_shard 2 and HSDP 2 x 2). Each pair alone trains (its tests "
-            "above)"),
+    Refusal((), lambda c: c.parallel.compile and c.parallel.activation_checkpoint != "none"
+            and (_simple(c) or c.parallel.tp > 1),
+            lambda c: f"--compile with --ac {c.parallel.activation_checkpoint} at --tp "
+                      f"{c.parallel.tp} (--data-parallel {c.parallel.data_parallel}) fails in "
+                      f"torch {TORCH_CHECKED}'s compiled autograd; drop --ac (use "
+                      "--act-mem-budget) or --compile",
+            f"--compile with --ac under TP or SimpleFSDP: torch {TORCH_CHECKED}'s compiled "
+            "autograd asserts that everything it saves is a tensor, and the checkpointed "
+            "DTensor redistribution saves its DeviceMesh (`expected all "
+            "tensors_saved_with_vc_check to be Tensors`; seen at tp 2, at SimpleFSDP dp_shard "
+            "2 and HSDP 2 x 2). Each pair alone trains (its tests above); under FSDP2 at tp 1 "
+            "compile with AC trains"),
     Refusal((("pp-1f1b", "simple-fsdp"), ("pp-interleaved", "simple-fsdp")),
             lambda c: _pp(c) and _simple(c),
             lambda c: "--pp needs --data-parallel fsdp2 (SimpleFSDP stages are not wired "

@@ -60,13 +60,6 @@ def knob_warnings(p: ParallelConfig, budget_given: bool) -> list[str]:
     if budget_given and not p.compile:
         warnings.append("--act-mem-budget has no effect without --compile "
                         "(it sets the compiler's partitioner budget)")
-    if p.compile and p.activation_checkpoint != "none" and (
-            p.tp > 1 or p.data_parallel == "simple-fsdp"):
-        warnings.append(
-            f"--compile with --ac {p.activation_checkpoint} at --tp {p.tp} (--data-parallel "
-            f"{p.data_parallel}) is known to fail "
-            "upstream in AOTAutograd ('expected all tensors_saved_with_vc_check to be "
-            "Tensors'); drop --ac (use --act-mem-budget) or --compile")
     return warnings
 
 

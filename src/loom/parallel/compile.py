@@ -24,7 +24,7 @@ breaks:
 - FSDP2 with EP and activation checkpointing: the routed experts (and their all-to-all)
   stay eager and the run says so in one line: the graph break above would fall inside the
   checkpointed region, which Dynamo takes only whole. (SimpleFSDP with `--ac` under compile
-  fails upstream for every model, MoE or not; config warns.)
+  fails upstream for every model, MoE or not; validation refuses it.)
 """
 
 from __future__ import annotations
