@@ -82,7 +82,8 @@ def measure(repeats: int) -> dict[str, dict[str, list[dict[str, float]]]]:
             for scope in SCOPES:
                 shutil.rmtree(cache, ignore_errors=True)
                 for state in ("cold", "warm"):
-                    runs[scope][state].append(start_once(scope, cache, Path(tmp) / f"{r}"))
+                    outdir = Path(tmp) / f"{r}-{state}"  # a fresh run folder for each start
+                    runs[scope][state].append(start_once(scope, cache, outdir))
     return runs
 
 
