@@ -52,23 +52,12 @@ def random_data_trainer(flags: list[str]) -> Iterator:
     """This rank's Trainer for `flags` on random data in a throwaway run folder (one compute
     thread per CPU rank); the process group is torn down afterwards."""
     from loom.config import parse_args
-    from loom.parallel.mesh import ParallelDims
-    from loom.runtime.distributed import init_distributed, rank_info, teardown
-    from loom.trainer.trainer import Trainer
+    from rank_trainer import rank_trainer
 
-    info = rank_info()
-    device = init_distributed(info)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as outdir:
         cfg = parse_args([*flags, "--dataset", "random", "--seed", "0", "--outdir", outdir])
-        trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
-                          device)
-        try:
+        with rank_trainer(cfg, cpu_threads=1) as trainer:
             yield trainer
-        finally:
-            trainer.close()
-    teardown()
 
 
 def measure(flags: list[str], timed_steps: int) -> dict | None:

@@ -30,10 +30,9 @@ SCOPES = ("train", "data")
 
 
 def worker_train(argv: list[str]) -> dict[str, float]:
-    from loom.config import parse_args, resolve
-    from loom.parallel.mesh import ParallelDims
-    from loom.runtime.distributed import init_distributed, rank_info, teardown
-    from loom.trainer import trainer as train
+    from loom.config import parse_args
+    from loom.trainer import resolve
+    from rank_trainer import rank_trainer
 
     build_datasets, data_s = resolve.build_datasets, []
 
@@ -44,12 +43,8 @@ def worker_train(argv: list[str]) -> dict[str, float]:
         return out
 
     resolve.build_datasets = timed_build
-    info, cfg = rank_info(), parse_args(argv)
-    trainer = train.Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
-                            init_distributed(info))
-    ready = time.time()
-    trainer.close()
-    teardown()
+    with rank_trainer(parse_args(argv)):
+        ready = time.time()
     return {"ready": ready, "data_s": data_s[0]}
 
 
@@ -87,7 +82,8 @@ def measure(repeats: int) -> dict[str, dict[str, list[dict[str, float]]]]:
             for scope in SCOPES:
                 shutil.rmtree(cache, ignore_errors=True)
                 for state in ("cold", "warm"):
-                    runs[scope][state].append(start_once(scope, cache, Path(tmp) / f"{r}"))
+                    outdir = Path(tmp) / f"{r}-{state}"  # a fresh run folder for each start
+                    runs[scope][state].append(start_once(scope, cache, outdir))
     return runs
 
 

@@ -172,39 +172,30 @@ def loom_run(flags: list[str], steps: int, warmup: int) -> profile | None:
     (a logging step: the end) is left out. Rank 0 returns the record."""
     from loom.config import parse_args
     from loom.models.resolve import resolve_model
-    from loom.parallel.mesh import ParallelDims
-    from loom.runtime.distributed import init_distributed, rank_info, teardown
-    from loom.trainer.trainer import Trainer
+    from rank_trainer import rank_trainer
 
-    info = rank_info()
-    device = init_distributed(info)
     total = warmup + steps + 1
     with tempfile.TemporaryDirectory() as outdir:
         cfg = resolve_model(parse_args([*flags, "--dataset", "random", "--seed", "0",
                                         "--max-steps", str(total), "--log-every",
                                         str(10 * total), "--outdir", outdir]))
-        trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
-                          device)
-        trainer.batches = marked_loader(trainer.batches)  # type: ignore[method-assign]
-        step, prof = trainer.train_step, profile(activities=[ProfilerActivity.CPU])
+        with rank_trainer(cfg) as trainer:
+            trainer.batches = marked_loader(trainer.batches)  # type: ignore[method-assign]
+            step, prof = trainer.train_step, profile(activities=[ProfilerActivity.CPU])
 
-        def recorded_step(micro: Any) -> Any:
-            done = trainer.loop.step
-            if done == warmup:
-                prof.start()
-            elif done == warmup + steps:
-                prof.stop()
-            if warmup <= done < warmup + steps:
-                mark_step()
-            return step(micro)
+            def recorded_step(micro: Any) -> Any:
+                done = trainer.loop.step
+                if done == warmup:
+                    prof.start()
+                elif done == warmup + steps:
+                    prof.stop()
+                if warmup <= done < warmup + steps:
+                    mark_step()
+                return step(micro)
 
-        trainer.train_step = recorded_step  # type: ignore[method-assign]
-        try:
+            trainer.train_step = recorded_step  # type: ignore[method-assign]
             trainer.fit()
-        finally:
-            trainer.close()
-    teardown()
-    return prof if info.rank == 0 else None
+    return prof if trainer.info.rank == 0 else None
 
 
 def worker(case: str, model_flags: list[str], steps: int, warmup: int) -> None:

@@ -32,7 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from memtrack import peak_live_bytes, reset_rss_high_water, rss_high_water
@@ -53,30 +52,22 @@ CONFIGS = {
 def measure(name: str, timed_steps: int) -> dict:
     """Run in the subprocess: one warm-up step, `timed_steps` timed, one profiled for memory."""
     from loom.config import parse_args
-    from loom.parallel.mesh import ParallelDims
-    from loom.runtime.distributed import init_distributed, rank_info, teardown
-    from loom.trainer.trainer import Trainer
+    from rank_trainer import rank_trainer
 
-    torch.set_num_threads(1)
-    info = rank_info()
-    device = init_distributed(info)
     with tempfile.TemporaryDirectory() as outdir:
         cfg = parse_args([*MODEL, *CONFIGS[name], "--outdir", outdir])
-        dims = ParallelDims.from_config(cfg.parallel, info.world_size)
-        trainer = Trainer(cfg, info, dims, device)
-        batches = iter(trainer.loader)
-        trainer.train_step([next(batches)])
-        rss_before = reset_rss_high_water()
-        times, losses = [], []
-        for _ in range(timed_steps):
-            start = time.thread_time()
-            loss = trainer.train_step([next(batches)]).loss
-            times.append(time.thread_time() - start)
-            losses.append(loss.item())
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with rank_trainer(cfg, cpu_threads=1) as trainer:  # the budget reaches the compiler
+            batches = iter(trainer.loader)
             trainer.train_step([next(batches)])
-        trainer.close()
-    teardown()
+            rss_before = reset_rss_high_water()
+            times, losses = [], []
+            for _ in range(timed_steps):
+                start = time.thread_time()
+                loss = trainer.train_step([next(batches)]).loss
+                times.append(time.thread_time() - start)
+                losses.append(loss.item())
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                trainer.train_step([next(batches)])
     n_params = sum(p.numel() for p in trainer.model.parameters())
     return {"config": name, "flags": CONFIGS[name], "params": n_params,
             "step_cpu_s": min(times), "peak_bytes": peak_live_bytes(prof),

@@ -51,30 +51,24 @@ def worker(argv: list[str]) -> None:
     """Train in this process; print step start times and the time spent in metrics code."""
     from loom.config import parse_args
     from loom.observability import metrics
-    from loom.parallel.mesh import ParallelDims
-    from loom.runtime.distributed import init_distributed, rank_info, teardown
+    from loom.runtime.distributed import rank_info
     from loom.runtime.logs import setup_logging
-    from loom.trainer.trainer import Trainer
+    from rank_trainer import rank_trainer
 
     inside: list[float] = []
     for name in ("log_step", "_before_update", "forward_done"):  # patched before watch()
         setattr(metrics.Metrics, name, timed(getattr(metrics.Metrics, name), inside))
-    info = rank_info()
-    setup_logging(info.rank)
-    cfg = parse_args(argv)
-    device = init_distributed(info)
-    trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size), device)
+    setup_logging(rank_info().rank)
     starts: list[float] = []
-    step = trainer.train_step
+    with rank_trainer(parse_args(argv)) as trainer:
+        step = trainer.train_step
 
-    def record_start(batch: Any) -> Any:
-        starts.append(time.perf_counter())
-        return step(batch)
+        def record_start(batch: Any) -> Any:
+            starts.append(time.perf_counter())
+            return step(batch)
 
-    trainer.train_step = record_start  # type: ignore[method-assign]
-    trainer.fit()
-    trainer.close()
-    teardown()
+        trainer.train_step = record_start  # type: ignore[method-assign]
+        trainer.fit()
     print("RESULT " + json.dumps({"starts": starts, "inside_s": sum(inside)}))
 
 

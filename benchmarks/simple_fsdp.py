@@ -69,32 +69,23 @@ def step_peak_bytes(trainer, batch) -> int:
 def measure(name: str, model_flags: list[str], timed_steps: int) -> dict | None:
     """One rank of a configuration's job; rank 0 returns the result."""
     from loom.config import parse_args
-    from loom.parallel.mesh import ParallelDims
-    from loom.runtime.distributed import init_distributed, rank_info, teardown
-    from loom.trainer.trainer import Trainer
+    from rank_trainer import rank_trainer
 
-    info = rank_info()
-    device = init_distributed(info)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as outdir:
         cfg = parse_args([*model_flags, "--dataset", "random", "--seed", "0",
                           *CONFIGS[name], "--outdir", outdir])
-        dims = ParallelDims.from_config(cfg.parallel, info.world_size)
-        trainer = Trainer(cfg, info, dims, device)
-        batches = iter(trainer.loader)
-        start = time.perf_counter()
-        trainer.train_step([next(batches)])
-        warmup = time.perf_counter() - start
-        times, losses = zip(*(timed_step(trainer, [next(batches)]) for _ in range(timed_steps)),
-                            strict=True)
-        peak = step_peak_bytes(trainer, [next(batches)])
-        trainer.close()
-    teardown()
-    if info.rank != 0:
+        with rank_trainer(cfg, cpu_threads=1) as trainer:
+            batches = iter(trainer.loader)
+            start = time.perf_counter()
+            trainer.train_step([next(batches)])
+            warmup = time.perf_counter() - start
+            times, losses = zip(*(timed_step(trainer, [next(batches)])
+                                  for _ in range(timed_steps)), strict=True)
+            peak = step_peak_bytes(trainer, [next(batches)])
+    if trainer.info.rank != 0:
         return None
-    return {"config": name, "flags": CONFIGS[name], "world_size": info.world_size,
-            "device": device.type, "step_s": min(times), "warmup_s": warmup,
+    return {"config": name, "flags": CONFIGS[name], "world_size": trainer.info.world_size,
+            "device": trainer.device.type, "step_s": min(times), "warmup_s": warmup,
             "peak_bytes": peak, "losses": list(losses)}
 
 

@@ -14,11 +14,10 @@ import torch.distributed as dist
 
 import loom.parallel.hf_load as hf_load
 import loom.trainer.model_parts as model_parts
-import loom.trainer.trainer as train
 from loom.config import ConfigError, ModelConfig, parse_args
 from loom.models.transformers.model import HFCausalLM, load_hf_model
-from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
+from loom.trainer.scoped import training
 from tests.workers.bootstrap import rank_job
 from tests.workers.parity_worker import full
 
@@ -59,13 +58,9 @@ def main(runs: list[tuple[str, list[str]]]) -> None:
             set_up_loader(loader, info.rank)
             model_parts.build_hf_model = LOADERS[loader]
             cfg = parse_args(argv)
-            trainer = train.Trainer(cfg, info, ParallelDims.from_config(cfg.parallel,
-                                                                        info.world_size), device)
-            initial = initial_state(trainer.model)
-            try:
+            with training(cfg, info, device) as trainer:  # the run's compiler settings too
+                initial = initial_state(trainer.model)
                 trainer.fit()
-            finally:
-                trainer.close()
             if info.rank == 0:
                 torch.save(initial, trainer.metrics.outdir / "initial.pt")
 
