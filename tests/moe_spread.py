@@ -5,7 +5,7 @@ A layout and its single-process reference add the same numbers in different orde
 under another CPU kernel set (`ATEN_CPU_CAPABILITY`). Both are rounding, not bugs; AdamW
 then turns a rounding difference on a near-zero gradient into a full-size step, so the
 difference grows step by step. This script trains every multi-rank MoE comparison the
-suite makes (tests/test_moe_parity.py, test_simple_fsdp_experts.py,
+suite makes (tests/parity/test_moe_parity.py, test_simple_fsdp_experts.py,
 test_compiled_moe_parity.py, and the slow pp2 x ep2 case of test_pipeline_parity.py) under
 the capability it is run with, and reports, per layout and per step, the relative
 difference of each compared metric from its reference.
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from tests import test_compiled_moe_parity as compiled
-from tests import test_moe_parity as moe
-from tests import test_pipeline_parity as pipeline
-from tests import test_simple_fsdp_experts as simple
 from tests.compare import column
+from tests.parity import test_compiled_moe_parity as compiled
+from tests.parity import test_moe_parity as moe
+from tests.parity import test_pipeline_parity as pipeline
+from tests.parity import test_simple_fsdp_experts as simple
 
 KEYS = ("train/loss", "grad/norm_preclip")
 PIPELINE = {"single": (1, 1, []), "pp2_ep2": (4, 2, [*pipeline.PP2, "--ep", "2"])}

@@ -3,7 +3,7 @@ a `loom tokenize` shard folder) at 0.5/0.3/0.2 give exactly those shares of the 
 a 100-step run (summary.json, the checkpoint's record), and a run resumed from its step-50
 checkpoint at another dp degree (same global batch) continues the same window sequence:
 the same per-source counts at every checkpoint and the same losses step by step. (The
-window ids themselves are compared across dp degrees in tests/unit/test_mixture.py.)"""
+window ids themselves are compared across dp degrees in tests/unit/data/test_mixture.py.)"""
 
 from __future__ import annotations
 

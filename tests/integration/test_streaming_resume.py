@@ -55,6 +55,6 @@ def test_one_process_streaming_run_checkpoints_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_streaming_resume_continues_exactly(tmp_path):
     """Slow (two 2-rank runs); by default the one-process case above and
-    tests/unit/test_streaming.py (a saved position continues with the next window)."""
+    tests/unit/data/test_streaming.py (a saved position continues with the next window)."""
     saved = resumed_losses_match(tmp_path, 2, streaming_flags(tmp_path, 4), (3, 4))
     assert set(saved) == {"0", "1"} and saved["0"] != saved["1"], saved

@@ -121,17 +121,17 @@ SLOW_SWEEP = "tests/parity/test_layout_sweep.py::test_sweep_layouts_match_one_pr
 layouts run in the default selection, the others under slow)."""
 
 TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
-    ("dp_shard", "dp_replicate"): "tests/test_parity.py::test_layout_matches_single_process"
+    ("dp_shard", "dp_replicate"): "tests/parity/test_parity.py::test_layout_matches_single_process"
                                   "[hsdp2x2]",
-    ("dp_shard", "tp"): "tests/test_parity.py::test_layout_matches_single_process[dp2_tp2]",
-    ("dp_shard", "pp-1f1b"): "tests/test_pipeline_parity.py::"
+    ("dp_shard", "tp"): "tests/parity/test_parity.py::test_layout_matches_single_process[dp2_tp2]",
+    ("dp_shard", "pp-1f1b"): "tests/parity/test_pipeline_parity.py::"
                              "test_pipeline_layout_matches_single_process[pp2_dp2]",
-    ("dp_shard", "pp-interleaved"): "tests/test_pipeline_parity.py::"
+    ("dp_shard", "pp-interleaved"): "tests/parity/test_pipeline_parity.py::"
                                     "test_interleaved_checkpoint_resumes_on_pp2_dp2",
-    ("dp_shard", "cp"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process"
+    ("dp_shard", "cp"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process"
                         "[cp2_dp2]",
-    ("dp_shard", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process[ep2]",
-    ("dp_shard", "simple-fsdp"): "tests/test_simple_fsdp_parity.py::"
+    ("dp_shard", "ep"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process[ep2]",
+    ("dp_shard", "simple-fsdp"): "tests/parity/test_simple_fsdp_parity.py::"
                                  "test_matches_one_process_and_fsdp2[dp_shard4-eager]",
     ("dp_shard", "float8"): "tests/integration/test_float8_runs.py::"
                             "test_dp2_tensorwise_with_float8_all_gather_tracks_the_plain_run",
@@ -141,18 +141,18 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                              "test_compile_matches_plain_run[dp2-compile]",
     ("dp_shard", "ac"): "tests/integration/test_knobs.py::"
                         "test_activation_checkpointing_matches_plain_run[dp2-block]",
-    ("dp_replicate", "cp"): "tests/test_cp_parity.py::test_slow_cp_layout_matches_single_"
+    ("dp_replicate", "cp"): "tests/parity/test_cp_parity.py::test_slow_cp_layout_matches_single_"
                             "process[cp2_hsdp]",
-    ("dp_replicate", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+    ("dp_replicate", "ep"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
                             "[hsdp2x2_ep2]",
-    ("dp_replicate", "simple-fsdp"): "tests/test_simple_fsdp_parity.py::"
+    ("dp_replicate", "simple-fsdp"): "tests/parity/test_simple_fsdp_parity.py::"
                                      "test_matches_one_process_and_fsdp2[hsdp2x2-eager]",
-    ("tp", "pp-1f1b"): "tests/test_pipeline_parity.py::"
+    ("tp", "pp-1f1b"): "tests/parity/test_pipeline_parity.py::"
                        "test_pipeline_layout_matches_single_process[pp2_tp2]",
-    ("tp", "cp"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process[cp2_tp2]",
-    ("tp", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+    ("tp", "cp"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process[cp2_tp2]",
+    ("tp", "ep"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
                   "[dp2_tp2_ep2_etp1]",
-    ("tp", "simple-fsdp"): "tests/test_simple_fsdp_parity.py::"
+    ("tp", "simple-fsdp"): "tests/parity/test_simple_fsdp_parity.py::"
                            "test_matches_one_process_and_fsdp2[dp2_tp2-eager]",
     ("tp", "fused-linear"): "tests/integration/test_losses_multirank.py::"
                             "test_five_step_losses_match_eager[tp2/fused-linear]",
@@ -162,43 +162,44 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                        "test_compile_matches_plain_run[tp2-compile]",
     ("tp", "ac"): "tests/integration/test_knobs.py::"
                   "test_activation_checkpointing_matches_plain_run[tp2-block]",
-    ("pp-1f1b", "ac"): "tests/test_pipeline_parity.py::"
+    ("pp-1f1b", "ac"): "tests/parity/test_pipeline_parity.py::"
                        "test_pipeline_layout_matches_single_process_slow[pp2_ac]",
-    ("cp", "simple-fsdp"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process"
+    ("cp", "simple-fsdp"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process"
                            "[cp2_simple_fsdp]",
-    ("cp", "ep"): "tests/test_moe_parity.py::test_layout_matches_single_process[cp2_ep2]",
-    ("cp", "fused-linear"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process"
+    ("cp", "ep"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process[cp2_ep2]",
+    ("cp", "fused-linear"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process"
                             "[cp2_fused_linear]",
-    ("cp", "loss-parallel"): "tests/test_cp_parity.py::test_slow_cp_layout_matches_single_"
+    ("cp", "loss-parallel"): "tests/parity/test_cp_parity.py::test_slow_cp_layout_matches_single_"
                              "process[cp2_tp2_selective_ac]",
-    ("cp", "compile"): "tests/test_cp_parity.py::test_slow_cp_layout_matches_single_process"
+    ("cp", "compile"): "tests/parity/test_cp_parity.py::test_slow_cp_layout_matches_single_process"
                        "[cp2_compile]",
-    ("cp", "ac"): "tests/test_cp_parity.py::test_cp_layout_matches_single_process[cp2_ac]",
-    ("ep", "simple-fsdp"): "tests/test_simple_fsdp_parity.py::"
+    ("cp", "ac"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process[cp2_ac]",
+    ("ep", "simple-fsdp"): "tests/parity/test_simple_fsdp_parity.py::"
                            "test_matches_one_process_and_fsdp2[moe_ep2-eager]",
-    ("ep", "compile"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+    ("ep", "compile"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
                        "[ep2_ac_compile]",
-    ("ep", "ac"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+    ("ep", "ac"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
                   "[ep2_ac_compile]",
-    ("simple-fsdp", "compile"): "tests/test_simple_fsdp_parity.py::"
+    ("simple-fsdp", "compile"): "tests/parity/test_simple_fsdp_parity.py::"
                                 "test_matches_one_process_and_fsdp2[dp_shard4-compiled]",
-    ("simple-fsdp", "ac"): "tests/test_simple_fsdp_parity.py::"
+    ("simple-fsdp", "ac"): "tests/parity/test_simple_fsdp_parity.py::"
                            "test_matches_one_process_and_fsdp2[dp_shard4-ac]",
-    ("tp", "pp-interleaved"): "tests/test_pipeline_parity.py::"
+    ("tp", "pp-interleaved"): "tests/parity/test_pipeline_parity.py::"
                               "test_pipeline_layout_matches_single_process[pp2_tp2_interleaved]",
-    ("pp-1f1b", "ep"): "tests/test_pipeline_parity.py::test_moe_pp2_ep2_matches_single_process",
-    ("pp-1f1b", "fused-linear"): "tests/test_pipeline_parity.py::test_pipeline_layout_"
+    ("pp-1f1b", "ep"): "tests/parity/test_pipeline_parity.py::"
+                       "test_moe_pp2_ep2_matches_single_process",
+    ("pp-1f1b", "fused-linear"): "tests/parity/test_pipeline_parity.py::test_pipeline_layout_"
                                  "matches_single_process_slow[pp2_fused_linear]",
-    ("pp-1f1b", "loss-parallel"): "tests/test_pipeline_parity.py::"
+    ("pp-1f1b", "loss-parallel"): "tests/parity/test_pipeline_parity.py::"
                                   "test_pipeline_layout_matches_single_process"
                                   "[pp2_tp2_loss_parallel]",
-    ("pp-interleaved", "ac"): "tests/test_pipeline_parity.py::test_pipeline_layout_"
+    ("pp-interleaved", "ac"): "tests/parity/test_pipeline_parity.py::test_pipeline_layout_"
                               "matches_single_process_slow[pp2_interleaved_ac]",
-    ("dp_replicate", "compile"): "tests/test_simple_fsdp_parity.py::test_slow_cases_"
+    ("dp_replicate", "compile"): "tests/parity/test_simple_fsdp_parity.py::test_slow_cases_"
                                  "match_one_process[hsdp2x2-compiled]",
-    ("loss-parallel", "ac"): "tests/test_cp_parity.py::test_slow_cp_layout_matches_single_"
+    ("loss-parallel", "ac"): "tests/parity/test_cp_parity.py::test_slow_cp_layout_matches_single_"
                              "process[cp2_tp2_selective_ac]",
-    ("compile", "ac"): "tests/test_moe_parity.py::test_layout_matches_single_process"
+    ("compile", "ac"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
                        "[ep2_ac_compile]",
     **{pair: FAST_SWEEP for pair in (
         ("dp_replicate", "tp"), ("dp_replicate", "loss-parallel"), ("dp_replicate", "ac"),

@@ -12,7 +12,7 @@ Under tensor parallel the adapters are DTensors placed by the linear's own style
 ColwiseParallel shards every parameter of the module on dim 0 (B over the output features
 like the base weight, A over the rank), RowwiseParallel shards only the base weight and
 replicates A and B. DTensor's rules then give the same product as one process; the parity
-test (`tests/test_lora.py`) checks it at tp 2.
+test (`tests/parity/test_lora.py`) checks it at tp 2.
 
 Targets are named by the family's own module names within a block (the spec's defaults,
 or `--lora-targets`); resolution expands the shorthand and checks that every name is a

@@ -5,7 +5,7 @@ pp 1-8 where the blocks split evenly, >= 2 a stage, with 1F1B at pp or 2 pp micr
 dp_shard the rest; MoE models: ep 1-64 dividing dp_shard x cp x tp and the experts, at
 --etp 1) and knobs (--ac, --reshard-after-forward, micro-batch 1-8, off or --compile at
 budget 0.5; --loss-impl fused-linear, see `LOSSES`; chunked-backward for pp with tp, whose
-fused head trains (tests/test_pipeline_parity.py) but is not yet traced by the plan; under
+fused head trains (tests/parity/test_pipeline_parity.py) but is not yet traced by the plan; under
 --grad-accum-steps without pp, --accum-reduce step or micro-batch).
 Candidates are visited fastest first (the step-time estimate needs no trace); one that a
 traced, lighter configuration already rules out is skipped untraced (`ruled_out`). Memory

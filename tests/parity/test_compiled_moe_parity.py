@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from tests.harness import run_ranks
-from tests.routing import load_flips
-from tests.test_moe_parity import (
+from tests.parity.test_moe_parity import (
     COMMON,
     GLOBAL_BATCH,
     assert_flips_are_ties,
     assert_same_steps,
 )
+from tests.routing import load_flips
 
 COMPILE = ["--compile", "--compile-backend", "aot_eager", "--ep", "2",
            "--batch-size", str(GLOBAL_BATCH // 2)]

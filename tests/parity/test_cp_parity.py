@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.compare import assert_norms_close, assert_series_close, column
-from tests.test_parity import LOSS_RTOL, PARAM_NORM_RTOL, assert_matches_single, run_layouts
+from tests.parity.test_parity import LOSS_RTOL, PARAM_NORM_RTOL, assert_matches_single, run_layouts
 
 LAYOUTS = {  # name: (world size, flags); seq 64 splits into 2 x cp chunks (and tp within)
     "cp2": (2, ["--cp", "2"]),

@@ -17,9 +17,9 @@ import torch
 
 from tests.compare import assert_norms_close, assert_series_close, assert_tensors_close, column
 from tests.harness import run_ranks
-from tests.test_moe_parity import COMMON as MOE_FLAGS  # moe-debug, fp32, 5 steps
-from tests.test_moe_parity import assert_losses_and_grad_norms_close
-from tests.test_parity import (
+from tests.parity.test_moe_parity import COMMON as MOE_FLAGS  # moe-debug, fp32, 5 steps
+from tests.parity.test_moe_parity import assert_losses_and_grad_norms_close
+from tests.parity.test_parity import (
     COMMON,
     GLOBAL_BATCH,
     GRAD_ATOL,

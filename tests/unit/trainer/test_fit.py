@@ -14,7 +14,7 @@ import loom
 from loom.config import ConfigError, parse_args
 from loom.errors import NonFiniteLossError
 from tests.one_rank import one_rank_group
-from tests.unit.test_scope import changed, global_state
+from tests.unit.runtime.test_scope import changed, global_state
 
 TINY = ["--model", "debug", "--n-layers", "2", "--dataset", "random", "--vocab-size", "256",
         "--seq-len", "32", "--batch-size", "2", "--fp32", "--max-steps", "3", "--seed", "3"]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_parity import COMMON
-from tests.test_pipeline_parity import PP2, assert_matches_single, launch
+from tests.parity.test_parity import COMMON
+from tests.parity.test_pipeline_parity import PP2, assert_matches_single, launch
 
 DOC_MASK = [*COMMON, "--doc-mask"]
 LAYOUTS = {  # name: (world size, dp degree, flags)

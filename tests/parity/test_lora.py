@@ -30,7 +30,7 @@ SEEDED = ["--model", "debug", "--dim", "64", "--n-layers", "2", "--n-heads", "4"
 """A LoRA run on loom's own init: its checkpoint's base is drawn from the seed again."""
 LOSS_RTOL = 1e-5
 PARAM_NORM_RTOL = 1e-3
-"""As tests/test_parity.py: per tensor, after AdamW steps (measured worst 1.2e-4 at tp2)."""
+"""As tests/parity/test_parity.py: per tensor, after AdamW steps (measured worst 1.2e-4 at tp2)."""
 LAYOUTS = {"dp2": ["--dp-shard", "2", "--batch-size", "2"],
            "tp2": ["--tp", "2", "--batch-size", "4"],
            "tp2_compiled": ["--tp", "2", "--batch-size", "4", "--compile",

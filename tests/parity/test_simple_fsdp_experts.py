@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
-from tests.test_moe_parity import COMMON, FEW_EXPERTS, assert_same_run
+from tests.parity.test_moe_parity import COMMON, FEW_EXPERTS, assert_same_run
 
 SIMPLE = ["--data-parallel", "simple-fsdp"]
 LAYOUTS = {  # name: flags on 4 ranks (dp 4, global batch 4)

@@ -1,6 +1,6 @@
 """FSDP2's point-to-point all-gather and reduce-scatter on gloo give gloo's own results, on
 the world group, on groups whose ranks are not the global ones, and on an odd-sized group.
-The training parity tests (tests/test_parity.py) run them inside FSDP2."""
+The training parity tests (tests/parity/test_parity.py) run them inside FSDP2."""
 
 from __future__ import annotations
 

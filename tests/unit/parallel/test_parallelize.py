@@ -23,7 +23,7 @@ from loom.parallel.mesh import ParallelDims
 from loom.parallel.model_plan import model_plan
 from loom.runtime.scope import applied
 from tests.tiny import tiny_model
-from tests.unit.test_hf import tiny
+from tests.unit.models.test_hf import tiny
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
                  max_seq_len=16)
