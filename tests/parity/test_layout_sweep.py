@@ -50,7 +50,8 @@ values here and there, and the runs part step by step. Measured worst at step 5:
 9.8e-3 (a parameter's norm); float8 against fp32 differ by 1.4e-4 in step 1's loss. These
 bounds catch a run that stops training alike; a wrong scale or reduction shows at step 1."""
 TIE_MARGIN = 1e-4
-"""As tests/parity/test_moe_parity.py: a replayed token's own choice may differ only on a near tie."""
+"""As tests/parity/test_moe_parity.py: a replayed token's own choice may differ only on a
+near tie."""
 
 FLOAT8 = ["--float8", "tensorwise"]
 COMPILE = ["--compile", "--compile-backend", "aot_eager"]
