@@ -117,3 +117,36 @@ def test_no_package_cycle():
     detail = {tuple(loop): {f"{a} -> {b}": graph[a][b][:2] for a in loop for b in graph[a]
                             if b in loop} for loop in loops}
     assert not loops, detail
+
+
+PARALLEL_MODULES = ("torch.distributed", "loom.parallel")
+
+
+def imported_modules(tree: ast.AST) -> list[str]:
+    """Every absolute module name `tree` imports, loom's or not."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return out
+
+
+def parallel_imports(found: dict[str, ast.Module]) -> list[str]:
+    """`module: import` for each module of `loom.models` that reaches parallelism."""
+    return [f"{name}: {target}" for name, tree in found.items()
+            if name.startswith("loom.models") for target in imported_modules(tree)
+            if target.startswith(PARALLEL_MODULES)]
+
+
+def test_the_parallel_import_finder_sees_one():
+    tree = ast.parse("import torch.distributed as dist\nfrom loom.parallel.mesh import x\n")
+    assert parallel_imports({"loom.models.x": tree}) == [
+        "loom.models.x: torch.distributed", "loom.models.x: loom.parallel.mesh"]
+
+
+def test_models_know_nothing_of_parallelism():
+    """A model family is plain torch: sharding, collectives and meshes are applied to it from
+    outside (`loom.parallel`), and a family hook gets its sums from the trainer."""
+    assert not parallel_imports(modules())

@@ -137,9 +137,10 @@ class SpecHook:
     every optimizer step of a model of this family)."""
 
     name: str
-    run: Callable[[nn.Module, Any], dict[str, float]]
-    """(the rank's model part, the process group of ranks holding different tokens) ->
-    metrics for the step's row."""
+    run: Callable[[nn.Module, Callable[[torch.Tensor], torch.Tensor], int], dict[str, float]]
+    """(the rank's model part, an in-place sum over the ranks holding different tokens,
+    how many such ranks there are) -> metrics for the step's row. The sum comes from the
+    trainer so that models do no communication of their own."""
 
 
 def _none(model: nn.Module) -> list[nn.Module]:

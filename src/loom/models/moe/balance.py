@@ -7,8 +7,9 @@ registers this hook (`ModelSpec.hooks`); nothing registers it by being imported.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from loom.models.moe.model import MoE
@@ -19,18 +20,20 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, token_group: dist.ProcessGroup) -> dict[str, float]:
-    """After an optimizer step: all-reduce each MoE layer's token counts over the ranks
-    holding different tokens (dp x cp), move the expert bias by coeff * sign(mean - count),
+def update_expert_bias(model: nn.Module, summed: Callable[[torch.Tensor], torch.Tensor],
+                       ranks: int) -> dict[str, float]:
+    """After an optimizer step: sum each MoE layer's token counts over the `ranks` ranks
+    holding different tokens (dp x cp) with `summed` (the trainer's collective: the model
+    itself does no communication), move the expert bias by coeff * sign(mean - count),
     reset the counts; returns the MoE metrics."""
     layers = moe_layers(model)
     if not layers:
         return {}
     counts = torch.stack([m.tokens_per_expert for m in layers])  # (L, E)
     packed = torch.cat([counts.flatten(), torch.stack([m.aux_loss for m in layers])])
-    dist.all_reduce(packed, group=token_group)
+    packed = summed(packed)
     counts = packed[:counts.numel()].view_as(counts)
-    aux = packed[counts.numel():] / dist.get_world_size(token_group)
+    aux = packed[counts.numel():] / ranks
     for moe, layer_counts in zip(layers, counts, strict=True):
         if moe.load_balance_coeff > 0:
             moe.expert_bias.add_(moe.load_balance_coeff
