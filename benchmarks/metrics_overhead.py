@@ -95,6 +95,10 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker))
         return
+    if args.steps < WARMUP + 2:
+        # the first WARMUP intervals are dropped; a median needs at least one steady one
+        parser.error(f"--steps must be at least {WARMUP + 2} (the first {WARMUP} step "
+                     "intervals are warm-up)")
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     shares: dict[str, list[float]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,7 @@ from loom.config import ConfigError, JobConfig, parse_args, validate
 from loom.data.cache import default_cache_dir
 from loom.lora.converter import resolve_lora_targets
 from loom.losses import resolve_loss_impl
-from loom.models.resolve import resolve_model
+from loom.models.resolve import plain_model, resolve_model
 from loom.numerics.precision import resolve_precision
 from loom.parallel.mesh import ParallelDims
 from loom.plan.peaks import predict_memory
@@ -110,6 +110,20 @@ def check_supported(cfg: JobConfig) -> None:
                           "splits rows by data-dependent counts); use --dtype bf16")
 
 
+def planned_doc_mask(cfg: JobConfig, device: str) -> JobConfig:
+    """`cfg` as the trace should see it for a --doc-mask run on `device`. On an accelerator,
+    a --compile run of a family whose attention takes FlexAttention's block mask builds
+    that (a few bytes per 128 x 128 block) in place of the dense B x 1 x T x T mask the
+    CPU trace would build and count (B T^2 bytes: 4 GiB at batch 4, seq 32k), so the plan
+    traces such a run without a mask. Context parallel keeps its dense row-shard mask."""
+    if device == "cpu" or not (cfg.data.doc_mask and cfg.parallel.compile) \
+            or cfg.parallel.cp > 1:
+        return cfg
+    with torch.device("meta"):
+        flex = hasattr(plain_model(cfg), "flex_doc_mask")
+    return replace(cfg, data=replace(cfg.data, doc_mask=False)) if flex else cfg
+
+
 def make_plan(cfg: JobConfig, world_size: int, device_memory: int, device: str,
               cache: Path) -> Plan:
     """Predict one configuration (validated, effective --loss-impl); needs `fake_world`."""
@@ -157,7 +171,7 @@ def plan_main(argv: Sequence[str]) -> int:
             gloo_collectives=planned_collectives(p.gloo_collectives, options.device)))
         ParallelDims.from_config(cfg.parallel, options.world_size)
         check_supported(cfg)
-        cfg = resolve_loss_impl(cfg)
+        cfg = planned_doc_mask(resolve_loss_impl(cfg), options.device)
         if cfg.model.n_experts:
             print("warning: loom plan's MoE memory figures are validated on moe-debug only "
                   "(docs/planning.md)", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ import pytest
 
 from loom.config import parse_args
 from loom.parallel.mesh import ParallelDims
+from loom.plan.command import planned_doc_mask
 from loom.plan.compiled import compiled_block_fraction
 from loom.plan.memory import extrapolate, held_in_phase
 from loom.plan.pipeline import others_alive, schedule_actions
@@ -162,3 +163,13 @@ def test_extrapolation_grows_activations_by_at_most_one_block_each():
     assert out["OptState"] == 4 + 8 * 2 and out["Temp"] == 7
     shrank = extrapolate({"Activation": 10}, {"Activation": 8}, 1, 9, block_saves=3)
     assert shrank["Activation"] + shrank["Block Activation"] == 10
+
+
+def test_a_compiled_doc_mask_run_on_an_accelerator_is_traced_without_the_dense_mask():
+    """The flex block mask replaces the dense one only where a run would build it: compiled,
+    on an accelerator, at cp 1, for a family that takes it."""
+    argv = ["--model", "debug", "--doc-mask", "--compile"]
+    assert not planned_doc_mask(parse_args(argv), "h100").data.doc_mask
+    assert planned_doc_mask(parse_args(argv), "cpu").data.doc_mask
+    assert planned_doc_mask(parse_args(argv[:-1]), "h100").data.doc_mask
+    assert planned_doc_mask(parse_args([*argv, "--cp", "2"]), "h100").data.doc_mask
