@@ -56,6 +56,8 @@ CASES = {  # name: (kind, extra loom flags, ranks, the plain case it is compared
     "loom-dp2-compile": ("loom", ["--compile"], 2, "plain-compiled"),
     "loom-dp2-compile-zero2": ("loom", ["--compile", "--reshard-after-forward", "never"], 2,
                                "plain-compiled"),
+    "loom-dp2-compile-simple-fsdp": ("loom", ["--compile", "--data-parallel", "simple-fsdp"],
+                                     2, "plain-compiled"),
 }
 TARGETS = {"loom-eager": 1.0, "loom-compile": 1.0, "loom-dp2-compile": 2.0}
 """The issue's acceptance ratios (issue #42)."""
