@@ -37,10 +37,16 @@ TOLERANCE = 0.10
 def test_predicted_peaks_within_ten_percent_of_measured_on_2_ranks(tmp_path):
     """HSDP + block AC + chunked loss, tp + fused-linear + selective AC, pipeline parallel
     (per-stage traces, in-flight micro-batches, receive buffers), context parallel (the
-    gathered K/V), expert parallel, gradient accumulation and a deeper pipeline stage (what
-    the first micro-batch leaves unreduced): one launch."""
-    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP, EP, ACCUMULATE,
-                                           ACCUMULATE_SHARDED, DEEP_PP])
+    gathered K/V) and expert parallel: one launch."""
+    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP, EP])
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_accumulation_and_a_deeper_stage_predicted_within_ten_percent_on_2_ranks(tmp_path):
+    """Gradient accumulation, reduced per step and per micro-batch, and a deeper pipeline
+    stage (what the first micro-batch leaves unreduced): one launch."""
+    assert_predictions_close(tmp_path, 2, [ACCUMULATE, ACCUMULATE_SHARDED, DEEP_PP])
 
 
 @pytest.mark.multirank

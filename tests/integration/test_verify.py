@@ -38,11 +38,10 @@ def test_agreeing_layouts_exit_0(tmp_path: Path) -> None:
 @pytest.mark.multirank
 def test_a_differing_layout_exits_1_and_names_the_first_differing_parameter(
         tmp_path: Path) -> None:
-    job = verify(tmp_path, "--layouts", "dp4", "dp2 tp2", "dp4 --lr 2e-3")
+    """Against the reference alone (agreeing layouts' rows are the test above's)."""
+    job = verify(tmp_path, "--layouts", "dp4", "dp4 --lr 2e-3")
     assert [r.returncode for r in job.ranks] == [1] * 4, job.describe()
     table = job.ranks[0].stdout.splitlines()
-    agree = next(line for line in table if line.startswith("dp2 tp2"))
     differ = next(line for line in table if line.startswith("dp4 --lr 2e-3"))
-    assert agree.split()[-2:] == ["pass", "-"], table
     assert differ.split()[-2:] == ["FAIL", "tok_embeddings.weight"], table
     assert "Traceback" not in job.ranks[0].stderr

@@ -69,9 +69,8 @@ def test_the_pickle_free_format_round_trips_and_refuses_objects(tmp_path: Path) 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("resume")
-    job(2, straight_and_resumed(root, "dp2", ["--batch-size", "2"])
-        + straight_and_resumed(root, "tp2", ["--batch-size", "4", "--tp", "2"])
-        + [[*COMMON, "--batch-size", "2", "--max-steps", "10", "--outdir", str(root / "dp2-10")]])
+    job(2, [*straight_and_resumed(root, "dp2", ["--batch-size", "2"]),
+            [*COMMON, "--batch-size", "2", "--max-steps", "10", "--outdir", str(root / "dp2-10")]])
     step10 = str(root / "dp2-resumed" / "checkpoints" / "step-10")
     job(4, [[*COMMON, "--batch-size", "1", "--max-steps", "10", "--resume", step10,
              "--outdir", str(root / "dp4-loaded")],
@@ -82,17 +81,27 @@ def resume_runs(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
-def test_resume_continues_exactly(resume_runs: Path, layout: str) -> None:
-    straight = column(resume_runs / f"{layout}-straight")
-    resumed = column(resume_runs / f"{layout}-resumed")
+def assert_resumed_exactly(root: Path, layout: str) -> None:
+    straight = column(root / f"{layout}-straight")
+    resumed = column(root / f"{layout}-resumed")
     assert sorted(resumed) == list(range(1, 21))
     for step in range(11, 21):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-6, abs=0), step
-    assert_same_state(resume_runs / f"{layout}-straight", resume_runs / f"{layout}-resumed")
-    kept = [p.name for p in complete_checkpoints(resume_runs / f"{layout}-resumed")]
+    assert_same_state(root / f"{layout}-straight", root / f"{layout}-resumed")
+    kept = [p.name for p in complete_checkpoints(root / f"{layout}-resumed")]
     assert kept == ["step-10", "step-15", "step-20"]
+
+
+@pytest.mark.multirank
+def test_resume_continues_exactly(resume_runs: Path) -> None:
+    assert_resumed_exactly(resume_runs, "dp2")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # tp's checkpoints also move between layouts in test_custom_family.py
+def test_resume_continues_exactly_at_tp2(tmp_path: Path) -> None:
+    job(2, straight_and_resumed(tmp_path, "tp2", ["--batch-size", "4", "--tp", "2"]))
+    assert_resumed_exactly(tmp_path, "tp2")
 
 
 @pytest.mark.multirank

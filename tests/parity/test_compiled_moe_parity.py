@@ -73,6 +73,7 @@ def test_compiled_ep2_under_fsdp2_matches_one_process(single: Path, tmp_path: Pa
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # ~80 s of whole-model compile; the dense case runs by default
 def test_compiled_ep2_under_simple_fsdp_matches_one_process(single: Path,
                                                             tmp_path: Path) -> None:
     candidate, log = run_case(single, tmp_path, "ep2_simple_fsdp_compiled")

@@ -68,27 +68,28 @@ dim 0 (`expert_placement`). Compared with their own single-process run (`few_sin
 LAYOUTS = {  # name: (world size, dp degree, flags)
     "single": (1, 1, []),
     "ep2": (4, 4, ["--ep", "2"]),
-    "dp2_tp2_etp1": (4, 2, ["--tp", "2"]),
     "dp2_tp2_ep2_etp1": (4, 2, ["--tp", "2", "--ep", "2", "--etp", "1"]),
     "tp2_ep4_etp1": (4, 2, ["--tp", "2", "--ep", "4", "--etp", "1"]),
-    "dp2_tp2_ep2_etp2": (4, 2, ["--tp", "2", "--ep", "2", "--etp", "2"]),
-    "hsdp2x2_ep2": (4, 4, ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"]),
     "cp2_ep2": (4, 2, ["--cp", "2", "--ep", "2"]),
-    "cp2_tp2_ep4": (4, 1, ["--cp", "2", "--tp", "2", "--ep", "4"]),
-    "ep2_ac_compile": (4, 4, ["--ep", "2", "--ac", "block", *COMPILE]),
     "few_single": (1, 1, FEW_EXPERTS),
-    "few_dp4": (4, 4, FEW_EXPERTS),
 }
 SINGLES = ("single", "few_single")
 SLOW_LAYOUTS = {
+    "dp2_tp2_etp1": (4, 2, ["--tp", "2"]),
+    "dp2_tp2_ep2_etp2": (4, 2, ["--tp", "2", "--ep", "2", "--etp", "2"]),
+    "hsdp2x2_ep2": (4, 4, ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"]),
+    "cp2_tp2_ep4": (4, 1, ["--cp", "2", "--tp", "2", "--ep", "4"]),
+    "ep2_ac_compile": (4, 4, ["--ep", "2", "--ac", "block", *COMPILE]),
+    "few_dp4": (4, 4, FEW_EXPERTS),
     "dp2_tp2_ep2_etp1_compile": (4, 2, ["--tp", "2", "--ep", "2", *COMPILE]),
     "ep4": (4, 4, ["--ep", "4"]),
     "dp2_tp2_etp2": (4, 2, ["--tp", "2", "--etp", "2"]),
     "few_ep2": (4, 4, [*FEW_EXPERTS, "--ep", "2"]),
 }
-"""Layouts whose features the default ones already combine (ep 4 spanning tp ranks is
-tp2_ep4_etp1, --etp 2 is dp2_tp2_ep2_etp2, few experts under ep is few_dp4's placement with
-ep2's dispatch); they run in the slow selection to keep the default one within budget."""
+"""Layouts beyond the default selection's four compositions (ep over dp, ep with tp, ep
+spanning tp, ep with cp, and resumes between them): each trains in a 4-rank job of its
+own under slow, replaying its single-process reference's routing, to keep the default
+selection within its budget (tests/moe_spread.py trains them all)."""
 
 
 def reference_of(layout: str) -> str:
@@ -175,21 +176,28 @@ def test_layout_matches_single_process(moe_runs: Path, layout: str) -> None:
     assert_same_run(moe_runs / layout, moe_runs / reference_of(layout))
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize(("layout", "holders"), [("tp2_ep4_etp1", 4), ("cp2_tp2_ep4", 4),
-                                                 ("dp2_tp2_ep2_etp1", 4), ("hsdp2x2_ep2", 2)])
-def test_each_rank_holds_its_share_of_the_experts(moe_runs: Path, layout: str,
-                                                  holders: int) -> None:
-    """At --tp 2 --ep 4 --etp 1 on 4 ranks every rank holds a quarter of each routed expert
-    weight (ep spans the tp ranks), not half (as when ep only borrowed dp_shard ranks and tp
-    ranks held replicas); HSDP keeps one copy per replica."""
-    shares = json.loads((moe_runs / layout / "shares.json").read_text())
-    params = torch.load(moe_runs / layout / "params.pt")
+HOLDERS = {"tp2_ep4_etp1": 4, "cp2_tp2_ep4": 4, "dp2_tp2_ep2_etp1": 4, "hsdp2x2_ep2": 2}
+"""Layout -> how many ranks split each routed expert weight."""
+
+
+def assert_expert_shares(run: Path, holders: int) -> None:
+    shares = json.loads((run / "shares.json").read_text())
+    params = torch.load(run / "params.pt")
+    layout = run.name
     experts = {n: s for n, s in shares.items() if ".moe.experts.w" in n}
     assert experts, sorted(shares)
     for name, per_rank in experts.items():
         print(f"{layout} {name}: {per_rank} of {params[name].numel()} elements per rank")
         assert per_rank == [params[name].numel() // holders] * 4, (name, per_rank)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [name for name in HOLDERS if name in LAYOUTS])
+def test_each_rank_holds_its_share_of_the_experts(moe_runs: Path, layout: str) -> None:
+    """At --tp 2 --ep 4 --etp 1 on 4 ranks every rank holds a quarter of each routed expert
+    weight (ep spans the tp ranks), not half (as when ep only borrowed dp_shard ranks and tp
+    ranks held replicas); HSDP keeps one copy per replica."""
+    assert_expert_shares(moe_runs / layout, HOLDERS[layout])
 
 
 RESUME_RTOL = 1e-4
@@ -228,3 +236,5 @@ def test_checkpoints_resume_across_ep_degrees_and_layouts(moe_runs: Path, layout
 def test_slow_layout_matches_single_process(moe_runs: Path, tmp_path: Path, layout: str) -> None:
     launch(4, {layout: SLOW_LAYOUTS[layout]}, tmp_path, references=moe_runs)
     assert_same_run(tmp_path / layout, moe_runs / reference_of(layout))
+    if layout in HOLDERS:
+        assert_expert_shares(tmp_path / layout, HOLDERS[layout])

@@ -34,10 +34,10 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "pp2_interleaved": (2, 1, [*PP2, "--pp-schedule", "interleaved-1f1b"]),
     "pp2_dp2": (4, 2, [*PP2, "--dp-shard", "2"]),
     "pp2_tp2": (4, 1, [*PP2, "--tp", "2"]),
-    "pp2_tp2_interleaved": (4, 1, [*PP2, "--tp", "2", "--pp-schedule", "interleaved-1f1b"]),
-    "pp2_tp2_loss_parallel": (4, 1, [*PP2, "--tp", "2", "--loss-impl", "loss-parallel"]),
 }
 SLOW_LAYOUTS = {
+    "pp2_tp2_interleaved": (4, 1, [*PP2, "--tp", "2", "--pp-schedule", "interleaved-1f1b"]),
+    "pp2_tp2_loss_parallel": (4, 1, [*PP2, "--tp", "2", "--loss-impl", "loss-parallel"]),
     "pp2_gpipe": (2, 1, [*PP2, "--pp-schedule", "gpipe"]),
     "pp2_ac": (2, 1, [*PP2, "--ac", "block"]),
     "pp2_accum": (2, 1, [*PP2, "--grad-accum-steps", "2", "--pp-microbatches", "2"]),

@@ -128,8 +128,8 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                              "test_pipeline_layout_matches_single_process[pp2_dp2]",
     ("dp_shard", "pp-interleaved"): "tests/parity/test_pipeline_parity.py::"
                                     "test_interleaved_checkpoint_resumes_on_pp2_dp2",
-    ("dp_shard", "cp"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process"
-                        "[cp2_dp2]",
+    ("dp_shard", "cp"): "tests/parity/test_cp_parity.py::"
+                        "test_slow_cp_layout_matches_single_process[cp2_dp2]",
     ("dp_shard", "ep"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process[ep2]",
     ("dp_shard", "simple-fsdp"): "tests/parity/test_simple_fsdp_parity.py::"
                                  "test_matches_one_process_and_fsdp2[dp_shard4-eager]",
@@ -143,17 +143,18 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                         "test_activation_checkpointing_matches_plain_run[dp2-block]",
     ("dp_replicate", "cp"): "tests/parity/test_cp_parity.py::test_slow_cp_layout_matches_single_"
                             "process[cp2_hsdp]",
-    ("dp_replicate", "ep"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
-                            "[hsdp2x2_ep2]",
+    ("dp_replicate", "ep"): "tests/parity/test_moe_parity.py::"
+                            "test_slow_layout_matches_single_process[hsdp2x2_ep2]",
     ("dp_replicate", "simple-fsdp"): "tests/parity/test_simple_fsdp_parity.py::"
-                                     "test_matches_one_process_and_fsdp2[hsdp2x2-eager]",
+                                     "test_slow_cases_match_one_process[hsdp2x2-eager]",
     ("tp", "pp-1f1b"): "tests/parity/test_pipeline_parity.py::"
                        "test_pipeline_layout_matches_single_process[pp2_tp2]",
-    ("tp", "cp"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process[cp2_tp2]",
+    ("tp", "cp"): "tests/parity/test_cp_parity.py::"
+                  "test_slow_cp_layout_matches_single_process[cp2_tp2]",
     ("tp", "ep"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
                   "[dp2_tp2_ep2_etp1]",
     ("tp", "simple-fsdp"): "tests/parity/test_simple_fsdp_parity.py::"
-                           "test_matches_one_process_and_fsdp2[dp2_tp2-eager]",
+                           "test_slow_cases_match_one_process[dp2_tp2-eager]",
     ("tp", "fused-linear"): "tests/integration/test_losses_multirank.py::"
                             "test_five_step_losses_match_eager[tp2/fused-linear]",
     ("tp", "loss-parallel"): "tests/integration/test_losses_multirank.py::"
@@ -164,8 +165,8 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                   "test_activation_checkpointing_matches_plain_run[tp2-block]",
     ("pp-1f1b", "ac"): "tests/parity/test_pipeline_parity.py::"
                        "test_pipeline_layout_matches_single_process_slow[pp2_ac]",
-    ("cp", "simple-fsdp"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process"
-                           "[cp2_simple_fsdp]",
+    ("cp", "simple-fsdp"): "tests/parity/test_cp_parity.py::"
+                           "test_slow_cp_layout_matches_single_process[cp2_simple_fsdp]",
     ("cp", "ep"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process[cp2_ep2]",
     ("cp", "fused-linear"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process"
                             "[cp2_fused_linear]",
@@ -173,25 +174,26 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                              "process[cp2_tp2_selective_ac]",
     ("cp", "compile"): "tests/parity/test_cp_parity.py::test_slow_cp_layout_matches_single_process"
                        "[cp2_compile]",
-    ("cp", "ac"): "tests/parity/test_cp_parity.py::test_cp_layout_matches_single_process[cp2_ac]",
+    ("cp", "ac"): "tests/parity/test_cp_parity.py::"
+                  "test_slow_cp_layout_matches_single_process[cp2_ac]",
     ("ep", "simple-fsdp"): "tests/parity/test_simple_fsdp_parity.py::"
                            "test_matches_one_process_and_fsdp2[moe_ep2-eager]",
-    ("ep", "compile"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
-                       "[ep2_ac_compile]",
-    ("ep", "ac"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
-                  "[ep2_ac_compile]",
+    ("ep", "compile"): "tests/parity/test_moe_parity.py::"
+                       "test_slow_layout_matches_single_process[ep2_ac_compile]",
+    ("ep", "ac"): "tests/parity/test_moe_parity.py::"
+                  "test_slow_layout_matches_single_process[ep2_ac_compile]",
     ("simple-fsdp", "compile"): "tests/parity/test_simple_fsdp_parity.py::"
                                 "test_matches_one_process_and_fsdp2[dp_shard4-compiled]",
     ("simple-fsdp", "ac"): "tests/parity/test_simple_fsdp_parity.py::"
-                           "test_matches_one_process_and_fsdp2[dp_shard4-ac]",
-    ("tp", "pp-interleaved"): "tests/parity/test_pipeline_parity.py::"
-                              "test_pipeline_layout_matches_single_process[pp2_tp2_interleaved]",
+                           "test_slow_cases_match_one_process[dp_shard4-ac]",
+    ("tp", "pp-interleaved"): "tests/parity/test_pipeline_parity.py::test_pipeline_layout_"
+                              "matches_single_process_slow[pp2_tp2_interleaved]",
     ("pp-1f1b", "ep"): "tests/parity/test_pipeline_parity.py::"
                        "test_moe_pp2_ep2_matches_single_process",
     ("pp-1f1b", "fused-linear"): "tests/parity/test_pipeline_parity.py::test_pipeline_layout_"
                                  "matches_single_process_slow[pp2_fused_linear]",
     ("pp-1f1b", "loss-parallel"): "tests/parity/test_pipeline_parity.py::"
-                                  "test_pipeline_layout_matches_single_process"
+                                  "test_pipeline_layout_matches_single_process_slow"
                                   "[pp2_tp2_loss_parallel]",
     ("pp-interleaved", "ac"): "tests/parity/test_pipeline_parity.py::test_pipeline_layout_"
                               "matches_single_process_slow[pp2_interleaved_ac]",
@@ -199,8 +201,8 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                                  "match_one_process[hsdp2x2-compiled]",
     ("loss-parallel", "ac"): "tests/parity/test_cp_parity.py::test_slow_cp_layout_matches_single_"
                              "process[cp2_tp2_selective_ac]",
-    ("compile", "ac"): "tests/parity/test_moe_parity.py::test_layout_matches_single_process"
-                       "[ep2_ac_compile]",
+    ("compile", "ac"): "tests/parity/test_moe_parity.py::"
+                       "test_slow_layout_matches_single_process[ep2_ac_compile]",
     **{pair: FAST_SWEEP for pair in (
         ("dp_replicate", "tp"), ("dp_replicate", "loss-parallel"), ("dp_replicate", "ac"),
         ("dp_shard", "loss-parallel"), ("simple-fsdp", "loss-parallel"))},
