@@ -83,17 +83,6 @@ REFUSALS: tuple[Refusal, ...] = (
                       "hold parts of them (use the default aux-loss-free balancing)",
             "MoE's sequence-wise balance loss (--aux-loss-coeff > 0) needs whole sequences; "
             "cp ranks hold parts of them"),
-    Refusal((("tp", "float8"), ("float8", "loss-parallel")),
-            lambda c: _float8(c) and c.parallel.tp > 1,
-            lambda c: f"--float8 with --tp {c.parallel.tp} is not wired yet (torchao's "
-                      "float8 tensor-parallel styles are not in loom's TP plan); use --tp 1",
-            "loom: torchao's Float8ColwiseParallel / Float8RowwiseParallel are not in loom's "
-            "TP plan; not wired yet"),
-    Refusal((("simple-fsdp", "float8"),), lambda c: _float8(c) and _simple(c),
-            lambda c: "--float8 needs --data-parallel fsdp2 (SimpleFSDP's parametrization "
-                      "is untested with torchao's float8 weights)",
-            "loom: SimpleFSDP's gather parametrization is untested with torchao's float8 "
-            "weight subclass; refused until a parity test runs it"),
     Refusal((), lambda c: c.parallel.compile and c.parallel.activation_checkpoint != "none"
             and (_simple(c) or c.parallel.tp > 1),
             lambda c: f"--compile with --ac {c.parallel.activation_checkpoint} at --tp "
@@ -215,13 +204,13 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
         ("pp-interleaved", "compile"), ("ep", "float8"),
         ("ep", "fused-linear"), ("ep", "loss-parallel"), ("simple-fsdp", "fused-linear"),
         ("float8", "fused-linear"), ("float8", "compile"), ("float8", "ac"),
-        ("fused-linear", "compile"), ("fused-linear", "ac"), ("loss-parallel", "compile"))},
+        ("fused-linear", "compile"), ("fused-linear", "ac"), ("loss-parallel", "compile"),
+        ("tp", "float8"), ("float8", "loss-parallel"), ("simple-fsdp", "float8"),
+        ("cp", "float8"))},
 }.items()}
 """Pair -> the test that runs it (a node id; the test checks it is collected)."""
 
-UNTESTED: frozenset[frozenset[str]] = frozenset(frozenset(pair) for pair in (
-    ("cp", "float8"),  # cp ranks scale half sequences: no one process quantizes alike
-))
+UNTESTED: frozenset[frozenset[str]] = frozenset()
 """Pairs validation accepts that no parity test runs yet: the gaps, named (a new test
 moves its pair to `TESTED`)."""
 

@@ -12,7 +12,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -21,13 +20,16 @@ from torch.distributed.tensor.parallel import (
 from loom.models.llama.model import Transformer, TransformerBlock
 from loom.models.spec import ModelPlan
 from loom.parallel.mesh import ParallelDims
+from loom.parallel.tp_styles import Styles, carries_float8
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Shard matmuls across tp and keep activations between them sequence-sharded.
 
     The logits come out replicated, or vocab-sharded (a DTensor) for the loss-parallel mode.
-    A MoE block's feed-forward gets its plan from parallel/expert.py.
+    A MoE block's feed-forward gets its plan from parallel/expert.py. The blocks' linears
+    take torchao's float8 styles when --float8 tensorwise swapped them (`tp_styles`); the
+    embedding and the head stay in high precision, so they keep torch's.
     """
     outer = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -39,16 +41,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     }  # a pipeline stage holds only some of these
     parallelize_module(model, tp_mesh, {name: style for name, style in outer.items()
                                         if getattr(model, name) is not None})
+    float8_comm = carries_float8(tp_mesh)
     for block in model.layers.values():
+        styles = Styles(block, float8_comm)
+        colwise, rowwise, prepare = styles.colwise, styles.rowwise, styles.prepare_input
         plan = {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
+            "attention": prepare(
+                "attention",
                 input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
                 use_local_output=True),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention.wq": colwise("attention.wq"),
+            "attention.wk": colwise("attention.wk"),
+            "attention.wv": colwise("attention.wv"),
+            "attention.wo": rowwise("attention.wo", output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
         }
         if block.attention.q_norm is not None:  # per head: its input is sharded over heads
@@ -56,12 +62,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
             plan.update({"attention.q_norm": per_head, "attention.k_norm": per_head})
         if isinstance(block, TransformerBlock):
             plan.update({
-                "feed_forward": PrepareModuleInput(
+                "feed_forward": prepare(
+                    "feed_forward",
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                     use_local_output=True),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w1": colwise("feed_forward.w1"),
+                "feed_forward.w2": rowwise("feed_forward.w2", output_layouts=Shard(1)),
+                "feed_forward.w3": colwise("feed_forward.w3"),
             })
         parallelize_module(block, tp_mesh, plan)
 

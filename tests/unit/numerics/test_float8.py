@@ -6,24 +6,54 @@ from dataclasses import replace
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
 
 from loom.config import ConfigError, parse_args
 from loom.config.validate import validate
 from loom.models.resolve import plain_model
 from loom.numerics import float8
+from loom.parallel.tp_styles import Styles
 
 float8_linear = pytest.importorskip(
     "torchao.float8.float8_linear",
     reason="torchao is an optional dependency (pip install 'loom[float8]')")
+torchao_float8 = pytest.importorskip("torchao.float8")
+ftp = pytest.importorskip("torchao.float8.float8_tensor_parallel")
 
 
-@pytest.mark.parametrize(("flags", "says"), [
-    (["--tp", "2"], "--tp 2 is not wired yet"),
-    (["--data-parallel", "simple-fsdp"], "needs --data-parallel fsdp2"),
+@pytest.mark.parametrize("flags", [
+    ["--tp", "2"], ["--tp", "2", "--loss-impl", "loss-parallel"],
+    ["--data-parallel", "simple-fsdp"], ["--cp", "2"],
 ])
-def test_layouts_float8_cannot_run_are_refused_in_one_line(flags, says):
-    with pytest.raises(ConfigError, match=says):
-        parse_args(["--model", "debug", "--float8", "tensorwise", *flags])
+def test_float8_layouts_with_a_parity_layout_validate(flags):
+    """They used to be refused; tests/parity/test_layout_sweep.py trains each."""
+    cfg = parse_args(["--model", "debug", "--float8", "tensorwise", *flags])
+    assert cfg.parallel.float8 == "tensorwise"
+
+
+def converted_block(recipe: str) -> nn.Module:
+    """A feed-forward of three 64-wide linears (all eligible), and one plain 8-wide one."""
+    block = nn.ModuleDict({"w1": nn.Linear(64, 64), "w2": nn.Linear(64, 64),
+                           "small": nn.Linear(8, 8)})
+    config = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
+    torchao_float8.convert_to_float8_training(
+        block, config=config, module_filter_fn=lambda m, fqn: fqn != "small")
+    return block
+
+
+def test_tp_styles_are_torchaos_for_tensorwise_float8_linears_only():
+    """torchao's float8 styles for tensorwise Float8Linears over a float8-carrying backend;
+    torch's for a plain linear (torchao's refuse one), rowwise ones and over gloo."""
+    tensorwise = Styles(converted_block("tensorwise"), float8_comm=True)
+    assert type(tensorwise.colwise("w1")) is ftp.Float8ColwiseParallel
+    assert type(tensorwise.rowwise("w2")) is ftp.Float8RowwiseParallel
+    assert type(tensorwise.colwise("small")) is ColwiseParallel
+    assert type(tensorwise.prepare_input("w1")) is ftp.PrepareFloat8ModuleInput
+    assert type(tensorwise.prepare_input("")) is PrepareModuleInput  # holds the plain one
+    for styles in (Styles(converted_block("rowwise"), float8_comm=True),
+                   Styles(converted_block("tensorwise"), float8_comm=False)):
+        assert type(styles.colwise("w1")) is ColwiseParallel
+        assert type(styles.prepare_input("w1")) is PrepareModuleInput
 
 
 def test_transformers_module_and_emulate_without_float8_are_refused():
