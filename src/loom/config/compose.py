@@ -54,10 +54,6 @@ class Refusal:
     why: str
 
 
-def _pp(cfg: JobConfig) -> bool:
-    return cfg.parallel.pp > 1
-
-
 def _cp(cfg: JobConfig) -> bool:
     return cfg.parallel.cp > 1
 
@@ -71,12 +67,6 @@ def _float8(cfg: JobConfig) -> bool:
 
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal((("pp-1f1b", "cp"), ("pp-interleaved", "cp")),
-            lambda c: _pp(c) and _cp(c),
-            lambda c: f"--cp {c.parallel.cp} with --pp {c.parallel.pp} is not wired yet "
-                      "(pipeline stages do not shard sequences); use one of them",
-            "loom: the stages' meta inputs and the schedule's micro-batches are whole "
-            "sequences; not wired yet"),
     Refusal((), lambda c: _cp(c) and bool(c.model.n_experts) and c.model.aux_loss_coeff > 0,
             lambda c: f"--cp {c.parallel.cp} with --aux-loss-coeff {c.model.aux_loss_coeff}: "
                       "the sequence-wise balance loss needs whole sequences, and cp ranks "
@@ -106,18 +96,11 @@ REFUSALS: tuple[Refusal, ...] = (
             "tensors_saved_with_vc_check to be Tensors`; seen at tp 2, at SimpleFSDP dp_shard "
             "2 and HSDP 2 x 2). Each pair alone trains (its tests above); under FSDP2 at tp 1 "
             "compile with AC trains"),
-    Refusal((("pp-1f1b", "simple-fsdp"), ("pp-interleaved", "simple-fsdp")),
-            lambda c: _pp(c) and _simple(c),
-            lambda c: "--pp needs --data-parallel fsdp2 (SimpleFSDP stages are not wired "
-                      "to the pipeline schedules yet)",
-            "loom: the schedules' per-micro-batch gradient sync is FSDP2's "
-            "(set_requires_gradient_sync); SimpleFSDP stages have no such hook; not wired "
-            "yet"),
 )
 
 FAST_SWEEP = "tests/parity/test_layout_sweep.py::test_fast_layouts_match_one_process"
 SLOW_SWEEP = "tests/parity/test_layout_sweep.py::test_sweep_layouts_match_one_process"
-"""The layout sweep: 4-rank layouts that turn on several features each (its two eager
+"""The layout sweep: 4-rank layouts that turn on several features each (its three eager
 layouts run in the default selection, the others under slow)."""
 
 TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
@@ -203,7 +186,7 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
                        "[ep2_ac_compile]",
     **{pair: FAST_SWEEP for pair in (
         ("dp_replicate", "tp"), ("dp_replicate", "loss-parallel"), ("dp_replicate", "ac"),
-        ("dp_shard", "loss-parallel"), ("simple-fsdp", "loss-parallel"))},
+        ("dp_shard", "loss-parallel"), ("simple-fsdp", "loss-parallel"), ("pp-1f1b", "cp"))},
     **{pair: SLOW_SWEEP for pair in (
         ("dp_replicate", "pp-1f1b"), ("dp_replicate", "pp-interleaved"),
         ("dp_replicate", "float8"), ("dp_replicate", "fused-linear"),
@@ -213,7 +196,9 @@ TESTED: dict[frozenset[str], str] = {frozenset(pair): test for pair, test in {
         ("pp-interleaved", "compile"), ("ep", "float8"),
         ("ep", "fused-linear"), ("ep", "loss-parallel"), ("simple-fsdp", "fused-linear"),
         ("float8", "fused-linear"), ("float8", "compile"), ("float8", "ac"),
-        ("fused-linear", "compile"), ("fused-linear", "ac"), ("loss-parallel", "compile"))},
+        ("fused-linear", "compile"), ("fused-linear", "ac"), ("loss-parallel", "compile"),
+        ("pp-1f1b", "simple-fsdp"), ("pp-interleaved", "simple-fsdp"),
+        ("pp-interleaved", "cp"))},
 }.items()}
 """Pair -> the test that runs it (a node id; the test checks it is collected)."""
 
