@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from loom.config.job import JobConfig
+from loom.config.pipeline import SPLIT_BACKWARD
 from loom.errors import ConfigError
 
 TORCH_CHECKED = "2.13"
@@ -73,6 +74,18 @@ REFUSALS: tuple[Refusal, ...] = (
                       "hold parts of them (use the default aux-loss-free balancing)",
             "MoE's sequence-wise balance loss (--aux-loss-coeff > 0) needs whole sequences; "
             "cp ranks hold parts of them"),
+    Refusal((), lambda c: c.parallel.pp > 1 and c.parallel.pp_schedule in SPLIT_BACKWARD,
+            lambda c: f"--pp-schedule {c.parallel.pp_schedule} splits backward into input and "
+                      f"weight gradients, which torch {TORCH_CHECKED} gets wrong for loom's "
+                      "FSDP2 stages; use 1f1b, gpipe or interleaved-1f1b",
+            f"--pp-schedule zero-bubble / dualpipev: torch {TORCH_CHECKED}'s split backward "
+            "(stage_backward_input, then the deferred stage_backward_weight, as "
+            "ScheduleZBVZeroBubble runs them) gives wrong weight gradients when a stage holds "
+            "nested FSDP2 units (fully_shard on each block, then on the stage, as loom wraps "
+            "it), even on a one-rank dp mesh: worst relative error 1.0 and 2.9 against one "
+            "process, while plain stages and one-unit FSDP2 stages match within 1e-7 "
+            "(tests/parity/test_upstream_zbv.py; in loom, pp 2: first-step gradient norm "
+            "3.27 against 4.75)"),
     Refusal((("tp", "float8"), ("float8", "loss-parallel")),
             lambda c: _float8(c) and c.parallel.tp > 1,
             lambda c: f"--float8 with --tp {c.parallel.tp} is not wired yet (torchao's "
