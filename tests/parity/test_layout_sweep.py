@@ -15,7 +15,7 @@ tests do; under pipeline parallel the routers see micro-batches, which the recor
 do not index, so pp MoE layouts route by themselves (as test_moe_pp2_ep2_matches_single_
 process does).
 
-The default selection trains `FAST` (two eager layouts, one 4-rank job); `SWEEP` runs under
+The default selection trains `FAST` (three eager layouts, one 4-rank job); `SWEEP` runs under
 slow. `loom.config.compose.TESTED` names the case each pair is covered by.
 """
 
@@ -95,8 +95,12 @@ FAST = {  # name: (reference, dp degree, flags) on 4 ranks
                                                 "--tp", "2", *LOSS_PARALLEL, *AC]),
     "simple_fsdp_dp2_tp2_loss_parallel": ("single", 2, [*SIMPLE, "--dp-shard", "2", "--tp",
                                                         "2", *LOSS_PARALLEL]),
+    "pp2_cp2_1f1b": ("single", 1, [*ONE_F_ONE_B, "--cp", "2", "--dp-shard", "1"]),
 }
 SWEEP = {
+    "pp2_dp2_simple_fsdp_1f1b": ("single", 2, [*ONE_F_ONE_B, *SIMPLE, "--dp-shard", "2"]),
+    "pp2_cp2_simple_fsdp_interleaved": ("single", 1, [*INTERLEAVED, "--cp", "2", *SIMPLE,
+                                                      "--dp-shard", "1"]),
     "pp2_tp2_interleaved_loss_parallel_compile": ("single", 1, [*INTERLEAVED, "--tp", "2",
                                                                 *LOSS_PARALLEL, *COMPILE]),
     # SimpleFSDP + AC + compile (a triple, not a pair of the matrix) fails under HSDP 2x2 in

@@ -14,9 +14,9 @@ SCHEDULES = {**SINGLE, **LOOPED, **V_SHAPED}
 """--pp-schedule -> torch.distributed.pipelining class name (without `Schedule`)."""
 MAX_BUBBLE = 0.25
 SPLIT_BACKWARD = ("zero-bubble", "dualpipev")
-"""Schedules that split backward into input and deferred weight gradients: on torch 2.13
-the weight gradients of FSDP2 stages come out incomplete (pp2, one step: gradient norm 3.27
-against 4.75 in one process), so they are refused rather than run wrong."""
+"""Schedules that split backward into input and deferred weight gradients: refused in
+`loom.config.compose.REFUSALS` (torch's split backward gets nested FSDP2 units' weight
+gradients wrong; reproduced in tests/parity/test_upstream_zbv.py)."""
 
 
 def stages_per_rank(p: ParallelConfig) -> int:
@@ -102,10 +102,6 @@ def validate_pipeline(cfg: JobConfig) -> None:
                               f"{1 if name == 'pp' else 0}, got {getattr(p, name)}")
     if p.pp == 1:
         return
-    if p.pp_schedule in SPLIT_BACKWARD:
-        raise ConfigError(f"--pp-schedule {p.pp_schedule} splits backward into input and "
-                          "weight gradients, which FSDP2 stages do not yet accumulate "
-                          "correctly; use 1f1b, gpipe or interleaved-1f1b")
     per_rank = stages_per_rank(p)
     if p.pp_schedule in SINGLE and per_rank != 1:
         raise ConfigError(f"--pp-schedule {p.pp_schedule} runs one stage per rank; use "

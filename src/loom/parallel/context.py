@@ -170,15 +170,17 @@ class ContextParallelAttention(nn.Module):
                                         mask)
 
 
-def _add_positions(mesh: DeviceMesh) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
+def _add_positions(mesh: DeviceMesh, tp: int
+                   ) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
     """Forward pre-hook of the model: pass the global RoPE positions of this rank's tokens;
     under --doc-mask, given the whole sequence's `documents` (B, T), their positions within
-    their documents and their rows of the document mask instead."""
+    their documents and their rows of the document mask instead. A later pipeline stage
+    gets hidden states, which tensor parallel also shards along the sequence (by `tp`)."""
     cp, rank = mesh.size(), mesh.get_local_rank()
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         tokens = args[0] if args else kwargs["tokens"]
-        seq_len = tokens.shape[1] * cp
+        seq_len = tokens.shape[1] * cp * (tp if tokens.is_floating_point() else 1)
         index = shard_positions(seq_len, cp, rank, device=tokens.device)
         documents = kwargs.pop("documents", None)
         if documents is None:
@@ -190,7 +192,7 @@ def _add_positions(mesh: DeviceMesh) -> Callable[[nn.Module, tuple, dict], tuple
     return hook
 
 
-def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
+def apply_cp(model: nn.Module, mesh: DeviceMesh, tp: int = 1) -> None:
     """Swap every block's `attention.core` for the context-parallel one and make the model
     index RoPE by global position. The core has no parameters: names, init and checkpoints
     stay the same."""
@@ -200,6 +202,6 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
     for block in getattr(model, parts.blocks).values():
         owner, _, name = parts.attention_core.rpartition(".")
         setattr(block.get_submodule(owner), name, ContextParallelAttention(mesh))
-    model.register_forward_pre_hook(_add_positions(mesh), with_kwargs=True)
+    model.register_forward_pre_hook(_add_positions(mesh, tp), with_kwargs=True)
     logger.info("context parallel: cp=%d, all-gather K/V, load-balanced causal chunks",
                 mesh.size())

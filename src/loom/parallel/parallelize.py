@@ -61,7 +61,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
         logger.info("tensor parallel: tp=%d, sequence parallel, %s logits", dims.tp,
                     "vocab-sharded" if loss_parallel else "replicated")
     if dims.cp_enabled:  # context parallel: attention cores swapped, RoPE by global position
-        apply_cp(model, dims.get_mesh("cp"))
+        apply_cp(model, dims.get_mesh("cp"), dims.tp)
     apply_ac(plan, cfg.activation_checkpoint)
     strategy = SINGLE_DEVICE if runs_plain(dims, cfg) else STRATEGIES[cfg.data_parallel]
     if cfg.compile and hasattr(model, "flex_doc_mask"):  # flex pays compiled only

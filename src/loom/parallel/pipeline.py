@@ -108,8 +108,11 @@ def stage_io(part: nn.Module, cfg: JobConfig, tp: int, microbatch: int, hidden: 
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A stage's input and output as meta tensors, so the schedule needs no inference pass
     (it would run each stage once more, on uninitialised inputs). Between stages the
-    activations are sequence-sharded across tp and in the compute dtype."""
-    seq, dim, dtype = cfg.data.seq_len, cfg.model.dim, torch_dtype(cfg.parallel.dtype)
+    activations are sequence-sharded across tp and in the compute dtype. Under context
+    parallel every stage sees this cp rank's shard of each sequence (the trainer shards the
+    batch before the schedule), so the lengths are seq_len / cp."""
+    seq = cfg.data.seq_len // cfg.parallel.cp
+    dim, dtype = cfg.model.dim, torch_dtype(cfg.parallel.dtype)
     act = torch.empty(microbatch, seq // tp, dim, dtype=dtype, device="meta",
                       requires_grad=True)  # its gradient goes back to the previous stage
     if has_embedding(part):

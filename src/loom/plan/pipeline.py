@@ -132,11 +132,12 @@ def others_alive(cfg: JobConfig, rank: int, kept: list[Breakdown]
 
 
 def buffer_bytes(cfg: JobConfig, first: bool, last: bool) -> int:
-    """A stage's receive buffers: (B/M, T/tp, dim) in the compute dtype per micro-batch, for
-    the input (all but the first stage) and the output's gradient (all but the last)."""
+    """A stage's receive buffers: (B/M, T/(cp tp), dim) in the compute dtype per
+    micro-batch, for the input (all but the first stage) and the output's gradient (all but
+    the last)."""
     p = cfg.parallel
     m = choose_microbatches(p, cfg.train.batch_size)
-    act = (cfg.train.batch_size // m * (cfg.data.seq_len // p.tp) * cfg.model.dim
+    act = (cfg.train.batch_size // m * (cfg.data.seq_len // (p.cp * p.tp)) * cfg.model.dim
            * torch_dtype(p.dtype).itemsize)
     return m * act * ((not first) + (not last))
 

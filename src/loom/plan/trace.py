@@ -275,7 +275,7 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
     criterion = traced_criterion(cfg, output_of(model), dims.tp)
     if stage.last and criterion.hidden:
         model.hidden_output = True
-    mb, seq, dim = stage.microbatch, cfg.data.seq_len, cfg.model.dim
+    mb, seq, dim = stage.microbatch, cfg.data.seq_len // dims.cp, cfg.model.dim  # cp: a shard
     dtype = torch_dtype(cfg.parallel.dtype)
     tokens = torch.zeros(mb, seq, dtype=torch.long)
     documents = traced_documents(tokens, cfg)

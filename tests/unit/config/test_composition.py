@@ -96,8 +96,9 @@ def test_each_tested_cell_names_a_collected_test() -> None:
 
 def test_the_refusals_off_the_matrix_still_refuse() -> None:
     """The table's rows that cover no matrix cell (MoE's balance loss, SimpleFSDP with
-    compile and AC together) apply."""
+    compile and AC together, the split-backward schedules) apply."""
     cases = {"--aux-loss-coeff": {"model": "moe-debug", "cp": 2, "aux_loss_coeff": 0.01},
+             "splits backward": {"pp": 2, "pp_schedule": "zero-bubble"},
              "compiled autograd": {"dp_shard": 2, "data_parallel": "simple-fsdp",
                                    "compile": True, "activation_checkpoint": "block"}}
     # (the same row refuses tp 2 with compile and AC: tests/unit/test_knobs.py)

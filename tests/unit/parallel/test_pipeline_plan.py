@@ -14,7 +14,7 @@ from loom.config.pipeline import (
     stage_indices,
 )
 from loom.models.llama.model import ModelArgs, Transformer
-from loom.parallel.pipeline import layer_costs, stage_module
+from loom.parallel.pipeline import layer_costs, stage_io, stage_module
 
 
 def test_balanced_split_minimises_the_costliest_stage() -> None:
@@ -55,8 +55,24 @@ def test_stages_hold_their_layers_and_keep_the_model_names() -> None:
     ({"pp": 2, "pp_schedule": "zero-bubble"}, "splits backward"),
     ({"pp": 2, "pp_microbatches": 3, "batch_size": 4}, "must divide --batch-size"),
     ({"pp": 4, "pp_schedule": "interleaved-1f1b", "n_layers": 4}, "exceeds the 6 layers"),
-    ({"pp": 2, "data_parallel": "simple-fsdp"}, "needs --data-parallel fsdp2"),
 ])
 def test_unworkable_pipelines_fail_at_validation(flags: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_from_flags({"model": "debug", **flags}, environ={})
+
+
+def test_stage_io_under_context_parallel_is_the_cp_shard_of_each_sequence() -> None:
+    """The trainer shards each batch over cp before the schedule, so every stage's meta
+    input and output (torch checks the received shapes against them) is seq_len / cp long,
+    and between stages also split over tp."""
+    cfg = config_from_flags({"model": "debug", "pp": 2, "cp": 2, "seq_len": 64,
+                             "dtype": "fp32"}, environ={})
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=2, n_kv_heads=1,
+                                      vocab_size=512, multiple_of=32))
+    first, last = (stage_module(model, r) for r in balanced_split(layer_costs(model), 2))
+    tokens, act = stage_io(first, cfg, 1, 2, hidden=False)
+    assert tokens.shape == (2, 32) and act.shape == (2, 32, cfg.model.dim)
+    hidden, logits = stage_io(last, cfg, 2, 2, hidden=False)
+    assert hidden.shape == (2, 16, cfg.model.dim)
+    assert logits.shape == (2, 32, cfg.model.vocab_size)

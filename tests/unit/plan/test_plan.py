@@ -26,10 +26,9 @@ def test_candidates_are_valid_and_their_launch_lines_parse_back():
     found = candidates(cfg, 4)
     layouts = {(c.parallel.tp, c.parallel.dp_replicate, c.parallel.pp, c.parallel.cp)
                for c in found}
-    # debug: 2 kv heads (no tp 4), 4 blocks (pp 2 at most: >= 2 a stage); pp with cp is
-    # not wired in loom train, so never searched together
+    # debug: 2 kv heads (no tp 4), 4 blocks (pp 2 at most: >= 2 a stage)
     assert layouts == {(1, 1, 1, 1), (1, 2, 1, 1), (2, 1, 1, 1), (2, 2, 1, 1),
-                       (1, 1, 2, 1), (1, 2, 2, 1), (2, 1, 2, 1),
+                       (1, 1, 2, 1), (1, 2, 2, 1), (2, 1, 2, 1), (1, 1, 2, 2),
                        (1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 1, 4)}, layouts
     assert {c.loss.loss_impl for c in found if c.parallel.pp == 1} == {"fused-linear"}
     assert {c.loss.loss_impl for c in found if c.parallel.pp > 1 and c.parallel.tp > 1} \
