@@ -77,12 +77,6 @@ REFUSALS: tuple[Refusal, ...] = (
                       "(pipeline stages do not shard sequences); use one of them",
             "loom: the stages' meta inputs and the schedule's micro-batches are whole "
             "sequences; not wired yet"),
-    Refusal((), lambda c: _cp(c) and bool(c.model.n_experts) and c.model.aux_loss_coeff > 0,
-            lambda c: f"--cp {c.parallel.cp} with --aux-loss-coeff {c.model.aux_loss_coeff}: "
-                      "the sequence-wise balance loss needs whole sequences, and cp ranks "
-                      "hold parts of them (use the default aux-loss-free balancing)",
-            "MoE's sequence-wise balance loss (--aux-loss-coeff > 0) needs whole sequences; "
-            "cp ranks hold parts of them"),
     Refusal((("tp", "float8"), ("float8", "loss-parallel")),
             lambda c: _float8(c) and c.parallel.tp > 1,
             lambda c: f"--float8 with --tp {c.parallel.tp} is not wired yet (torchao's "
