@@ -11,6 +11,13 @@ best experts tie within rounding noise may otherwise choose differently in anoth
 and one such token moves a step's gradient norm by ~1e-3 (seen on an Intel Xeon with AMX).
 The tokens whose own choice differed are counted; each must be a near tie (`TIE_MARGIN`),
 so a routing bug still fails here instead of being replayed away.
+
+`aux_cp2_ep2` trains with the sequence-wise balance loss (--aux-loss-coeff) at dp 2 x cp 2
+x ep 2 against its own single process (`aux_single`): each cp rank holds half of every
+sequence, so the loss's per-sequence sums are summed over cp (with gradient) before it is
+formed. Its `moe/aux_loss` must match too. Measured with that sum dropped (each rank's loss
+over its own chunks): aux_loss off by 1.3e-3 and step 2's loss by 2.9e-5; with the sum's
+backward not summing (the aux gradient halved): step 1's gradient norm off by 1.6e-4.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ a wrong router or dispatch gives gaps of ~1e-2 and more."""
 MAX_FLIPS = 2
 """Near ties that flipped, per forward, router and dp rank (seen: at most 1)."""
 COMPILE = ["--compile", "--compile-backend", "aot_eager"]
+AUX = ["--aux-loss-coeff", "0.01"]
 FEW_EXPERTS = ["--n-experts", "2", "--top-k", "1"]
 """Fewer (local) experts than FSDP shard ranks: the stacked expert weights are sharded off
 dim 0 (`expert_placement`). Compared with their own single-process run (`few_single`)."""
@@ -72,8 +80,10 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "tp2_ep4_etp1": (4, 2, ["--tp", "2", "--ep", "4", "--etp", "1"]),
     "cp2_ep2": (4, 2, ["--cp", "2", "--ep", "2"]),
     "few_single": (1, 1, FEW_EXPERTS),
+    "aux_single": (1, 1, AUX),
+    "aux_cp2_ep2": (4, 2, ["--cp", "2", "--ep", "2", *AUX]),
 }
-SINGLES = ("single", "few_single")
+SINGLES = ("single", "few_single", "aux_single")
 SLOW_LAYOUTS = {
     "dp2_tp2_etp1": (4, 2, ["--tp", "2"]),
     "dp2_tp2_ep2_etp2": (4, 2, ["--tp", "2", "--ep", "2", "--etp", "2"]),
@@ -93,7 +103,10 @@ selection within its budget (tests/moe_spread.py trains them all)."""
 
 
 def reference_of(layout: str) -> str:
-    return "few_single" if layout.startswith("few_") else "single"
+    for family in ("few", "aux"):
+        if layout.startswith(f"{family}_"):
+            return f"{family}_single"
+    return "single"
 
 
 def launch(world: int, layouts: dict, root: Path, references: Path | None = None,
@@ -137,12 +150,16 @@ def assert_losses_and_grad_norms_close(candidate: Path, reference: Path) -> None
 
 
 def assert_same_steps(candidate: Path, reference: Path) -> None:
-    """Per step: losses and pre-clip gradient norms close, routing counts equal."""
+    """Per step: losses and pre-clip gradient norms close, routing counts equal, and the
+    balance loss close where the reference trains with one."""
     assert_losses_and_grad_norms_close(candidate, reference)
     ref, new = rows(reference), rows(candidate)
     assert len(new) == len(ref) == 5
     for key in ("moe/tokens_per_expert_min", "moe/tokens_per_expert_max"):
         assert [r[key] for r in new] == [r[key] for r in ref], key
+    if "moe/aux_loss" in ref[0]:
+        assert_series_close(column(candidate, "moe/aux_loss"), column(reference, "moe/aux_loss"),
+                            rtol=RTOL, what="moe/aux_loss")
 
 
 def assert_same_run(candidate: Path, reference: Path) -> None:

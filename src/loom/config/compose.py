@@ -68,12 +68,6 @@ def _float8(cfg: JobConfig) -> bool:
 
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal((), lambda c: _cp(c) and bool(c.model.n_experts) and c.model.aux_loss_coeff > 0,
-            lambda c: f"--cp {c.parallel.cp} with --aux-loss-coeff {c.model.aux_loss_coeff}: "
-                      "the sequence-wise balance loss needs whole sequences, and cp ranks "
-                      "hold parts of them (use the default aux-loss-free balancing)",
-            "MoE's sequence-wise balance loss (--aux-loss-coeff > 0) needs whole sequences; "
-            "cp ranks hold parts of them"),
     Refusal((), lambda c: c.parallel.pp > 1 and c.parallel.pp_schedule in SPLIT_BACKWARD,
             lambda c: f"--pp-schedule {c.parallel.pp_schedule} splits backward into input and "
                       f"weight gradients, which torch {TORCH_CHECKED} gets wrong for loom's "

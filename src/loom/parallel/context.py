@@ -170,6 +170,18 @@ class ContextParallelAttention(nn.Module):
                                         mask)
 
 
+def sum_over_cp(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Sums of per-sequence quantities over the cp ranks, each holding part of every
+    sequence: an all-reduce whose backward all-reduces the gradient too, so each rank's
+    partial sums get the gradient every rank's use of the total sends them. Every cp rank
+    then adds the same whole-sequence term to its loss and the gradient average over
+    dp x cp counts it once (the cp ranks' shares sum to it)."""
+    def summed(x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", mesh)
+
+    return summed
+
+
 def _add_positions(mesh: DeviceMesh, tp: int
                    ) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
     """Forward pre-hook of the model: pass the global RoPE positions of this rank's tokens;

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from loom.models.moe.aux_loss import SequenceSum
 from loom.models.moe.balance import moe_layers
 from loom.models.moe.model import ExpertWeights, MoE, MoETransformer
 from loom.models.spec import ModelPlan
@@ -49,8 +50,16 @@ def moe_plan(model: MoETransformer) -> ModelPlan:
         apply_moe_parallel(model, dims)
 
     plan.tensor_parallel = tensor_parallel
+    plan.context_parallel = partial(complete_sequences, model)
     plan.experts = [moe.experts for moe in moe_layers(model)]
     return plan
+
+
+def complete_sequences(model: nn.Module, summed: SequenceSum) -> None:
+    """Under context parallel: every MoE layer sums its balance loss's per-sequence sums
+    with `summed` (over the cp ranks, with gradient) before forming the loss."""
+    for moe in moe_layers(model):
+        moe.sequence_sum = summed
 
 
 class LocalExpertWeights(ExpertWeights):

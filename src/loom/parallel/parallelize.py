@@ -13,7 +13,7 @@ from loom.config import ParallelConfig
 from loom.numerics.precision import describe
 from loom.parallel.checkpointing import apply_ac
 from loom.parallel.compile import apply_compile
-from loom.parallel.context import apply_cp
+from loom.parallel.context import apply_cp, sum_over_cp
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.model_plan import ModelPlan, model_plan
@@ -62,6 +62,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
                     "vocab-sharded" if loss_parallel else "replicated")
     if dims.cp_enabled:  # context parallel: attention cores swapped, RoPE by global position
         apply_cp(model, dims.get_mesh("cp"), dims.tp)
+        if plan.context_parallel is not None:
+            plan.context_parallel(sum_over_cp(dims.get_mesh("cp")))
     apply_ac(plan, cfg.activation_checkpoint)
     strategy = SINGLE_DEVICE if runs_plain(dims, cfg) else STRATEGIES[cfg.data_parallel]
     if cfg.compile and hasattr(model, "flex_doc_mask"):  # flex pays compiled only

@@ -88,6 +88,14 @@ def test_pp_with_tp_takes_the_vocabulary_parallel_losses() -> None:
         assert cfg.loss.loss_impl == loss
 
 
+def test_cp_takes_the_moe_balance_loss() -> None:
+    """Refused until #45: the balance loss's per-sequence sums are summed over cp (tests/
+    parity/test_moe_parity.py::test_layout_matches_single_process[aux_cp2_ep2])."""
+    cfg = config_from_flags({"model": "moe-debug", "cp": 2, "aux_loss_coeff": 0.01},
+                            environ={})
+    assert cfg.parallel.cp == 2 and cfg.model.aux_loss_coeff == 0.01
+
+
 def test_each_tested_cell_names_a_collected_test() -> None:
     ids = collected({test.split("::")[0] for test in TESTED.values()})
     missing = sorted(test for test in TESTED.values() if test not in ids)
@@ -95,10 +103,9 @@ def test_each_tested_cell_names_a_collected_test() -> None:
 
 
 def test_the_refusals_off_the_matrix_still_refuse() -> None:
-    """The table's rows that cover no matrix cell (MoE's balance loss, SimpleFSDP with
-    compile and AC together, the split-backward schedules) apply."""
-    cases = {"--aux-loss-coeff": {"model": "moe-debug", "cp": 2, "aux_loss_coeff": 0.01},
-             "splits backward": {"pp": 2, "pp_schedule": "zero-bubble"},
+    """The table's rows that cover no matrix cell (SimpleFSDP with compile and AC
+    together, the split-backward schedules) apply."""
+    cases = {"splits backward": {"pp": 2, "pp_schedule": "zero-bubble"},
              "compiled autograd": {"dp_shard": 2, "data_parallel": "simple-fsdp",
                                    "compile": True, "activation_checkpoint": "block"}}
     # (the same row refuses tp 2 with compile and AC: tests/unit/test_knobs.py)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from loom.models.moe.aux_loss import balance_loss_from_sums, sequence_balance_loss, sequence_sums
 from loom.models.moe.balance import moe_metrics
 from loom.models.moe.model import (
     GroupedExperts,
@@ -14,9 +15,9 @@ from loom.models.moe.model import (
     active_param_count,
     expert_matmul,
     expert_param_count,
-    sequence_balance_loss,
     weighted_combine,
 )
+from loom.parallel.context import shard_sequence
 from loom.parallel.expert import expert_order, window_counts
 from loom.parallel.fsdp import expert_placement
 
@@ -166,6 +167,23 @@ def test_sequence_balance_loss_matches_its_definition():
         picks = torch.bincount(idx[rows].flatten(), minlength=6).float()
         expected += (picks * 6 / (2 * 4) * probs[rows].mean(0)).sum() / 2
     torch.testing.assert_close(sequence_balance_loss(scores, idx, bsz=2), expected)
+
+
+def test_balance_loss_of_summed_cp_shards_is_the_whole_sequences():
+    """Context parallel: each cp rank's per-sequence sums over its chunks, added up, give the
+    whole sequences' loss and its gradient (the sums are all that crosses ranks)."""
+    scores = torch.rand(2 * 8, 6, requires_grad=True)
+    idx = torch.randint(6, (2 * 8, 2))
+    whole = sequence_balance_loss(scores, idx, bsz=2)
+    expected, = torch.autograd.grad(whole, scores)
+
+    def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
+        return shard_sequence(t.view(2, 8, -1), 2, rank).reshape(-1, t.shape[-1])
+
+    sums = sum(sequence_sums(shard(scores, r), shard(idx, r), bsz=2) for r in range(2))
+    summed = balance_loss_from_sums(sums, top_k=2)
+    torch.testing.assert_close(summed, whole)
+    torch.testing.assert_close(torch.autograd.grad(summed, scores)[0], expected)
 
 
 def test_aux_loss_trains_the_router_without_changing_the_output():

@@ -123,8 +123,6 @@ MISTAKES = {
     "cp-0": (["--cp", "0"], "--cp must be >= 1, got 0"),
     "cp-tp-split": (["--cp", "2", "--tp", "4", "--n-kv-heads", "4", "--seq-len", "76"],
                     "--seq-len 76 / --cp 2 = 38 tokens per cp rank is not divisible by --tp 4"),
-    "moe-aux-loss": (["--cp", "2", "--model", "moe-debug", "--aux-loss-coeff", "0.01"],
-                     "--cp 2 with --aux-loss-coeff 0.01: the sequence-wise balance loss"),
     "world-size": (["--cp", "2"], "needs world size 1 divisible by dp_replicate 1 x cp 2 x tp "
                    "1 = 2"),
     "world-size-explicit": (["--cp", "2", "--dp-shard", "1"], "mesh dp_replicate 1 x dp_shard "

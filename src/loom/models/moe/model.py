@@ -3,6 +3,8 @@
 Pure PyTorch. Expert and tensor parallelism are applied from outside through two seams:
 forward hooks around `MoE.router` and `MoE.experts` (token dispatch and combine), and the
 experts' `weights` module (replaced by one that turns sharded weights into local tensors).
+Context parallel sets `MoE.sequence_sum`, which completes the balance loss's per-sequence
+sums over the ranks holding parts of each sequence.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from loom.models.llama.model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
+from loom.models.moe.aux_loss import SequenceSum, sequence_balance_loss
 
 SCORE_FUNCS = ("sigmoid", "softmax")
 
@@ -233,23 +236,16 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device)
 
 
-def sequence_balance_loss(scores: torch.Tensor, expert_idx: torch.Tensor,
-                          bsz: int) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss, sum_i f_i * P_i averaged over sequences:
-    f_i = E/(k*T) * picks of expert i, P_i = mean over the sequence of normalised scores."""
-    n_experts, top_k = scores.shape[-1], expert_idx.shape[-1]
-    probs = (scores / scores.sum(dim=-1, keepdim=True)).view(bsz, -1, n_experts)  # (B, T, E)
-    picks = F.one_hot(expert_idx.view(bsz, -1), n_experts).sum(dim=1)  # (B, E)
-    f = picks.float() * n_experts / (top_k * probs.shape[1])
-    return (f * probs.mean(dim=1)).sum(dim=-1).mean()
-
-
 class MoE(nn.Module):
     """Routed experts (top-k of E, weighted by router scores) plus always-on shared experts.
 
     `tokens_per_expert` sums the picks since the last expert-bias update; the training loop
     all-reduces it and moves `expert_bias` towards balance (aux-loss-free balancing).
+    `sequence_sum` completes the balance loss's per-sequence sums where this rank holds
+    parts of the sequences: context parallel sets it to a sum over the cp ranks.
     """
+
+    sequence_sum: SequenceSum | None = None
 
     def __init__(self, args: MoEArgs):
         super().__init__()
@@ -279,7 +275,8 @@ class MoE(nn.Module):
         if out.requires_grad:
             out = _CountInBackward.apply(out, counts, self.tokens_per_expert)
         if self.aux_loss_coeff > 0 and self.training:
-            aux = self.aux_loss_coeff * sequence_balance_loss(scores, expert_idx, bsz)
+            aux = self.aux_loss_coeff * sequence_balance_loss(scores, expert_idx, bsz,
+                                                              self.sequence_sum)
             with torch.no_grad():
                 self.aux_loss.copy_(aux)
             out = _AddAuxLoss.apply(out, aux)
