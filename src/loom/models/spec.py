@@ -76,8 +76,9 @@ class ModelPlan:
     """The model's TP (and EP) plan, given the ParallelDims and whether the logits stay
     vocab-sharded; None: the model runs at tp 1."""
     context_parallel: Callable[[Any], None] | None = None
-    """The model's own context-parallel wiring besides the attention cores, given the cp
-    mesh and the sum over it (MoE: its balance loss's per-sequence sums); None: nothing."""
+    """The model's own context-parallel wiring besides the attention cores, given a sum
+    over the cp ranks with gradient (MoE: its balance loss's per-sequence sums); None:
+    nothing."""
     own_ac: Callable[[], None] | None = None
     """The model's own activation checkpointing, used instead of wrapping blocks."""
     fullgraph: bool = True
