@@ -90,8 +90,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "autograd asserts that everything it saves is a tensor, and the checkpointed "
             "DTensor redistribution saves its DeviceMesh (`expected all "
             "tensors_saved_with_vc_check to be Tensors`; seen at tp 2, at SimpleFSDP dp_shard "
-            "2 and HSDP 2 x 2). Each pair alone trains (its tests above); under FSDP2 at tp 1 "
-            "compile with AC trains"),
+            "2 and HSDP 2 x 2; reproduced by tests/parity/test_upstream_compiled_ac.py). Each "
+            "pair alone trains (its tests above); under FSDP2 at tp 1 compile with AC "
+            "trains"),
 )
 
 FAST_SWEEP = "tests/parity/test_layout_sweep.py::test_fast_layouts_match_one_process"
