@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.zygote import ZygoteProcess
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -63,6 +65,31 @@ class LoggedProcess(subprocess.Popen):
         return self.output
 
 
+Process = LoggedProcess | ZygoteProcess
+"""A started test process: both kinds wait, poll, signal and `communicate` alike."""
+
+
+def start_process(argv: list[str], env: dict[str, str], cwd: Path | None = REPO) -> Process:
+    """`argv`, its output to files: a Python command is forked from the session's zygote
+    where its environment allows (`tests/zygote.py`: torch and loom already imported),
+    anything else starts fresh."""
+    return ZygoteProcess.start(argv, env, cwd) or LoggedProcess(argv, env, cwd)
+
+
+def run_process(argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = REPO,
+                timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, capture_output=True, text=True)` through `start_process`: killed
+    past `timeout` (a hang limit), which then raises TimeoutExpired as `subprocess.run` does."""
+    proc = start_process(argv, dict(os.environ) if env is None else env, cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -83,7 +110,7 @@ def run_ranks(nproc: int, argv: list[str], timeout: float = 300.0,
     """Run `python <argv>` as ranks 0..nproc-1; kill them all if the job outlives `timeout`
     (a hang limit, not a speed check: keep it >= 5x the idle time)."""
     port = free_port()
-    procs = [LoggedProcess([sys.executable, *argv], rank_env(r, nproc, port, env), cwd)
+    procs = [start_process([sys.executable, *argv], rank_env(r, nproc, port, env), cwd)
              for r in range(nproc)]
     deadline = time.monotonic() + timeout
     timed_out = False

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.harness import REPO, LoggedProcess
+from tests.harness import REPO, Process, start_process
 
 TINY = ["--model", "debug", "--fp32", "--dataset", "random", "--vocab-size", "256",
         "--seq-len", "32", "--batch-size", "1", "--seed", "3", "--log-every", "1"]
@@ -34,21 +34,21 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start(argv: list[str], **env: str) -> LoggedProcess:
-    return LoggedProcess(argv, clean_env(**env))
+def start(argv: list[str], **env: str) -> Process:
+    return start_process(argv, clean_env(**env))
 
 
-def train(outdir: Path, *flags: str, **env: str) -> LoggedProcess:
+def train(outdir: Path, *flags: str, **env: str) -> Process:
     return start([*LOOM, "train", *TINY, "--outdir", str(outdir), *flags], **env)
 
 
-def launch(n: int, outdir: Path, *flags: str, **env: str) -> LoggedProcess:
+def launch(n: int, outdir: Path, *flags: str, **env: str) -> Process:
     return start([*LOOM, "launch", "-n", str(n), *LOOM, "train", *TINY, "--outdir",
                   str(outdir), *flags], **env)
 
 
 def wait_for(condition: Callable[[], bool], what: str, limit: float,
-             proc: LoggedProcess | None = None) -> None:
+             proc: Process | None = None) -> None:
     deadline = time.monotonic() + limit
     while not condition():
         if proc is not None and proc.poll() is not None:
@@ -64,7 +64,7 @@ def steps_logged(outdir: Path, rank: int = 0) -> int:
     return path.read_text().count("\n") if path.is_file() else 0
 
 
-def finish(proc: LoggedProcess, limit: float) -> tuple[int, str, str]:
+def finish(proc: Process, limit: float) -> tuple[int, str, str]:
     """Exit code, stdout, stderr; the process is killed (and the test fails) past `limit`."""
     try:
         out, err = proc.communicate(timeout=limit)

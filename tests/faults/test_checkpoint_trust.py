@@ -20,7 +20,7 @@ from loom.checkpoint.format import METADATA, TensorReader
 from loom.checkpoint.layout import complete_checkpoints
 from loom.checkpoint.trust import UnusableCheckpoint, file_record, read_metadata, verify_checkpoint
 from tests.compare import rows
-from tests.harness import REPO, free_port, rank_env, run_ranks
+from tests.harness import free_port, rank_env, run_process, run_ranks
 
 TINY = ["--model", "debug", "--dim", "32", "--n-layers", "1", "--n-heads", "2",
         "--n-kv-heads", "1", "--vocab-size", "64", "--seq-len", "16", "--dataset", "random",
@@ -32,9 +32,8 @@ CACHE = {"LOOM_CACHE_DIR": tempfile.mkdtemp(prefix="loom-test-cache-")}
 
 def loom(*argv: str) -> subprocess.CompletedProcess:
     """One `python -m loom` process; past HANG_LIMIT it is killed and the test fails."""
-    return subprocess.run([sys.executable, "-m", "loom", *argv], cwd=REPO, text=True,
-                          env=rank_env(0, 1, free_port(), CACHE), capture_output=True,
-                          timeout=HANG_LIMIT)
+    return run_process([sys.executable, "-m", "loom", *argv],
+                       env=rank_env(0, 1, free_port(), CACHE), timeout=HANG_LIMIT)
 
 
 def one_line(proc: subprocess.CompletedProcess) -> str:

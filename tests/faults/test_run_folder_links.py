@@ -19,7 +19,7 @@ from loom.observability.metrics.rows import is_step_row
 from loom.runtime.rundir import LOCK_NAME, MARKER, claim
 from loom.safe_io import open_append, open_lock_file, read_json_capped, write_text_atomic
 from tests.faults.procs import digest
-from tests.harness import REPO, free_port, rank_env
+from tests.harness import REPO, free_port, rank_env, run_process
 
 TINY = ["--model", "debug", "--dim", "32", "--n-layers", "1", "--n-heads", "2",
         "--n-kv-heads", "1", "--vocab-size", "64", "--seq-len", "16", "--dataset", "random",
@@ -27,9 +27,8 @@ TINY = ["--model", "debug", "--dim", "32", "--n-layers", "1", "--n-heads", "2",
 
 
 def loom_run(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loom", *argv], cwd=cwd, text=True,
-                          env=rank_env(0, 1, free_port(), {}), capture_output=True,
-                          timeout=150)
+    return run_process([sys.executable, "-m", "loom", *argv], cwd=cwd,
+                       env=rank_env(0, 1, free_port(), {}), timeout=150)
 
 
 def marked_run(folder: Path) -> Path:

@@ -19,7 +19,7 @@ from loom.checkpoint.checkpointer import storage_writer
 from loom.checkpoint.format import METADATA, TensorReader
 from loom.checkpoint.layout import complete_checkpoints
 from tests.compare import column, rows
-from tests.harness import REPO, LoggedProcess, rank_env, run_ranks
+from tests.harness import REPO, Process, rank_env, run_ranks, start_process
 
 COMMON = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64",
           "--fp32", "--seed", "11", "--lr", "1e-3", "--warmup-steps", "15"]
@@ -152,10 +152,10 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path: Path) -> None:
                                        rtol=0, atol=1e-5, msg=f"{run}: {name}")
 
 
-def train_process(outdir: Path, *flags: str) -> LoggedProcess:
+def train_process(outdir: Path, *flags: str) -> Process:
     argv = [sys.executable, "-m", "loom", "train", *COMMON, "--batch-size", "1",
             "--outdir", str(outdir), *flags]
-    return LoggedProcess(argv, rank_env(0, 1, 29400, None))
+    return start_process(argv, rank_env(0, 1, 29400, None))
 
 
 @pytest.mark.multirank

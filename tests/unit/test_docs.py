@@ -28,7 +28,6 @@ import json
 import logging
 import re
 import shlex
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +42,7 @@ from loom.observability import flops
 from loom.parallel.mesh import ParallelDims
 from loom.plan import command as plan_command
 from loom.runtime import launch as launch_command
-from tests.harness import REPO
+from tests.harness import REPO, run_process
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SCHEDULERS = ("SLURM_JOB_ID", "PBS_JOBID")
@@ -207,8 +206,7 @@ def test_the_readme_first_command_trains(tmp_path):
                  for argv in loom_commands(block))
     assert first[:1] == ["train"], first
     argv = [*first, "--max-steps", "1", "--dataset", "random", "--outdir", str(tmp_path / "run")]
-    env_run = subprocess.run([sys.executable, "-m", "loom", *argv], capture_output=True,
-                             text=True, timeout=900, cwd=tmp_path)
+    env_run = run_process([sys.executable, "-m", "loom", *argv], timeout=900, cwd=tmp_path)
     assert env_run.returncode == 0, env_run.stdout[-2000:] + env_run.stderr[-2000:]
     rows = (tmp_path / "run" / "metrics-0.jsonl").read_text().splitlines()
     assert [json.loads(row)["train/iter"] for row in rows] == [1]

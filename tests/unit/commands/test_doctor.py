@@ -4,7 +4,6 @@ one JSON object alone on stdout even when the peak measurement warns."""
 import json
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from loom.cli import main as loom_main
 from loom.commands import doctor
 from loom.numerics.precision import resolve_precision
 from loom.observability import flops
+from tests.harness import run_process
 
 BUSY = flops.PeakMeasurement(2e9, 0.49, 6, clean=False)
 IDLE = flops.PeakMeasurement(3e11, 1.0, 2, clean=True)
@@ -88,8 +88,8 @@ def test_the_command_prints_only_json(tmp_path):
     env = {**os.environ, "LOOM_CACHE_DIR": str(tmp_path)}
     for name in ("SLURM_JOB_ID", "PBS_JOBID"):
         env.pop(name, None)
-    done = subprocess.run([sys.executable, "-m", "loom", "doctor", "--json"], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = run_process([sys.executable, "-m", "loom", "doctor", "--json"], env=env,
+                       timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["peak"]["tflops"] > 0 and report["peak"]["source"].startswith("measured")

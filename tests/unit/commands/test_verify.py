@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +19,7 @@ from loom.commands.verify import (
 )
 from loom.commands.verify import main as verify_main
 from loom.config import ConfigError
+from tests.harness import run_process
 
 BASE = ["--model", "debug", "--dataset", "random", "--vocab-size", "512", "--seq-len", "64"]
 
@@ -89,8 +89,8 @@ def test_a_failing_layout_without_a_differing_parameter_says_what_failed():
 
 
 def test_bad_input_is_one_line_and_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "loom", "verify", "--layouts", "dp1", "dq1",
-                           *BASE], capture_output=True, text=True, timeout=120)
+    proc = run_process([sys.executable, "-m", "loom", "verify", "--layouts", "dp1", "dq1",
+                       *BASE], timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0 and "dq1" in proc.stderr

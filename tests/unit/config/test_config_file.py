@@ -4,13 +4,13 @@ equal; a bad file is one ConfigError line."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
 
 import pytest
 
 from loom.cli import config_toml
 from loom.config import ConfigError, JobConfig, parse_args
+from tests.harness import run_process
 
 RUN_TOML = """\
 [model]
@@ -58,9 +58,8 @@ def test_print_config_round_trips(tmp_path):
 
 
 def test_print_config_exits_without_training(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "loom", "train", "--model", "debug",
-                          "--lr", "0.02", "--print-config"], capture_output=True, text=True,
-                         timeout=120)
+    out = run_process([sys.executable, "-m", "loom", "train", "--model", "debug",
+                      "--lr", "0.02", "--print-config"], timeout=120)
     assert out.returncode == 0, out.stderr
     assert "[optim]\nlr = 0.02\n" in out.stdout and "[model]\nmodel = \"debug\"" in out.stdout
 

@@ -4,7 +4,6 @@ the run folder and the error names the file and the command that views it."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import loom.trainer.entry
 from loom.cli import run_train
 from loom.errors import FAILURE_EXIT, DeviceOutOfMemory
 from loom.observability.memory_snapshot import MemorySnapshots
+from tests.harness import run_process
 
 
 class FakeRecorder:
@@ -56,10 +56,10 @@ def test_cpu_keeps_the_error_and_refuses_the_flag(tmp_path):
     original = torch.OutOfMemoryError("out of memory")
     assert MemorySnapshots(torch.device("cpu"), tmp_path, 0, 0).out_of_memory(original) \
         is original
-    out = subprocess.run([sys.executable, "-m", "loom", "train", "--model", "debug",
-                          "--dataset", "random", "--vocab-size", "256", "--seq-len", "32",
-                          "--max-steps", "1", "--memory-snapshot", "--outdir",
-                          str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    out = run_process([sys.executable, "-m", "loom", "train", "--model", "debug",
+                      "--dataset", "random", "--vocab-size", "256", "--seq-len", "32",
+                      "--max-steps", "1", "--memory-snapshot", "--outdir",
+                      str(tmp_path / "run")], timeout=300)
     errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
     assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
     assert "--memory-snapshot records CUDA's caching allocator" in errors[0]

@@ -3,7 +3,6 @@ compile's reduce-overhead mode. The replay itself needs a CUDA device (none in C
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from loom.config import parse_args
 from loom.parallel.cuda_graphs import cuda_graphs_refusal, with_cuda_graphs
 from loom.parallel.mesh import ParallelDims
+from tests.harness import run_process
 
 BASE = ["--model", "debug", "--dataset", "random", "--cuda-graphs"]
 
@@ -44,8 +44,8 @@ def test_a_static_single_device_compiled_step_gets_reduce_overhead() -> None:
 
 
 def test_the_cli_refuses_on_the_cpu_in_one_line(tmp_path) -> None:
-    out = subprocess.run([sys.executable, "-m", "loom", "train", *BASE, "--compile",
-                          "--max-steps", "1", "--outdir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    out = run_process([sys.executable, "-m", "loom", "train", *BASE, "--compile",
+                      "--max-steps", "1", "--outdir", str(tmp_path)],
+                      timeout=300)
     assert out.returncode != 0
     assert out.stderr == "error: --cuda-graphs needs a CUDA device; this run is on cpu\n"

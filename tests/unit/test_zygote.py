@@ -1,0 +1,74 @@
+"""The suite's fork server (`tests/zygote.py`) gives a process what a fresh interpreter would:
+the same argv, path, working directory, environment, threads, signal dispositions, stream
+buffering and exit code, for a script, a module and `-c` code."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import zygote
+from tests.harness import REPO, LoggedProcess, rank_env
+from tests.zygote import ZygoteProcess, compatible
+
+PROBE = """\
+import json, os, signal, sys, tempfile
+import torch
+print(json.dumps({
+    "argv": sys.argv[1:], "argv0": os.path.basename(sys.argv[0]), "path0": sys.path[0],
+    "cwd": os.getcwd(), "rank": os.environ.get("RANK"), "only_here": os.environ.get("LOOM_PROBE"),
+    "threads": torch.get_num_threads(), "name": __name__,
+    "line_buffered": sys.stdout.line_buffering, "write_through": sys.stdout.write_through,
+    "stderr_errors": sys.stderr.errors,
+    "signals": [str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)],
+    "tmp": tempfile.gettempdir(),
+}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("LOOM_PROBE_EXIT", "0")))
+"""
+
+
+def both(argv: list[str], env: dict[str, str], cwd: Path) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of `argv` started fresh and through the zygote."""
+    forked = ZygoteProcess.start(argv, env, cwd)
+    assert forked is not None, "the zygote refused a compatible request"
+    results = []
+    for proc in (LoggedProcess(argv, env, cwd), forked):
+        out, err = proc.communicate(timeout=120)
+        results.append((proc.returncode, out, err))
+    return results
+
+
+@pytest.mark.parametrize("form", ["script", "module", "code"])
+def test_a_forked_process_is_what_a_fresh_interpreter_would_be(tmp_path: Path, form: str):
+    (tmp_path / "probe_mod.py").write_text(PROBE)
+    argv = {"script": [str(tmp_path / "probe_mod.py")], "module": ["-m", "probe_mod"],
+            "code": ["-c", PROBE]}[form]
+    env = rank_env(1, 2, 12345, {"LOOM_PROBE": "x", "LOOM_PROBE_EXIT": "7", "OMP_NUM_THREADS": "2",
+                                 "TMPDIR": str(tmp_path)})
+    fresh, forked = both([sys.executable, *argv, "a", "--b"], env, tmp_path)
+    assert fresh == forked
+    assert forked[0] == 7 and json.loads(forked[1])["argv"] == ["a", "--b"]
+
+
+def test_an_exception_exits_1_with_the_traceback_python_prints(tmp_path: Path):
+    code = "def f():\n    raise ValueError('bad')\nf()"
+    fresh, forked = both([sys.executable, "-c", code], rank_env(0, 1, 1, None), tmp_path)
+    assert fresh == forked and forked[0] == 1
+    assert forked[2].startswith("Traceback") and forked[2].endswith("ValueError: bad\n")
+
+
+def test_an_environment_the_zygote_was_not_started_under_is_refused():
+    base = {"PATH": "/bin", "TORCHINDUCTOR_CACHE_DIR": "/a"}
+    assert compatible({**base, "RANK": "3", "LOOM_X": "1", "OMP_NUM_THREADS": "4"}, base)
+    assert not compatible({**base, "TORCHINDUCTOR_CACHE_DIR": "/b"}, base)
+    assert not compatible({"PATH": "/bin"}, base)
+    server = zygote.zygote()
+    assert server is not None
+    env = {**server.env, "TORCH_LOGS": "+dynamo"}  # read by torch when it is imported
+    assert ZygoteProcess.start([sys.executable, "-c", "pass"], env, REPO) is None
+    assert ZygoteProcess.start(["bash", "-c", "true"], dict(os.environ), REPO) is None
