@@ -157,6 +157,7 @@ def serve(path: str) -> None:
     listener.listen(64)
     os.rename(path + ".tmp", path)  # the socket appears only when the zygote is ready
     waiting: dict[int, socket.socket] = {}
+    session = os.getppid()
     while True:
         ready, _, _ = select.select([listener], [], [], 0.05)
         if ready:
@@ -181,7 +182,7 @@ def serve(path: str) -> None:
                 with contextlib.suppress(OSError):  # the test may have given up on it
                     conn.sendall(json.dumps({"returncode": code}).encode() + b"\n")
                 conn.close()
-        if os.getppid() == 1:  # the test session is gone
+        if os.getppid() != session:  # the test session is gone (killed: no atexit ran)
             return
 
 
