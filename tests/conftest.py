@@ -6,13 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from tests import zygote
 from tests.one_rank import one_rank_group
 
 # Inductor's compiled kernels persist across sessions: a warm cache turns a 25-40 s cold
 # compile into ~3 s. Spawned ranks inherit the variable; CI sets the same folder.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "loom-inductor"))
-zygote.remember_environment()  # the environment the session's processes are forked under
 
 
 @pytest.fixture

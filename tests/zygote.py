@@ -10,10 +10,12 @@ what `python ARGV` would have been: the requested environment, working directory
 and stderr files, `sys.argv` and `sys.path`, then the script, module or `-c` code as
 `__main__`, exiting with the code Python would have.
 
-A request whose environment differs from the zygote's in a variable that a preloaded module
-may have read at import (anything outside `PER_PROCESS`) is not served here: `ZygoteProcess
-.start` returns None and the caller starts a fresh interpreter, so the behaviour under test
-never depends on which way a process was started.
+A zygote serves only requests whose environment equals the one it imported its modules
+under, in every variable a preloaded module may read at import (anything outside
+`PER_PROCESS`): each such environment gets its own zygote, started the second time it is
+asked for (a one-off environment, such as a test's private cache folder, starts a fresh
+interpreter, as cheap as a zygote); past `MOST_ZYGOTES` the caller starts fresh too. So the
+behaviour under test never depends on which way a process was started.
 
 Protocol, one Unix socket connection per child: the test sends one JSON line (argv, env,
 cwd, stdout/stderr paths), the zygote answers `{"pid": N}` and, when the child has ended,
@@ -62,12 +64,14 @@ Intel's OpenMP (KMP_) is not what torch's CPU build loads; the tests' own worker
 read theirs (SLOW_, FAKE_WANDB_) when they run."""
 
 
-def compatible(env: dict[str, str], base: dict[str, str]) -> bool:
-    """Whether a child with `env` behaves as a fresh interpreter would, given that the
-    zygote imported its modules under `base`."""
-    keys = set(env) | set(base)
-    return all(env.get(k) == base.get(k) for k in keys
-               if k not in PER_PROCESS and not k.startswith(PER_PROCESS_PREFIXES))
+def per_process(name: str) -> bool:
+    return name in PER_PROCESS or name.startswith(PER_PROCESS_PREFIXES)
+
+
+def import_environment(env: dict[str, str]) -> dict[str, str]:
+    """The variables a preloaded module may read at import: those a zygote must share with
+    every child it serves."""
+    return {k: v for k, v in env.items() if not per_process(k)}
 
 
 # --- the zygote's side ------------------------------------------------------------------
@@ -81,7 +85,7 @@ def _child_path(argv: list[str], cwd: str, env: dict[str, str], base_path: list[
     return [first, *extra, *base_path]
 
 
-def _run_child(request: dict, base_path: list[str]) -> int:
+def _run_child(request: dict, base_path: list[str], default_threads: int) -> int:
     """Become `python ARGV` in this forked process; the exit code Python would give."""
     argv: list[str] = request["argv"]
     os.chdir(request["cwd"])
@@ -96,7 +100,7 @@ def _run_child(request: dict, base_path: list[str]) -> int:
     tempfile.tempdir = None  # computed again from this child's TMPDIR
     sys.path[:] = _child_path(argv, request["cwd"], request["env"], base_path)
     # torch read OMP_NUM_THREADS when the zygote imported it: a rank's own value applies here
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or default_threads))
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
@@ -150,6 +154,7 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         __import__(name)
     gc.freeze()  # the preloaded modules are never garbage: the children's collections skip them
+    default_threads = torch.get_num_threads()  # torch's own choice, without OMP_NUM_THREADS
     own = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     base_path = [p for p in sys.path[1:] if p not in own]  # the interpreter's own entries
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -169,7 +174,7 @@ def serve(path: str) -> None:
                 conn.close()
                 for other in waiting.values():
                     other.close()
-                os._exit(_run_child(request, base_path))
+                os._exit(_run_child(request, base_path, default_threads))
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             waiting[pid] = conn
         while waiting:
@@ -188,25 +193,14 @@ def serve(path: str) -> None:
 
 # --- the test's side --------------------------------------------------------------------
 
-_session_env: dict[str, str] | None = None
-
-
-def remember_environment() -> None:
-    """Take the test session's environment as the zygote's, before any test changes it: the
-    zygote starts on first use, which may be inside a test that patched a variable."""
-    global _session_env
-    _session_env = dict(os.environ)
-
-
 class Zygote:
-    """One zygote per test session, started on first use and stopped at exit."""
+    """One zygote, serving the requests of one import environment (`import_environment`),
+    stopped when the test session exits."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="loom-zygote-"))
         self.path = str(self.folder / "sock")
-        self.env = dict(os.environ if _session_env is None else _session_env)
-        env = {**self.env, "PYTHONPATH": os.pathsep.join(
-            [str(REPO), *filter(None, self.env.get("PYTHONPATH", "").split(os.pathsep))])}
+        env = {**env, "PYTHONPATH": str(REPO)}  # a child's own path is set when it starts
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", self.path],
                                      cwd=REPO, env=env, stdin=subprocess.DEVNULL)
         atexit.register(self.stop)
@@ -225,22 +219,29 @@ class Zygote:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-_zygote: Zygote | None = None
+MOST_ZYGOTES = 4
+"""Each holds torch and loom (~0.5 GiB) for the session: the suite's environments are few
+(the session's own, the minimal one of the import tests), the rest one-offs."""
+_zygotes: dict[frozenset, Zygote | None] = {}
+_asked: set[frozenset] = set()
 _disabled = os.environ.get("LOOM_TEST_ZYGOTE", "1") == "0"
 
 
-def zygote() -> Zygote | None:
-    """The session's zygote, or None where it cannot run (switched off by
-    LOOM_TEST_ZYGOTE=0, or failed to start)."""
-    global _zygote, _disabled
-    if _disabled:
+def zygote(env: dict[str, str]) -> Zygote | None:
+    """The zygote serving `env`, started the second time its import environment is asked
+    for; None before that, past MOST_ZYGOTES, where it failed to start, or when
+    LOOM_TEST_ZYGOTE=0."""
+    imports = import_environment(env)
+    key = frozenset(imports.items())
+    if _disabled or key not in _asked:
+        _asked.add(key)
         return None
-    if _zygote is None:
-        _zygote = Zygote()
-        if not _zygote.ready():
-            _zygote.stop()
-            _zygote, _disabled = None, True
-    return _zygote
+    if key not in _zygotes and len(_zygotes) < MOST_ZYGOTES:
+        server = Zygote(imports)
+        _zygotes[key] = server if server.ready() else None
+        if _zygotes[key] is None:
+            server.stop()
+    return _zygotes.get(key)
 
 
 class ZygoteProcess:
@@ -261,8 +262,8 @@ class ZygoteProcess:
         environment the zygote cannot serve, no zygote)."""
         if argv[0] != sys.executable or len(argv) < 2:
             return None
-        server = zygote()
-        if server is None or not compatible(env, server.env):
+        server = zygote(env)
+        if server is None:
             return None
         logs = Path(tempfile.mkdtemp(prefix="loom-proc-"))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -13,7 +13,7 @@ import pytest
 
 from tests import zygote
 from tests.harness import REPO, LoggedProcess, rank_env
-from tests.zygote import ZygoteProcess, compatible
+from tests.zygote import ZygoteProcess
 
 PROBE = """\
 import json, os, signal, sys, tempfile
@@ -34,6 +34,7 @@ sys.exit(int(os.environ.get("LOOM_PROBE_EXIT", "0")))
 
 def both(argv: list[str], env: dict[str, str], cwd: Path) -> list[tuple[int, str, str]]:
     """(exit code, stdout, stderr) of `argv` started fresh and through the zygote."""
+    zygote.zygote(env)  # the environment's first request: its zygote starts at the next
     forked = ZygoteProcess.start(argv, env, cwd)
     assert forked is not None, "the zygote refused a compatible request"
     results = []
@@ -62,13 +63,20 @@ def test_an_exception_exits_1_with_the_traceback_python_prints(tmp_path: Path):
     assert forked[2].startswith("Traceback") and forked[2].endswith("ValueError: bad\n")
 
 
-def test_an_environment_the_zygote_was_not_started_under_is_refused():
-    base = {"PATH": "/bin", "TORCHINDUCTOR_CACHE_DIR": "/a"}
-    assert compatible({**base, "RANK": "3", "LOOM_X": "1", "OMP_NUM_THREADS": "4"}, base)
-    assert not compatible({**base, "TORCHINDUCTOR_CACHE_DIR": "/b"}, base)
-    assert not compatible({"PATH": "/bin"}, base)
-    server = zygote.zygote()
-    assert server is not None
-    env = {**server.env, "TORCH_LOGS": "+dynamo"}  # read by torch when it is imported
-    assert ZygoteProcess.start([sys.executable, "-c", "pass"], env, REPO) is None
+def test_each_import_environment_has_its_own_zygote_from_its_second_request(tmp_path: Path):
+    """A variable torch reads when it is imported (TORCH_LOGS) is honoured: such a request is
+    never served by a zygote that imported torch without it; per-process variables (RANK,
+    LOOM_*) are shared by one zygote."""
+    env = {**rank_env(0, 1, 1, None), "TORCH_LOGS": "+dynamo", "LOOM_PROBE": "1"}
+    code = "import logging, torch; print(logging.getLogger('torch._dynamo').level)"
+    assert ZygoteProcess.start([sys.executable, "-c", code], env, tmp_path) is None, \
+        "a first request starts fresh"
+    second = ZygoteProcess.start([sys.executable, "-c", code],
+                                 {**env, "RANK": "1", "LOOM_PROBE": "2"}, tmp_path)
+    assert second is not None
+    fresh = LoggedProcess([sys.executable, "-c", code], env, tmp_path)
+    assert second.communicate(timeout=120)[0] == fresh.communicate(timeout=120)[0] == "10\n"
+    server = zygote.zygote(env)
+    assert server is not None and server is zygote.zygote({**env, "RANK": "3"})
+    assert zygote.zygote({**env, "TORCH_LOGS": "+inductor"}) is None, "a new one: asked once"
     assert ZygoteProcess.start(["bash", "-c", "true"], dict(os.environ), REPO) is None
