@@ -9,7 +9,6 @@ pipe and block while another rank is waited on.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.zygote import ZygoteProcess
+from tests.zygote import LoggedOutput, ZygoteProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,25 +43,13 @@ class JobResult:
                          f"{r.stderr[-3000:]}" for r in self.ranks)
 
 
-class LoggedProcess(subprocess.Popen):
-    """A process whose stdout and stderr go to files, read when it has ended: a chatty
-    process cannot fill a pipe and block while the test waits for something else."""
+class LoggedProcess(LoggedOutput, subprocess.Popen):
+    """A fresh process whose stdout and stderr go to files (`LoggedOutput`)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], cwd: Path | None = REPO):
         self.logs = Path(tempfile.mkdtemp(prefix="loom-proc-"))
-        self.output: tuple[str, str] | None = None
         with open(self.logs / "out", "w") as out, open(self.logs / "err", "w") as err:
             super().__init__(argv, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
-
-    def communicate(self, input: str | None = None, timeout: float | None = None
-                    ) -> tuple[str, str]:
-        """Wait (TimeoutExpired past `timeout`, as Popen's), then (stdout, stderr)."""
-        self.wait(timeout)
-        if self.output is None:
-            self.output = ((self.logs / "out").read_text(errors="replace"),
-                           (self.logs / "err").read_text(errors="replace"))
-            shutil.rmtree(self.logs)
-        return self.output
 
 
 Process = LoggedProcess | ZygoteProcess

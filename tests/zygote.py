@@ -244,7 +244,25 @@ def zygote(env: dict[str, str]) -> Zygote | None:
     return _zygotes.get(key)
 
 
-class ZygoteProcess:
+class LoggedOutput:
+    """A process whose stdout and stderr went to `logs/out` and `logs/err`, read once it has
+    ended: a chatty process cannot fill a pipe and block while the test waits for another."""
+
+    logs: Path
+    output: tuple[str, str] | None = None
+
+    def communicate(self, input: str | None = None, timeout: float | None = None
+                    ) -> tuple[str, str]:
+        """Wait (TimeoutExpired past `timeout`, as Popen's), then (stdout, stderr)."""
+        self.wait(timeout)
+        if self.output is None:
+            self.output = ((self.logs / "out").read_text(errors="replace"),
+                           (self.logs / "err").read_text(errors="replace"))
+            shutil.rmtree(self.logs)
+        return self.output
+
+
+class ZygoteProcess(LoggedOutput):
     """A child of the zygote, with the parts of `subprocess.Popen` the harness uses."""
 
     def __init__(self, conn: socket.socket, logs: Path):
@@ -252,7 +270,6 @@ class ZygoteProcess:
         self.reader = conn.makefile()
         self.pid = json.loads(self.reader.readline())["pid"]
         self.returncode: int | None = None
-        self.output: tuple[str, str] | None = None
 
     @classmethod
     def start(cls, argv: list[str], env: dict[str, str], cwd: Path | str | None
@@ -272,16 +289,6 @@ class ZygoteProcess:
                    "out": str(logs / "out"), "err": str(logs / "err")}
         conn.sendall(json.dumps(request).encode() + b"\n")
         return cls(conn, logs)
-
-    def communicate(self, input: str | None = None, timeout: float | None = None
-                    ) -> tuple[str, str]:
-        """Wait (TimeoutExpired past `timeout`), then (stdout, stderr)."""
-        self.wait(timeout)
-        if self.output is None:
-            self.output = ((self.logs / "out").read_text(errors="replace"),
-                           (self.logs / "err").read_text(errors="replace"))
-            shutil.rmtree(self.logs)
-        return self.output
 
     def poll(self) -> int | None:
         if self.returncode is None:
