@@ -99,7 +99,7 @@ def _run_child(request: dict, base_path: list[str], default_threads: int) -> int
     _reopen_std_streams()
     tempfile.tempdir = None  # computed again from this child's TMPDIR
     sys.path[:] = _child_path(argv, request["cwd"], request["env"], base_path)
-    # torch read OMP_NUM_THREADS when the zygote imported it: a rank's own value applies here
+    # what a fresh interpreter takes from OMP_NUM_THREADS, else torch's default (the zygote's)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or default_threads))
     try:
         if argv[0] == "-m":
