@@ -2,8 +2,9 @@
 
 Every multi-rank test goes through `run_ranks`, so no test can hang CI: on timeout every
 rank is killed and the test fails with what the ranks printed. Each rank writes its stdout
-and stderr to files (`LoggedProcess`), read after the job ends: a chatty rank cannot fill a
-pipe and block while another rank is waited on.
+and stderr to files (`LoggedOutput`), read after the job ends: a chatty rank cannot fill a
+pipe and block while another rank is waited on. Ranks are forked from a zygote that has
+torch and loom imported where their environment allows (`tests/zygote.py`).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ Process = LoggedProcess | ZygoteProcess
 
 
 def start_process(argv: list[str], env: dict[str, str], cwd: Path | None = REPO) -> Process:
-    """`argv`, its output to files: a Python command is forked from the session's zygote
-    where its environment allows (`tests/zygote.py`: torch and loom already imported),
+    """`argv`, its output to files: a Python command is forked from the zygote of its
+    environment where there is one (`tests/zygote.py`: torch and loom already imported),
     anything else starts fresh."""
     return ZygoteProcess.start(argv, env, cwd) or LoggedProcess(argv, env, cwd)
 
