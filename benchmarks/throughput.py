@@ -3,6 +3,7 @@
     python benchmarks/throughput.py              # debug-sized model, CPU: the layout table
     python benchmarks/throughput.py --peer       # the peer config: loom vs an old commit
     python benchmarks/throughput.py --peer --old-src /tmp/loom-old/src   # (git worktree add)
+    python benchmarks/throughput.py --fp32 --layouts "1 rank" --modes eager   # #42's fp32 row
 
 Every configuration is a fresh `loom train` job (random tokens, metrics on); the bare loop
 is one process training the same model with plain AdamW and cross-entropy (no FSDP, no
@@ -229,14 +230,16 @@ def table(rows: list[dict]) -> str:
 
 
 def layout_jobs(args: argparse.Namespace) -> dict[str, callable]:
-    base = args.model_flags or DEBUG
+    base = [*(args.model_flags or DEBUG), *(["--fp32"] if args.fp32 else [])]
+    layouts = {name: LAYOUTS[name] for name in args.layouts}
     jobs = {}
-    for layout, (nproc, flags) in LAYOUTS.items():
+    for layout, (nproc, flags) in layouts.items():
         for mode in args.modes:
             name = f"{layout}, {mode}"
             jobs[name] = (lambda n=name, p=nproc, f=[*base, *flags, *MODES[mode]]:
                           loom_job(n, p, f, args.steps, args.warmup))
-    return {**jobs, **bare_jobs(base, {n for n, _ in LAYOUTS.values()}, args, auto_dtype())}
+    dtype = "fp32" if args.fp32 else auto_dtype()
+    return {**jobs, **bare_jobs(base, {n for n, _ in layouts.values()}, args, dtype)}
 
 
 def bare_jobs(flags: list[str], nprocs: set[int], args: argparse.Namespace, dtype: str
@@ -287,6 +290,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--peer", action="store_true", help="the peer config, 2 ranks")
     parser.add_argument("--old-src", help="src/ of another checkout to compare (--peer)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--fp32", action="store_true",
+                        help="loom and the bare loop in fp32 (default: what --dtype auto picks)")
     parser.add_argument("--model-flags", type=json.loads, default=None,
                         help="JSON list of loom train flags for the model (default: debug)")
     parser.add_argument("--steps", type=int, default=8)
@@ -311,7 +317,8 @@ def main(argv: list[str]) -> None:
     print(f"\n{time.perf_counter() - start:.0f} s; {cpu()}; {cores()} cores, load average "
           f"{load:.1f} at the end; best of {args.rounds} interleaved rounds, median of steps "
           f"{args.warmup + 1}..{args.steps} of each run")
-    out = RESULTS / ("throughput_peer.json" if args.peer else "throughput.json")
+    out = RESULTS / ("throughput_peer.json" if args.peer else
+                     "throughput-fp32.json" if args.fp32 else "throughput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "cpu": cpu(), "cores": cores(),
                                "load_average_end": load,
