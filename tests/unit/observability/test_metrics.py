@@ -22,6 +22,7 @@ from loom.observability.metrics import (
     summarize,
     tensor_stats,
 )
+from loom.observability.metrics.health import max_abs
 from loom.observability.plots import PLOTS, write_plots
 from loom.observability.profiling import torch_profile
 from loom.observability.progress import Progress, auto_every, text_plot
@@ -43,6 +44,16 @@ def test_tensor_stats_count_tensors_holding_nan_or_inf():
     tensors = [torch.tensor([1.0, math.nan]), torch.tensor([math.inf, 0.0]), torch.ones(3)]
     _, max_abs, nonfinite = tensor_stats(tensors, CPU).tolist()
     assert nonfinite == 2 and math.isnan(max_abs)
+
+
+@pytest.mark.parametrize("per_tensor", [True, False])
+def test_max_abs_per_tensor_and_foreach_agree(per_tensor: bool):
+    """The CPU's per-tensor extremes and the accelerators' foreach inf-norm, both run here."""
+    tensors = [torch.tensor([-3.0, 2.0]), torch.tensor([1.0, math.nan]),
+               torch.tensor([-math.inf, 0.0]), torch.tensor([0.5, -7.25]).to(torch.bfloat16)]
+    got = max_abs(tensors, per_tensor=per_tensor)
+    assert got.dtype == torch.float32
+    assert got[0] == 3.0 and math.isnan(got[1]) and got[2] == math.inf and got[3] == 7.25
 
 
 def test_step_clock_splits_forward_and_backward():

@@ -28,15 +28,28 @@ def local_shards(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def tensor_stats(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """(L2 norm, max |x|, count of tensors holding a NaN/Inf) over this rank's local shards,
-    left on the device, no host sync. Two foreach norms (L2 and inf), so the host issues a
-    handful of operators however many tensors there are (one aminmax per tensor was ~450
-    operators on preset s); an inf-norm is NaN for a tensor holding a NaN, inf for an Inf."""
+    left on the device, no host sync. One foreach L2 norm over all tensors, and their
+    extremes (`max_abs`)."""
     local = local_shards(tensors)
     if not local:
         return torch.zeros(3, device=device)
     norms = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32))
-    maxes = torch.stack(torch._foreach_norm(local, float("inf"), dtype=torch.float32))
+    maxes = max_abs(local, per_tensor=local[0].device.type == "cpu")
     return torch.stack([norms.norm(), maxes.max(), (~maxes.isfinite()).sum().float()])
+
+
+def max_abs(local: list[torch.Tensor], per_tensor: bool) -> torch.Tensor:
+    """Each tensor's max |x| in fp32: NaN for a tensor holding a NaN, inf for one holding an
+    Inf. On an accelerator one foreach inf-norm, a handful of host operators however many
+    tensors there are (one aminmax per tensor was ~450 on preset s). `per_tensor` (the
+    CPU): one aminmax per tensor instead, as torch's CPU inf-norm, foreach or not, is a
+    slow reduction: 15 ms for the debug model's 8.6M gradients against 1.4 ms for
+    aminmax (Zen 4 EPYC, 2 threads), i.e. 28 ms of a 120 ms logging step for gradients
+    and parameters."""
+    if not per_tensor:
+        return torch.stack(torch._foreach_norm(local, float("inf"), dtype=torch.float32))
+    lows, highs = zip(*(torch.aminmax(t) for t in local), strict=True)
+    return torch.maximum(torch.stack(highs).float(), -torch.stack(lows).float())
 
 
 def peak_rss() -> int:
