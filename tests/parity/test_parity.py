@@ -31,6 +31,7 @@ LAYOUTS = {  # name: (world size, flags); batch per dp rank keeps the global bat
     "dp_shard2": (2, ["--dp-shard", "2"]),
     "tp2": (2, ["--tp", "2"]),
     "reshard_never": (2, ["--dp-shard", "2", "--reshard-after-forward", "never"]),
+    "dp_shard2_compile": (2, ["--dp-shard", "2", "--compile", "--compile-backend", "aot_eager"]),
     "dp_shard4": (4, ["--dp-shard", "4"]),
     "dp2_tp2": (4, ["--tp", "2"]),
     "hsdp2x2": (4, ["--dp-replicate", "2", "--dp-shard", "2"]),

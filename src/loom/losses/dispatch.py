@@ -10,8 +10,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -127,22 +129,48 @@ class _LogitsProbe:
         return self.mean(output, labels)
 
 
-def build_criterion(cfg: LossConfig, head: nn.Module | None, tp: int = 1) -> Criterion:
+def build_criterion(cfg: LossConfig, head: nn.Module | None, tp: int = 1,
+                    head_compile: dict[str, Any] | None = None) -> Criterion:
     """The criterion of the (already resolved) mode; fused-linear projects through `head`,
-    the model's `OutputHead` (None on pipeline stages without it, which never call it)."""
-    if cfg.loss_impl == "fused-linear":
+    the model's `OutputHead` (None on pipeline stages without it, which never call it).
+
+    `head_compile` (eager and compiled modes only): `torch.compile` arguments under which
+    the head's projection and the cross-entropy run as one graph of their own, the model
+    handing over its final hidden states; for a model whose forward cannot be one graph
+    with its loss (FSDP2's hooks run eagerly between its units). The graph is reached
+    through `head(h, apply=...)`, as the fused loss is, so the head's own hooks (FSDP2's
+    unshard of its unit) run around it."""
+    hidden = cfg.loss_impl == "fused-linear"
+    if hidden:
         mean = fused_head_loss(head, cfg.loss_chunk_size)
         logger.info("loss: fused-linear, %d-row chunks, %s", cfg.loss_chunk_size,
                     f"vocab-parallel over tp {tp}" if tp > 1 else "full vocabulary")
+    elif head_compile is not None:
+        if cfg.loss_impl not in ("eager", "compiled") or head is None:
+            raise ValueError(f"no compiled head for loss mode {cfg.loss_impl!r}")
+        projected = torch.compile(_projected_cross_entropy, **head_compile)
+        mean, hidden = partial(_head_mean, projected, head), True
+        logger.info("loss: %s, compiled with the output head as one graph", cfg.loss_impl)
     else:
         criterion = logits_criterion(cfg.loss_impl, cfg.loss_chunk_size)
         vocab_parallel = cfg.loss_impl == "loss-parallel"
         mean = partial(_logits_mean, criterion, vocab_parallel)
         logger.info("loss: %s", cfg.loss_impl)
-    hidden = cfg.loss_impl == "fused-linear"
     if cfg.debug_logits:
         mean = _LogitsProbe(mean, head, hidden)
     return Criterion(mean, hidden)
+
+
+def _head_mean(projected: Callable[..., torch.Tensor], head: nn.Module, hidden: torch.Tensor,
+               labels: torch.Tensor) -> torch.Tensor:
+    return head(hidden, apply=partial(projected, labels=labels))
+
+
+def _projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                             labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of the head's logits, as a compiled head traces it (the eager and
+    compiled modes are then the same graph)."""
+    return eager_cross_entropy(F.linear(hidden, weight), labels)
 
 
 def _logits_mean(criterion: LogitsLoss, vocab_parallel: bool, logits: torch.Tensor,

@@ -24,7 +24,10 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
     """The pipelined executor under --pp > 1, else the accumulation loop; the criterion
     projects through the head of the last part (held by the pipeline's last stage).
     `eot_id`: the data's end-of-text id, which --doc-mask splits documents at."""
-    criterion = build_criterion(cfg.loss, named_part(parts[-1], "output"), dims.tp)
+    p = cfg.parallel
+    head = named_part(parts[-1], "output")
+    criterion = build_criterion(cfg.loss, head, dims.tp, compile_kwargs(
+        p.compile_mode, p.compile_backend) if head_in_graph(cfg, dims, head) else None)
     if dims.pp_enabled:
         executor: StepExecutor = PipelineExecutor(parts, criterion, cfg, dims, device)
     else:
@@ -34,7 +37,6 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
         check_takes_documents(parts)
     executor.eot_id = eot_id if cfg.data.doc_mask else None
     if isinstance(executor, AccumulationExecutor) and loss_in_graph(cfg, dims):
-        p = cfg.parallel
         executor.micro_loss = torch.compile(executor.micro_loss,
                                             **compile_kwargs(p.compile_mode, p.compile_backend))
     return executor
@@ -42,11 +44,35 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
 
 def loss_in_graph(cfg: JobConfig, dims: ParallelDims) -> bool:
     """Whether forward and loss compile as one graph: --compile on the single-device path
-    (no wrapper hook splits the model), loom's own model, and a loss over logits that traces
-    whole (the fused and chunked losses are autograd Functions with Python loops; the logits
-    probe reads values). The already compiled model is inlined into that graph."""
-    return (cfg.parallel.compile and runs_plain(dims, cfg.parallel)
-            and not cfg.model.runs_transformers and not cfg.loss.debug_logits
+    (no wrapper hook splits the model) and a loss that traces whole. The already compiled
+    model is inlined into that graph."""
+    return cfg.parallel.compile and runs_plain(dims, cfg.parallel) and loss_traces_whole(cfg)
+
+
+def head_in_graph(cfg: JobConfig, dims: ParallelDims, head: nn.Module | None) -> bool:
+    """Whether the output head and the loss compile as one graph of their own, the model
+    returning its final hidden states: --compile under FSDP2, whose hooks keep the model's
+    forward from being one graph with its loss, with the whole model on this rank (no
+    pipeline), whole logits (no tp, whose head returns a DTensor), and a loss that traces
+    whole, on a head that takes a loss into its call. SimpleFSDP compiles the whole
+    model, the head included, already."""
+    p = cfg.parallel
+    return (p.compile and p.data_parallel == "fsdp2" and not runs_plain(dims, p)
+            and not dims.pp_enabled and dims.tp == 1 and takes_apply(head)
+            and loss_traces_whole(cfg))
+
+
+def takes_apply(head: nn.Module | None) -> bool:
+    """Whether the family's head can run a loss on its weight inside its own call
+    (`head(h, apply=f)`, llama's `OutputHead`): other heads keep the loss outside."""
+    return head is not None and "apply" in inspect.signature(head.forward).parameters
+
+
+def loss_traces_whole(cfg: JobConfig) -> bool:
+    """loom's own model (its final hidden states and head), and a loss over logits that
+    traces whole: the fused and chunked losses are autograd Functions with Python loops;
+    the logits probe reads values."""
+    return (not cfg.model.runs_transformers and not cfg.loss.debug_logits
             and cfg.loss.loss_impl in ("eager", "compiled"))
 
 

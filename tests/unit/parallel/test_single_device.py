@@ -8,16 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.profiler import profile
 
 import loom.parallel.parallelize as recipe
 from loom.config import ParallelConfig, parse_args
-from loom.models.llama.model import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, OutputHead, Transformer
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo
-from loom.trainer.executor import loss_in_graph
+from loom.trainer.executor import head_in_graph, loss_in_graph
 from loom.trainer.parity import layout_training
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
@@ -89,3 +90,24 @@ def test_the_loss_joins_the_graph_only_where_it_traces_whole(flags: list[str],
     cfg = parse_args(["--model", "debug", *flags])
     assert loss_in_graph(cfg, ParallelDims(1, 1, 1, 1)) is in_graph
     assert not loss_in_graph(cfg, ParallelDims(1, 2, 1, 2)), "two ranks: FSDP2's units"
+
+
+@pytest.mark.parametrize("flags, world, in_graph", [
+    (["--compile"], 2, True), (["--compile", "--loss-impl", "compiled"], 2, True),
+    (["--compile"], 1, False), (["--compile", "--single-device", "fsdp2"], 1, True),
+    ([], 2, False), (["--compile", "--loss-impl", "fused-linear"], 2, False),
+    (["--compile", "--loss-impl", "chunked"], 2, False),
+    (["--compile", "--debug-logits"], 2, False),
+    (["--compile", "--data-parallel", "simple-fsdp"], 2, False)])
+def test_the_head_and_loss_are_one_graph_under_fsdp2(flags: list[str], world: int,
+                                                     in_graph: bool) -> None:
+    """Where FSDP2's hooks split the model, the head and the loss still compile together
+    (one process unwrapped: the whole step is one graph instead, `loss_in_graph`)."""
+    cfg = parse_args(["--model", "debug", *flags])
+    dims = ParallelDims(1, world, 1, world)
+    head = OutputHead(8, 16, bias=False)
+    assert head_in_graph(cfg, dims, head) is in_graph
+    assert not head_in_graph(cfg, dims, nn.Linear(8, 16, bias=False)), "no apply= on the head"
+    assert not head_in_graph(cfg, dims, None), "a stage without the head"
+    tp = parse_args(["--model", "debug", "--tp", "2", *flags])
+    assert not head_in_graph(tp, ParallelDims(1, 1, 2, 2), head), "tp: a DTensor head"
