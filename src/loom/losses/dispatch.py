@@ -10,10 +10,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -26,7 +24,7 @@ from loom.losses.cross_entropy import (
     localise,
     vocab_parallel_cross_entropy,
 )
-from loom.losses.fused_linear import fused_head_loss
+from loom.losses.fused_linear import fused_head_loss, fused_linear_cross_entropy
 from loom.models.registry import output_of
 
 logger = logging.getLogger("loom")
@@ -93,11 +91,24 @@ class Criterion:
 
     mean: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     hidden: bool = False
+    head_loss: Callable[[torch.Tensor], Callable[..., torch.Tensor]] | None = None
+    """labels -> the loss the head computes on its weight (`head(h, apply=...)`), run inside
+    the model's forward (`model_loss`); None: the loss runs on the model's output."""
 
     def __call__(self, output: torch.Tensor,
                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         count = (labels != IGNORE_INDEX).sum()
         return self.mean(output, labels).float() * count, count
+
+    def model_loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                   documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, valid count) of a whole model on `inputs`."""
+        if self.head_loss is None:
+            return self(self.forward(model, inputs, documents), labels)
+        kwargs = {} if documents is None else {"documents": documents}
+        count = (labels != IGNORE_INDEX).sum()
+        mean = model(inputs, head_apply=self.head_loss(labels), **kwargs)
+        return mean.float() * count, count
 
     def forward(self, model: nn.Module, inputs: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,47 +141,33 @@ class _LogitsProbe:
 
 
 def build_criterion(cfg: LossConfig, head: nn.Module | None, tp: int = 1,
-                    head_compile: dict[str, Any] | None = None) -> Criterion:
+                    in_forward: bool = False) -> Criterion:
     """The criterion of the (already resolved) mode; fused-linear projects through `head`,
     the model's `OutputHead` (None on pipeline stages without it, which never call it).
 
-    `head_compile` (eager and compiled modes only): `torch.compile` arguments under which
-    the head's projection and the cross-entropy run as one graph of their own, the model
-    handing over its final hidden states; for a model whose forward cannot be one graph
-    with its loss (FSDP2's hooks run eagerly between its units). The graph is reached
-    through `head(h, apply=...)`, as the fused loss is, so the head's own hooks (FSDP2's
-    unshard of its unit) run around it."""
-    hidden = cfg.loss_impl == "fused-linear"
+    `in_forward`: the model takes `head_apply`, so fused-linear's loss is handed to the
+    model's forward (`Criterion.model_loss`) rather than applied to the hidden states it
+    returns; the caller says where that holds (one stage, no tp or cp)."""
+    hidden, head_loss = cfg.loss_impl == "fused-linear", None
     if hidden:
         mean = fused_head_loss(head, cfg.loss_chunk_size)
+        head_loss = partial(_with_labels, partial(fused_linear_cross_entropy,
+                                                  chunk_size=cfg.loss_chunk_size))
         logger.info("loss: fused-linear, %d-row chunks, %s", cfg.loss_chunk_size,
                     f"vocab-parallel over tp {tp}" if tp > 1 else "full vocabulary")
-    elif head_compile is not None:
-        if cfg.loss_impl not in ("eager", "compiled") or head is None:
-            raise ValueError(f"no compiled head for loss mode {cfg.loss_impl!r}")
-        projected = torch.compile(_projected_cross_entropy, **head_compile)
-        mean, hidden = partial(_head_mean, projected, head), True
-        logger.info("loss: %s, compiled with the output head as one graph", cfg.loss_impl)
     else:
         criterion = logits_criterion(cfg.loss_impl, cfg.loss_chunk_size)
         vocab_parallel = cfg.loss_impl == "loss-parallel"
         mean = partial(_logits_mean, criterion, vocab_parallel)
         logger.info("loss: %s", cfg.loss_impl)
     if cfg.debug_logits:
-        mean = _LogitsProbe(mean, head, hidden)
-    return Criterion(mean, hidden)
+        mean, head_loss = _LogitsProbe(mean, head, hidden), None
+    return Criterion(mean, hidden, head_loss if in_forward else None)
 
 
-def _head_mean(projected: Callable[..., torch.Tensor], head: nn.Module, hidden: torch.Tensor,
-               labels: torch.Tensor) -> torch.Tensor:
-    return head(hidden, apply=partial(projected, labels=labels))
-
-
-def _projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
-                             labels: torch.Tensor) -> torch.Tensor:
-    """The cross-entropy of the head's logits, as a compiled head traces it (the eager and
-    compiled modes are then the same graph)."""
-    return eager_cross_entropy(F.linear(hidden, weight), labels)
+def _with_labels(loss: Callable[..., torch.Tensor],
+                 labels: torch.Tensor) -> Callable[..., torch.Tensor]:
+    return partial(loss, labels=labels)
 
 
 def _logits_mean(criterion: LogitsLoss, vocab_parallel: bool, logits: torch.Tensor,

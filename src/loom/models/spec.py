@@ -13,6 +13,9 @@ The model protocol a spec promises (written down because the recipe relies on it
 - `forward(tokens, positions=None, return_hidden=False)`: ids (B, T) -> logits (B, T, V);
   `tokens` may be the previous pipeline stage's hidden states when the embedding is None;
   `positions` (T,) are the global positions of a sequence shard (context parallel).
+  Optionally `head_apply=f`: return the head's `head(h, apply=f)` (a loss on its weight)
+  instead of logits, so that a loss the head runs (fused-linear) runs inside the forward
+  that the head's FSDP2 unit belongs to.
 - A pipeline stage is the model with its embedding, or its head modules, set to None and
   blocks deleted from the block container (a `ModuleDict` keyed by layer index, so the
   remaining parameters keep their names); `forward` skips what is None and returns hidden

@@ -24,10 +24,8 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
     """The pipelined executor under --pp > 1, else the accumulation loop; the criterion
     projects through the head of the last part (held by the pipeline's last stage).
     `eot_id`: the data's end-of-text id, which --doc-mask splits documents at."""
-    p = cfg.parallel
-    head = named_part(parts[-1], "output")
-    criterion = build_criterion(cfg.loss, head, dims.tp, compile_kwargs(
-        p.compile_mode, p.compile_backend) if head_in_graph(cfg, dims, head) else None)
+    criterion = build_criterion(cfg.loss, named_part(parts[-1], "output"), dims.tp,
+                                in_forward=head_in_forward(cfg, dims, parts[-1]))
     if dims.pp_enabled:
         executor: StepExecutor = PipelineExecutor(parts, criterion, cfg, dims, device)
     else:
@@ -37,6 +35,7 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
         check_takes_documents(parts)
     executor.eot_id = eot_id if cfg.data.doc_mask else None
     if isinstance(executor, AccumulationExecutor) and loss_in_graph(cfg, dims):
+        p = cfg.parallel
         executor.micro_loss = torch.compile(executor.micro_loss,
                                             **compile_kwargs(p.compile_mode, p.compile_backend))
     return executor
@@ -44,36 +43,28 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
 
 def loss_in_graph(cfg: JobConfig, dims: ParallelDims) -> bool:
     """Whether forward and loss compile as one graph: --compile on the single-device path
-    (no wrapper hook splits the model) and a loss that traces whole. The already compiled
-    model is inlined into that graph."""
-    return cfg.parallel.compile and runs_plain(dims, cfg.parallel) and loss_traces_whole(cfg)
-
-
-def head_in_graph(cfg: JobConfig, dims: ParallelDims, head: nn.Module | None) -> bool:
-    """Whether the output head and the loss compile as one graph of their own, the model
-    returning its final hidden states: --compile under FSDP2, whose hooks keep the model's
-    forward from being one graph with its loss, with the whole model on this rank (no
-    pipeline), whole logits (no tp, whose head returns a DTensor), and a loss that traces
-    whole, on a head that takes a loss into its call. SimpleFSDP compiles the whole
-    model, the head included, already."""
-    p = cfg.parallel
-    return (p.compile and p.data_parallel == "fsdp2" and not runs_plain(dims, p)
-            and not dims.pp_enabled and dims.tp == 1 and takes_apply(head)
-            and loss_traces_whole(cfg))
-
-
-def takes_apply(head: nn.Module | None) -> bool:
-    """Whether the family's head can run a loss on its weight inside its own call
-    (`head(h, apply=f)`, llama's `OutputHead`): other heads keep the loss outside."""
-    return head is not None and "apply" in inspect.signature(head.forward).parameters
-
-
-def loss_traces_whole(cfg: JobConfig) -> bool:
-    """loom's own model (its final hidden states and head), and a loss over logits that
-    traces whole: the fused and chunked losses are autograd Functions with Python loops;
-    the logits probe reads values."""
-    return (not cfg.model.runs_transformers and not cfg.loss.debug_logits
+    (no wrapper hook splits the model), loom's own model, and a loss over logits that traces
+    whole (the fused and chunked losses are autograd Functions with Python loops; the logits
+    probe reads values). The already compiled model is inlined into that graph."""
+    return (cfg.parallel.compile and runs_plain(dims, cfg.parallel)
+            and not cfg.model.runs_transformers and not cfg.loss.debug_logits
             and cfg.loss.loss_impl in ("eager", "compiled"))
+
+
+def head_in_forward(cfg: JobConfig, dims: ParallelDims, model: nn.Module) -> bool:
+    """Whether a loss the head computes on its weight (fused-linear) can run inside the
+    model's forward (`head_apply`), where the head's FSDP2 unit (with the final norm)
+    completes its forward once, instead of being finished by the root's end of forward
+    and gathered again when the head is called afterwards: the whole model on this rank (no
+    pipeline), whole sequences and logits (no cp, no tp, whose plans wrap the model's
+    output), a forward that is not one compiled graph (SimpleFSDP's, where the fused
+    loss's Python loop would not trace), and a family whose forward takes it. Elsewhere
+    the head is called on the returned hidden states."""
+    p = cfg.parallel
+    whole_graph = p.compile and p.data_parallel == "simple-fsdp"
+    return (not dims.pp_enabled and dims.tp == 1 and not dims.cp_enabled and not whole_graph
+            and named_part(model, "output") is not None
+            and "head_apply" in inspect.signature(model.forward).parameters)
 
 
 def check_takes_documents(parts: list[nn.Module]) -> None:

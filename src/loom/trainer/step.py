@@ -43,7 +43,7 @@ def forward_loss(criterion: Criterion, model: nn.Module, inputs: torch.Tensor,
                  labels: torch.Tensor, documents: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's forward and criterion: what a single-device compile takes whole."""
-    return criterion(criterion.forward(model, inputs, documents), labels)
+    return criterion.model_loss(model, inputs, labels, documents)
 
 
 @dataclass

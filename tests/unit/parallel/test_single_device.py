@@ -8,18 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.profiler import profile
 
 import loom.parallel.parallelize as recipe
-from loom.config import ParallelConfig, parse_args
-from loom.models.llama.model import ModelArgs, OutputHead, Transformer
+from loom.config import LossConfig, ParallelConfig, parse_args
+from loom.losses import IGNORE_INDEX, build_criterion
+from loom.models.llama.model import ModelArgs, Transformer
+from loom.parallel.init import init_weights
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo
-from loom.trainer.executor import head_in_graph, loss_in_graph
+from loom.trainer.executor import head_in_forward, loss_in_graph
 from loom.trainer.parity import layout_training
+from tests.families.gpt2 import GPT2, GPT2Args
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
                  max_seq_len=16)
@@ -92,22 +94,33 @@ def test_the_loss_joins_the_graph_only_where_it_traces_whole(flags: list[str],
     assert not loss_in_graph(cfg, ParallelDims(1, 2, 1, 2)), "two ranks: FSDP2's units"
 
 
-@pytest.mark.parametrize("flags, world, in_graph", [
-    (["--compile"], 2, True), (["--compile", "--loss-impl", "compiled"], 2, True),
-    (["--compile"], 1, False), (["--compile", "--single-device", "fsdp2"], 1, True),
-    ([], 2, False), (["--compile", "--loss-impl", "fused-linear"], 2, False),
-    (["--compile", "--loss-impl", "chunked"], 2, False),
-    (["--compile", "--debug-logits"], 2, False),
-    (["--compile", "--data-parallel", "simple-fsdp"], 2, False)])
-def test_the_head_and_loss_are_one_graph_under_fsdp2(flags: list[str], world: int,
-                                                     in_graph: bool) -> None:
-    """Where FSDP2's hooks split the model, the head and the loss still compile together
-    (one process unwrapped: the whole step is one graph instead, `loss_in_graph`)."""
-    cfg = parse_args(["--model", "debug", *flags])
-    dims = ParallelDims(1, world, 1, world)
-    head = OutputHead(8, 16, bias=False)
-    assert head_in_graph(cfg, dims, head) is in_graph
-    assert not head_in_graph(cfg, dims, nn.Linear(8, 16, bias=False)), "no apply= on the head"
-    assert not head_in_graph(cfg, dims, None), "a stage without the head"
-    tp = parse_args(["--model", "debug", "--tp", "2", *flags])
-    assert not head_in_graph(tp, ParallelDims(1, 1, 2, 2), head), "tp: a DTensor head"
+def test_fused_linear_runs_inside_the_forward_where_the_family_takes_it() -> None:
+    """Handed to the forward (`head_apply`), fused-linear gives the loss it gives on the
+    returned hidden states; only with the whole model and logits on the rank, and not for a
+    family whose forward has no such argument (the GPT-2 example)."""
+    cfg = parse_args(["--model", "debug"])
+    dims = ParallelDims(1, 2, 1, 2)
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    init_weights(model, 0, torch.device("cpu"))
+    assert head_in_forward(cfg, dims, model)
+    inputs, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    labels[0, :3] = IGNORE_INDEX
+    loss = LossConfig(loss_impl="fused-linear", loss_chunk_size=4)
+    inside = build_criterion(loss, model.output, in_forward=True)
+    outside = build_criterion(loss, model.output)
+    assert inside.head_loss is not None and outside.head_loss is None
+    got, count = inside.model_loss(model, inputs, labels)
+    want, want_count = outside.model_loss(model, inputs, labels)
+    assert count == want_count == 13
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert build_criterion(LossConfig(), model.output, in_forward=True).head_loss is None
+    tp = parse_args(["--model", "debug", "--tp", "2"])
+    assert not head_in_forward(tp, ParallelDims(1, 1, 2, 2), model), "tp: a DTensor head"
+    cp = parse_args(["--model", "debug", "--cp", "2"])
+    assert not head_in_forward(cp, ParallelDims(1, 1, 1, 2, cp=2), model), "cp's hooks"
+    simple = parse_args(["--model", "debug", "--compile", "--data-parallel", "simple-fsdp"])
+    assert not head_in_forward(simple, dims, model), "one compiled graph"
+    assert not head_in_forward(cfg, dims, GPT2(GPT2Args(32, 2, 4, 64, 16)))
+    model.output = None  # a pipeline stage without the head
+    assert not head_in_forward(cfg, dims, model)

@@ -235,7 +235,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
                 positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None,
+                head_apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                ) -> torch.Tensor:
         """`tokens`: ids, or a previous pipeline stage's hidden states when this stage has no
         embedding. `positions` (T,): the global position of each token when the sequence is a
         shard of a longer one (context parallel); default 0 ... T-1. `documents` (B, T): the
@@ -243,7 +245,10 @@ class Transformer(nn.Module):
         to earlier tokens of its document, and positions count from each document's start.
         Every pipeline stage is given it, so each builds the same mask. Or, for a shard of
         the sequence, `positions` (B, T) and `mask` (B, 1, T, S) as prepared from the whole
-        sequence's documents (context parallel)."""
+        sequence's documents (context parallel). `head_apply(h, weight)`: a loss the head
+        computes on its weight inside its call, returned instead of logits; called after
+        this forward instead, the head would find its FSDP2 unit (with the final norm)
+        already finished by the root's end of forward and gather it a second time."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if documents is not None:
             positions = document_positions(documents)
@@ -254,6 +259,8 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h)
+        if head_apply is not None:
+            return self.output(h, apply=head_apply)
         return h if return_hidden or self.hidden_output else self.output(h)
 
     def init_std(self, name: str) -> float | None:
