@@ -15,12 +15,16 @@ Cases, each a fresh process (dp 2: two gloo ranks, rank 0 reports):
   own operators are not counted, as the plain loop draws none.
 - plain eager / plain compiled: loom's own `Transformer` (the same config), a cross-entropy
   over its logits, fused AdamW and a foreach clip; compiled: torch.compile on model + loss.
-- loom dp2 --compile: two ranks under FSDP2 over gloo, the same model.
+- loom dp2 --compile: two ranks under FSDP2 over gloo, the same model; also with
+  `--reshard-after-forward never` (zero2), and under SimpleFSDP (simple-fsdp).
 
 Ratios are against the plain loop in the same mode (dp2 against the plain compiled one),
-all measured in the same run. The vocabulary is 2048 by default (`--model-flags`): the
-operator count does not depend on it, the run time does. Writes
-benchmarks/results/host_ops.json.
+all measured in the same run. Operators are counted over every thread (the targets'
+measure) and on the training thread alone: on the CPU gloo runs a collective's copies as
+operators on threads of its own, where on a GPU NCCL runs them as kernels the host never
+dispatches (SimpleFSDP's collectives are inside its graph, so they show there only). The
+vocabulary is 2048 by default (`--model-flags`): the operator count does not depend on it,
+the run time does. Writes benchmarks/results/host_ops.json.
 """
 
 from __future__ import annotations
@@ -84,14 +88,16 @@ def top_level(event: FunctionEvent) -> bool:
     return True
 
 
-def ops_per_step(events: Iterable[FunctionEvent]) -> list[int]:
+def ops_per_step(events: Iterable[FunctionEvent], training_thread: bool = False) -> list[int]:
     """Top-level operators between consecutive step marks (the last step's mark to the end
-    of the record closes the last window), by start time, over every thread."""
+    of the record closes the last window), by start time, over every thread, or only the
+    thread that runs the step (the one that records its marks)."""
     events = list(events)
     marks = sorted(e.time_range.start for e in events if e.name == STEP_MARK)
+    threads = {e.thread for e in events if e.name == STEP_MARK}
     counts = [0] * len(marks)
     for e in events:
-        if not counted(e) or not top_level(e):
+        if not counted(e) or not top_level(e) or (training_thread and e.thread not in threads):
             continue
         k = sum(1 for m in marks if m <= e.time_range.start) - 1
         if k >= 0:
@@ -207,12 +213,14 @@ def worker(case: str, model_flags: list[str], steps: int, warmup: int) -> None:
     prof = run([*model_flags, *extra], steps, warmup)
     if prof is not None:
         print("RESULT " + json.dumps(ops_per_step(prof.events())))
+        print("TRAINING " + json.dumps(ops_per_step(prof.events(), training_thread=True)))
         print("BREAKDOWN " + json.dumps(breakdown(prof.events(), steps)))
 
 
 def run_case(case: str, model_flags: str, steps: int,
-             warmup: int) -> tuple[list[int], list[list[Any]]]:
-    """One case in fresh processes; rank 0's per-step counts and its busiest operators."""
+             warmup: int) -> tuple[list[int], list[int], list[list[Any]]]:
+    """One case in fresh processes; rank 0's per-step counts (every thread, the training
+    thread) and its busiest operators."""
     ranks, port = CASES[case][2], free_port()
     cmd = [sys.executable, __file__, "--worker", case, "--model-flags", model_flags,
            "--steps", str(steps), "--warmup", str(warmup)]
@@ -224,19 +232,21 @@ def run_case(case: str, model_flags: str, steps: int,
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{case} failed:\n{outputs[0][1][-3000:]}")
     lines = outputs[0][0].splitlines()
-    found = {tag: json.loads(x[len(tag) + 1:]) for x in lines for tag in ("RESULT", "BREAKDOWN")
+    tags = ("RESULT", "TRAINING", "BREAKDOWN")
+    found = {tag: json.loads(x[len(tag) + 1:]) for x in lines for tag in tags
              if x.startswith(tag + " ")}
-    return found["RESULT"], found["BREAKDOWN"]
+    return found["RESULT"], found["TRAINING"], found["BREAKDOWN"]
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    lines = ["| case | host ops / step | vs plain | plain case | target |",
-             "| --- | ---: | ---: | --- | ---: |"]
+    lines = ["| case | host ops / step | vs plain | target | training thread | vs plain "
+             "| plain case |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
-        ratio = f"{r['ratio']:.2f}x" if r.get("ratio") is not None else ""
+        ratio, own = (f"{r[key]:.2f}x" if r.get(key) is not None else ""
+                      for key in ("ratio", "training_ratio"))
         target = f"<= {TARGETS[name]:.1f}x" if name in TARGETS else ""
-        lines.append(f"| {name} | {r['median']:,} | {ratio} | {r['baseline'] or ''} | "
-                     f"{target} |")
+        lines.append(f"| {name} | {r['median']:,} | {ratio} | {target} | "
+                     f"{r['training_median']:,} | {own} | {r['baseline'] or ''} |")
     return "\n".join(lines)
 
 
@@ -257,20 +267,25 @@ def main(argv: list[str]) -> None:
     cases = [c for c in CASES if c in args.cases or c in {CASES[n][3] for n in args.cases}]
     results: dict[str, dict[str, Any]] = {}
     for case in cases:
-        counts, busiest = run_case(case, args.model_flags, args.steps, args.warmup)
+        counts, own, busiest = run_case(case, args.model_flags, args.steps, args.warmup)
         baseline = CASES[case][3]
-        median = int(statistics.median(counts))
-        ratio = median / results[baseline]["median"] if baseline else None
+        median, own_median = int(statistics.median(counts)), int(statistics.median(own))
+        ratio, own_ratio = ((median / results[baseline]["median"],
+                             own_median / results[baseline]["training_median"]) if baseline
+                            else (None, None))
         results[case] = {"per_step": counts, "median": median, "baseline": baseline,
                          "ratio": ratio, "target": TARGETS.get(case),
+                         "training_per_step": own, "training_median": own_median,
+                         "training_ratio": own_ratio,
                          "flags": [*shlex.split(args.model_flags), *CASES[case][1]],
                          "ranks": CASES[case][2]}
-        print(f"{case}: {counts}", flush=True)
+        print(f"{case}: {counts} (training thread: {own})", flush=True)
         if args.breakdown:
             print("\n".join(f"  {n:8.1f}  {name}" for name, n in busiest), flush=True)
     print(table(results))
     print(f"\n{args.model_flags}; {args.steps} recorded steps after {args.warmup}; "
-          "top-level aten operators, a compiled region counted once")
+          "top-level aten operators, a compiled region counted once; every thread, then the "
+          "training thread alone")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model_flags": args.model_flags, "steps": args.steps,
                                     "warmup": args.warmup, "torch": torch.__version__,
