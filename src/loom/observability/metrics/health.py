@@ -1,6 +1,7 @@
-"""Health statistics: gradient and parameter norms, extremes and non-finite counts (two
-foreach norms over all tensors, left on the device), logits and input extremes, and memory
-use. Computed at their interval only (by default the logging steps), never every step."""
+"""Health statistics: gradient and parameter norms, extremes and non-finite counts (a
+foreach norm over all tensors and their extremes, left on the device), logits and input
+extremes, and memory use. Computed at their interval only (by default the logging steps),
+never every step."""
 
 from __future__ import annotations
 
