@@ -22,17 +22,25 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 class ScheduledGC:
     """Collect at fixed steps only: `begin` after setup, `after_step` each step, `finish`
-    when the loop ends (the collector's own schedule comes back)."""
+    when the loop ends (the collector's own schedule comes back).
+
+    Setup's objects are frozen (moved to a generation no collection scans) unless the
+    process had frozen objects already (an application embedding `loom.fit`, a fork
+    server): Python can only unfreeze everything, so `finish` unfreezes only what `begin`
+    froze, and never what the caller did."""
 
     def __init__(self, every: int):
         self.every = every
         self.was_enabled = gc.isenabled()
+        self.froze = False
 
     def begin(self) -> None:
         if self.every <= 0:
             return
         gc.collect()
-        gc.freeze()  # setup's objects move to a generation no collection scans
+        self.froze = gc.get_freeze_count() == 0
+        if self.froze:
+            gc.freeze()
         gc.disable()
 
     def after_step(self, step: int) -> None:
@@ -42,7 +50,8 @@ class ScheduledGC:
     def finish(self) -> None:
         if self.every <= 0:
             return
-        gc.unfreeze()
+        if self.froze:
+            gc.unfreeze()
         if self.was_enabled:
             gc.enable()
 

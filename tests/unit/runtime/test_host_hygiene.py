@@ -32,6 +32,21 @@ def test_the_collector_is_frozen_off_and_run_every_n_steps(monkeypatch) -> None:
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def test_what_the_caller_froze_stays_frozen() -> None:
+    """A process that froze objects before the run (an embedding application, the tests'
+    fork server) keeps them frozen after it: only what `begin` froze is unfrozen."""
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        collector = ScheduledGC(every=3)
+        collector.begin()
+        assert not gc.isenabled()
+        collector.finish()
+        assert gc.isenabled() and gc.get_freeze_count() == frozen > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_gc_every_0_leaves_pythons_schedule(monkeypatch) -> None:
     collector = ScheduledGC(every=0)
     collector.begin()
