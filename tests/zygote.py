@@ -14,8 +14,11 @@ A zygote serves only requests whose environment equals the one it imported its m
 under, in every variable a preloaded module may read at import (anything outside
 `PER_PROCESS`): each such environment gets its own zygote, started the second time it is
 asked for (a one-off environment, such as a test's private cache folder, starts a fresh
-interpreter, as cheap as a zygote); past `MOST_ZYGOTES` the caller starts fresh too. So the
-behaviour under test never depends on which way a process was started.
+interpreter, as cheap as a zygote); past `MOST_ZYGOTES` the caller starts fresh too. A
+PYTHONPATH that provides a module already imported here from somewhere else (another
+checkout's `src`, which benchmarks compare with) also starts fresh: a child would find that
+module imported from this checkout. So the behaviour under test never depends on which way
+a process was started.
 
 Protocol, one Unix socket connection per child: the test sends one JSON line (argv, env,
 cwd, stdout/stderr paths), the zygote answers `{"pid": N}` and, when the child has ended,
@@ -233,7 +236,9 @@ def zygote(env: dict[str, str]) -> Zygote | None:
     LOOM_TEST_ZYGOTE=0."""
     imports = import_environment(env)
     key = frozenset(imports.items())
-    if _disabled or key not in _asked:
+    if _disabled or shadows_imported(env.get("PYTHONPATH", "")):
+        return None
+    if key not in _asked:
         _asked.add(key)
         return None
     if key not in _zygotes and len(_zygotes) < MOST_ZYGOTES:
@@ -242,6 +247,22 @@ def zygote(env: dict[str, str]) -> Zygote | None:
         if _zygotes[key] is None:
             server.stop()
     return _zygotes.get(key)
+
+
+def shadows_imported(pythonpath: str) -> bool:
+    """Whether an entry of `pythonpath`, other than this checkout's own folders, holds a
+    top-level package a zygote imports (those of `PRELOAD`, torch, tests) or this process
+    has: a fresh interpreter would import that one instead."""
+    own = {REPO.resolve(), (REPO / "src").resolve()}
+    names = {name.partition(".")[0] for name in (*sys.modules, *PRELOAD, "torch", "tests")}
+    for entry in filter(None, pythonpath.split(os.pathsep)):
+        folder = Path(entry).resolve()
+        if folder in own or not folder.is_dir():
+            continue
+        present = {p.name.partition(".")[0] for p in folder.iterdir()}
+        if names & present:
+            return True
+    return False
 
 
 class LoggedOutput:

@@ -80,3 +80,20 @@ def test_each_import_environment_has_its_own_zygote_from_its_second_request(tmp_
     assert server is not None and server is zygote.zygote({**env, "RANK": "3"})
     assert zygote.zygote({**env, "TORCH_LOGS": "+inductor"}) is None, "a new one: asked once"
     assert ZygoteProcess.start(["bash", "-c", "true"], dict(os.environ), REPO) is None
+
+
+def test_a_path_to_another_loom_is_never_served_by_a_zygote(tmp_path: Path):
+    """A PYTHONPATH naming another checkout's `src` (benchmarks/throughput.py --old-src) gets
+    that checkout's loom, not the one a zygote imported from this checkout."""
+    other = tmp_path / "other_src"
+    (other / "loom").mkdir(parents=True)
+    (other / "loom" / "__init__.py").write_text("WHERE = 'other'\n")
+    (tmp_path / "plain").mkdir()
+    env = {**rank_env(0, 1, 1, None), "PYTHONPATH": f"{other}{os.pathsep}{REPO}"}
+    code = "import loom; print(getattr(loom, 'WHERE', 'this checkout'))"
+    for _ in range(2):  # a second request would start a zygote for a servable environment
+        assert ZygoteProcess.start([sys.executable, "-c", code], env, tmp_path) is None
+    proc = LoggedProcess([sys.executable, "-c", code], env, tmp_path)
+    assert proc.communicate(timeout=120)[0] == "other\n"
+    assert not zygote.shadows_imported(f"{REPO}{os.pathsep}{REPO / 'src'}")
+    assert not zygote.shadows_imported(str(tmp_path / "plain"))
