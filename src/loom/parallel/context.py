@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from loom.compat import all_gather_autograd
 from loom.models.documents import shard_document_mask
 from loom.models.registry import for_model
 from loom.parallel.mesh import ParallelDims
@@ -161,7 +162,7 @@ class ContextParallelAttention(nn.Module):
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T/cp, Hkv, D) shard -> (B, T, Hkv, D) in global order; the backward sums the
         gradient of every rank's use of this shard (a reduce-scatter)."""
-        full = funcol.all_gather_single_autograd(x.transpose(0, 1).contiguous(), 0, self.mesh)
+        full = all_gather_autograd(x.transpose(0, 1).contiguous(), 0, self.mesh)
         return unshard_sequence(full, self.cp, dim=0).transpose(0, 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

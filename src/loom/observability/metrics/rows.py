@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loom.compat import all_gather_flat
 from loom.observability import flops
 from loom.safe_io import open_append, open_regular
 
@@ -169,7 +170,7 @@ def gather_floats(values: list[float], device: torch.device) -> list[list[float]
     dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
     local = torch.tensor(values, dtype=dtype, device=device)
     gathered = torch.empty(dist.get_world_size() * len(values), dtype=local.dtype, device=device)
-    dist.all_gather_single(gathered, local)  # gloo takes only the concatenated form
+    all_gather_flat(gathered, local)
     return gathered.view(-1, len(values)).tolist()
 
 
