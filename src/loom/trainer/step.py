@@ -23,6 +23,7 @@ from loom.losses import IGNORE_INDEX, Criterion
 from loom.parallel.context import gather_sequence
 from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.mesh import ParallelDims
+from loom.runtime.distributed import summed
 from loom.runtime.host_hygiene import to_device
 
 Batch = dict[str, torch.Tensor]
@@ -94,9 +95,7 @@ class StepExecutor(ABC):
     def count_valid(self, micro_batches: list[Batch]) -> torch.Tensor:
         """The step's valid tokens over the loss mesh: int64, exact at any batch size."""
         valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches])
-        total = valid.sum().to(self.device)
-        dist.all_reduce(total, group=self.loss_group)
-        return total
+        return summed(valid.sum().to(self.device), self.loss_group)
 
     def owned(self, loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum if self.owns_loss else torch.zeros_like(loss_sum)

@@ -33,7 +33,7 @@ from loom.parallel.context import shard_batch
 from loom.parallel.mesh import ParallelDims
 from loom.protocols.extensions import StepContext, active_step_hooks, after_optimizer_step
 from loom.runtime import flight
-from loom.runtime.distributed import RankInfo
+from loom.runtime.distributed import RankInfo, summed
 from loom.runtime.host_hygiene import ScheduledGC
 from loom.runtime.rundir import RunFolder
 from loom.runtime.watchdog import StepWatchdog, heartbeat_store
@@ -162,9 +162,7 @@ class Trainer:
     def step_loss(self, loss_sum: torch.Tensor, total_valid: torch.Tensor) -> torch.Tensor:
         """The step's loss: the owned loss shares summed over every rank (so the step's loss
         sum once), over its valid tokens; stays on the device."""
-        total = loss_sum.float().reshape(1)
-        dist.all_reduce(total)
-        return total[0] / total_valid
+        return summed(loss_sum.float()) / total_valid
 
     def agree_on_stop(self) -> None:
         """Whether any rank got SIGTERM or SIGINT (SIGTERM winning), agreed by every rank
