@@ -34,6 +34,7 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
     if cfg.data.doc_mask:
         check_takes_documents(parts)
     executor.eot_id = eot_id if cfg.data.doc_mask else None
+    executor.marks_steps = cfg.parallel.compile and cfg.parallel.compile_mode == "reduce-overhead"
     if isinstance(executor, AccumulationExecutor) and loss_in_graph(cfg, dims):
         p = cfg.parallel
         executor.micro_loss = torch.compile(executor.micro_loss,

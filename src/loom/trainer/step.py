@@ -80,6 +80,12 @@ class StepExecutor(ABC):
     eot_id: int | None = None
     """--doc-mask: the end-of-text id that separates packed documents (None: no mask)."""
 
+    marks_steps: bool = False
+    """Compiled in reduce-overhead mode (--cuda-graphs): each step begins with
+    `torch.compiler.cudagraph_mark_step_begin()`, telling CUDA graph trees that the last
+    step's graph outputs are no longer read, so its recorded graphs replay instead of
+    being re-recorded or refused for a live output."""
+
     def __init__(self, parts: list[nn.Module], criterion: Criterion, dims: ParallelDims,
                  device: torch.device):
         self.parts, self.criterion, self.dims, self.device = parts, criterion, dims, device
@@ -138,6 +144,8 @@ class AccumulationExecutor(StepExecutor):
 
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
+        if self.marks_steps:  # the last step's graph outputs are dead: replay may reuse them
+            torch.compiler.cudagraph_mark_step_begin()
         total = self.count_valid(micro_batches)
         scale = self.dims.loss_size / total
         model = self.parts[0]
