@@ -31,6 +31,7 @@ from loom.observability.profiling import maybe_profile
 from loom.observability.progress import Progress
 from loom.parallel.context import shard_batch
 from loom.parallel.mesh import ParallelDims
+from loom.parallel.single import step_autocast
 from loom.protocols.extensions import StepContext, active_step_hooks, after_optimizer_step
 from loom.runtime import flight
 from loom.runtime.distributed import RankInfo, summed
@@ -92,7 +93,8 @@ class Trainer:
         self.model = parts_module(self.model_parts)  # every parameter this rank holds
         self.executor = build_executor(self.model_parts, cfg, dims, device,
                                        end_of_text(start.dataset))
-        tasks = build_task_evaluation(cfg, self.model, device, outdir, info.is_main)
+        tasks = build_task_evaluation(cfg, self.model, device, outdir, info.is_main,
+                                      step_autocast(dims, cfg.parallel, device.type))
         self.evaluator = build_evaluator(start.val_datasets, cfg, dims, self.executor, device,
                                          [tasks])
         self.optimizer = build_optimizer(self.model, cfg.optim)

@@ -19,8 +19,9 @@ from loom.losses import IGNORE_INDEX, build_criterion
 from loom.models.llama.model import ModelArgs, RMSNorm, Transformer
 from loom.parallel.init import init_weights
 from loom.parallel.mesh import ParallelDims
+from loom.parallel.single import step_autocast
 from loom.runtime.distributed import RankInfo
-from loom.trainer.executor import head_in_forward, loss_in_graph
+from loom.trainer.executor import build_executor, head_in_forward, loss_in_graph
 from loom.trainer.parity import layout_training
 from tests.families.gpt2 import GPT2, GPT2Args
 
@@ -50,8 +51,12 @@ def test_bf16_computes_under_autocast_over_fp32_weights(process_group) -> None:
                        backend="gloo")
     seen: list[torch.dtype] = []
     model.layers["0"].attention.wq.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
-    model(torch.randint(ARGS.vocab_size, (1, 8))).float().sum().backward()
-    assert seen == [torch.bfloat16]
+    executor = build_executor([model], parse_args(["--model", "debug", "--dtype", "bf16"]),
+                              dims, torch.device("cpu"))
+    tokens = torch.randint(ARGS.vocab_size, (1, 8))
+    executor.forward_backward([{"input": tokens, "labels": tokens}], lambda: None)
+    assert seen == [torch.bfloat16], "the step's autocast"
+    assert "forward" not in vars(model) and type(model) is Transformer, "the model untouched"
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
                for p in model.parameters())
 
@@ -127,7 +132,7 @@ def test_fused_linear_runs_inside_the_forward_where_the_family_takes_it() -> Non
     assert not head_in_forward(cfg, dims, model)
 
 
-def saved_activations(model: torch.nn.Module, tokens: torch.Tensor
+def saved_activations(model: torch.nn.Module, tokens: torch.Tensor, autocast
                       ) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     """(dtype, shape) of every floating tensor one forward saves for its backward, but the
     parameters and buffers themselves (views of them included: the rope table's rows)."""
@@ -139,7 +144,7 @@ def saved_activations(model: torch.nn.Module, tokens: torch.Tensor
             saved.append((t.dtype, tuple(t.shape)))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         out = model(tokens)
     out.float().sum().backward()
     return saved
@@ -159,7 +164,8 @@ def test_bf16_saves_bf16_activations_over_fp32_weights(process_group, qk_norm: b
     recipe.parallelize(model, dims, ParallelConfig(dtype="bf16"), loss_parallel=False,
                        backend="gloo")
     batch, seq = 2, 8
-    saved = saved_activations(model, torch.randint(args.vocab_size, (batch, seq)))
+    saved = saved_activations(model, torch.randint(args.vocab_size, (batch, seq)),
+                              step_autocast(dims, ParallelConfig(dtype="bf16"), "cpu"))
     fp32 = [shape for dtype, shape in saved if dtype == torch.float32]
     rows = batch * seq * args.n_heads  # a statistic per row (per head under qk-norm)
     assert all(math.prod(shape) <= rows for shape in fp32), fp32
