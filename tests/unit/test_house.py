@@ -150,3 +150,21 @@ def test_models_know_nothing_of_parallelism():
     """A model family is plain torch: sharding, collectives and meshes are applied to it from
     outside (`loom.parallel`), and a family hook gets its sums from the trainer."""
     assert not parallel_imports(modules())
+
+
+def instance_seams(tree: ast.AST) -> list[str]:
+    """`x.forward = ...` and `x.__class__ = ...`: a module's behaviour swapped on the
+    instance, where a wrapper or the caller's own context says it openly (issue #56)."""
+    return [ast.unparse(target) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Attribute)
+            and target.attr in ("forward", "__class__")]
+
+
+def test_the_seam_finder_sees_one():
+    assert instance_seams(ast.parse("model.forward = f\nm.__class__ = C\nx.forwarded = 1")) \
+        == ["model.forward", "m.__class__"]
+
+
+def test_no_instance_seam_in_src():
+    found = {name: seams for name, tree in modules().items() if (seams := instance_seams(tree))}
+    assert not found, found

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,10 +28,12 @@ def require_lm_eval(flag: str) -> ModuleType:
 
 
 def build_task_evaluation(cfg: JobConfig, model: nn.Module, device: torch.device,
-                          outdir: Path, is_main: bool) -> Any:
-    """The run's --eval-tasks (a `loom.lmeval.periodic.TaskEvaluation`), None without."""
+                          outdir: Path, is_main: bool,
+                          context: Callable[[], AbstractContextManager] = nullcontext) -> Any:
+    """The run's --eval-tasks (a `loom.lmeval.periodic.TaskEvaluation`), None without;
+    `context`: what the model's forward runs in (the step's autocast at one process)."""
     if not cfg.eval.eval_tasks:
         return None
     require_lm_eval("--eval-tasks")
     periodic = importlib.import_module("loom.lmeval.periodic")
-    return periodic.TaskEvaluation(cfg, model, device, outdir, is_main)
+    return periodic.TaskEvaluation(cfg, model, device, outdir, is_main, context)

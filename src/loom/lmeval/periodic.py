@@ -9,6 +9,8 @@ Every rank runs the same requests in the same order, so the forwards of a sharde
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -30,20 +32,22 @@ class TaskEvaluation:
     its first step, on every rank), scored when due."""
 
     def __init__(self, cfg: JobConfig, model: nn.Module, device: torch.device, outdir: Path,
-                 is_main: bool):
+                 is_main: bool, context: Callable[[], AbstractContextManager] = nullcontext):
         e = cfg.eval
         self.tasks = task_list(e.eval_tasks)
         self.manager = task_manager(self.tasks, e.eval_tasks_include)
         tokenizer = load_tokenizer(tokenizer_name(cfg.data.tokenizer_name, cfg.model.model),
                                    cfg.model.trust_remote_code)
         self.model, self.every, self.limit = model, e.eval_tasks_every, e.eval_tasks_limit
+        self.context = context
         hf = getattr(model, "hf", None)  # transformers' module: its config's context
         context = hf.config.max_position_embeddings if hf is not None else cfg.model.max_seq_len
         self.lm = LoomLM(self.logits, tokenizer, context, device, BATCH)  # as loom eval --tasks
         self.outdir, self.is_main, self.seed = outdir / "eval", is_main, cfg.train.seed
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(ids)
+        with self.context():  # the step's autocast at one process (bf16 compute)
+            out = self.model(ids)
         return out.full_tensor() if isinstance(out, DTensor) else out  # tp: vocab-sharded
 
     def maybe_evaluate(self, step: int, final: bool) -> dict[str, float]:

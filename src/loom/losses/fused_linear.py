@@ -35,15 +35,29 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sh
     del p
     if grad_h is not None:
         torch.mm(grad, weight, out=grad_h)
-    if grad_w is not None:
+    if grad_w is not None and grad_w.dtype == hidden.dtype:
         grad_w.addmm_(grad.T, hidden)
+    elif grad_w is not None:  # fp32 master weight, bf16 GEMM: summed over chunks in fp32
+        grad_w += grad.T @ hidden
     return loss_sum
 
 
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the chunk GEMMs run in: autocast's where it is on (`torch.mm(out=)` and
+    `addmm_` are not autocast operators, so they would run in the fp32 weight's dtype),
+    else the hidden states'."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+        else hidden.dtype
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Softmax statistics and the loss in fp32; the weight gradient accumulates over chunks
-    in the weight's dtype inside the matmul (as Liger does), since an fp32 buffer would add
-    a weight-sized copy and a pass over it per chunk."""
+    """Softmax statistics and the loss in fp32, the GEMMs in the compute dtype (autocast's,
+    else the inputs'). Where the weight's dtype is the compute dtype, its gradient
+    accumulates over chunks in it inside the matmul (as Liger does), since an fp32 buffer
+    would add a weight-sized copy and a pass over it per chunk; over an fp32 master weight
+    under autocast, each chunk's bf16 product is added into the fp32 gradient, which that
+    weight needs anyway."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -54,12 +68,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         valid = targets != IGNORE_INDEX
         count = valid.sum()
         row_weight = valid / count
-        grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
+        dtype = compute_dtype(hidden)
+        hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)  # no copy where they are
+        grad_h = torch.empty_like(hidden_c) if want_h else None  # autograd casts it back
+        grad_w = torch.zeros_like(weight) if want_w else None  # the weight's own dtype
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, len(targets), chunk_size):
             rows = slice(start, start + chunk_size)
-            total += _chunk(hidden[rows], weight, targets[rows], shard, row_weight[rows],
+            total += _chunk(hidden_c[rows], weight_c, targets[rows], shard, row_weight[rows],
                             None if grad_h is None else grad_h[rows], grad_w)
         ctx.save_for_backward(grad_h, grad_w)
         return total / count

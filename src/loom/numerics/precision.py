@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from loom.runtime.scope import GlobalSettings
+
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 """/proc/cpuinfo flags of native bf16 arithmetic: x86 AVX512-BF16 / AMX, Arm BF16."""
@@ -91,3 +93,12 @@ def torch_dtype(dtype: str) -> torch.dtype:
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not resolved; call resolve_precision first")
     return TORCH_DTYPES[dtype]
+
+
+def matmul_settings(device_type: str) -> GlobalSettings:
+    """TF32 for the fp32 matmuls a CUDA run still has (those autocast leaves in fp32, every
+    one of a --fp32 run): several times the fp32 rate on tensor cores, at a 10-bit mantissa
+    per product with fp32 accumulation, which training tolerates (torchtitan's default).
+    Set for the run only, restored after; nothing elsewhere (CPUs have no TF32)."""
+    return GlobalSettings(matmul_precision="high") if device_type == "cuda" \
+        else GlobalSettings()

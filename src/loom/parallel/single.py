@@ -4,18 +4,20 @@ At world size 1 FSDP2 has nothing to shard, yet costs every step: each unit's un
 and copies its parameters, each gradient is copied into a reduce buffer and divided by 1.0,
 and its hooks split a compiled model into per-block graphs. Here the parameters are the
 fp32 master weights the optimizer updates, bf16 compute comes from autocast around the
-forward, and under --compile the whole model (embedding, blocks, norm, head) is one graph.
+step's forward and loss, and under --compile the whole model (embedding, blocks, norm,
+head) is one graph.
 `--single-device fsdp2` ($LOOM_SINGLE_DEVICE) keeps FSDP2 at one process, for comparison.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch import nn
 
 from loom.config import ParallelConfig
 from loom.models.spec import ModelPlan
@@ -30,26 +32,34 @@ def runs_plain(dims: ParallelDims, cfg: ParallelConfig) -> bool:
             and cfg.single_device == "plain")
 
 
-def autocast_forward(forward: Callable[..., Any], device_type: str,
-                     dtype: torch.dtype) -> Callable[..., Any]:
-    """`forward` under autocast: matmuls in `dtype`, the parameters (and so gradients and
-    the optimizer's state) left in fp32. One context inside one function, so Dynamo
-    traces it into the graph."""
-    @functools.wraps(forward)
+def step_autocast(dims: ParallelDims, cfg: ParallelConfig,
+                  device_type: str) -> Callable[[], AbstractContextManager]:
+    """The context a step runs its forward and loss in: on the plain path under bf16,
+    autocast (matmuls in bf16, the parameters, and so gradients and the optimizer's state,
+    left fp32); elsewhere nothing (FSDP2 and SimpleFSDP cast the weights themselves). The
+    step enters it (`loom.trainer.executor`): the model itself is left as it is, its
+    class, forward and state-dict keys untouched."""
+    dtype = torch_dtype(cfg.dtype)
+    if not runs_plain(dims, cfg) or dtype == torch.float32:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type, dtype=dtype)
+
+
+def within(context: Callable[[], AbstractContextManager],
+           fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run inside a fresh `context()`: one context inside one function, so Dynamo
+    traces it into the graph where `fn` is compiled."""
+    @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, dtype=dtype):
-            return forward(*args, **kwargs)
+        with context():
+            return fn(*args, **kwargs)
     return run
 
 
 def apply_single_device(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig,
                         backend: str) -> str:
-    """Leave the model unwrapped; under bf16, run its forward under autocast (an instance
-    attribute, so the class and the state-dict keys are untouched). Returns what it did."""
-    dtype = torch_dtype(cfg.dtype)
-    if dtype == torch.float32:
+    """Leave the model unwrapped; bf16 comes from the step's autocast (`step_autocast`).
+    Returns what it did."""
+    if torch_dtype(cfg.dtype) == torch.float32:
         return "single device, no wrapper"
-    model: nn.Module = plan.model
-    device_type = dims.get_mesh("dp").device_type  # the device the run got
-    model.forward = autocast_forward(model.forward, device_type, dtype)  # type: ignore[method-assign]
-    return "single device, no wrapper, bf16 autocast"
+    return "single device, no wrapper, bf16 autocast around the step"

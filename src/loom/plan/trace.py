@@ -35,6 +35,7 @@ from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
 from loom.parallel.pipeline import stage_module
+from loom.parallel.single import step_autocast
 from loom.plan.compiled import compiled_loss_memory
 from loom.protocols.extensions import convert_model
 from loom.runtime.scope import logger_levels
@@ -247,6 +248,7 @@ def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> S
     documents = traced_documents(tokens, cfg)
 
     micro_batches = 2 if cfg.train.grad_accum_steps > 1 else 1
+    autocast = step_autocast(dims, cfg.parallel, "cpu")
     deferred = cfg.train.accum_reduce == "step"
 
     def step(forward_done: Callable[[], None], between: Callable[[], None]) -> None:
@@ -255,7 +257,8 @@ def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> S
                 between()
             if micro_batches > 1 and deferred:
                 set_gradient_sync(model, i == micro_batches - 1)
-            loss_sum, count = criterion(criterion.forward(model, tokens, documents), tokens)
+            with autocast():  # the step's own (bf16 at one process)
+                loss_sum, count = criterion(criterion.forward(model, tokens, documents), tokens)
             loss = loss_sum / count
             if i == 0:
                 forward_done()

@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from loom.config import JobConfig
 from loom.models.registry import for_config
 from loom.models.spec import SpecHook
+from loom.runtime.distributed import summed
 
 Enabled = Callable[[JobConfig], bool]
 
@@ -84,13 +84,8 @@ def active_converters(cfg: JobConfig) -> list[ModelConverter]:
 def _family_hook(hook: SpecHook) -> StepHook:
     return StepHook(hook.name, enabled=lambda cfg: True,
                     run=lambda context: hook.run(context.model,
-                                                 lambda t: _summed(t, context.token_group),
+                                                 lambda t: summed(t, context.token_group),
                                                  dist.get_world_size(context.token_group)))
-
-
-def _summed(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    dist.all_reduce(tensor, group=group)
-    return tensor
 
 
 def active_step_hooks(cfg: JobConfig) -> list[StepHook]:

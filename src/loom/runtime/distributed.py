@@ -34,6 +34,16 @@ _LOCAL_RANK_VARS = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID",
                     "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 
+def summed(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`tensor` summed in place over `group` (None: every rank), and returned. On a group of
+    one rank it is already the sum, so nothing is issued: a one-process step (or a layout
+    whose loss mesh is one rank) sends no collective, on any layout, without a branch in the
+    callers."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int

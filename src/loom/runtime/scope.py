@@ -1,12 +1,12 @@
 """Process-wide settings a run changes, applied for that run only.
 
-Compiler options (Dynamo, AOTAutograd's partitioner, inductor), logger levels and warning
-filters are module globals of torch and of `logging`: set once and left, they leak into
-the next run of the same process (a notebook's second `loom.fit`, `loom verify`'s next
-layout, a test after a test). A run declares what it needs as one `GlobalSettings` and
-enters `applied(...)` around everything it does, so they are restored after it, failure
-included. Compiled graphs are built lazily, at the first step, and read these options then:
-the scope covers the whole run, not only the `torch.compile` calls.
+Compiler options (Dynamo, AOTAutograd's partitioner, inductor), fp32 matmul precision,
+logger levels and warning filters are module globals of torch and of `logging`: set once and
+left, they leak into the next run of the same process (a notebook's second `loom.fit`, `loom
+verify`'s next layout, a test after a test). A run declares what it needs as one
+`GlobalSettings` and enters `applied(...)` around everything it does, so they are restored
+after it, failure included. Compiled graphs are built lazily, at the first step, and read
+these options then: the scope covers the whole run, not only the `torch.compile` calls.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class GlobalSettings:
     """Drop Dynamo's caches on entry and exit (a run that compiles): code compiled under
     another run's options, or for another model with the same code objects, would otherwise
     be reused, or count towards the recompile limit past which Dynamo silently runs eager."""
+    matmul_precision: str | None = None
+    """`torch.set_float32_matmul_precision` for the run ("high": TF32 for fp32 matmuls on
+    CUDA); None leaves it as it is."""
 
     def __post_init__(self) -> None:
         unknown = [k for k in self.compiler if k.rpartition(".")[0] not in COMPILER_CONFIGS]
@@ -53,7 +56,8 @@ class GlobalSettings:
         return GlobalSettings(_frozen({**self.compiler, **other.compiler}),
                               _frozen({**self.log_levels, **other.log_levels}),
                               tuple(dict.fromkeys(self.ignored_warnings + other.ignored_warnings)),
-                              self.fresh_dynamo or other.fresh_dynamo)
+                              self.fresh_dynamo or other.fresh_dynamo,
+                              other.matmul_precision or self.matmul_precision)
 
 
 @contextlib.contextmanager
@@ -90,6 +94,11 @@ def applied(settings: GlobalSettings) -> Iterator[None]:
             dynamo = importlib.import_module("torch._dynamo")
             dynamo.reset()
             stack.callback(dynamo.reset)
+        if settings.matmul_precision is not None:
+            torch = importlib.import_module("torch")
+            stack.callback(torch.set_float32_matmul_precision,
+                           torch.get_float32_matmul_precision())
+            torch.set_float32_matmul_precision(settings.matmul_precision)
         for patch in _compiler_patches(settings.compiler):
             stack.enter_context(patch)
         stack.enter_context(logger_levels(settings.log_levels))

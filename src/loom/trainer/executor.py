@@ -14,7 +14,7 @@ from loom.losses import build_criterion
 from loom.models.registry import named_part
 from loom.parallel.compile import compile_kwargs
 from loom.parallel.mesh import ParallelDims
-from loom.parallel.single import runs_plain
+from loom.parallel.single import runs_plain, step_autocast, within
 from loom.trainer.pipeline import PipelineExecutor
 from loom.trainer.step import AccumulationExecutor, StepExecutor
 
@@ -34,6 +34,10 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
     if cfg.data.doc_mask:
         check_takes_documents(parts)
     executor.eot_id = eot_id if cfg.data.doc_mask else None
+    executor.marks_steps = cfg.parallel.compile and cfg.parallel.compile_mode == "reduce-overhead"
+    if isinstance(executor, AccumulationExecutor):  # bf16 at one process: the step's autocast
+        executor.micro_loss = within(step_autocast(dims, cfg.parallel, device.type),
+                                     executor.micro_loss)
     if isinstance(executor, AccumulationExecutor) and loss_in_graph(cfg, dims):
         p = cfg.parallel
         executor.micro_loss = torch.compile(executor.micro_loss,

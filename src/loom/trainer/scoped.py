@@ -1,10 +1,11 @@
 """One Trainer's life inside its run's process-wide settings.
 
 `run_settings` is the one place that collects what a run sets process-wide (compiler
-options, logger levels, warning filters) from its config; `training` enters them around
-the Trainer's build, everything the caller does with it, and its close, and restores them
-after, however that ends. Every caller that builds a Trainer goes through it: `loom train`
-and `loom.fit`, each of `loom verify`'s layouts, `loom eval`, the parity tests' workers.
+options, fp32 matmul precision, logger levels, warning filters) from its config; `training`
+enters them around the Trainer's build, everything the caller does with it, and its close,
+and restores them after, however that ends. Every caller that builds a Trainer goes through
+it: `loom train` and `loom.fit`, each of `loom verify`'s layouts, `loom eval`, the parity
+tests' workers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from loom.config import JobConfig
+from loom.numerics.precision import matmul_settings
 from loom.parallel.compile import compiler_settings
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.simple_fsdp import bucketing_settings
@@ -28,7 +30,8 @@ def run_settings(cfg: JobConfig, device_type: str) -> GlobalSettings:
     """Everything one run of `cfg` sets process-wide. The parallel settings it reads are
     final before the Trainer resolves the rest (resume and start-up change none of them)."""
     return (log_settings(cfg.output.verbose) | compiler_settings(cfg.parallel)
-            | bucketing_settings(cfg.parallel, device_type))
+            | bucketing_settings(cfg.parallel, device_type)
+            | matmul_settings(device_type))
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from loom.losses import IGNORE_INDEX, Criterion
 from loom.parallel.context import gather_sequence
 from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.mesh import ParallelDims
+from loom.runtime.distributed import summed
 from loom.runtime.host_hygiene import to_device
 
 Batch = dict[str, torch.Tensor]
@@ -79,6 +80,12 @@ class StepExecutor(ABC):
     eot_id: int | None = None
     """--doc-mask: the end-of-text id that separates packed documents (None: no mask)."""
 
+    marks_steps: bool = False
+    """Compiled in reduce-overhead mode (--cuda-graphs): each step begins with
+    `torch.compiler.cudagraph_mark_step_begin()`, telling CUDA graph trees that the last
+    step's graph outputs are no longer read, so its recorded graphs replay instead of
+    being re-recorded or refused for a live output."""
+
     def __init__(self, parts: list[nn.Module], criterion: Criterion, dims: ParallelDims,
                  device: torch.device):
         self.parts, self.criterion, self.dims, self.device = parts, criterion, dims, device
@@ -94,9 +101,7 @@ class StepExecutor(ABC):
     def count_valid(self, micro_batches: list[Batch]) -> torch.Tensor:
         """The step's valid tokens over the loss mesh: int64, exact at any batch size."""
         valid = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in micro_batches])
-        total = valid.sum().to(self.device)
-        dist.all_reduce(total, group=self.loss_group)
-        return total
+        return summed(valid.sum().to(self.device), self.loss_group)
 
     def owned(self, loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum if self.owns_loss else torch.zeros_like(loss_sum)
@@ -139,6 +144,8 @@ class AccumulationExecutor(StepExecutor):
 
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
+        if self.marks_steps:  # the last step's graph outputs are dead: replay may reuse them
+            torch.compiler.cudagraph_mark_step_begin()
         total = self.count_valid(micro_batches)
         scale = self.dims.loss_size / total
         model = self.parts[0]

@@ -31,9 +31,10 @@ from loom.observability.profiling import maybe_profile
 from loom.observability.progress import Progress
 from loom.parallel.context import shard_batch
 from loom.parallel.mesh import ParallelDims
+from loom.parallel.single import step_autocast
 from loom.protocols.extensions import StepContext, active_step_hooks, after_optimizer_step
 from loom.runtime import flight
-from loom.runtime.distributed import RankInfo
+from loom.runtime.distributed import RankInfo, summed
 from loom.runtime.host_hygiene import ScheduledGC
 from loom.runtime.rundir import RunFolder
 from loom.runtime.watchdog import StepWatchdog, heartbeat_store
@@ -92,7 +93,8 @@ class Trainer:
         self.model = parts_module(self.model_parts)  # every parameter this rank holds
         self.executor = build_executor(self.model_parts, cfg, dims, device,
                                        end_of_text(start.dataset))
-        tasks = build_task_evaluation(cfg, self.model, device, outdir, info.is_main)
+        tasks = build_task_evaluation(cfg, self.model, device, outdir, info.is_main,
+                                      step_autocast(dims, cfg.parallel, device.type))
         self.evaluator = build_evaluator(start.val_datasets, cfg, dims, self.executor, device,
                                          [tasks])
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -162,9 +164,7 @@ class Trainer:
     def step_loss(self, loss_sum: torch.Tensor, total_valid: torch.Tensor) -> torch.Tensor:
         """The step's loss: the owned loss shares summed over every rank (so the step's loss
         sum once), over its valid tokens; stays on the device."""
-        total = loss_sum.float().reshape(1)
-        dist.all_reduce(total)
-        return total[0] / total_valid
+        return summed(loss_sum.float()) / total_valid
 
     def agree_on_stop(self) -> None:
         """Whether any rank got SIGTERM or SIGINT (SIGTERM winning), agreed by every rank

@@ -1,15 +1,19 @@
 """--cuda-graphs: refused in one line wherever CUDA graphs cannot apply, and otherwise
-compile's reduce-overhead mode. The replay itself needs a CUDA device (none in CI)."""
+compile's reduce-overhead mode, whose steps each mark their begin. The replay itself needs a
+CUDA device (none in CI)."""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
+import torch
 
 from loom.config import parse_args
 from loom.parallel.cuda_graphs import cuda_graphs_refusal, with_cuda_graphs
 from loom.parallel.mesh import ParallelDims
+from loom.runtime.distributed import RankInfo
+from loom.trainer.parity import layout_training
 from tests.harness import run_process
 
 BASE = ["--model", "debug", "--dataset", "random", "--cuda-graphs"]
@@ -49,3 +53,38 @@ def test_the_cli_refuses_on_the_cpu_in_one_line(tmp_path) -> None:
                       timeout=300)
     assert out.returncode != 0
     assert out.stderr == "error: --cuda-graphs needs a CUDA device; this run is on cpu\n"
+
+
+def marks_per_step(tmp_path, monkeypatch, flags: list[str]) -> list[int]:
+    """`torch.compiler.cudagraph_mark_step_begin` calls in each step of a 3-step run."""
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin",
+                        lambda: marks.__setitem__(-1, marks[-1] + 1))
+    info = RankInfo(rank=0, world_size=1, local_rank=0, master_addr="localhost", master_port=0)
+    with layout_training(["--model", "debug", "--n-layers", "1", "--dataset", "random",
+                          "--vocab-size", "256", "--seq-len", "16", "--batch-size", "2",
+                          "--fp32", "--max-steps", "3", "--outdir", str(tmp_path / "run"),
+                          *flags], info, torch.device("cpu")) as trainer:
+        step = trainer.train_step
+
+        def counted(micro):
+            marks.append(0)
+            return step(micro)
+
+        monkeypatch.setattr(trainer, "train_step", counted)
+        trainer.fit()
+    return marks
+
+
+def test_each_reduce_overhead_step_marks_its_begin_once(tmp_path, monkeypatch,
+                                                        process_group) -> None:
+    """The compiled step in reduce-overhead mode (what --cuda-graphs asks for; aot_eager
+    here, as no CPU records graphs) marks each step's begin once, before its first
+    forward, also over accumulated micro-batches: without the mark, CUDA graph trees find
+    the last step's outputs still live and re-record or fall back instead of replaying.
+    Other modes never call it."""
+    compiled = ["--compile", "--compile-backend", "aot_eager"]
+    assert marks_per_step(tmp_path / "a", monkeypatch,
+                          [*compiled, "--compile-mode", "reduce-overhead",
+                           "--grad-accum-steps", "2"]) == [1, 1, 1]
+    assert marks_per_step(tmp_path / "b", monkeypatch, compiled) == [0, 0, 0]

@@ -4,6 +4,7 @@ recompiles nor breaks, for the llama, qwen3 and MoE families."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,12 @@ from torch.profiler import profile
 import loom.parallel.parallelize as recipe
 from loom.config import LossConfig, ParallelConfig, parse_args
 from loom.losses import IGNORE_INDEX, build_criterion
-from loom.models.llama.model import ModelArgs, Transformer
+from loom.models.llama.model import ModelArgs, RMSNorm, Transformer
 from loom.parallel.init import init_weights
 from loom.parallel.mesh import ParallelDims
+from loom.parallel.single import step_autocast
 from loom.runtime.distributed import RankInfo
-from loom.trainer.executor import head_in_forward, loss_in_graph
+from loom.trainer.executor import build_executor, head_in_forward, loss_in_graph
 from loom.trainer.parity import layout_training
 from tests.families.gpt2 import GPT2, GPT2Args
 
@@ -49,8 +51,12 @@ def test_bf16_computes_under_autocast_over_fp32_weights(process_group) -> None:
                        backend="gloo")
     seen: list[torch.dtype] = []
     model.layers["0"].attention.wq.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
-    model(torch.randint(ARGS.vocab_size, (1, 8))).float().sum().backward()
-    assert seen == [torch.bfloat16]
+    executor = build_executor([model], parse_args(["--model", "debug", "--dtype", "bf16"]),
+                              dims, torch.device("cpu"))
+    tokens = torch.randint(ARGS.vocab_size, (1, 8))
+    executor.forward_backward([{"input": tokens, "labels": tokens}], lambda: None)
+    assert seen == [torch.bfloat16], "the step's autocast"
+    assert "forward" not in vars(model) and type(model) is Transformer, "the model untouched"
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
                for p in model.parameters())
 
@@ -124,3 +130,67 @@ def test_fused_linear_runs_inside_the_forward_where_the_family_takes_it() -> Non
     assert not head_in_forward(cfg, dims, GPT2(GPT2Args(32, 2, 4, 64, 16)))
     model.output = None  # a pipeline stage without the head
     assert not head_in_forward(cfg, dims, model)
+
+
+def saved_activations(model: torch.nn.Module, tokens: torch.Tensor, autocast
+                      ) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of every floating tensor one forward saves for its backward, but the
+    parameters and buffers themselves (views of them included: the rope table's rows)."""
+    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.untyped_storage().data_ptr() not in held:
+            saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+        out = model(tokens)
+    out.float().sum().backward()
+    return saved
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_bf16_saves_bf16_activations_over_fp32_weights(process_group, qk_norm: bool) -> None:
+    """Under bf16 autocast every activation saved for backward is bf16 (the residual
+    stream and the norms' outputs included) but the fp32 statistics, which are one value
+    per row: each RMSNorm's (B, T, 1) root mean square and its inverse, and attention's
+    (B, H, T) log-sum-exp. The weights stay fp32 and get fp32 gradients."""
+    torch.manual_seed(0)
+    args = ModelArgs(**{**vars(ARGS), "qk_norm": qk_norm})
+    model = Transformer(args)
+    dims = ParallelDims(1, 1, 1, 1)
+    dims.build_mesh("cpu")
+    recipe.parallelize(model, dims, ParallelConfig(dtype="bf16"), loss_parallel=False,
+                       backend="gloo")
+    batch, seq = 2, 8
+    saved = saved_activations(model, torch.randint(args.vocab_size, (batch, seq)),
+                              step_autocast(dims, ParallelConfig(dtype="bf16"), "cpu"))
+    fp32 = [shape for dtype, shape in saved if dtype == torch.float32]
+    rows = batch * seq * args.n_heads  # a statistic per row (per head under qk-norm)
+    assert all(math.prod(shape) <= rows for shape in fp32), fp32
+    assert {dtype for dtype, _ in saved} == {torch.bfloat16, torch.float32}
+    full = [shape for dtype, shape in saved if shape[-1] == args.dim]
+    assert full and all(d == torch.bfloat16 for d, s in saved if s[-1] == args.dim)
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+               for p in model.parameters())
+
+
+def test_fp32_rmsnorm_is_the_plain_expression() -> None:
+    """Off autocast the norm is bit for bit the fp32 formula."""
+    norm = RMSNorm(16, 1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 5, 16)
+    want = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm.weight
+    assert torch.equal(norm(x), want)
+
+
+def test_bf16_rmsnorm_matches_fp32_within_bf16() -> None:
+    """A bf16 input (FSDP2's mixed precision, or autocast's stream) is normed to within
+    bf16's rounding of the fp32 result, returned in bf16."""
+    norm = RMSNorm(64, 1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(4, 7, 64).bfloat16()
+    got = norm(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), norm(x.float()), rtol=2 ** -7, atol=1e-6)

@@ -1,7 +1,8 @@
 """A run leaves no process-wide state behind: every compiler option (Dynamo, AOTAutograd's
-partitioner, inductor), logger level, `loom` logger handler and warning filter is back to
-its value after a run, however the run ended (`loom.runtime.scope`, `loom.trainer.scoped`).
-Real runs are checked in test_fit.py, with `global_state` and `changed` from here."""
+partitioner, inductor), fp32 matmul precision, logger level, `loom` logger handler and
+warning filter is back to its value after a run, however the run ended
+(`loom.runtime.scope`, `loom.trainer.scoped`). Real runs are checked in test_fit.py, with
+`global_state` and `changed` from here."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def global_state() -> dict[str, Any]:
                    if isinstance(lg, logging.Logger)},
         "loom": (list(logging.getLogger("loom").handlers), logging.getLogger("loom").propagate),
         "warnings": list(warnings.filters),
+        "matmul": torch.get_float32_matmul_precision(),
     }
 
 
@@ -49,7 +51,7 @@ def changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     out.update({f"logger {n}": (before["levels"].get(n, logging.NOTSET), level)
                 for n, level in after["levels"].items()
                 if before["levels"].get(n, logging.NOTSET) != level})
-    for key in ("loom", "warnings"):
+    for key in ("loom", "warnings", "matmul"):
         if before[key] != after[key]:
             out[key] = (before[key], after[key])
     return out
@@ -66,6 +68,8 @@ def test_the_run_declares_what_it_sets():
     assert options["torch._inductor.config.bucket_all_gathers_fx"] == "only_fsdp"
     assert "torch._inductor.config.bucket_all_gathers_fx" not in run_settings(cfg, "cpu").compiler
     assert run_settings(parse_args(TINY), "cuda").compiler == {}
+    assert run_settings(parse_args(TINY), "cuda").matmul_precision == "high", "TF32 on CUDA"
+    assert run_settings(parse_args(TINY), "cpu").matmul_precision is None
 
 
 def test_applied_restores_every_declared_option_after_a_failure():
@@ -77,6 +81,7 @@ def test_applied_restores_every_declared_option_after_a_failure():
         assert torch._inductor.config.bucket_reduce_scatters_fx == "all"
         assert torch._functorch.config.activation_memory_budget == 0.5
         assert logging.getLogger("loom").level == logging.CRITICAL
+        assert torch.get_float32_matmul_precision() == "high"
         raise RuntimeError("a step failed inside")
     assert changed(before, global_state()) == {}
 

@@ -16,6 +16,7 @@ import torch
 import loom.observability.metrics.recorder
 import loom.trainer.trainer
 from loom.losses import MODES
+from loom.models.moe import model as moe_model
 from loom.runtime.distributed import RankInfo
 from loom.trainer.optim import clip_grad_norm as clip
 from loom.trainer.parity import layout_training
@@ -169,3 +170,39 @@ def test_a_rarely_logging_run_is_read_every_max_queued_steps(tmp_path, monkeypat
     assert {step for step in range(1, 9) if reads.get(step)} == {1, 4, 7, 8}, reads
     rows = (tmp_path / "run" / "metrics-0.jsonl").read_text().splitlines()
     assert len(rows) == 8
+
+
+def test_one_process_bf16_moe_forward_backward_reads_nothing(tmp_path, monkeypatch,
+                                                             process_group):
+    """MoE under bf16 autocast over fp32 weights (issue #54): every expert product is
+    torch's grouped matmul, so the steps' forward and backward read nothing to the host
+    (the loop's `counts.tolist()` was once per layer, forward and backward). What the step
+    reads besides, with a step hook (the expert-bias update's decision and its metrics),
+    is the trainer's, outside the model: not counted here."""
+    grouped, looped, reads = Counter(), Counter(), Counter()
+    monkeypatch.setattr(torch, "_grouped_mm", counting_call(grouped, torch._grouped_mm))
+    monkeypatch.setattr(moe_model, "looped_expert_mm",
+                        counting_call(looped, moe_model.looped_expert_mm))
+    info = RankInfo(rank=0, world_size=1, local_rank=0, master_addr="localhost", master_port=0)
+    with layout_training(["--model", "moe-debug", "--dataset", "random", "--vocab-size", "256",
+                          "--seq-len", "32", "--batch-size", "2", "--dtype", "bf16",
+                          "--max-steps", "3", "--log-every", "4", "--outdir",
+                          str(tmp_path / "run")], info, torch.device("cpu")) as trainer:
+        batch = next(iter(trainer.loader))  # the sampler's host reads: not the step's
+        for name in READS:
+            monkeypatch.setattr(torch.Tensor, name,
+                                counting_call(reads, getattr(torch.Tensor, name), name))
+        for name in SYNCING_FUNCTIONS:
+            monkeypatch.setattr(torch, name, counting_call(reads, getattr(torch, name), name))
+        done = trainer.executor.forward_backward([batch], lambda: None)
+        monkeypatch.undo()
+    assert done.loss_sum.isfinite()
+    assert not reads, dict(reads)
+    assert grouped["calls"] and not looped["calls"], (grouped, looped)
+
+
+def counting_call(counter: Counter, original, name: str = "calls"):
+    def call(*args, **kwargs):
+        counter[name] += 1
+        return original(*args, **kwargs)
+    return call

@@ -116,8 +116,26 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        """The input's dtype out. In fp32 the plain expression; below it (bf16 under
+        autocast or FSDP2's mixed precision) the statistic is still fp32, but no fp32 copy of
+        `x` is made for backward: only `x`, the (.., 1) fp32 statistics and the normed
+        output in x's dtype are saved, so the residual stream and its saved activations stay
+        bf16 even where the weight is fp32 (autocast)."""
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        with torch.autocast(x.device.type, enabled=False):  # an fp32 policy would copy x
+            rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        rstd = torch.rsqrt(rms.square() / x.shape[-1] + self.eps)
+        return ((x * rstd).type_as(x) * self.weight).type_as(x)
+
+
+def in_compute_dtype(h: torch.Tensor) -> torch.Tensor:
+    """`h` in autocast's dtype where autocast is on (the embedding's output over fp32
+    weights), so the residual stream is bf16 from its start; else `h` itself."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        return h.to(torch.get_autocast_dtype(device))
+    return h
 
 
 class CausalAttention(nn.Module):
@@ -249,7 +267,8 @@ class Transformer(nn.Module):
         computes on its weight inside its call, returned instead of logits; called after
         this forward instead, the head would find its FSDP2 unit (with the final norm)
         already finished by the root's end of forward and gather it a second time."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = in_compute_dtype(self.tok_embeddings(tokens)) if self.tok_embeddings is not None \
+            else tokens
         if documents is not None:
             positions = document_positions(documents)
             mask = attention_mask(documents, self.flex_doc_mask)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from loom.models.llama import model as llama
 from loom.models.llama.model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
 from loom.models.moe.aux_loss import SequenceSum, sequence_balance_loss
 
@@ -145,7 +146,10 @@ looped_expert_mm.register_autograd(_looped_expert_mm_backward,
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] rows for expert e) times w[e].T: (M, in) ->
-    (M, out) with w (E, out, in); a grouped matmul where torch has one, else a loop."""
+    (M, out) with w (E, out, in); a grouped matmul where torch has one, else a loop.
+    In autocast's dtype, as neither is an autocast operator: over fp32 weights the grouped
+    matmul's bf16 condition failed, and the loop reads `counts` to the host."""
+    x, w = llama.in_compute_dtype(x), llama.in_compute_dtype(w)  # grads return in their dtype
     if _grouped_mm_ok(x, w):
         offsets = counts.cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
