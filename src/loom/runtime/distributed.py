@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -175,14 +176,20 @@ def process_group(info: RankInfo, timeout_s: float = 600.0
     """The job's process group for the block, with this rank's place in it and its device.
     Started here if none is up, and then torn down after: by `teardown` on success, by
     `abandon` on failure. A group the caller started is used as it is (its rank and size
-    win over the environment's) and left up."""
+    win over the environment's) and left up. `sys.excepthook` is restored after: starting a
+    group wraps it in torch's `[rankN]:` prefixer, which would wrap again on every call of
+    `loom.fit` in one process (`[rank0]: [rank0]: ...`)."""
     if dist.is_initialized():
         yield in_current_group(info), prepare_device(info)
         return
-    device = init_distributed(info, timeout_s)
+    hook = sys.excepthook
     try:
-        yield info, device
-    except BaseException:
-        abandon(info.world_size)
-        raise
-    teardown()
+        device = init_distributed(info, timeout_s)
+        try:
+            yield info, device
+        except BaseException:
+            abandon(info.world_size)
+            raise
+        teardown()
+    finally:
+        sys.excepthook = hook
