@@ -145,12 +145,9 @@ looped_expert_mm.register_autograd(_looped_expert_mm_backward,
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] rows for expert e) times w[e].T: (M, in) ->
-    (M, out) with w (E, out, in); a grouped matmul where torch has one, else a loop.
-
-    Under autocast (bf16 at one process: fp32 weights) both operands are cast here, as
-    autocast casts a matmul's: the custom op is opaque to it, so its forward would meet
-    autocast inside (bf16 products) but its backward, which runs outside, a bf16 gradient
-    against the saved fp32 weight."""
+    (M, out) with w (E, out, in); a grouped matmul where torch has one, else a loop. Under
+    autocast both are cast here, as for a matmul: the custom op is opaque to autocast, whose
+    casts inside its forward do not recur in its backward (a bf16 grad, the fp32 weight)."""
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w = x.to(dtype), w.to(dtype)
