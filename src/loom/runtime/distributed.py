@@ -176,14 +176,11 @@ def process_group(info: RankInfo, timeout_s: float = 600.0
     """The job's process group for the block, with this rank's place in it and its device.
     Started here if none is up, and then torn down after: by `teardown` on success, by
     `abandon` on failure. A group the caller started is used as it is (its rank and size
-    win over the environment's) and left up. `sys.excepthook` is restored after: starting a
-    group wraps it in torch's `[rankN]:` prefixer, which would wrap again on every call of
-    `loom.fit` in one process (`[rank0]: [rank0]: ...`)."""
+    win over the environment's) and left up."""
     if dist.is_initialized():
         yield in_current_group(info), prepare_device(info)
         return
-    hook = sys.excepthook
-    try:
+    with caller_excepthook():
         device = init_distributed(info, timeout_s)
         try:
             yield info, device
@@ -191,5 +188,15 @@ def process_group(info: RankInfo, timeout_s: float = 600.0
             abandon(info.world_size)
             raise
         teardown()
+
+
+@contextlib.contextmanager
+def caller_excepthook() -> Iterator[None]:
+    """`sys.excepthook` as it was, after the block: starting a process group wraps it in
+    torch's `[rankN]:` prefixer, which, never undone, wraps again on every `loom.fit` or
+    `loom plan` in one process (`[rank0]: [rank0]: ...`)."""
+    hook = sys.excepthook
+    try:
+        yield
     finally:
         sys.excepthook = hook

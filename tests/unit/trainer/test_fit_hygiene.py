@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import loom
 from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
+from loom.plan.command import main as plan_main
 
 TINY = ["--model", "debug", "--n-layers", "1", "--dataset", "random", "--vocab-size", "128",
         "--seq-len", "16", "--fp32", "--max-steps", "1"]
@@ -30,7 +31,8 @@ def printed_by_hook(error: BaseException) -> str:
         sys.stderr = err
 
 
-def test_excepthook_is_restored_after_each_fit_and_after_a_failed_one(tmp_path):
+def test_excepthook_is_restored_after_each_fit_and_after_a_failed_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)  # whatever tests before did
     hook = sys.excepthook
     for name in ("first", "second"):
         loom.fit([*TINY, "--outdir", str(tmp_path / name)])
@@ -40,6 +42,14 @@ def test_excepthook_is_restored_after_each_fit_and_after_a_failed_one(tmp_path):
                   "--outdir", str(tmp_path / "bad")])
     assert sys.excepthook is hook and not dist.is_initialized()
     assert "[rank0]" not in printed_by_hook(ValueError("boom"))
+
+
+def test_loom_plan_in_process_leaves_the_excepthook_too(monkeypatch, capsys):
+    """`loom plan` starts a fake process group in the caller's process (tests, `loom.cli`)."""
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    assert plan_main([*TINY, "--world-size", "2", "--device-memory", "80GB"]) == 0
+    assert "loom plan:" in capsys.readouterr().out
+    assert sys.excepthook is sys.__excepthook__
 
 
 @pytest.mark.parametrize("config, says", [
