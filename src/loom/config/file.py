@@ -52,7 +52,7 @@ def read_config_file(path: str, sections: Mapping[str, Callable]) -> dict[str, A
         import tomli as tomllib
     try:
         data = tomllib.loads(Path(path).expanduser().read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+    except (OSError, ValueError) as e:  # a decode error, TOML's, or an int past 4300 digits
         raise ConfigError(f"--config {path}: {e}") from None
     values: dict[str, Any] = {}
     for section, table in data.items():

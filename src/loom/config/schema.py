@@ -1,56 +1,44 @@
-"""The job configuration's schema: one frozen dataclass per group of flags.
-
-Every training flag is a dataclass field whose metadata holds its help text, aliases and
-environment variable; the parser and the environment source are generated from these
-declarations, so a flag or knob cannot exist without a documented field behind it. The
-sections are composed into the whole job, `JobConfig`, by `loom.config.job`.
-"""
+"""The job's flags, one frozen dataclass per group, each field declared by `flag()` (help,
+aliases, environment variable, range: `loom.config.declare`), from which the parser, the
+environment source and the range checks are generated; `loom.config.job` composes them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from loom.config.declare import COUNT_MAX, DEGREE, FOREVER_S, INT64_MAX, SIZE, SIZE_MAX, flag
 from loom.config.presets import is_hf_model
-
-
-def flag(default: Any, help: str, *, aliases: Sequence[str] = (), type: Callable | None = None,
-         choices: Sequence[str] | None = None, hidden: bool = False,
-         const: Any = None, env: str | None = None, repeat: bool = False) -> Any:
-    """Declare a dataclass field that is also a command-line flag (and, with `env`, an
-    environment variable read by `loom.config.sources`). `repeat`: the flag may be given
-    several times; the field is the tuple of its values (`type` each), in order."""
-    meta = dict(help=help, aliases=tuple(aliases), type=type, choices=choices,
-                hidden=hidden, const=const, env=env, repeat=repeat)
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = flag(None, "preset, alias, Hugging Face repo id or local HF folder",
                              type=str)
-    dim: int = flag(256, "model width")
-    n_layers: int = flag(32, "number of transformer blocks")
-    n_heads: int = flag(32, "attention heads")
-    n_kv_heads: int = flag(4, "key/value heads (grouped-query attention); divides n-heads")
-    multiple_of: int = flag(360, "round the SwiGLU hidden dim up to a multiple of this")
-    ffn_dim_multiplier: float | None = flag(None, "scale the SwiGLU hidden dim", type=float)
-    hidden_dim: int | None = flag(None, "SwiGLU hidden dim; bypasses the derivation", type=int)
-    rope_theta: float = flag(10000.0, "RoPE base frequency")
-    norm_eps: float = flag(1e-5, "RMSNorm epsilon")
-    vocab_size: int = flag(32000, "vocabulary size (replaced by the tokenizer's size)")
-    max_seq_len: int = flag(32768, "RoPE table size; seq-len must not exceed it")
-    n_experts: int = flag(0, "routed experts per MoE layer (0 = dense model)")
-    top_k: int = flag(2, "MoE: experts each token is routed to")
-    n_shared_experts: int = flag(1, "MoE: always-on shared experts per layer")
+    dim: int = flag(256, "model width", **SIZE)
+    n_layers: int = flag(32, "number of transformer blocks", **DEGREE)
+    n_heads: int = flag(32, "attention heads", **DEGREE)
+    n_kv_heads: int = flag(4, "key/value heads (grouped-query attention); divides n-heads",
+                           **DEGREE)
+    multiple_of: int = flag(360, "round the SwiGLU hidden dim up to a multiple of this", **SIZE)
+    ffn_dim_multiplier: float | None = flag(None, "scale the SwiGLU hidden dim", type=float,
+                                            gt=0, le=100)
+    hidden_dim: int | None = flag(None, "SwiGLU hidden dim; bypasses the derivation", type=int,
+                                  **SIZE)
+    rope_theta: float = flag(10000.0, "RoPE base frequency", gt=0)
+    norm_eps: float = flag(1e-5, "RMSNorm epsilon", gt=0, lt=1)
+    vocab_size: int = flag(32000, "vocabulary size (replaced by the tokenizer's size)", **SIZE)
+    max_seq_len: int = flag(32768, "RoPE table size; seq-len must not exceed it", **SIZE)
+    n_experts: int = flag(0, "routed experts per MoE layer (0 = dense model)", le=COUNT_MAX)
+    top_k: int = flag(2, "MoE: experts each token is routed to", **DEGREE)
+    n_shared_experts: int = flag(1, "MoE: always-on shared experts per layer", le=COUNT_MAX)
     moe_hidden_dim: int | None = flag(None, "MoE: hidden dim of each expert "
-                                      "(default: the SwiGLU hidden dim)", type=int)
-    n_dense_layers: int = flag(1, "MoE: leading blocks that keep a dense feed-forward")
+                                      "(default: the SwiGLU hidden dim)", type=int, le=SIZE_MAX)
+    n_dense_layers: int = flag(1, "MoE: leading blocks that keep a dense feed-forward",
+                               le=COUNT_MAX)
     score_func: str = flag("sigmoid", "MoE: router score function (computed in fp32)",
                            choices=("sigmoid", "softmax"))
     route_norm: bool = flag(True, "MoE: normalise the chosen experts' scores to sum to 1")
-    route_scale: float = flag(1.0, "MoE: multiply the routed experts' weights by this")
+    route_scale: float = flag(1.0, "MoE: multiply the routed experts' weights by this", gt=0)
     load_balance_coeff: float = flag(1e-3, "MoE: expert-bias step per optimizer step "
                                      "(aux-loss-free balancing; 0 disables)")
     aux_loss_coeff: float = flag(0.0, "MoE: weight of the sequence-wise balance loss (0 = off)")
@@ -66,13 +54,13 @@ class ModelConfig:
                                          hidden=True)
     family: str | None = flag(None, "model family (default: llama, or moe when --n-experts > "
                               "0; a Hugging Face import sets it)", type=str)
-    head_dim: int = flag(0, "width of one attention head (0: dim / n-heads)")
+    head_dim: int = flag(0, "width of one attention head (0: dim / n-heads)", le=SIZE_MAX)
     qk_norm: bool = flag(False, "RMSNorm each head's queries and keys before RoPE (Qwen3)")
-    rope_factor: float = flag(1.0, "Llama 3.1 RoPE scaling factor (1: no scaling)")
-    rope_low_freq_factor: float = flag(1.0, "Llama 3.1 RoPE scaling: low-frequency factor")
-    rope_high_freq_factor: float = flag(4.0, "Llama 3.1 RoPE scaling: high-frequency factor")
+    rope_factor: float = flag(1.0, "Llama 3.1 RoPE scaling factor (1: no scaling)", ge=1)
+    rope_low_freq_factor: float = flag(1.0, "Llama 3.1 RoPE scaling: low-frequency factor", gt=0)
+    rope_high_freq_factor: float = flag(4.0, "Llama 3.1 RoPE scaling: high-frequency factor", gt=0)
     rope_original_max_seq_len: int = flag(8192, "Llama 3.1 RoPE scaling: the context length "
-                                          "the model was pretrained at")
+                                          "the model was pretrained at", **SIZE)
     tie_embeddings: bool = flag(False, "the source ties output and embedding weights (trained "
                                 "as two tensors that start equal; export ties them again)")
 
@@ -91,9 +79,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp: int = flag(1, "tensor (+ sequence) parallel degree")
-    dp_replicate: int = flag(1, "replicated data-parallel degree (HSDP's outer dim)")
-    dp_shard: int = flag(-1, "sharded data-parallel degree; -1 = all remaining ranks")
+    tp: int = flag(1, "tensor (+ sequence) parallel degree", **DEGREE)
+    dp_replicate: int = flag(1, "replicated data-parallel degree (HSDP's outer dim)", **DEGREE)
+    dp_shard: int = flag(-1, "sharded data-parallel degree; -1 = all remaining ranks",
+                         ge=-1, le=COUNT_MAX)
     reshard_after_forward: str = flag(
         "always", "free gathered parameters after forward (always = ZeRO-3, never = ZeRO-2)",
         choices=("always", "never"), const="always")
@@ -107,7 +96,8 @@ class ParallelConfig:
     compile: bool = flag(False, "torch.compile each transformer block")
     compile_mode: str = flag("default", "torch.compile mode",
                              choices=("default", "reduce-overhead", "max-autotune"))
-    act_mem_budget: float = flag(1.0, "activation memory budget of the partitioner (--compile)")
+    act_mem_budget: float = flag(1.0, "activation memory budget of the partitioner (--compile)",
+                                 gt=0, le=1)
     compile_backend: str = flag(
         "inductor", "torch.compile backend; aot_eager skips code generation (cheap, for tests) "
         "($LOOM_COMPILE_BACKEND)", choices=("inductor", "aot_eager"),
@@ -138,22 +128,23 @@ class ParallelConfig:
         "graph), or FSDP2 as at N ranks ($LOOM_SINGLE_DEVICE)", choices=("plain", "fsdp2"),
         hidden=True, env="LOOM_SINGLE_DEVICE")
     ep: int = flag(1, "expert-parallel degree: spans dp_shard x cp x tp ranks at "
-                        "--etp 1, dp_shard x cp at --etp tp (must divide them)")
+                        "--etp 1, dp_shard x cp at --etp tp (must divide them)", **DEGREE)
     etp: int = flag(1, "expert tensor parallel: 1 (tp ranks split the tokens) or tp "
-                    "(each expert split across tp too)")
+                    "(each expert split across tp too)", **DEGREE)
     cp: int = flag(1, "context-parallel degree: each sequence is split across this many ranks "
-                   "(two mirrored chunks each, so causal attention work is even)")
+                   "(two mirrored chunks each, so causal attention work is even)", **DEGREE)
     pp: int = flag(1, "pipeline-parallel degree (the outermost mesh dim: ranks hold "
-                   "consecutive layers)")
+                   "consecutive layers)", **DEGREE)
     pp_schedule: str = flag("1f1b", "pipeline schedule (interleaved-1f1b: looped stages; "
                             "zero-bubble, dualpipev: refused on torch 2.13, see "
                             "docs/parallelism.md)",
                             choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
                                      "dualpipev"))
     pp_microbatches: int = flag(0, "pipeline micro-batches per --batch-size batch (must "
-                                "divide it); 0 = the fewest keeping the bubble under a quarter")
+                                "divide it); 0 = the fewest keeping the bubble under a quarter",
+                                le=COUNT_MAX)
     pp_stages_per_rank: int = flag(0, "pipeline stages each rank holds; 0 = the schedule's "
-                                   "(1, or 2 for interleaved-1f1b)")
+                                   "(1, or 2 for interleaved-1f1b)", le=COUNT_MAX)
     float8: str = flag(
         "off", "float8 matmuls in the blocks' linear layers through torchao (pip install "
         "'loom[float8]'; compute capability >= 8.9, emulated on CPU): tensorwise scales "
@@ -167,20 +158,22 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = flag(3e-3, "AdamW learning rate")
-    max_grad_norm: float = flag(1.0, "clip the global gradient norm; <= 0 disables")
+    max_grad_norm: float = flag(1.0, "clip the global gradient norm; <= 0 disables", ge=None,
+                                finite=False)
     lr_schedule: str = flag("constant", "learning-rate schedule after warmup",
                             choices=("constant", "cosine", "linear", "wsd"))
     warmup_steps: int = flag(0, "linear warmup from 0 to --lr over this many steps")
-    min_lr_ratio: float = flag(0.0, "floor of the decaying schedules, as a fraction of --lr")
-    decay_fraction: float = flag(0.2, "wsd: fraction of the steps spent decaying at the end")
+    min_lr_ratio: float = flag(0.0, "floor of the decaying schedules, as a fraction of --lr", le=1)
+    decay_fraction: float = flag(0.2, "wsd: fraction of the steps spent decaying at the end",
+                                 gt=0, le=1)
 
 
 @dataclass(frozen=True)
 class LoraConfig:
     lora_rank: int = flag(0, "LoRA: train rank-r adapters on the targeted linears and freeze "
-                          "every other weight (0 = off: full fine-tuning)")
-    lora_alpha: float = flag(16.0, "LoRA: the adapters' output is scaled by alpha / rank")
-    lora_dropout: float = flag(0.0, "LoRA: dropout on the adapters' input (training only)")
+                          "every other weight (0 = off: full fine-tuning)", le=COUNT_MAX)
+    lora_alpha: float = flag(16.0, "LoRA: the adapters' output is scaled by alpha / rank", gt=0)
+    lora_dropout: float = flag(0.0, "LoRA: dropout on the adapters' input (training only)", lt=1)
     lora_targets: str | None = flag(
         None, "LoRA: comma-separated linears within each block, by the family's module "
         "names; a name without a dot keeps the previous one's parent (attention.wq,wk,wv,wo); "
@@ -189,11 +182,12 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = flag(5, "passes over the dataset")
-    batch_size: int = flag(1, "samples per data-parallel rank per step")
-    seed: int = flag(0, "seed for weights and data order (identical commands reproduce)")
-    max_steps: int | None = flag(None, "stop after this many optimizer steps", type=int)
-    grad_accum_steps: int = flag(1, "micro-batches accumulated per optimizer step")
+    epochs: int = flag(5, "passes over the dataset", ge=1)
+    batch_size: int = flag(1, "samples per data-parallel rank per step", **SIZE)
+    seed: int = flag(0, "seed for weights and data order (identical commands reproduce)",
+                     le=INT64_MAX)
+    max_steps: int | None = flag(None, "stop after this many optimizer steps", type=int, ge=1)
+    grad_accum_steps: int = flag(1, "micro-batches accumulated per optimizer step", ge=1)
     accum_reduce: str = flag(
         "step", "--grad-accum-steps: reduce gradients once a step, holding a full-size "
         "gradient of every weight until the last micro-batch (step), or after every "
@@ -201,9 +195,10 @@ class TrainConfig:
     skip_nonfinite: bool = flag(False, "skip a step whose loss or gradient is not finite "
                                 "(default: stop the run)")
     max_skipped_steps: int = flag(10, "--skip-nonfinite: stop after this many consecutive "
-                                  "skipped steps")
+                                  "skipped steps", ge=1)
     comm_timeout_s: float = flag(600.0, "end the job when a collective or a whole step "
-                                 "makes no progress for this long (a stalled or dead rank)")
+                                 "makes no progress for this long (a stalled or dead rank)",
+                                 gt=0, le=FOREVER_S)
     gc_every: int = flag(50, "Python's garbage collector: setup's objects frozen, automatic "
                          "collection off, a young-generation collection every N steps "
                          "(0: Python's own schedule)")
@@ -217,7 +212,7 @@ class TrainConfig:
 class LossConfig:
     loss_impl: str = flag("eager", "cross-entropy implementation", choices=(
         "eager", "chunked", "chunked-backward", "compiled", "fused-linear", "loss-parallel"))
-    loss_chunk_size: int = flag(1024, "row chunk of the chunked and fused-linear losses")
+    loss_chunk_size: int = flag(1024, "row chunk of the chunked and fused-linear losses", **SIZE)
     debug_logits: bool = flag(False, "log the first step's finite-logit count and max |logit| "
                               "(materialises the full logits; $LOOM_DEBUG_LOGITS=1)", hidden=True,
                               env="LOOM_DEBUG_LOGITS")
@@ -237,10 +232,10 @@ class DataConfig:
     hf_split: str = flag("train", "dataset split")
     hf_text_column: str = flag("text", "column holding the text")
     hf_limit: int = flag(0, "keep this many rows, chosen deterministically (0 = all)")
-    seq_len: int = flag(1024, "tokens per sample ($SEQ_LEN)", env="SEQ_LEN")
-    num_workers: int = flag(0, "data loader worker processes")
+    seq_len: int = flag(1024, "tokens per sample ($SEQ_LEN)", env="SEQ_LEN", **SIZE)
+    num_workers: int = flag(0, "data loader worker processes", le=1024)
     hf_limit_seed: int = flag(0, "seed of the --hf-limit subsample ($LOOM_HF_LIMIT_SEED)",
-                              hidden=True, env="LOOM_HF_LIMIT_SEED")
+                              hidden=True, env="LOOM_HF_LIMIT_SEED", le=INT64_MAX)
     streaming: bool = flag(False, "read, tokenize and pack documents on the fly, dealt to dp "
                            "ranks (needs --max-steps; resumes at the exact token)")
     cache_dir: str | None = flag(None, "tokenization cache folder ($LOOM_CACHE_DIR; "
@@ -259,7 +254,7 @@ class EvalConfig:
         "--dataset); PATH is the default set (val/loss), NAME=PATH a named one "
         "(val/NAME/loss)", type=str, repeat=True)
     val_fraction: float = flag(0.0, "hold out this fraction of --dataset's tokens for "
-                               "validation, cut between documents")
+                               "validation, cut between documents", lt=1)
     eval_every: int = flag(0, "validation loss every N steps (0 = only after the last step)")
     eval_steps: int = flag(8, "global batches per validation (at most the whole set; 0 = the "
                            "whole set; loom eval's default: 0)")
@@ -279,7 +274,7 @@ class EvalConfig:
 class CheckpointConfig:
     checkpoint_interval: int = flag(0, "save a checkpoint every N steps and at the end "
                                     "(0 = no checkpoints)")
-    keep_checkpoints: int = flag(2, "keep the newest K complete checkpoints")
+    keep_checkpoints: int = flag(2, "keep the newest K complete checkpoints", ge=1)
     save_hf: bool = flag(False, "after training, write the final checkpoint as a Hugging Face "
                          "folder, <outdir>/hf (what loom export writes, checked the same way)")
     async_checkpoint: bool = flag(False, "write checkpoints in a background thread")
@@ -290,7 +285,8 @@ class CheckpointConfig:
                                  "--hf-split or --hf-text-column other than the checkpoint's "
                                  "(without it a difference stops the run)")
     sigterm_grace_s: float = flag(25.0, "on SIGTERM, save a final checkpoint only if the last "
-                                  "save took at most this long (schedulers kill ~30 s later)")
+                                  "save took at most this long (schedulers kill ~30 s later)",
+                                  le=FOREVER_S)
 
 
 @dataclass(frozen=True)
@@ -304,7 +300,7 @@ class OutputConfig:
                                     "rank writes its own trace)")
     profile_wait: int = flag(2, "--profile: steps skipped before recording")
     profile_warmup: int = flag(2, "--profile: steps recorded and discarded (tracer warm-up)")
-    profile_active: int = flag(3, "--profile: steps recorded into each trace")
+    profile_active: int = flag(3, "--profile: steps recorded into each trace", ge=1)
     profile_repeat: int = flag(1, "--profile: wait/warmup/active cycles, one trace each "
                                "(0 = until the run ends)")
     profile_memory: bool = flag(False, "--profile: record tensor allocations and frees")
@@ -330,14 +326,14 @@ class OutputConfig:
                          "overhead baseline)", hidden=True, env="LOOM_METRICS")
     health_every: int = flag(-1, "gradient/parameter health statistics every K steps, 0 = off, "
                              "-1 = at the logging steps ($LOOM_HEALTH_EVERY)", hidden=True,
-                             env="LOOM_HEALTH_EVERY")
+                             env="LOOM_HEALTH_EVERY", ge=-1)
     hist_every: int = flag(0, "histograms every N steps, 0 = off ($LOOM_HIST_EVERY)",
                            hidden=True, env="LOOM_HIST_EVERY")
     hist: str = flag("logits,grads,acts", "which histograms, comma-separated: logits, grads "
                      "(per-layer norms), acts (block outputs), attn (attention outputs), ffn "
                      "(feed-forward / MoE outputs) ($LOOM_HIST)", hidden=True, env="LOOM_HIST")
     hist_bins: int = flag(64, "bins per histogram ($LOOM_HIST_BINS)", hidden=True,
-                          env="LOOM_HIST_BINS")
+                          env="LOOM_HIST_BINS", **DEGREE)
     hist_samples: int = flag(0, "values per histogram, taken at an even stride from the "
                              "tensor (0 = all) ($LOOM_HIST_SAMPLES)", hidden=True,
                              env="LOOM_HIST_SAMPLES")

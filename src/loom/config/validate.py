@@ -4,11 +4,11 @@ tp, ranges, combinations), run on the final config."""
 from __future__ import annotations
 
 import importlib.util
-import math
 
 from loom.config.compose import refuse_combinations
 from loom.config.job import JobConfig
 from loom.config.mixture import parse_mixture
+from loom.config.numbers import check_numbers
 from loom.config.pipeline import validate_pipeline
 from loom.config.schema import EvalConfig, ModelConfig, OutputConfig, ParallelConfig
 from loom.config.valsets import DEFAULT_SET, val_sets
@@ -18,16 +18,6 @@ HIST_KINDS = ("logits", "grads", "acts", "attn", "ffn")
 
 
 def _validate_output(o: OutputConfig) -> None:
-    if o.health_every < -1:
-        raise ConfigError(f"--health-every must be >= -1 (-1: at the logging steps), got "
-                          f"{o.health_every}")
-    for name in ("log_every", "hist_every", "hist_samples", "profile_wait",
-                 "profile_warmup", "profile_repeat", "memory_snapshot"):
-        if getattr(o, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(o, name)}")
-    for name in ("hist_bins", "profile_active"):
-        if getattr(o, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
     unknown = set(o.hist.split(",")) - set(HIST_KINDS)
     if unknown:
         raise ConfigError(f"unknown histogram kind(s) {', '.join(sorted(unknown))} in --hist "
@@ -90,34 +80,21 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
             raise ConfigError(f"--ep {p.ep} / --etp {p.etp} need a mixture-of-experts model "
                               "(--n-experts > 0, e.g. --model moe-debug)")
         return
-    if m.n_experts < 0:
-        raise ConfigError(f"--n-experts must be >= 0 (0 = dense model), got {m.n_experts}")
     if not 1 <= m.top_k <= m.n_experts:
         raise ConfigError(f"--top-k {m.top_k} must be in [1, --n-experts {m.n_experts}]")
     if p.ep < 1 or m.n_experts % p.ep:
         raise ConfigError(f"--n-experts {m.n_experts} is not divisible by --ep {p.ep}")
     check_expert_layout(p.ep, p.etp, p.tp, p.dp_shard * p.cp if p.dp_shard > 0 else None)
-    hidden = m.moe_hidden_dim or 0
-    if hidden < 0 or hidden % p.tp or not 0 <= m.n_dense_layers <= m.n_layers:
-        raise ConfigError(f"--moe-hidden-dim {m.moe_hidden_dim} must be >= 0 and divisible "
-                          f"by --tp {p.tp}; --n-dense-layers {m.n_dense_layers} must be in "
-                          f"[0, --n-layers {m.n_layers}]")
-    if min(m.n_shared_experts, m.load_balance_coeff, m.aux_loss_coeff) < 0:
-        raise ConfigError("--n-shared-experts, --load-balance-coeff and --aux-loss-coeff "
-                          "must be >= 0")
+    if (m.moe_hidden_dim or 0) % p.tp or m.n_dense_layers > m.n_layers:
+        raise ConfigError(f"--moe-hidden-dim {m.moe_hidden_dim} must be divisible by --tp "
+                          f"{p.tp}; --n-dense-layers {m.n_dense_layers} must be in [0, "
+                          f"--n-layers {m.n_layers}]")
 
 
-def _validate_numbers(cfg: JobConfig) -> None:
-    """Values that argparse accepts (nan, negatives, empty strings) but no run can use."""
-    o, d, c = cfg.optim, cfg.data, cfg.checkpoint
-    if not (math.isfinite(o.lr) and o.lr >= 0):  # 0: weights stay (an import's round trip)
-        raise ConfigError(f"--lr must be a finite number >= 0, got {o.lr}")
-    if math.isnan(o.max_grad_norm):
-        raise ConfigError("--max-grad-norm must be a number (<= 0 disables clipping), got nan")
-    if not c.sigterm_grace_s >= 0:  # also rejects nan
-        raise ConfigError(f"--sigterm-grace-s must be >= 0, got {c.sigterm_grace_s}")
-    if d.hf_limit < 0:
-        raise ConfigError(f"--hf-limit must be >= 0 (0 = all rows), got {d.hf_limit}")
+def _validate_strings(cfg: JobConfig) -> None:
+    """Values that argparse accepts (empty strings) but no run can use (numbers:
+    `loom.config.numbers`)."""
+    d, c = cfg.data, cfg.checkpoint
     for name, value in (("--dataset", d.dataset), ("--tokenizer-name", d.tokenizer_name),
                         ("--outdir", cfg.output.outdir), ("--resume", c.resume)):
         if value is not None and not value.strip():
@@ -125,20 +102,12 @@ def _validate_numbers(cfg: JobConfig) -> None:
 
 
 def _validate_eval(e: EvalConfig) -> None:
-    if not 0.0 <= e.val_fraction < 1.0:
-        raise ConfigError(f"--val-fraction must be in [0, 1), got {e.val_fraction}")
     sets = val_sets(e)  # a bad name or a name given twice: one line
     if e.val_fraction and DEFAULT_SET in sets:
         raise ConfigError("an unnamed --val-dataset and --val-fraction exclude each other "
                           "(both are the default set); pick one, or name the other NAME=PATH")
-    if e.eval_every < 0 or e.eval_steps < 0:
-        raise ConfigError(f"--eval-every must be >= 0 and --eval-steps >= 0 (0 = the whole "
-                          f"set), got {e.eval_every} and {e.eval_steps}")
     if e.eval_every and not (e.val_fraction or e.val_dataset):
         raise ConfigError("--eval-every needs validation data: --val-dataset or --val-fraction")
-    if e.eval_tasks_every < 0 or e.eval_tasks_limit < 0:
-        raise ConfigError(f"--eval-tasks-every and --eval-tasks-limit must be >= 0, got "
-                          f"{e.eval_tasks_every} and {e.eval_tasks_limit}")
     if (e.eval_tasks_every or e.eval_tasks_include) and not e.eval_tasks:
         raise ConfigError("--eval-tasks-every and --eval-tasks-include need --eval-tasks")
 
@@ -147,8 +116,6 @@ def _validate_cp(cfg: JobConfig) -> None:
     """Settings --cp cannot run with, as one line each (combinations with other features:
     `loom.config.compose`)."""
     p, m, seq = cfg.parallel, cfg.model, cfg.data.seq_len
-    if p.cp < 1:
-        raise ConfigError(f"--cp must be >= 1, got {p.cp}")
     if p.cp == 1:
         return
     if seq % (2 * p.cp):
@@ -192,9 +159,6 @@ def _validate_lora(cfg: JobConfig) -> None:
     """--lora-* values and layouts LoRA is not wired for, one line each (the targets are
     checked against the model in `loom.trainer.resolve`)."""
     lo, p = cfg.lora, cfg.parallel
-    if lo.lora_rank < 0 or not lo.lora_alpha > 0 or not 0.0 <= lo.lora_dropout < 1.0:
-        raise ConfigError(f"--lora-rank must be >= 0, --lora-alpha > 0 and --lora-dropout in "
-                          f"[0, 1), got {lo.lora_rank}, {lo.lora_alpha} and {lo.lora_dropout}")
     if not lo.lora_rank:
         if lo.lora_targets is not None or lo.lora_dropout:
             raise ConfigError("--lora-targets and --lora-dropout need --lora-rank")
@@ -214,40 +178,14 @@ def _validate_lora(cfg: JobConfig) -> None:
 
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
+    check_numbers(cfg)  # every number's type and range, first: the checks below compare them
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
     shape_unknown = m.runs_transformers or (m.from_hub_format and m.model_impl == "auto")
     """Until `loom.models.resolve.resolve_model` reads the checkpoint's config, its shape is not
     known; transformers' module has no loom shape at all."""
-    positive = {"--dim": m.dim, "--n-layers": m.n_layers, "--n-heads": m.n_heads,
-                "--n-kv-heads": m.n_kv_heads, "--tp": p.tp, "--dp-replicate": p.dp_replicate,
-                "--batch-size": t.batch_size, "--seq-len": d.seq_len,
-                "--loss-chunk-size": cfg.loss.loss_chunk_size,
-                "--grad-accum-steps": t.grad_accum_steps,
-                "--keep-checkpoints": cfg.checkpoint.keep_checkpoints,
-                "--multiple-of": m.multiple_of, "--vocab-size": m.vocab_size,
-                "--epochs": t.epochs, "--max-skipped-steps": t.max_skipped_steps}
-    if m.hidden_dim is not None:
-        positive["--hidden-dim"] = m.hidden_dim
-    for name, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{name} must be >= 1, got {value}")
-    _validate_numbers(cfg)
-    if p.dp_shard == 0 or p.dp_shard < -1:
-        raise ConfigError(f"--dp-shard must be >= 1 or -1 (auto), got {p.dp_shard}")
-    if t.max_steps is not None and t.max_steps < 1:
-        raise ConfigError(f"--max-steps must be >= 1, got {t.max_steps}")
-    if d.num_workers < 0:
-        raise ConfigError(f"--num-workers must be >= 0, got {d.num_workers}")
-    if not t.comm_timeout_s > 0:
-        raise ConfigError(f"--comm-timeout-s must be > 0, got {t.comm_timeout_s}")
-    if not 0.0 < p.act_mem_budget <= 1.0:
-        raise ConfigError(f"--act-mem-budget must be in (0, 1], got {p.act_mem_budget}")
-    o = cfg.optim
-    if o.warmup_steps < 0 or cfg.checkpoint.checkpoint_interval < 0:
-        raise ConfigError("--warmup-steps and --checkpoint-interval must be >= 0")
-    if not 0.0 <= o.min_lr_ratio <= 1.0 or not 0.0 < o.decay_fraction <= 1.0:
-        raise ConfigError(f"--min-lr-ratio must be in [0, 1] and --decay-fraction in (0, 1], "
-                          f"got {o.min_lr_ratio} and {o.decay_fraction}")
+    _validate_strings(cfg)
+    if p.dp_shard == 0:
+        raise ConfigError("--dp-shard must be >= 1 or -1 (auto), got 0")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"--seq-len {d.seq_len} exceeds --max-seq-len {m.max_seq_len}")
     if cfg.checkpoint.save_hf and not cfg.checkpoint.checkpoint_interval:
@@ -263,6 +201,9 @@ def validate(cfg: JobConfig) -> None:
                           "text data; it excludes --val-fraction (use --val-dataset) and "
                           "--num-workers")
     mixture = parse_mixture(d.dataset)
+    if mixture is None and (d.mixture_exhausted != "restart"
+                            or "mixture_exhausted" in cfg.explicit):
+        raise ConfigError("--mixture-exhausted needs a --dataset mixture (PATH:W,PATH:W,...)")
     if mixture is not None and (d.streaming or cfg.eval.val_fraction
                                 or any(p == "random" for p, _ in mixture)):
         raise ConfigError("a --dataset mixture is of text, JSONL or shard sources, read "

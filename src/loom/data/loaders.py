@@ -62,7 +62,7 @@ class RandomTokens(Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(self.seed * 7_919 + index)
+        gen = torch.Generator().manual_seed((self.seed * 7_919 + index) % 2**64)
         window = torch.multinomial(self.probs, self.seq_len + 1, replacement=True,
                                    generator=gen)
         return {"input": window[:-1], "labels": window[1:]}
@@ -100,7 +100,7 @@ class GlobalOrderSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + 1_000_003 * self.epoch)
+            gen = torch.Generator().manual_seed((self.seed + 1_000_003 * self.epoch) % 2**64)
             order = torch.randperm(self.dataset_size, generator=gen)
         else:
             order = torch.arange(self.dataset_size)

@@ -157,6 +157,10 @@ def export_main(opts: argparse.Namespace) -> int:
     """`loom export` with its options parsed; warning filters set here end with the scope."""
     if not opts.verbose:  # DCP's note that it loads in one process: exactly what export does
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+    if opts.max_shard_bytes < 1:  # 0 or less would be ignored, not a size
+        print(f"error: --max-shard-bytes must be >= 1, got {opts.max_shard_bytes}",
+              file=sys.stderr)
+        return 2
     if not (opts.checkpoint / "loop.json").is_file():
         print(f"error: {opts.checkpoint} is not a loom checkpoint folder", file=sys.stderr)
         return 2

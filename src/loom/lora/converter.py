@@ -181,11 +181,17 @@ def resolve_lora(cfg: JobConfig, model: nn.Module) -> JobConfig:
     targets = expand_targets(lo.lora_targets) if lo.lora_targets else spec.lora_targets
     blocks = list(blocks_of(model).children())
     for target in targets:
-        found = [b.get_submodule(target) for b in blocks if _has(b, target)]
-        if not any(type(m) is nn.Linear for m in found):
+        found = [m for b in blocks if _has(b, target)
+                 for m in [b.get_submodule(target)] if type(m) is nn.Linear]
+        if not found:
             raise ConfigError(f"--lora-targets: {target!r} is not a linear layer of the "
                               f"{spec.name} family's blocks (its defaults: "
                               f"{','.join(spec.lora_targets) or 'none'})")
+        narrowest = min(min(m.in_features, m.out_features) for m in found)
+        if lo.lora_rank > narrowest:  # B A of a (out, in) layer has rank <= min(out, in)
+            raise ConfigError(f"--lora-rank {lo.lora_rank} exceeds {target}'s narrower side "
+                              f"({narrowest}): a rank-r update of that layer is no more than "
+                              f"a rank-{narrowest} one, at more memory")
     return replace(cfg, lora=replace(lo, lora_targets=",".join(targets)))
 
 

@@ -33,7 +33,7 @@ def seeded_value(shape: torch.Size, std: float | None, seed: int, name: str) -> 
     every rank and for every reader (a LoRA checkpoint's base is drawn again from it)."""
     if std is None:
         return torch.ones(shape)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
     return torch.randn(shape, generator=gen) * std
 
 

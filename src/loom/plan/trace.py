@@ -38,6 +38,7 @@ from loom.parallel.pipeline import stage_module
 from loom.parallel.single import step_autocast
 from loom.plan.compiled import compiled_loss_memory
 from loom.protocols.extensions import convert_model
+from loom.runtime.distributed import caller_excepthook
 from loom.runtime.scope import logger_levels
 from loom.trainer.optim import build_optimizer, clip_grad_norm
 from loom.trainer.step import document_ids
@@ -77,11 +78,12 @@ def fake_world(world_size: int) -> Iterator[None]:
     """A fake process group of `world_size` ranks for this process (rank 0)."""
     if dist.is_initialized():
         raise RuntimeError("loom plan needs a process without a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    with caller_excepthook():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 @contextmanager

@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -189,10 +190,23 @@ def process_group(info: RankInfo, timeout_s: float = 600.0
     if dist.is_initialized():
         yield in_current_group(info), prepare_device(info)
         return
-    device = init_distributed(info, timeout_s)
+    with caller_excepthook():
+        device = init_distributed(info, timeout_s)
+        try:
+            yield info, device
+        except BaseException:
+            abandon(info.world_size)
+            raise
+        teardown()
+
+
+@contextlib.contextmanager
+def caller_excepthook() -> Iterator[None]:
+    """`sys.excepthook` as it was, after the block: starting a process group wraps it in
+    torch's `[rankN]:` prefixer, which, never undone, wraps again on every `loom.fit` or
+    `loom plan` in one process (`[rank0]: [rank0]: ...`)."""
+    hook = sys.excepthook
     try:
-        yield info, device
-    except BaseException:
-        abandon(info.world_size)
-        raise
-    teardown()
+        yield
+    finally:
+        sys.excepthook = hook

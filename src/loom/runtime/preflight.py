@@ -44,11 +44,12 @@ def check_host_fits(needed: int, what: str) -> None:
 
 
 def check_model_fits(n_params: int, shards: int, device_bytes: int | None,
-                     buffer_bytes: int = 0) -> None:
-    """Refuse a model whose fp32 weights, gradients and AdamW states (16 bytes a parameter,
-    split over the `shards` ranks that shard it) and buffers (the RoPE table, whole on every
-    rank) exceed the free memory."""
-    needed = 16 * n_params / shards + buffer_bytes
+                     buffer_bytes: int = 0, frozen: int = 0) -> None:
+    """Refuse a model whose fp32 weights, gradients and AdamW states (16 bytes a parameter;
+    4 for the `frozen` ones among them, which have neither: LoRA's base), split over the
+    `shards` ranks that shard it, and buffers (the RoPE table, whole on every rank) exceed
+    the free memory."""
+    needed = (16 * (n_params - frozen) + 4 * frozen) / shards + buffer_bytes
     if device_bytes is not None and needed > device_bytes:
         raise ConfigError(
             f"the model has {n_params / 1e6:,.0f}M parameters: weights, gradients and AdamW "

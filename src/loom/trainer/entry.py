@@ -19,7 +19,7 @@ import torch
 
 from loom.checkpoint.checkpointer import Checkpointer
 from loom.checkpoint.resume import resume_on_restart
-from loom.config import ConfigError, JobConfig, parse_args
+from loom.config import ConfigError, JobConfig, parse_args, validate
 from loom.data.loaders import on_node_leaders
 from loom.hf.export import export
 from loom.models.resolve import resolve_model
@@ -86,12 +86,21 @@ def result_of(trainer: Trainer) -> FitResult:
 
 
 def job_config(config: JobConfig | Sequence[str]) -> JobConfig:
-    """A JobConfig as given, or parsed from `loom train` flags (a list of strings)."""
+    """A JobConfig as given (validated: built in Python, no parser has checked its values),
+    or parsed from `loom train` flags (a list of strings); anything else is a ConfigError."""
     if isinstance(config, JobConfig):
+        validate(config)
         return config
-    if isinstance(config, str):
+    if isinstance(config, (str, bytes)):
         raise ConfigError("loom.fit takes a JobConfig or a list of `loom train` flags, not "
                           "one string (split it, e.g. with shlex.split)")
+    if not isinstance(config, (list, tuple)):
+        raise ConfigError(f"loom.fit takes a JobConfig or a list of `loom train` flags, not "
+                          f"{type(config).__name__}")
+    wrong = next((a for a in config if not isinstance(a, str)), None)
+    if wrong is not None:
+        raise ConfigError(f"loom.fit: the flags must be strings, got {type(wrong).__name__} "
+                          f"{wrong!r:.60}")
     argv = list(config)
     asked = sorted({"-h", "--help", "--print-config"} & set(argv))
     if asked:

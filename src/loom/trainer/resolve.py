@@ -25,7 +25,7 @@ from loom.checkpoint.resume import (
 )
 from loom.config import ConfigError, JobConfig, validate
 from loom.data.loaders import build_datasets
-from loom.lora.converter import resolve_lora_targets
+from loom.lora.converter import apply_lora, resolve_lora_targets, settings
 from loom.losses import resolve_loss_impl
 from loom.models.resolve import model_args, plain_model, resolve_model
 from loom.numerics.precision import Precision, resolve_precision
@@ -58,13 +58,16 @@ def check_fits(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None
         return
     with torch.device("meta"):
         model = plain_model(cfg)
+        if cfg.lora.lora_rank:  # the adapters train; the weights they freeze hold no state
+            apply_lora(model, settings(cfg))
     n_params = sum(p.numel() for p in model.parameters())
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = available_memory_bytes() if device.type == "cpu" else None
-    check_model_fits(n_params, dims.dp_shard * dims.cp * dims.tp, free, buffers)
+    check_model_fits(n_params, dims.dp_shard * dims.cp * dims.tp, free, buffers, frozen)
 
 
 def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device,

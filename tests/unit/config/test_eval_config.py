@@ -18,10 +18,10 @@ from loom.observability.progress import format_progress
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--val-fraction", "1.0"], "--val-fraction must be in [0, 1)"),
+    (["--val-fraction", "1.0"], "--val-fraction must be < 1, got 1.0"),
     (["--val-fraction", "0.1", "--val-dataset", "x.jsonl"], "exclude each other"),
     (["--eval-every", "10"], "--eval-every needs validation data"),
-    (["--val-fraction", "0.1", "--eval-steps", "-1"], "--eval-steps >= 0"),
+    (["--val-fraction", "0.1", "--eval-steps", "-1"], "--eval-steps must be >= 0"),
     (["--dataset", "random", "--val-dataset", "x.jsonl"], "needs a text --dataset"),
     (["--val-dataset", "a=x.txt", "--val-dataset", "a=y.txt"], "two sets with the name 'a'"),
     (["--val-dataset", "x.txt", "--val-dataset", "y.txt"], "two sets with no name"),

@@ -47,8 +47,8 @@ def test_a_target_that_is_not_a_block_linear_is_refused_in_one_line(targets):
     (["--lora-rank", "4", "--data-parallel", "simple-fsdp"], "simple-fsdp"),
     (["--lora-rank", "4", "--pp", "2"], "--pp 2"),
     (["--lora-targets", "attention.wq"], "need --lora-rank"),
-    (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
-    (["--lora-rank", "4", "--lora-dropout", "1.0"], "--lora-dropout in"),
+    (["--lora-rank", "-1"], "--lora-rank must be >= 0, got -1"),
+    (["--lora-rank", "4", "--lora-dropout", "1.0"], "--lora-dropout must be < 1, got 1.0"),
 ])
 def test_settings_lora_cannot_run_with_are_refused_in_one_line(flags, says):
     with pytest.raises(ConfigError, match=says.replace("-", r"\-")):

@@ -91,8 +91,8 @@ def test_profile_schedule_follows_the_knobs_and_shrinks_for_short_runs():
 
 
 @pytest.mark.parametrize(("environ", "message"), [
-    ({"LOOM_HIST_BINS": "0"}, "--hist-bins must be >= 1"),
-    ({"LOOM_HIST_SAMPLES": "-1"}, "--hist-samples must be >= 0"),
+    ({"LOOM_HIST_BINS": "0"}, "--hist-bins ($LOOM_HIST_BINS) must be >= 1"),
+    ({"LOOM_HIST_SAMPLES": "-1"}, "--hist-samples ($LOOM_HIST_SAMPLES) must be >= 0"),
     ({"LOOM_HIST_LAYERS": "0,x"}, "--hist-layers '0,x'"),
     ({"LOOM_HIST": "attn,weights"}, "unknown histogram kind(s) weights"),
 ])

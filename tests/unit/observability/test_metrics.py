@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import math
+import re
 import statistics
 import sys
 import time
@@ -168,12 +169,12 @@ def test_layer_names_group_parameters_per_block():
 
 @pytest.mark.parametrize(("environ", "message"), [
     ({"LOOM_HEALTH_EVERY": "often"}, "LOOM_HEALTH_EVERY must be an integer"),
-    ({"LOOM_LOG_EVERY": "-1"}, "--log-every must be >= 0"),
+    ({"LOOM_LOG_EVERY": "-1"}, "--log-every ($LOOM_LOG_EVERY) must be >= 0"),
     ({"LOOM_HIST": "logits,weights"}, "unknown histogram kind(s) weights"),
     ({"LOOM_METRICS": "maybe"}, "LOOM_METRICS must be 0 or 1"),
 ])
 def test_bad_measurement_knobs_are_config_errors(environ, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         config_from_flags({}, environ)
 
 
