@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,7 +46,8 @@ def check_kind(target: Path, flag: str, shown: str) -> bool:
         raise ConfigError(f"{flag} {shown} is a symbolic link; loom writes only into real "
                           "folders: pass the folder it points to")
     if not os.path.isdir(target):
-        raise ConfigError(f"{flag} {shown} is {describe_kind(mode)}, not a folder")
+        kind = "a file" if stat.S_ISREG(mode) else describe_kind(mode)
+        raise ConfigError(f"{flag} {shown} is {kind}, not a folder")
     return True
 
 
