@@ -251,3 +251,29 @@ def test_results_files_never_replace_an_earlier_one(tmp_path: Path) -> None:
     assert second.read_text() == "second" and not (tmp_path / "target").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "tasks-step-2.1.json", "tasks-step-2.2.json", "tasks-step-2.json"]
+
+
+def test_peft_export_is_quiet_and_never_replaces_the_base(tmp_path: Path, capsys) -> None:
+    """A LoRA run trained from a local folder: its --peft export prints the result line and
+    nothing else (upstream notices need --verbose), and the base folder is never an
+    export folder, --overwrite or not."""
+    pytest.importorskip("peft")
+    from tests.hf_models import save_tiny_model
+
+    base = save_tiny_model(tmp_path / "base", "llama")
+    proc = loom("train", "--model", str(base), "--dataset", "random", "--seq-len", "16",
+                "--fp32", "--max-steps", "1", "--lora-rank", "2", "--checkpoint-interval",
+                "1", "--outdir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    step = str(tmp_path / "run" / "checkpoints" / "step-1")
+    proc = loom("export", step, str(tmp_path / "adapter"), "--peft")  # a real stderr
+    assert proc.returncode == 0 and "PEFT LoRA adapter" in proc.stdout, proc.stderr
+    assert proc.stderr == "", proc.stderr
+    capsys.readouterr()  # saving the base folder's progress bar
+    before = snapshot(tmp_path)
+    for target in (base, tmp_path / "adapter"):
+        code = export([step, str(target), "--peft"])
+        one_error_line(code, capsys.readouterr().err, str(target))
+    code = export([step, str(base), "--peft", "--overwrite"])
+    one_error_line(code, capsys.readouterr().err, "which this command reads")
+    assert snapshot(tmp_path) == before

@@ -196,6 +196,11 @@ def export_main(opts: argparse.Namespace) -> int:
     """`loom export` with its options parsed; warning filters set here end with the scope."""
     if not opts.verbose:  # DCP's note that it loads in one process: exactly what export does
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        # transformers' and peft's notices of their own deprecations (peft's check calls
+        # one): nothing the user can act on
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category,
+                                    module=r"(transformers|peft)(\.|$)")
     if not (opts.checkpoint / "loop.json").is_file():
         print(f"error: {opts.checkpoint} is not a loom checkpoint folder", file=sys.stderr)
         return 2
