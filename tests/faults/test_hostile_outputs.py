@@ -277,3 +277,48 @@ def test_peft_export_is_quiet_and_never_replaces_the_base(tmp_path: Path, capsys
     code = export([step, str(base), "--peft", "--overwrite"])
     one_error_line(code, capsys.readouterr().err, "which this command reads")
     assert snapshot(tmp_path) == before
+
+
+def tokenize_out_link(tmp: Path) -> str:
+    (tmp / "elsewhere").mkdir()
+    (tmp / "out").symlink_to(tmp / "elsewhere")
+    return "is a symbolic link"
+
+
+def tokenize_out_file(tmp: Path) -> str:
+    (tmp / "out").write_text("keep")
+    return "is a file, not a folder"
+
+
+def tokenize_out_stranger(tmp: Path) -> str:
+    (tmp / "out").mkdir()
+    (tmp / "out" / "notes.txt").write_text("mine")
+    return "is not empty (it holds notes.txt)"
+
+
+def tokenize_link_inside(tmp: Path) -> str:
+    (tmp / "out" / ".parts").mkdir(parents=True)
+    (tmp / "out" / ".parts" / "plan.json").symlink_to(tmp / "elsewhere.json")
+    return ".parts/plan.json is a symbolic link"
+
+
+@pytest.mark.parametrize("setup", [tokenize_out_link, tokenize_out_file, tokenize_out_stranger,
+                                   tokenize_link_inside], ids=lambda f: f.__name__)
+def test_tokenize_refuses_a_bad_out_folder_in_one_line(tmp_path: Path, capsys, setup) -> None:
+    from loom.commands.tokenize import main as tokenize_main
+
+    (tmp_path / "corpus.txt").write_text("a few words to tokenize\n" * 20)
+    message = setup(tmp_path)
+    before = snapshot(tmp_path)
+    code = tokenize_main([str(tmp_path / "corpus.txt"), str(tmp_path / "out"), "-j", "1"])
+    one_error_line(code, capsys.readouterr().err, "loom tokenize OUT", message)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_failed_start_leaves_no_outputs_folder(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Without --outdir the run folder is outputs/<time>; a start that fails (here a
+    --resume with no checkpoint) removes it and the outputs/ it made."""
+    monkeypatch.chdir(tmp_path)
+    code = run_train([*TINY, "--max-steps", "1", "--resume", str(tmp_path / "nothing")])
+    one_error_line(code, capsys.readouterr().err, "--resume")
+    assert list(tmp_path.iterdir()) == []
