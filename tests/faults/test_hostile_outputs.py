@@ -186,15 +186,26 @@ def test_overwrite_replaces_an_older_export_whole(run: Path, tmp_path: Path, cap
     assert (stale - want).abs().max() > 1e-3, "step-1 and step-2 must differ for this test"
 
 
-def test_save_hf_refuses_a_link_before_training(tmp_path: Path, capsys) -> None:
+RUN_ENTRIES = {"--save-hf": "hf", "--profile": "profile", "--tensorboard": "tensorboard"}
+
+
+@pytest.mark.parametrize("kind", ["link", "file"])
+@pytest.mark.parametrize("flag", list(RUN_ENTRIES))
+def test_a_run_entry_that_is_a_link_or_file_is_refused_before_training(
+        tmp_path: Path, capsys, flag: str, kind: str) -> None:
     outdir = tmp_path / "run"
     outdir.mkdir()
-    (tmp_path / "elsewhere").mkdir()
-    (outdir / "hf").symlink_to(tmp_path / "elsewhere")
+    entry = outdir / RUN_ENTRIES[flag]
+    if kind == "link":
+        (tmp_path / "elsewhere").mkdir()
+        entry.symlink_to(tmp_path / "elsewhere")
+    else:
+        entry.write_text("keep")
     before = snapshot(tmp_path)
-    code = run_train([*TINY, "--max-steps", "1", "--checkpoint-interval", "1", "--save-hf",
+    code = run_train([*TINY, "--max-steps", "1", "--checkpoint-interval", "1", flag,
                       "--outdir", str(outdir)])
-    one_error_line(code, capsys.readouterr().err, "--save-hf folder", "is a symbolic link")
+    one_error_line(code, capsys.readouterr().err, f"{flag} folder",
+                   "is a symbolic link" if kind == "link" else "is a file, not a folder")
     assert snapshot(tmp_path) == before
 
 

@@ -24,6 +24,7 @@ from loom.data.loaders import on_node_leaders
 from loom.hf.export import export
 from loom.models.resolve import resolve_model
 from loom.observability.metrics import read_rows
+from loom.observability.tracking import TENSORBOARD_DIR
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, in_current_group, process_group, rank_info
 from loom.runtime.host_memory import retain_freed_memory
@@ -40,11 +41,18 @@ logger = logging.getLogger("loom")
 SAVE_HF = "--save-hf folder"
 
 
-def check_save_hf(cfg: JobConfig) -> None:
-    """<outdir>/hf, which --save-hf replaces after training, is checked before it: a link
-    or a file there is one line now, not after the run."""
-    if cfg.checkpoint.save_hf and cfg.output.outdir:
-        output_folder(Path(cfg.output.outdir) / "hf", SAVE_HF, overwrite=True)
+def check_run_entries(cfg: JobConfig) -> None:
+    """The folders a run writes in its run folder (--save-hf's `hf/`, which it replaces
+    after training; --profile's and --tensorboard's) are checked before it: a link or a
+    file there is one line now, not a traceback later."""
+    if not cfg.output.outdir:
+        return  # a new outputs/<time> folder: nothing there yet
+    entries = {SAVE_HF: ("hf", cfg.checkpoint.save_hf),
+               "--profile folder": ("profile", cfg.output.profile),
+               "--tensorboard folder": (TENSORBOARD_DIR, cfg.output.tensorboard)}
+    for flag, (name, used) in entries.items():
+        if used:
+            output_folder(Path(cfg.output.outdir) / name, flag, overwrite=True)
 
 
 def save_hf(checkpointer: Checkpointer, step: int, cfg: JobConfig, rank: int) -> None:
@@ -126,7 +134,7 @@ def fit(config: JobConfig | Sequence[str]) -> FitResult:
     with log_output(info.rank) if owned else contextlib.nullcontext():
         ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
         check_outdir(cfg.output.outdir)
-        check_save_hf(cfg)
+        check_run_entries(cfg)
         cfg = resolve_model(resume_on_restart(cfg, info.restarts))
         for warning in cfg.warnings:
             logger.warning(warning)
