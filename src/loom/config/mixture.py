@@ -47,10 +47,12 @@ def parse_mixture(spec: str | None) -> list[tuple[str, Fraction]] | None:
         sources.append((path, w))
     named: dict[str, str] = {}
     for path, _ in sources:  # a.txt and ./a.txt, or a link to it, are one file
-        other = named.setdefault(os.path.realpath(os.path.expanduser(path)), path)
-        if other is not path:
-            raise ConfigError(f"--dataset {spec}: {other} and {path} are the same source; "
-                              "name it once with the sum of its weights")
+        real = os.path.realpath(os.path.expanduser(path))
+        if real in named:
+            raise ConfigError(f"--dataset {spec}: a source is named twice ({named[real]} "
+                              f"and {path} are one file); name it once with the sum of its "
+                              "weights")
+        named[real] = path
     total = sum(w for _, w in sources)
     normalised = [(p, w / total) for p, w in sources]
     if math.lcm(*(w.denominator for _, w in normalised)) > MAX_CYCLE:
