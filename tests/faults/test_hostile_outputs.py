@@ -333,3 +333,16 @@ def test_a_failed_start_leaves_no_outputs_folder(tmp_path: Path, capsys, monkeyp
     code = run_train([*TINY, "--max-steps", "1", "--resume", str(tmp_path / "nothing")])
     one_error_line(code, capsys.readouterr().err, "--resume")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_eval_never_replaces_the_first(run: Path, tmp_path: Path, capsys) -> None:
+    copy = Path(shutil.copytree(run, tmp_path / "run"))
+    checkpoint = str(copy / "checkpoints" / "step-2")
+    flags = ["--dataset", "random", "--seq-len", "16", "--eval-steps", "1"]
+    assert eval_main([checkpoint, *flags]) == 0
+    first = (copy / "eval-step-2" / "eval.json").read_text()
+    assert eval_main([checkpoint, *flags, "--batch-size", "2"]) == 0
+    assert (copy / "eval-step-2" / "eval.json").read_text() == first
+    second = json.loads((copy / "eval-step-2" / "eval.1.json").read_text())
+    assert second["checkpoint"] == checkpoint and "val/loss" in second
+    assert "eval.1.json" in capsys.readouterr().out

@@ -23,7 +23,7 @@ from loom.models.resolve import resolve_model
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, process_group, rank_info
 from loom.runtime.logs import logging_scope
-from loom.safe_io import write_text_atomic
+from loom.safe_io import write_text_new
 from loom.trainer.evaluate import Evaluator, Validation, build_validation
 from loom.trainer.scoped import training
 
@@ -98,10 +98,9 @@ def evaluate(checkpoint: Path, cfg: JobConfig, info: RankInfo, device: torch.dev
             cfg.train.batch_size, cfg.eval.eval_steps, every=0)
         result = evaluator.evaluate()
         if info.is_main:
-            out = trainer.metrics.outdir / "eval.json"
-            write_text_atomic(out, json.dumps({"checkpoint": str(checkpoint),
-                                               "dataset": cfg.data.dataset, **result},
-                                              indent=2) + "\n")
+            out = write_text_new(trainer.metrics.outdir / "eval.json", json.dumps(
+                {"checkpoint": str(checkpoint), "dataset": cfg.data.dataset, **result},
+                indent=2) + "\n")  # a second evaluation: eval.1.json, never over the first
             for name, one in evaluator.evaluators.items():
                 print(scored_line(checkpoint, name, one, result))
             print(f"written to {out}")
