@@ -164,7 +164,7 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
 
 def main(argv: Sequence[str]) -> int:
     parser = OneLineParser(prog="loom export",
-                                     description="write a checkpoint as a Hugging Face model")
+                           description="write a checkpoint as a Hugging Face model")
     parser.add_argument("checkpoint", type=Path, help="a checkpoints/step-N folder")
     parser.add_argument("outdir", type=Path, help="folder for the Hugging Face model")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")

@@ -74,8 +74,9 @@ def output_folder(path: Path | str, flag: str, *, overwrite: bool = False,
     exists = check_kind(target, flag, shown)
     for folder in keep:
         if within(folder.resolve(), target):
-            raise ConfigError(f"{flag} {shown} is or holds {folder}, which this command "
-                              "reads; choose another folder")
+            what = "is" if folder.resolve() == target else "holds"
+            raise ConfigError(f"{flag} {shown} {what} {folder}, which this command reads; "
+                              "choose another folder")
     for folder in inside:
         if within(target, folder.resolve()):
             raise ConfigError(f"{flag} {shown} is inside {folder}; choose a folder outside it")
