@@ -10,17 +10,13 @@ from pathlib import Path
 
 from loom.config import ConfigError
 from loom.runtime.outputs import output_folder
-from loom.runtime.rundir import is_run_folder
 
 
 def run_of(checkpoint: Path) -> Path | None:
     """The run folder holding `checkpoint` (`<run>/checkpoints/step-N`, resolved), or None
     for a step folder outside any run."""
     resolved = checkpoint.resolve()
-    run = resolved.parent.parent
-    if resolved.parent.name != "checkpoints":
-        return None
-    return run if is_run_folder(run) or (run / "config.json").is_file() else None
+    return resolved.parent.parent if resolved.parent.name == "checkpoints" else None
 
 
 def eval_folder(checkpoint: Path, given: str | None, name: str) -> Path:
