@@ -182,3 +182,17 @@ def test_trust_remote_code_lets_a_task_folder_name_python(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="is a FIFO"):
         check_task_folder(str(folder), trust_remote_code=True)
     assert not (tmp_path / "code-ran").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_pbs_nodefile_that_is_no_regular_file_is_one_line(tmp_path: Path, capsys,
+                                                           monkeypatch, kind: str) -> None:
+    from loom.runtime import launch
+
+    path = fifo(tmp_path / "nodes") if kind == "fifo" else "/dev/zero"
+    monkeypatch.setenv("PBS_JOBID", "42.pbs")
+    monkeypatch.setenv("PBS_NODEFILE", path)
+    code = in_time(lambda: launch.main(["--dry-run", "loom", "train"]))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"PBS_NODEFILE {path}: " in lines[0], lines
+    assert "not a regular file" in lines[0] and "Traceback" not in lines[0]
