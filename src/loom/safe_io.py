@@ -31,20 +31,22 @@ def describe_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def regular_size(path: Path) -> int:
-    """The size of `path` if it is a regular file (not followed if a link); else ValueError
-    naming what it is (FileNotFoundError if absent)."""
-    mode = os.lstat(path)
+def regular_size(path: Path, follow: bool = False) -> int:
+    """The size of `path` if it is a regular file (a link is not followed unless `follow`:
+    a path the user typed may be one); else ValueError naming what it is
+    (FileNotFoundError if absent)."""
+    mode = os.stat(path) if follow else os.lstat(path)
     if not stat.S_ISREG(mode.st_mode):
         raise ValueError(f"{path.name} is {describe_kind(mode.st_mode)}, not a regular file")
     return mode.st_size
 
 
-def open_regular(path: Path) -> IO[bytes]:
-    """`path` opened for reading; never a link, and O_NONBLOCK so that a FIFO swapped in
-    after the check cannot block the open (the fstat then refuses it)."""
-    regular_size(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NO_FOLLOW)
+def open_regular(path: Path, follow: bool = False) -> IO[bytes]:
+    """`path` opened for reading; never a link unless `follow`, and O_NONBLOCK so that a
+    FIFO swapped in after the check cannot block the open (the fstat then refuses it)."""
+    regular_size(path, follow)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags if follow else flags | _NO_FOLLOW)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -56,12 +58,13 @@ def open_regular(path: Path) -> IO[bytes]:
         raise
 
 
-def read_bytes_capped(path: Path, limit: int) -> bytes:
-    """A regular file's bytes, refused (ValueError) when it holds more than `limit`."""
-    size = regular_size(path)
+def read_bytes_capped(path: Path, limit: int, follow: bool = False) -> bytes:
+    """A regular file's bytes, refused (ValueError) when it holds more than `limit` (a FIFO
+    or a device is refused at once, never read: it would block or never end)."""
+    size = regular_size(path, follow)
     if size > limit:
         raise ValueError(f"{path.name} has {size:,} bytes, more than the {limit:,} allowed")
-    with open_regular(path) as f:
+    with open_regular(path, follow) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"{path.name} is larger than the {limit:,} bytes allowed")
@@ -77,6 +80,25 @@ def read_json_capped(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
         raise ValueError(f"{path.name} nests too deeply") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{path.name} is not UTF-8 ({e.reason})") from None
+
+
+def write_text_new(path: Path, text: str) -> Path:
+    """Write `text` at `path` or, when that name is taken, at `<stem>.1<suffix>`, `.2`, ...:
+    never replacing a file (`os.link` refuses an existing name, a link included). Returns
+    the path written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write_bytes_atomic(tmp, text.encode())
+    try:
+        for n in range(10_000):
+            candidate = path if n == 0 else path.with_name(f"{path.stem}.{n}{path.suffix}")
+            try:
+                os.link(tmp, candidate, follow_symlinks=False)
+                return candidate
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"{path} and 10,000 numbered names beside it exist")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:

@@ -117,12 +117,18 @@ def loom_tasks(world: dict[str, Path], tasks: str, capsys, monkeypatch) -> dict:
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
     capsys.readouterr()
+    results = world["checkpoint"].parent.parent / "eval"
+    before = set(results.iterdir()) if results.is_dir() else set()
     code = eval_command.main([str(world["checkpoint"]), "--tasks", tasks, "--tasks-include",
                               str(world["tasks"])])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert code == 0, out
     assert out.startswith("{"), out[:500]
-    return json.loads(out)  # stdout carries the results and nothing else
+    record = json.loads(out)  # stdout carries the results and nothing else
+    written = Path(err.strip().splitlines()[-1].removeprefix("written to "))
+    assert written.parent == results and written not in before, (written, before)
+    assert json.loads(written.read_text()) == record  # a new file: none replaced
+    return record
 
 
 def harness_hf(world: dict[str, Path], tasks: list[str]) -> dict:
@@ -139,8 +145,7 @@ def harness_hf(world: dict[str, Path], tasks: list[str]) -> dict:
 
 def test_tasks_match_the_harness_on_the_export(world, capsys, monkeypatch) -> None:
     record = loom_tasks(world, "pick,texts", capsys, monkeypatch)
-    written = json.loads((world["root"] / "run" / "eval" / "tasks-step-4.json").read_text())
-    assert written == record and record["step"] == 4
+    assert record["step"] == 4
     reference = harness_hf(world, ["pick", "texts"])
     compared = {("pick", "perplexity"), ("pick", "acc"), ("texts", "bits_per_byte"),
                 ("texts", "word_perplexity")}

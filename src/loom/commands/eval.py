@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from loom.checkpoint.trust import read_loop
+from loom.commands.eval_outputs import eval_folder
 from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
 from loom.hf.run_checkpoint import run_config
 from loom.lmeval import require_lm_eval
@@ -22,7 +23,7 @@ from loom.models.resolve import resolve_model
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, process_group, rank_info
 from loom.runtime.logs import logging_scope
-from loom.safe_io import write_text_atomic
+from loom.safe_io import write_text_new
 from loom.trainer.evaluate import Evaluator, Validation, build_validation
 from loom.trainer.scoped import training
 
@@ -34,7 +35,7 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
     are evaluated, else --dataset), every window of each unless --eval-steps limits it; the
     model's shape comes from the checkpoint, and the run writes only to
-    `<run>/eval-step-N/`."""
+    `<run>/eval-step-N/` of the checkpoint's resolved run folder, or --outdir."""
     if not (checkpoint / "loop.json").is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
     loop = read_loop(checkpoint)
@@ -42,11 +43,13 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     if loop["architecture"].get("family"):
         shape["family"] = loop["architecture"]["family"]
     cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
-                      "--resume-new-data",  # evaluating other data is the point
-                      "--outdir", str(checkpoint.parent.parent / f"eval-{checkpoint.name}")])
+                      "--resume-new-data"])  # evaluating other data is the point
+    given = cfg.output.outdir if "outdir" in cfg.explicit else None
+    outdir = eval_folder(checkpoint, given, f"eval-{checkpoint.resolve().name}")
     model = replace(cfg.model, **shape)
     steps = cfg.eval.eval_steps if "eval_steps" in cfg.explicit else 0  # 0: the whole set
-    cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False),
+    cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False,
+                                                   outdir=str(outdir)),
                   eval=replace(cfg.eval, eval_steps=steps))
     return resolve_model(with_lora(cfg, checkpoint, loop["architecture"]))
 
@@ -95,10 +98,9 @@ def evaluate(checkpoint: Path, cfg: JobConfig, info: RankInfo, device: torch.dev
             cfg.train.batch_size, cfg.eval.eval_steps, every=0)
         result = evaluator.evaluate()
         if info.is_main:
-            out = trainer.metrics.outdir / "eval.json"
-            write_text_atomic(out, json.dumps({"checkpoint": str(checkpoint),
-                                               "dataset": cfg.data.dataset, **result},
-                                              indent=2) + "\n")
+            out = write_text_new(trainer.metrics.outdir / "eval.json", json.dumps(
+                {"checkpoint": str(checkpoint), "dataset": cfg.data.dataset, **result},
+                indent=2) + "\n")  # a second evaluation: eval.1.json, never over the first
             for name, one in evaluator.evaluators.items():
                 print(scored_line(checkpoint, name, one, result))
             print(f"written to {out}")

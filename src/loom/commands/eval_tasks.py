@@ -1,7 +1,8 @@
 """`loom eval CHECKPOINT --tasks T1,T2 [--tasks-include PATH]`: lm-evaluation-harness tasks
 on a loom checkpoint, in one process, through loom's own model and the run's tokenizer (any
 checkpoint loom loads, no export). The results are printed as JSON and written to
-`<run>/eval/tasks-step-N.json`.
+`<run>/eval/tasks-step-N.json` (or --outdir; a later evaluation of the same step adds
+`tasks-step-N.1.json`, never replacing one).
 
 Imports the harness: `loom.commands.eval` loads this module only once `require_lm_eval`
 found it.
@@ -10,6 +11,7 @@ found it.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,21 +19,17 @@ from typing import Any
 import torch
 
 from loom.checkpoint.trust import read_loop
+from loom.commands.eval_outputs import eval_folder
 from loom.commands.generate import load_model
 from loom.config import ConfigError, parse_args
 from loom.data.tokenizers import load_tokenizer
 from loom.lmeval.harness import metric_rows, run_tasks, task_list, task_manager
 from loom.lmeval.model import LoomLM
 from loom.runtime.distributed import rank_info
-from loom.safe_io import write_text_atomic
+from loom.safe_io import write_text_new
 
 BATCH = 8
 """Sequences per forward: the requests of one task are alike in length."""
-
-
-def tasks_path(checkpoint: Path, step: int) -> Path:
-    """Where one evaluation's results go: the run folder's `eval/`, by step."""
-    return checkpoint.parent.parent / "eval" / f"tasks-step-{step}.json"
 
 
 def check_vocab(width: int, size: int, checkpoint: Path, name: str) -> None:
@@ -49,7 +47,9 @@ def evaluate_checkpoint(checkpoint: Path, argv: Sequence[str]) -> dict[str, Any]
     tasks = task_list(cfg.eval.eval_tasks)
     if not (checkpoint / "loop.json").is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
-    manager = task_manager(tasks, cfg.eval.eval_tasks_include)
+    folder = eval_folder(checkpoint, cfg.output.outdir if "outdir" in cfg.explicit else None,
+                         "eval")
+    manager = task_manager(tasks, cfg.eval.eval_tasks_include, cfg.model.trust_remote_code)
     if rank_info().world_size > 1:
         raise ConfigError("loom eval --tasks runs in one process: start it without torchrun")
     model, context, recorded = load_model(checkpoint, cfg.model.trust_remote_code)
@@ -62,9 +62,9 @@ def evaluate_checkpoint(checkpoint: Path, argv: Sequence[str]) -> dict[str, Any]
     results = run_tasks(lm, tasks, manager, cfg.eval.eval_tasks_limit, cfg.train.seed)
     record = {"checkpoint": str(checkpoint), "step": step, "tasks": tasks,
               "metrics": metric_rows(results), **results}
-    out = tasks_path(checkpoint, step)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     text = json.dumps(record, indent=2, default=str) + "\n"  # the harness's numpy scalars
-    write_text_atomic(out, text)
+    out = write_text_new(folder / f"tasks-step-{step}.json", text)  # never an earlier one
     print(text, end="")
+    print(f"written to {out}", file=sys.stderr)
     return record

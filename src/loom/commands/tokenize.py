@@ -31,6 +31,8 @@ from loom.data.shards import MANIFEST, SHARD_FORMAT, shard_name
 from loom.data.text import resolve_source
 from loom.data.tokenizers import TextTokenizer, load_tokenizer, tokenizer_identity
 from loom.data.workers import BLOCK_CHARS, ENCODE_BATCH, Parts, WorkerDied, tokenize_local
+from loom.runtime.outputs import output_folder
+from loom.runtime.rundir import first_link
 
 HUB_DOCS_PER_PART = 20_000
 """A streamed hub dataset is cut into parts of this many documents."""
@@ -140,10 +142,28 @@ def write_shards(parts: Parts, n_parts: int, out: Path, shard_tokens: int,
     return shards
 
 
+def check_out(out: Path) -> None:
+    """OUT is a new or empty folder, or one an interrupted tokenization left (its `.parts`
+    resumes): never a link, a file, a folder with a link in it, or one holding other
+    files (the shards would be written among them)."""
+    output_folder(out, "loom tokenize OUT", nonempty_ok=True)
+    if not out.is_dir():
+        return
+    link = first_link(out)
+    if link is not None:
+        raise ConfigError(f"loom tokenize OUT {out}: {link.relative_to(out)} is a symbolic "
+                          "link; loom never writes through links: choose another folder")
+    names = sorted(p.name for p in out.iterdir())
+    if names and ".parts" not in names and MANIFEST not in names:
+        raise ConfigError(f"loom tokenize OUT {out} is not empty (it holds {names[0]}); "
+                          "choose a new or empty folder")
+
+
 def tokenize(src: str, out: Path, *, tokenizer_name: str | None = None, jobs: int = 1,
              shard_tokens: int = 100_000_000, split: str = "train", column: str = "text",
              block_chars: int = BLOCK_CHARS) -> dict[str, Any]:
     """Tokenize `src` into `out` (resuming an interrupted run); returns the manifest."""
+    check_out(out)
     if (out / MANIFEST).is_file():
         raise ConfigError(f"{out} already holds tokenized shards ({MANIFEST}); delete it "
                           "or pick another OUT")

@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from loom.errors import ConfigError
+from loom.safe_io import read_bytes_capped
+
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest --config file read (every flag set is a few KB)."""
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -50,9 +54,12 @@ def read_config_file(path: str, sections: Mapping[str, Callable]) -> dict[str, A
         import tomllib
     else:  # the same parser, installed as a dependency on Python 3.10
         import tomli as tomllib
-    try:
-        data = tomllib.loads(Path(path).expanduser().read_text())
-    except (OSError, ValueError) as e:  # a decode error, TOML's, or an int past 4300 digits
+    try:  # a FIFO or /dev/zero is refused at once, never read
+        text = read_bytes_capped(Path(path).expanduser(), MAX_CONFIG_BYTES, follow=True)
+        data = tomllib.loads(text.decode())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except (OSError, ValueError, tomllib.TOMLDecodeError) as e:  # UnicodeDecodeError too
         raise ConfigError(f"--config {path}: {e}") from None
     values: dict[str, Any] = {}
     for section, table in data.items():

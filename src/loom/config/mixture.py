@@ -5,6 +5,7 @@ its windows is `loom.data.mixture`."""
 from __future__ import annotations
 
 import math
+import os
 import re
 from fractions import Fraction
 
@@ -13,9 +14,9 @@ from loom.errors import ConfigError
 MAX_CYCLE = 10_000
 """Longest schedule cycle (the weights' common denominator): 0.3333/0.6667 is 10,000. A
 renormalised cycle (`drop`) is never longer: its denominators divide the remaining share's."""
-WEIGHT = re.compile(r"\d{1,9}(\.\d{1,9})?|\.\d{1,9}|\d{1,9}/\d{1,9}")
-"""A weight as written: a decimal (0.3, 3) or a ratio (1/3); no exponent, whose exact value
-could be a number of a billion digits."""
+WEIGHT = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9})?|\.[0-9]{1,9}|[0-9]{1,9}/[0-9]{1,9}")
+"""A weight as written: a decimal (0.3, 3) or a ratio (1/3) in ASCII digits (a Unicode digit
+class would take ٣ too); no exponent, whose exact value could be a number of a billion digits."""
 MAX_SOURCES = 16
 """Most sources in one mixture (a crafted list of thousands would only cost time)."""
 
@@ -44,8 +45,14 @@ def parse_mixture(spec: str | None) -> list[tuple[str, Fraction]] | None:
         if w <= 0:
             raise ConfigError(f"--dataset {spec}: weight {weight} of {path} must be > 0")
         sources.append((path, w))
-    if len({p for p, _ in sources}) != len(sources):
-        raise ConfigError(f"--dataset {spec}: a source is named twice")
+    named: dict[str, str] = {}
+    for path, _ in sources:  # a.txt and ./a.txt, or a link to it, are one file
+        real = os.path.realpath(os.path.expanduser(path))
+        if real in named:
+            raise ConfigError(f"--dataset {spec}: a source is named twice ({named[real]} "
+                              f"and {path} are one file); name it once with the sum of its "
+                              "weights")
+        named[real] = path
     total = sum(w for _, w in sources)
     normalised = [(p, w / total) for p, w in sources]
     if math.lcm(*(w.denominator for _, w in normalised)) > MAX_CYCLE:

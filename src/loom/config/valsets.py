@@ -5,6 +5,8 @@ the checks (`loom.config.validate`) and the data (`loom.data.loaders`) alike."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from loom.config.schema import EvalConfig
 from loom.errors import ConfigError
@@ -45,3 +47,16 @@ def val_sets(e: EvalConfig) -> dict[str, str]:
 def val_prefix(name: str) -> str:
     """The metric keys' prefix of a validation set: `val/` or `val/NAME/`."""
     return f"val/{name}/" if name else "val/"
+
+
+@contextmanager
+def naming_val_dataset() -> Iterator[None]:
+    """A validation set's errors name --val-dataset: the readers it goes through name
+    --dataset, the flag of the data they usually read."""
+    try:
+        yield
+    except ConfigError as e:
+        text = str(e)
+        if text.startswith("--dataset "):
+            raise ConfigError("--val-dataset " + text.removeprefix("--dataset ")) from None
+        raise

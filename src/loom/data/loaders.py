@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from loom.config import ConfigError, JobConfig
 from loom.config.mixture import parse_mixture
-from loom.config.valsets import DEFAULT_SET, val_sets
+from loom.config.valsets import DEFAULT_SET, naming_val_dataset, val_sets
 from loom.data.cache import TokenCache, cache_key, default_cache_dir
 from loom.data.chat import ChatTokens, encode_chat, held_out, is_chat_source
 from loom.data.mixture import Mixture
@@ -204,7 +204,8 @@ def text_val_sets(cfg: JobConfig, meta: dict, local_rank: int) -> ValSets:
     """Each --val-dataset as packed tokens, checked against the training data's tokenizer."""
     sets: ValSets = {}
     for set_name, path in val_sets(cfg.eval).items():
-        val_stream, val_meta, _ = token_stream(path, cfg, local_rank)
+        with naming_val_dataset():
+            val_stream, val_meta, _ = token_stream(path, cfg, local_rank)
         same_tokenizer(meta, val_meta, f"--val-dataset {path}")
         sets[set_name] = PackedTokens(val_stream, val_meta, cfg.data.seq_len)
     return sets
@@ -260,7 +261,8 @@ def chat_datasets(cfg: JobConfig, source: TextSource,
         val[DEFAULT_SET] = ChatTokens(corpus, tokenizer.eot_id, data.seq_len,
                                       (cut, len(corpus.ends)))
     for set_name, path in val_sets(ev).items():
-        val_source = resolve_source(path)
+        with naming_val_dataset():
+            val_source = resolve_source(path)
         if not is_chat_source(val_source):
             raise ConfigError(f"--val-dataset {path} holds no conversations but "
                               f"--dataset {source.name} does; give both in one format")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from loom.data.hub import (
 )
 from loom.data.labels import IGNORE_INDEX
 from loom.data.tokenizers import ASSETS, TextTokenizer, load_tokenizer, tokenizer_identity
+from loom.safe_io import describe_kind
 
 if TYPE_CHECKING:
     import datasets
@@ -95,6 +97,9 @@ def local_source(path: Path) -> TextSource:
         files = sorted(p for p in path.rglob("*") if p.is_file() and builder_for(p)
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
     else:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block the reader, a device never end
+            raise ConfigError(f"--dataset {path} is {describe_kind(mode)}, not a regular file")
         files = [path]
     builders = {builder_for(p) for p in files}
     if not files or None in builders:

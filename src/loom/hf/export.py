@@ -33,11 +33,13 @@ from loom.data.tokenizers import (
     tokenizer_name,
 )
 from loom.hf.export_check import check_peft, verify_export
-from loom.hf.export_files import DTYPES, MAX_SHARD_BYTES, staged, write_weights
+from loom.hf.export_files import DTYPES, MAX_SHARD_BYTES, write_weights
 from loom.hf.export_plan import export_plan
-from loom.hf.run_checkpoint import run_model, run_reader, run_tokenizer
+from loom.hf.run_checkpoint import run_config, run_model, run_reader, run_tokenizer
 from loom.lora.export import CONFIG_FILE, WEIGHTS_FILE
 from loom.runtime.logs import logging_scope
+from loom.runtime.outputs import output_folder, staged
+from loom.runtime.rundir import is_run_folder
 from loom.safe_io import write_text_atomic
 
 logger = logging.getLogger("loom")
@@ -48,15 +50,44 @@ def generation_config(tokenizer: TextTokenizer | None) -> dict[str, Any]:
             "transformers_version": "loom"}
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`error: loom export: ...`), exit 2."""
 
-def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool) -> str:
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
+def export_folder(checkpoint: Path, outdir: Path, overwrite: bool,
+                  flag: str = "export folder") -> Path:
+    """The checked folder an export of `checkpoint` replaces, before anything is read:
+    never the checkpoint, its run folder or the local model the run trained from (a LoRA
+    run's base), nor a folder inside them but the run's own `hf/`, nor another run."""
+    checkpoint = checkpoint.resolve()
+    keep, inside = [checkpoint], [checkpoint]
+    if checkpoint.parent.name == "checkpoints":
+        keep.append(checkpoint.parent.parent)
+        inside.append(checkpoint.parent)
+    source = run_config(checkpoint).get("model", {}).get("model")
+    if source is not None and Path(source).expanduser().is_dir():
+        keep.append(Path(source).expanduser())
+        inside.append(Path(source).expanduser())
+    target = output_folder(outdir, flag, overwrite=overwrite, keep=keep, inside=inside)
+    if is_run_folder(target) or (target / "checkpoints").exists():
+        raise ConfigError(f"{flag} {outdir} holds a loom run; an export never replaces one: "
+                          "choose another folder")
+    return target
+
+
+def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool,
+                overwrite: bool = False) -> str:
     """Write a LoRA run's adapters as a PEFT folder (`loom.lora.export`), checked by peft."""
+    outdir = export_folder(checkpoint, outdir, overwrite)
     held = run_model(checkpoint)
     if held.lora is None:
         raise ConfigError(f"--peft needs a LoRA run's checkpoint; {checkpoint} trained every "
                           "weight (export the model without --peft)")
     config, tensors, shapes = export_plan(held, dtype, peft=True)
-    with staged(outdir) as staging:
+    with staged(outdir, overwrite, "export folder") as staging:
         write_weights(staging, tensors, run_reader(held, shapes), shapes, DTYPES[dtype],
                       sys.maxsize, single=WEIGHTS_FILE)
         write_text_atomic(staging / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
@@ -99,15 +130,18 @@ def export_tokenizer(checkpoint: Path, given: str | None, trust_remote_code: boo
 
 def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
            trust_remote_code: bool = False, verify: bool = True,
-           max_shard_bytes: int = MAX_SHARD_BYTES, tokenizer: str | None = None) -> str:
+           max_shard_bytes: int = MAX_SHARD_BYTES, tokenizer: str | None = None,
+           overwrite: bool = False, flag: str = "export folder") -> str:
     """Write the model, its config and generation config, and the tokenizer (`tokenizer`,
-    else the run's) when one is found and the embedding covers it; returns what was written,
-    for the one line `loom export` prints."""
+    else the run's) when one is found and the embedding covers it, into `outdir` (checked
+    first; replaced whole with `overwrite`); returns what was written, for the one line
+    `loom export` prints."""
+    outdir = export_folder(checkpoint, outdir, overwrite, flag)
     held = run_model(checkpoint)
     config, tensors, shapes = export_plan(held, dtype)
     tokenizer_id, text_tokenizer = export_tokenizer(checkpoint, tokenizer, trust_remote_code)
     vocab = config.get("vocab_size", 0)
-    with staged(outdir) as staging:
+    with staged(outdir, overwrite, flag) as staging:
         n_files = write_weights(staging, tensors, run_reader(held, shapes), shapes,
                                 DTYPES[dtype], max_shard_bytes)
         write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
@@ -129,8 +163,8 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="loom export",
-                                     description="write a checkpoint as a Hugging Face model")
+    parser = OneLineParser(prog="loom export",
+                           description="write a checkpoint as a Hugging Face model")
     parser.add_argument("checkpoint", type=Path, help="a checkpoints/step-N folder")
     parser.add_argument("outdir", type=Path, help="folder for the Hugging Face model")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -142,6 +176,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--peft", action="store_true",
                         help="a LoRA run: write its adapters as a PEFT adapter folder for the "
                         "run's base model (default: the merged model)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty OUTDIR whole (an earlier export): the new "
+                        "export is written beside it and swapped in")
     parser.add_argument("--verbose", action="store_true", help="show upstream notices")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the code the run's tokenizer folder or repo ships")
@@ -149,6 +186,8 @@ def main(argv: Sequence[str]) -> int:
                         help="the tokenizer to ship (default: the run's; "
                         f"{SHIPPED_FLAG} names the shipped GPT-2 one)")
     opts = parser.parse_args(list(argv))
+    if opts.max_shard_bytes < 1:
+        parser.error(f"--max-shard-bytes must be >= 1, got {opts.max_shard_bytes}")
     with logging_scope(0, stream=sys.stderr):  # stdout holds the one result line
         return export_main(opts)
 
@@ -157,21 +196,22 @@ def export_main(opts: argparse.Namespace) -> int:
     """`loom export` with its options parsed; warning filters set here end with the scope."""
     if not opts.verbose:  # DCP's note that it loads in one process: exactly what export does
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-    if opts.max_shard_bytes < 1:  # 0 or less would be ignored, not a size
-        print(f"error: --max-shard-bytes must be >= 1, got {opts.max_shard_bytes}",
-              file=sys.stderr)
-        return 2
+        # transformers' and peft's notices of their own deprecations (peft's check calls
+        # one): nothing the user can act on
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category,
+                                    module=r"(transformers|peft)(\.|$)")
     if not (opts.checkpoint / "loop.json").is_file():
         print(f"error: {opts.checkpoint} is not a loom checkpoint folder", file=sys.stderr)
         return 2
     try:
         if opts.peft:
             written = export_peft(opts.checkpoint, opts.outdir, opts.dtype,
-                                  verify=not opts.no_verify)
+                                  verify=not opts.no_verify, overwrite=opts.overwrite)
         else:
             written = export(opts.checkpoint, opts.outdir, opts.dtype, opts.trust_remote_code,
                              verify=not opts.no_verify, max_shard_bytes=opts.max_shard_bytes,
-                             tokenizer=opts.tokenizer_name)
+                             tokenizer=opts.tokenizer_name, overwrite=opts.overwrite)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

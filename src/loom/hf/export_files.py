@@ -1,5 +1,5 @@
 """The files of an export: safetensors shards (with an index above the shard size), written
-into a staging folder that replaces nothing until the export succeeded.
+into the staging folder `loom.runtime.outputs.staged` swaps in once the export succeeded.
 
 Written by hand rather than through the safetensors package so that tensors are streamed
 one at a time: the layout is planned from meta tensors first, then each tensor is read,
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import struct
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -88,23 +86,3 @@ def write_weights(folder: Path, tensors: Tensors, read: Callable[[str], torch.Te
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_text_atomic(folder / INDEX, json.dumps(index, indent=2) + "\n")
     return len(files)
-
-
-@contextmanager
-def staged(outdir: Path) -> Iterator[Path]:
-    """A staging folder beside `outdir` whose files are moved into it only when the block
-    succeeds (the folder is removed when it fails): no half-written export."""
-    staging = outdir.parent / f".{outdir.name}.partial"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    outdir.mkdir(parents=True, exist_ok=True)
-    for item in staging.iterdir():
-        item.replace(outdir / item.name)
-    staging.rmdir()
-

@@ -19,6 +19,7 @@ from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
 
 from loom.config import ConfigError
+from loom.lmeval.task_files import check_task_folder
 
 QUIET_LOGGERS = ("lm-eval", "lm_eval")
 """The harness logs each step at INFO; loom shows its warnings only."""
@@ -36,15 +37,17 @@ def task_list(spec: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def task_manager(tasks: list[str], include: str | None) -> TaskManager:
+def task_manager(tasks: list[str], include: str | None,
+                 trust_remote_code: bool = False) -> TaskManager:
     """The harness's task index holding every one of `tasks`, or one line naming those it
-    does not know."""
+    does not know; an `include` folder's YAMLs are checked first (`task_files`)."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     if include is not None:
         path = Path(include).expanduser()
         if not path.exists():
             raise ConfigError(f"--eval-tasks-include {include}: no such file or folder")
+        check_task_folder(include, trust_remote_code)
         local = TaskManager(include_path=str(path), include_defaults=False)
         if all(t in local.all_tasks for t in tasks):
             return local

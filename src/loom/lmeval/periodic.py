@@ -35,7 +35,8 @@ class TaskEvaluation:
                  is_main: bool, context: Callable[[], AbstractContextManager] = nullcontext):
         e = cfg.eval
         self.tasks = task_list(e.eval_tasks)
-        self.manager = task_manager(self.tasks, e.eval_tasks_include)
+        self.manager = task_manager(self.tasks, e.eval_tasks_include,
+                                    cfg.model.trust_remote_code)
         tokenizer = load_tokenizer(tokenizer_name(cfg.data.tokenizer_name, cfg.model.model),
                                    cfg.model.trust_remote_code)
         self.model, self.every, self.limit = model, e.eval_tasks_every, e.eval_tasks_limit

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loom.errors import LaunchError
+from loom.safe_io import read_bytes_capped
+
+MAX_NODEFILE_BYTES = 16 << 20
+"""The largest PBS_NODEFILE read."""
 
 DEFAULT_PORT = "29500"
 JOB_PORTS = (15000, 15000)
@@ -163,7 +167,11 @@ def pbs_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host
     nodefile = environ.get("PBS_NODEFILE")
     if not nodefile:
         raise LaunchError("PBS_NODEFILE is not set")
-    hosts = list(dict.fromkeys(Path(nodefile).read_text().split()))
+    try:  # one line per rank slot: 16 MiB is ~500,000 hosts
+        text = read_bytes_capped(Path(nodefile), MAX_NODEFILE_BYTES, follow=True).decode()
+    except (OSError, ValueError) as e:  # a FIFO or a device too: refused, never read
+        raise LaunchError(f"PBS_NODEFILE {nodefile}: {e}") from None
+    hosts = list(dict.fromkeys(text.split()))
     if not hosts:
         raise LaunchError(f"PBS_NODEFILE {nodefile} lists no hosts")
     nodes = opts.nnodes or len(hosts)

@@ -170,6 +170,8 @@ class RunFolder:
     def __init__(self, outdir: Path, rank: int, resume: bool, overwrite: bool,
                  adopt: bool = False):
         self.outdir, self.lock, self.created = outdir, None, not outdir.exists()
+        # the folders above it this run makes (outputs/ of outputs/<time>), removed with it
+        self.parents = [p for p in outdir.parents if not p.exists()]
         verdict: list[str | None] = [None]
         note = ""
         if rank == 0:
@@ -186,7 +188,7 @@ class RunFolder:
 
     def close(self) -> None:
         """Release the lock; a folder this run created and left empty (setup failed) is
-        removed."""
+        removed, with the empty folders above it the run made."""
         if self.lock is None:
             return
         own = {LOCK_NAME, MARKER}
@@ -194,5 +196,10 @@ class RunFolder:
             for name in own:
                 (self.outdir / name).unlink(missing_ok=True)
             self.outdir.rmdir()
+            for parent in self.parents:  # innermost first; one another run filled stays
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
         self.lock.close()
         self.lock = None

@@ -24,16 +24,35 @@ from loom.data.loaders import on_node_leaders
 from loom.hf.export import export
 from loom.models.resolve import resolve_model
 from loom.observability.metrics import read_rows
+from loom.observability.tracking import TENSORBOARD_DIR
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, in_current_group, process_group, rank_info
 from loom.runtime.host_memory import retain_freed_memory
 from loom.runtime.logs import log_output
+from loom.runtime.outputs import output_folder
 from loom.runtime.preflight import check_outdir
 from loom.runtime.watchdog import collective_timeout_s
 from loom.trainer.scoped import training
 from loom.trainer.trainer import Trainer
 
 logger = logging.getLogger("loom")
+
+
+SAVE_HF = "--save-hf folder"
+
+
+def check_run_entries(cfg: JobConfig) -> None:
+    """The folders a run writes in its run folder (--save-hf's `hf/`, which it replaces
+    after training; --profile's and --tensorboard's) are checked before it: a link or a
+    file there is one line now, not a traceback later."""
+    if not cfg.output.outdir:
+        return  # a new outputs/<time> folder: nothing there yet
+    entries = {SAVE_HF: ("hf", cfg.checkpoint.save_hf),
+               "--profile folder": ("profile", cfg.output.profile),
+               "--tensorboard folder": (TENSORBOARD_DIR, cfg.output.tensorboard)}
+    for flag, (name, used) in entries.items():
+        if used:
+            output_folder(Path(cfg.output.outdir) / name, flag, overwrite=True)
 
 
 def save_hf(checkpointer: Checkpointer, step: int, cfg: JobConfig, rank: int) -> None:
@@ -43,7 +62,8 @@ def save_hf(checkpointer: Checkpointer, step: int, cfg: JobConfig, rank: int) ->
     target = checkpointer.root.parent / "hf"
 
     def write() -> None:
-        done = export(checkpoint, target, trust_remote_code=cfg.model.trust_remote_code)
+        done = export(checkpoint, target, trust_remote_code=cfg.model.trust_remote_code,
+                      overwrite=True, flag=SAVE_HF)  # the run's own hf/, replaced whole
         logger.info("--save-hf: %s -> %s (%s)", checkpoint, target, done)
 
     on_node_leaders(write, leader=rank == 0)
@@ -123,6 +143,7 @@ def fit(config: JobConfig | Sequence[str]) -> FitResult:
     with log_output(info.rank) if owned else contextlib.nullcontext():
         ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
         check_outdir(cfg.output.outdir)
+        check_run_entries(cfg)
         cfg = resolve_model(resume_on_restart(cfg, info.restarts))
         for warning in cfg.warnings:
             logger.warning(warning)

@@ -155,41 +155,37 @@ def _children(pid: int) -> list[int]:
     return [int(k) for k in kids]
 
 
-def _open_writer(fifo: Path, proc: subprocess.Popen) -> int:
-    """The write end of `fifo`, once a reader (the worker) has it open."""
+def _worker_of(proc: subprocess.Popen) -> int:
+    """The pid of `proc`'s tokenizer worker, as soon as it exists."""
     while proc.poll() is None:
-        try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # ENXIO: no reader yet
-            time.sleep(0.05)
+        workers = [p for p in _children(proc.pid)
+                   if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        if workers:
+            return workers[0]
+        time.sleep(0.02)
     raise AssertionError(f"loom tokenize ended first: {proc.communicate()}")
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_a_killed_worker_ends_the_command_with_one_line_and_nothing_finalized(tmp_path):
-    """The source is a named pipe the test holds open: the worker is reading it, mid-piece,
-    for as long as the test wants, so the kill lands at a known point."""
-    fifo, out = tmp_path / "corpus.txt", tmp_path / "out"
-    os.mkfifo(fifo)
+    """The worker is killed as soon as it exists: its one piece (12 MB, seconds of
+    tokenizing after seconds of start-up) is then unfinished. A FIFO source, which would
+    hold it mid-read, is refused before any worker starts."""
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "out"
+    corpus.write_text(text_of(2_000_000))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-m", "loom", "tokenize", str(fifo), str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "loom", "tokenize", str(corpus), str(out),
                              "-j", "1"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    writer = _open_writer(fifo, proc)
     try:
-        os.write(writer, text_of(2000).encode())
-        workers = [p for p in _children(proc.pid)
-                   if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        assert len(workers) == 1, workers
-        os.kill(workers[0], signal.SIGKILL)
+        os.kill(_worker_of(proc), signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=120)  # a hang fails here
     finally:
-        os.close(writer)
         if proc.poll() is None:
             proc.kill()
     lines = stderr.strip().splitlines()
     assert proc.returncode == 1, stderr
-    assert lines[-1].startswith(f"error: loom tokenize: the worker tokenizing {fifo} died: "
+    assert lines[-1].startswith(f"error: loom tokenize: the worker tokenizing {corpus} died: "
                                 "killed by SIGKILL"), stderr
     assert sum("error" in line for line in lines) == 1 and "Traceback" not in stderr
     assert stdout == ""
