@@ -97,7 +97,7 @@ def run_plans(rows: list[Row], plan_flags: list[str], work: Path, env: dict, tim
               ) -> dict[str, dict]:
     """`loom plan` of every row that has one, in a few processes at once (CPU only)."""
     requests = [{"name": r.name, "flags": list(r.flags), "choose_ac": r.ac == "plan",
-                 "ac": r.ac if r.ac not in ("plan",) and not r.ac.startswith("from:") else "none"}
+                 "ac": "none" if r.ac == "plan" else r.ac}
                 for r in rows if r.plan]
     workers = max(1, min(4, (os.cpu_count() or 2) // 4))
     chunks = [requests[i::workers] for i in range(workers)]
@@ -161,8 +161,6 @@ class Check:
                 record["loom"] = {"status": f"not run: loom plan gave no --ac: {why}"}
                 return record
             ac = plan["ac"]
-        elif ac.startswith("from:"):
-            ac = self.done.get(ac[5:], {}).get("ac") or "none"
         record["ac"] = ac
         if self.left() < 15:
             record["loom"] = {"status": "skipped: global budget spent"}
@@ -172,7 +170,7 @@ class Check:
         loom["wall_s"] = child.seconds
         record["loom"] = loom
         log(f"{row.name}: loom {loom['status']} ({child.seconds:.0f} s)")
-        if row.profile and loom["status"] == "ok":
+        if row.profile_wait and loom["status"] == "ok":
             record["profile"] = self.profile(row)
         compiled = "--compile" in row.flags
         backend = "aot_eager" if self.args.mode == "tiny" else "inductor"
@@ -221,7 +219,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if mode not in MODES:
         parser.exit(2, f"error: LOOM_DEVICE_CHECK must be gpu or tiny, got {mode!r}\n")
     args.mode = "tiny" if args.tiny else mode
-    args.work = args.work or Path(tempfile.mkdtemp(prefix="device-check-"))
+    unknown = set(args.rows or ()) - {r.name for r in rows_for(args.mode)}
+    if unknown:
+        parser.exit(2, f"error: no such {args.mode} row: {', '.join(sorted(unknown))}\n")
+    args.work = (args.work or Path(tempfile.mkdtemp(prefix="device-check-"))).resolve()
+    args.out = args.out.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
     return args
 
 
@@ -237,15 +240,16 @@ def setup(args: argparse.Namespace, t0: float) -> tuple[dict, dict, list[Row]]:
     site = args.work / "site"
     wheels_error = "not installed (--no-wheels)" if args.no_wheels else install_wheels(site)
     env = proc.child_env(str(site) if site.exists() else None, mode["threads"])
-    probe = subprocess.run([sys.executable, "-c", "import torchtitan, torchdata, tyro"],
+    probe = subprocess.run([sys.executable, str(HERE / "devcheck" / "titan.py"), "--probe"],
                            env=env, capture_output=True, text=True, cwd=HERE.parent)
     args.titan_error = None if probe.returncode == 0 else (
         "torchtitan does not import here: "
-        + (probe.stderr.strip().splitlines() or ["?"])[-1])
+        + (probe.stderr.strip().splitlines() or ["?"])[-1])[:300]
     meta = {"mode": args.mode, "device": identity[0] if identity else "cpu",
             "device_memory_bytes": identity[1] if identity else None,
             "budget_s": args.budget_s or mode["budget_s"], "wheels": wheels_error or "installed",
-            "torchtitan": args.titan_error or "imports", "commit": git_commit(),
+            "torchtitan": args.titan_error or f"imports: {probe.stdout.strip()}",
+            "commit": git_commit(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "complete": False}
     return meta, env, rows
 

@@ -1,6 +1,7 @@
 """The device check's rows, in the order they run: what answers the issue's goals first, so
 a run that meets its budget early still holds them. One H200 (`gpu`) or a CPU rehearsal
-(`tiny`: the same rows and code at toy sizes, fewer of them, and only one compiled)."""
+(`tiny`: the same rows and code at toy sizes, fewer of them, only s-b4 compiled and with
+torchtitan beside it: process starts and compiles are what a 2-core CPU is slow at)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ class Row:
     budget_s: float
     """The most the loom run may take; each baseline gets the same."""
     ac: str = "plan"
-    """'plan': the lightest --ac whose `loom plan` fits; 'from:<row>': that row's; or fixed."""
+    """'plan': the lightest --ac whose `loom plan` fits; or a fixed mode."""
     plain: bool = True
     titan: bool = True
     base: str | None = None
     """The row this one is compared with (float8 against bf16, losses against eager)."""
-    profile: bool = False
+    profile_wait: int = 0
+    """> 0: profile 3 steps after this many (and one tracer warm-up step); only the steps
+    before the profiler starts are timed, so the trace costs no process of its own."""
     plan: bool = True
     notes: tuple[str, ...] = field(default=())
 
@@ -36,21 +39,17 @@ class Row:
 def gpu_rows() -> list[Row]:
     s = ("--model", "s", "--compile")
     rows = [
-        Row("s-b4", (*s, "--batch-size", "4"), 15, 3, 60),
+        Row("s-b4", (*s, "--batch-size", "4"), 16, 3, 75, profile_wait=11),
         Row("xl", ("--model", "xl", "--compile"), 12, 3, 75),
         Row("agpt-2b", ("--model", "agpt-2b", "--compile"), 10, 3, 90),
         Row("xl-float8", ("--model", "xl", "--compile", "--float8", "tensorwise"), 12, 3, 75,
             plain=False, titan=False, base="xl"),
         Row("m", ("--model", "m", "--compile"), 12, 3, 60),
-        Row("s-b8", (*s, "--batch-size", "8"), 15, 3, 60),
-        Row("s-b16", (*s, "--batch-size", "16"), 15, 3, 60),
+        Row("s-b8", (*s, "--batch-size", "8"), 15, 3, 60, titan=False),
+        Row("s-b16", (*s, "--batch-size", "16"), 15, 3, 60, titan=False),
         Row("moe", ("--model", "moe-16b", "--n-layers", "4", "--compile"), 10, 3, 90,
             titan=False, notes=("moe-16b's shape at 4 layers (1 dense, 3 MoE): the 27-layer "
                                 "model's states do not fit one GPU",)),
-        Row("profile-s", (*s, "--batch-size", "4", "--profile", "--profile-wait", "3",
-                          "--profile-warmup", "1", "--profile-active", "3",
-                          "--profile-rank0-only"), 8, 3, 60, ac="from:s-b4", plain=False,
-            titan=False, profile=True, plan=False),
     ]
     loss = ("--model", "agpt-2b", "--batch-size", "1")
     rows += [Row(f"loss-{impl}", (*loss, "--loss-impl", impl), 6, 2, 45, ac="none",
@@ -61,7 +60,7 @@ def gpu_rows() -> list[Row]:
 
 TOY = ("--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
        "--multiple-of", "32", "--seq-len", "64", "--vocab-size", "512")
-TINY_ROWS = ("s-b4", "s-b8", "xl-float8", "moe", "profile-s", "loss-eager", "loss-chunked")
+TINY_ROWS = ("s-b4", "s-b8", "xl-float8", "moe", "loss-eager", "loss-chunked")
 
 
 def tiny_row(row: Row) -> Row:
@@ -84,8 +83,9 @@ def tiny_row(row: Row) -> Row:
             flags += ["--compile", "--compile-backend", "aot_eager"]
     if "--batch-size" not in flags:
         flags += ["--batch-size", "2"]
-    return replace(row, flags=(*shape, *flags), steps=row.steps if row.profile else 6,
-                   warmup=2, budget_s=90)
+    return replace(row, flags=(*shape, *flags), steps=10 if row.profile_wait else 6,
+                   warmup=2, budget_s=90, profile_wait=5 if row.profile_wait else 0,
+                   titan=row.name == "s-b4", plain=row.name in ("s-b4", "moe"))
 
 
 def rows_for(mode: str) -> list[Row]:

@@ -4,7 +4,8 @@ Only the first and the last step log (--log-every past the run): the steps betwe
 a long run's non-logging steps do (no host read, no health norms), and their times are
 the ones measured. On CUDA loom times a step with device events from its first mark to its
 last, read later; elsewhere by the host clock. The row's time is the median of steps
-warmup+1 .. steps-1 (the last is a logging step)."""
+warmup+1 .. steps-1 (the last is a logging step), and of those only the ones before a
+profiled row's profiler starts."""
 
 from __future__ import annotations
 
@@ -19,9 +20,17 @@ LOG_EVERY = 100_000
 
 
 def train_argv(row: Row, ac: str, outdir: Path) -> list[str]:
-    return ["-m", "loom", "train", *row.flags, "--ac", ac, "--dtype", "bf16",
+    profile = ["--profile", "--profile-wait", str(row.profile_wait), "--profile-warmup", "1",
+               "--profile-active", "3", "--profile-rank0-only"] if row.profile_wait else []
+    return ["-m", "loom", "train", *row.flags, *profile, "--ac", ac, "--dtype", "bf16",
             "--dataset", "random", "--seed", "0", "--max-steps", str(row.steps),
             "--log-every", str(LOG_EVERY), "--outdir", str(outdir)]
+
+
+def timed_steps(row: Row) -> range:
+    """After the warm-up, before the last (logging) step and before the profiler starts."""
+    end = min(row.steps, row.profile_wait + 1) if row.profile_wait else row.steps
+    return range(row.warmup + 1, end)
 
 
 def read_run(folder: Path, row: Row) -> dict:
@@ -31,7 +40,7 @@ def read_run(folder: Path, row: Row) -> dict:
     rows = {r["train/iter"]: r for r in map(json.loads, lines)}
     config = json.loads((folder / "config.json").read_text())
     derived = config["derived"]
-    timed = [rows[i]["train/dt"] for i in range(row.warmup + 1, row.steps) if i in rows]
+    timed = [rows[i]["train/dt"] for i in timed_steps(row) if i in rows]
     if not timed:
         raise ValueError(f"no timed steps among {sorted(rows)}")
 

@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src")
 if SRC not in sys.path:
@@ -39,6 +40,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def import_titan() -> str | None:
+    """Import what the run needs; None, or why `datasets` was replaced by a stub. torchtitan's
+    llama3 package imports Hugging Face `datasets` for its text loader, which this check never
+    calls (random tokens): where the carried `datasets` does not import on the GPU machine's
+    packages, a stub that raises when called stands in, and the row says so."""
+    why = None
+    try:
+        import datasets  # noqa: F401
+    except Exception as e:
+        why = f"datasets stubbed ({type(e).__name__}: {e})"[:300]
+
+        def unavailable(*args, **kwargs):
+            raise RuntimeError("the device check stubbed `datasets`")
+
+        stub, dist = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
+        stub.Dataset, stub.load_dataset = type("Dataset", (), {}), unavailable
+        dist.split_dataset_by_node, stub.distributed = unavailable, dist
+        sys.modules.update({"datasets": stub, "datasets.distributed": dist})
+    import torchtitan.models.llama3
+    import torchtitan.train  # noqa: F401
+    return why
 
 
 def point_at_cpu() -> None:
@@ -190,11 +214,16 @@ def run(spec: dict) -> dict:
     return {"step_s": statistics.median(timed), "first_step_s": times[0], "steps": len(times),
             "parameters": params, "loom_parameters": spec["loom_parameters"],
             "same_parameter_count": params == spec["loom_parameters"], "alloc_peak_gib": peak,
+            "datasets_stub": spec["stub"],
             "torchtitan": getattr(torchtitan, "__version__", "?"), "torch": torch.__version__}
 
 
 def main() -> int:
+    if sys.argv[1] == "--probe":  # the check asks once whether torchtitan can run here
+        print(json.dumps({"stub": import_titan()}), flush=True)
+        return 0
     spec = json.loads(sys.argv[1])
+    spec["stub"] = import_titan()
     spec.update(loom_shape(spec["flags"]))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
