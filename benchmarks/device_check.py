@@ -291,7 +291,7 @@ def main(argv: list[str]) -> int:
     out.write("device_check.md", text + "\n")
     print(text)
     print(f"\n{args.mode}: {meta['device']}, torch {mm.get('torch', '?')}, matmul "
-          f"{report.fmt(check.matmul_tflops, '.1f')} TFLOP/s, {meta['seconds']:.0f} s; "
+          f"{report.fmt(check.matmul_tflops, '.3g')} TFLOP/s, {meta['seconds']:.0f} s; "
           f"rows in {args.out}")
     return 0
 
