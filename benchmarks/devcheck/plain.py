@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +24,8 @@ import torch.nn.functional as F
 SRC = Path(__file__).resolve().parents[2] / "src"
 if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
+
+from clock import StepClock  # noqa: E402  (run as a script: this folder is on the path)
 
 
 def checkpointed(block: torch.nn.Module, ac: str) -> None:
@@ -82,34 +82,19 @@ def run(spec: dict) -> dict:
                             weight_decay=0.1, fused=True)
     batch, seq, vocab = cfg.train.batch_size, cfg.data.seq_len, cfg.model.vocab_size
     gen = torch.Generator().manual_seed(0)
-    marks = []
-
-    def mark():
-        if cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
+    clock = StepClock(cuda)
     for _ in range(spec["steps"]):
         tokens = torch.randint(vocab, (batch, seq + 1), generator=gen).to(device,
                                                                          non_blocking=True)
-        start = mark()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        marks.append((start, mark()))
-    if cuda:
-        torch.cuda.synchronize()
-        times = [a.elapsed_time(b) / 1e3 for a, b in marks]
-    else:
-        times = [b - a for a, b in marks]
-    timed = times[spec["warmup"]:] or times[-1:]
-    return {"step_s": statistics.median(timed), "first_step_s": times[0], "steps": len(times),
+        with clock.step():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {**clock.summary(spec["warmup"]),
             "parameters": sum(p.numel() for p in model.parameters()),
             "alloc_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "loss_last": float(loss.detach()), "torch": torch.__version__}

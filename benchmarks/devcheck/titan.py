@@ -19,15 +19,15 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
-import time
 import types
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src")
 if SRC not in sys.path:
     sys.path.insert(0, SRC)
+
+from clock import StepClock  # noqa: E402  (run as a script: this folder is on the path)
 
 AC_MODES = {"none": ("none", None), "block": ("full", None), "full": ("full", None),
             "selective": ("selective", "op"), "op": ("selective", "op")}
@@ -182,20 +182,12 @@ def run(spec: dict) -> dict:
         point_at_cpu()
     register(spec)
 
-    def mark():
-        if cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    marks: list = []
+    clock = StepClock(cuda)
 
     class Timed(Trainer):
         def train_step(self, data_iterator):
-            start = mark()
-            super().train_step(data_iterator)
-            marks.append((start, mark()))
+            with clock.step():
+                super().train_step(data_iterator)
 
     with tempfile.TemporaryDirectory() as folder:
         trainer = Timed(job_config(spec, folder))
@@ -204,15 +196,9 @@ def run(spec: dict) -> dict:
             trainer.train()
         finally:
             trainer.close()
-    if cuda:
-        torch.cuda.synchronize()
-        times = [a.elapsed_time(b) / 1e3 for a, b in marks]
-    else:
-        times = [b - a for a, b in marks]
-    timed = times[spec["warmup"]:] or times[-1:]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    return {"step_s": statistics.median(timed), "first_step_s": times[0], "steps": len(times),
-            "parameters": params, "loom_parameters": spec["loom_parameters"],
+    return {**clock.summary(spec["warmup"]), "parameters": params,
+            "loom_parameters": spec["loom_parameters"],
             "same_parameter_count": params == spec["loom_parameters"], "alloc_peak_gib": peak,
             "datasets_stub": spec["stub"],
             "torchtitan": getattr(torchtitan, "__version__", "?"), "torch": torch.__version__}

@@ -43,7 +43,7 @@ def test_empty_text_file_is_one_line_and_writes_nothing(tmp_path):
 @pytest.mark.multirank
 def test_model_too_large_for_memory_is_refused_before_allocation(tmp_path):
     job = run_ranks(2, ["-m", "loom", "train", "--model", "debug", "--dataset", "random",
-                        "--vocab-size", str(16_000_000), "--fp32", "--outdir", str(tmp_path / "run")],
+                        "--vocab-size", "16000000", "--fp32", "--outdir", str(tmp_path / "run")],
                     timeout=300)
     assert all(r.returncode == 2 for r in job.ranks), job.describe()
     errors = [line for r in job.ranks for line in r.stderr.splitlines() if line.strip()]
