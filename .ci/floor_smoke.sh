@@ -3,6 +3,7 @@
 # oldest supported torch in its own venv. Usage: .ci/floor_smoke.sh VENV (loom installed in it).
 set -euo pipefail
 source "$1/bin/activate"
+repo=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
@@ -29,3 +30,5 @@ smoke ep loom launch -n 2 loom train --model moe-debug --dataset random --max-st
 smoke resume loom launch -n 2 loom train --model debug --dataset random --max-steps 10 --tp 2 \
   --resume --outdir fsdp
 smoke export loom export fsdp/checkpoints/step-10 hf
+smoke device-check env LOOM_DEVICE_CHECK=tiny python "$repo/benchmarks/device_check.py" \
+  device-check --work device-check-work
