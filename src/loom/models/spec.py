@@ -144,10 +144,14 @@ class SpecHook:
     every optimizer step of a model of this family)."""
 
     name: str
-    run: Callable[[nn.Module, Callable[[torch.Tensor], torch.Tensor], int], dict[str, float]]
+    run: Callable[[nn.Module, Callable[[torch.Tensor], torch.Tensor], int, torch.Tensor],
+                  dict[str, torch.Tensor]]
     """(the rank's model part, an in-place sum over the ranks holding different tokens,
-    how many such ranks there are) -> metrics for the step's row. The sum comes from the
-    trainer so that models do no communication of their own."""
+    how many such ranks there are, whether the optimizer applied this step's update: a
+    device scalar, 1.0 or 0.0) -> metrics for the step's row, on the device. The sum comes
+    from the trainer so that models do no communication of their own; the hook runs after
+    every step and masks its own update with `applied`, so that the trainer never reads
+    whether a step was finite between logging steps."""
 
 
 def _none(model: nn.Module) -> list[nn.Module]:

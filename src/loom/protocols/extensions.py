@@ -6,9 +6,11 @@
   the checkpoints see.
   A converter that adds parameters (LoRA's adapters) says how they are initialised: they
   are drawn from the seed even when the model's own weights come from a checkpoint.
-- A **step hook** runs after every optimizer step that updated the weights (e.g. float8
-  scale precompute, an EMA of the weights, the MoE expert-bias update) and may return
-  metrics for the step's row.
+- A **step hook** runs after every optimizer step (e.g. float8 scale precompute, an EMA
+  of the weights, the MoE expert-bias update) and may return metrics for the step's row,
+  as device scalars read with the row. Whether the update was applied (a non-finite step
+  is skipped on the device) reaches it as a device scalar, `StepContext.applied`: a hook
+  whose work must not follow a skipped step masks it with that, never reads it.
 
 Each is registered once with a predicate on the resolved config that says whether the run
 uses it; a model family's own step hooks (`ModelSpec.hooks`) are its spec's, used by every
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -40,6 +43,9 @@ class StepContext:
     model: nn.Module
     token_group: dist.ProcessGroup
     cfg: JobConfig
+    applied: torch.Tensor | None = None
+    """1.0 where the optimizer applied this step's update, 0.0 where it skipped a
+    non-finite one, on the device; None: the host already knows it was applied."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class ModelConverter:
 class StepHook:
     name: str
     enabled: Enabled
-    run: Callable[[StepContext], dict[str, float]]
+    run: Callable[[StepContext], dict[str, torch.Tensor | float]]
 
 
 _CONVERTERS: dict[str, ModelConverter] = {}
@@ -82,10 +88,13 @@ def active_converters(cfg: JobConfig) -> list[ModelConverter]:
 
 
 def _family_hook(hook: SpecHook) -> StepHook:
-    return StepHook(hook.name, enabled=lambda cfg: True,
-                    run=lambda context: hook.run(context.model,
-                                                 lambda t: summed(t, context.token_group),
-                                                 dist.get_world_size(context.token_group)))
+    def run(context: StepContext) -> dict[str, torch.Tensor | float]:
+        applied = context.applied
+        if applied is None:
+            applied = torch.ones((), device=next(context.model.parameters()).device)
+        return hook.run(context.model, lambda t: summed(t, context.token_group),
+                        dist.get_world_size(context.token_group), applied)
+    return StepHook(hook.name, enabled=lambda cfg: True, run=run)
 
 
 def active_step_hooks(cfg: JobConfig) -> list[StepHook]:
@@ -116,9 +125,9 @@ def added_parameter_std(cfg: JobConfig) -> Callable[[str], float | None]:
     return std
 
 
-def after_optimizer_step(context: StepContext) -> dict[str, float]:
+def after_optimizer_step(context: StepContext) -> dict[str, torch.Tensor | float]:
     """Run every enabled step hook; their metrics, merged."""
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor | float] = {}
     for hook in active_step_hooks(context.cfg):
         metrics.update(hook.run(context))
     return metrics

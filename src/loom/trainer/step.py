@@ -50,12 +50,13 @@ def forward_loss(criterion: Criterion, model: nn.Module, inputs: torch.Tensor,
 @dataclass
 class StepResult:
     """One optimizer step: loss (mean over the global batch's valid tokens), pre-clip
-    gradient norm and valid tokens stay on the device; the MoE metrics are host floats."""
+    gradient norm and valid tokens stay on the device, and so do the step hooks' metrics
+    (MoE's) until the logging step reads them with the row."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     valid_tokens: torch.Tensor
-    moe: dict[str, float] = field(default_factory=dict)
+    moe: dict[str, torch.Tensor | float] = field(default_factory=dict)
     applied: torch.Tensor | None = None
     """1.0 where the optimizer applied the update, 0.0 where a non-finite step was skipped
     (on the device: read with the metrics)."""

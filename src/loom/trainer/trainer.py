@@ -32,7 +32,7 @@ from loom.observability.progress import Progress
 from loom.parallel.context import shard_batch
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.single import step_autocast
-from loom.protocols.extensions import StepContext, active_step_hooks, after_optimizer_step
+from loom.protocols.extensions import StepContext, after_optimizer_step
 from loom.runtime import flight
 from loom.runtime.distributed import RankInfo, summed
 from loom.runtime.host_hygiene import ScheduledGC
@@ -110,14 +110,13 @@ class Trainer:
         self.metrics.write_config(effective_config(cfg, info, dims, device, self.global_batch,
                                                    self.precision, self.executor))
         self.token_group = dims.get_mesh("loss").get_group()
-        self.hook_metrics: dict[str, float] = {}  # the last update's, kept over skipped steps
+        self.hook_metrics: dict[str, torch.Tensor | float] = {}  # the last run's
         self.skipped_in_a_row = 0
         self.stop_signal = 0  # the signal that asked this job to stop, agreed by all ranks
         # The fused AdamW skips a non-finite step on the device (its found_inf input), so
-        # the step need not read whether to update; step hooks (MoE's expert-bias update)
-        # run only after an update the host knows was applied.
-        self.masked_update = bool(self.optimizer.defaults.get("fused")) \
-            and not active_step_hooks(cfg)
+        # the step need not read whether to update; step hooks mask their own work with
+        # the same device flag (`StepContext.applied`).
+        self.masked_update = bool(self.optimizer.defaults.get("fused"))
         self.unread: list[tuple[int, torch.Tensor]] = []
         """Masked steps whose (applied, loss, gradient norm) the host has not read yet."""
         self.host_group = host_group(info.world_size)
@@ -154,9 +153,10 @@ class Trainer:
             if self.update_is_finite(step, ok, *((0.0, 0.0) if ok else (
                     float(step_loss), float(grad_norm)))):
                 self.optimizer.step()
-                self.hook_metrics = after_optimizer_step(
-                    StepContext(self.model, self.token_group, self.cfg))
             applied = torch.tensor(float(ok), device=self.device)
+        # every hook masks its own work with `applied`: a skipped step leaves it inert
+        self.hook_metrics = after_optimizer_step(
+            StepContext(self.model, self.token_group, self.cfg, applied))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(step_loss, grad_norm, done.valid, self.hook_metrics, applied)

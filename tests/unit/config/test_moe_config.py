@@ -81,6 +81,23 @@ def test_expert_bias_moves_towards_balance():
     assert row["moe/load_imbalance"] == 2.5
 
 
+def test_a_skipped_update_leaves_the_expert_bias_and_keeps_the_counts():
+    """`applied` 0.0 (a non-finite step the optimizer skipped on the device): the bias
+    stays and the counts carry into the next step; 1.0 then moves it on both steps' counts."""
+    args = MoEArgs(dim=8, n_experts=4, top_k=1, load_balance_coeff=0.1)
+    moe = MoE(args)
+    moe.reset_buffers()
+    moe.tokens_per_expert.copy_(torch.tensor([1.0, 1.0, 1.0, 5.0]))
+    with one_rank_group():
+        update_expert_bias(moe, lambda t: t, 1, applied=torch.tensor(0.0))
+        torch.testing.assert_close(moe.expert_bias, torch.zeros(4))
+        torch.testing.assert_close(moe.tokens_per_expert, torch.tensor([1.0, 1.0, 1.0, 5.0]))
+        moe.tokens_per_expert.add_(torch.tensor([5.0, 1.0, 1.0, 0.0]))  # the next step's
+        update_expert_bias(moe, lambda t: t, 1, applied=torch.tensor(1.0))
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.1, 0.1, 0.1, -0.1]))
+    assert moe.tokens_per_expert.sum() == 0
+
+
 def test_active_parameters_count_top_k_of_the_routed_experts():
     dense = MoEArgs(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=11, n_experts=4,
                     top_k=4, n_dense_layers=0)

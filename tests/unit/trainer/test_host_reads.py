@@ -31,12 +31,13 @@ SYNCING_FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique")
 """torch functions of a data-dependent output size: each waits for the device."""
 
 
-def counted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str]
+def counted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str],
+                model: tuple[str, ...] = ("--model", "debug", "--fp32"),
                 ) -> tuple[dict[int, Counter], Trainer]:
     """Host reads by the step that was running (from its train_step to the next's)."""
     info = RankInfo(rank=0, world_size=1, local_rank=0, master_addr="localhost", master_port=0)
-    with layout_training(["--model", "debug", "--dataset", "random", "--vocab-size", "256",
-                          "--seq-len", "32", "--batch-size", "2", "--fp32",
+    with layout_training([*model, "--dataset", "random", "--vocab-size", "256",
+                          "--seq-len", "32", "--batch-size", "2",
                           "--outdir", str(tmp_path / "run"), *flags], info,
                          torch.device("cpu")) as trainer:
         return counted_steps(trainer, monkeypatch), trainer
@@ -100,6 +101,20 @@ def test_no_host_read_on_a_non_logging_step(tmp_path, monkeypatch, process_group
     quiet = {step: dict(reads.get(step, {})) for step in range(1, 9) if step not in LOGGING}
     assert all(not counts for counts in quiet.values()), quiet
     assert all(reads.get(step) for step in LOGGING), "the counter saw the logging steps' reads"
+
+
+def test_no_host_read_on_a_non_logging_step_of_one_process_moe(tmp_path, monkeypatch,
+                                                                process_group):
+    """MoE in bf16 at one process (issue #54): grouped expert matmuls, and the expert-bias
+    step hook masks itself with the device's `applied` flag and keeps its metrics on the
+    device, so neither whether the step was finite nor the hook's metrics are read until
+    the logging step; the rows still carry the MoE columns."""
+    reads, _ = counted_run(tmp_path, monkeypatch, ["--max-steps", "8", "--log-every", "4"],
+                           model=("--model", "moe-debug", "--dtype", "bf16"))
+    quiet = {step: dict(reads.get(step, {})) for step in range(1, 9) if step not in LOGGING}
+    assert all(not counts for counts in quiet.values()), quiet
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics-0.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(math.isfinite(r["moe/load_imbalance"]) for r in rows), rows[-1]
 
 
 @pytest.mark.parametrize("loss_impl", MODES)

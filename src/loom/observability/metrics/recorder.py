@@ -178,16 +178,17 @@ class Metrics:
         return [grads, tensor_stats(self.model.parameters(), self.device)]
 
     def log_step(self, step: int, epoch: int, bidx: int, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, extra: dict[str, float] | None = None, *,
+                 grad_norm: torch.Tensor, extra: dict[str, Any] | None = None, *,
                  valid_tokens: torch.Tensor | None = None,
                  batches: list[dict[str, torch.Tensor]] | None = None,
                  applied: torch.Tensor | None = None,
                  ) -> dict[str, Any] | None:
         """Queue the step's row; at a logging step (or one with histograms to write) read
-        and write every queued row, returning the last. `extra`: more host columns (the MoE
-        metrics, evaluation); `valid_tokens`: the step's valid labels over the loss mesh (on
-        the device); `batches`: this rank's micro-batches; `applied`: 1.0 where the optimizer
-        applied the update, 0.0 where a non-finite step was skipped (on the device).
+        and write every queued row, returning the last. `extra`: more columns (the step
+        hooks' metrics, as device scalars; evaluation's, host values); `valid_tokens`: the
+        step's valid labels over the loss mesh (on the device); `batches`: this rank's
+        micro-batches; `applied`: 1.0 where the optimizer applied the update, 0.0 where a
+        non-finite step was skipped (on the device).
 
         Nothing here reads the device: the step's columns stay there until the logging
         step, so the host keeps launching work while the device runs."""
@@ -195,7 +196,13 @@ class Metrics:
         names, values = self.device_columns(step, loss, grad_norm, valid_tokens)
         # the allocator's statistics are host calls: at the logging steps only
         memory = memory_stats(self.device) if self.progress.due(step) else {}
-        host: dict[str, Any] = {**memory, **(extra or {})}
+        host: dict[str, Any] = {**memory, **{k: v for k, v in (extra or {}).items()
+                                             if not isinstance(v, torch.Tensor)}}
+        on_device = {k: v for k, v in (extra or {}).items() if isinstance(v, torch.Tensor)}
+        if on_device:  # the step hooks' metrics: read with the row's other device columns
+            names = (*names, *on_device)
+            values = [*values, *(v.detach().float().reshape(1).to(self.device)
+                                 for v in on_device.values())]
         if batches:
             names, values = (*names, *INPUT_KEYS), [*values, input_range(batches, self.device)]
             host["micro_batches"] = len(batches)
