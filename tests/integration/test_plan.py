@@ -29,6 +29,7 @@ DEEP_PP = [*PP, *DEEP]  # 4 blocks a stage, extrapolated from 1 and 2
 EP = ["--model", "moe-debug", "--dtype", "bf16", "--ep", "2"]  # traced as balanced routing
 COMPILED = ["--compile", "--act-mem-budget", "0.5", "--loss-impl", "compiled", "--seq-len",
             "512", "--batch-size", "4", "--vocab-size", "2048"]
+FLOAT8 = ["--dtype", "bf16", "--float8", "tensorwise"]  # emulated on CPU; float8 all-gather
 RUNS = [[], HSDP, ["--tp", "2", "--loss-impl", "loss-parallel"], TP_FUSED]
 TOLERANCE = 0.10
 
@@ -68,6 +69,13 @@ def test_compiled_blocks_and_loss_predicted_within_ten_percent(tmp_path):
     and loss one compiled graph, peaked lower: 82.65 MiB against the plan's 95.36 (+15%,
     Intel Xeon, torch 2.13), so at one process the plan errs high until it traces that path."""
     assert_predictions_close(tmp_path, 1, [COMPILED], env={"LOOM_SINGLE_DEVICE": "fsdp2"})
+
+
+@pytest.mark.multirank
+def test_float8_predicted_within_ten_percent(tmp_path):
+    """torchao's Float8Linear traced as it runs (emulated on CPU): its saved inputs, casts
+    and FSDP2's float8 all-gather of the weights, at 2 ranks."""
+    assert_predictions_close(tmp_path, 2, [FLOAT8])
 
 
 @pytest.mark.multirank

@@ -6,9 +6,10 @@ tensors) at reduced depth, extrapolated per block like memory. Every rank does 1
 (dp splits the batch, tp the matmuls, cp the sequence, pp the layers, see
 `predict_step_time` for the pipeline's bubble); activation checkpointing adds the
 recomputed forward; --float8's linears run at the float8 peak, their casts cost memory
-traffic (`loom.plan.float8`). Communication volume is derived from the layout: FSDP all-gathers (forward and,
-when resharding, backward again) and reduce-scatters overlap with compute; tensor and
-expert parallel collectives, cp's K/V all-gathers and pp's sends sit on the critical path.
+traffic (`loom.plan.float8`). Communication volume is derived from the layout: FSDP
+all-gathers (forward and, when resharding, backward again) and reduce-scatters overlap with
+compute; tensor and expert parallel collectives, cp's K/V all-gathers and pp's sends sit on
+the critical path.
 """
 
 from __future__ import annotations
