@@ -109,12 +109,12 @@ def cast_seconds(cfg: JobConfig, tokens: float, tp: int, extra_forward: float,
 
 
 def gathered_weight_bytes(cfg: JobConfig, dense_params: float, param_bytes: int,
-                          tp: int) -> float:
-    """Bytes FSDP all-gathers for `dense_params` (one rank's tp shard of the dense
-    weights): tensorwise float8 weights travel as 1 byte each."""
+                          tp: int, share: float = 1.0) -> float:
+    """Bytes FSDP all-gathers for `dense_params` (one rank's tp shard of the dense weights,
+    of its pipeline stages' `share`): tensorwise float8 weights travel as 1 byte each."""
     if cfg.parallel.float8 != "tensorwise":
         return dense_params * param_bytes
-    swapped = min(dense_params, float8_linears(cfg.model).weights / tp)
+    swapped = min(dense_params, float8_linears(cfg.model).weights / tp * share)
     return dense_params * param_bytes - swapped * (param_bytes - 1)
 
 

@@ -143,7 +143,7 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
     gathers = accum * (2 if p.reshard_after_forward == "always" else 1)
     shard = dims.dp_shard * dims.cp  # FSDP shards over cp too
     shard_ep = dims.efsdp if dims.ep_enabled else shard
-    fsdp = ((gathers * gathered_weight_bytes(cfg, dense, param_bytes, dims.tp)
+    fsdp = ((gathers * gathered_weight_bytes(cfg, dense, param_bytes, dims.tp, share)
              + reduced * dense * grad_bytes) * (shard - 1) / shard
             + routed * (gathers * param_bytes + reduced * grad_bytes) * (shard_ep - 1) / shard_ep)
     fsdp_s = fsdp / bandwidth(device, shard * dims.tp)

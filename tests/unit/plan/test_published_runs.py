@@ -19,8 +19,10 @@ import pytest
 
 from loom.config import JobConfig, parse_args
 from loom.losses import resolve_loss_impl
+from loom.parallel.mesh import ParallelDims
 from loom.plan.command import make_plan
-from loom.plan.speed import predict_step_time
+from loom.plan.float8 import float8_linears
+from loom.plan.speed import comm_seconds, param_count, predict_step_time
 from loom.plan.trace import fake_world
 
 LLAMA3_8B = ["--dim", "4096", "--n-layers", "32", "--n-heads", "32", "--n-kv-heads", "8",
@@ -108,3 +110,20 @@ def test_float8_plan_on_a_device_without_float8_cores_is_the_bf16_plan(tmp_path)
     with fake_world(2):
         times = [predict_step_time(c, 2, "A100", tmp_path).compute_s for c in (cfg, fp8)]
     assert times[0] == times[1]
+
+
+def test_tensorwise_float8_gathers_weights_and_tp_activations_in_one_byte():
+    """FSDP2 gathers tensorwise float8 weights in 1 byte (rowwise ones in --dtype); torchao's
+    tp styles all-gather float8 activations, the reduce-scatters stay bf16: 6 of 8 units."""
+    base = [*LLAMA3_8B, "--batch-size", "1", "--tp", "2", "--reshard-after-forward", "always",
+            "--reduce-dtype", "fp32"]  # per weight: gathered twice (2 x 2 bytes), reduced (4)
+    dims = ParallelDims.from_config(parse_args(base).parallel, 16)
+    plain, tensorwise, rowwise = (
+        comm_seconds(parse_args([*base, *flags]), dims, "H100")
+        for flags in ([], ["--float8", "tensorwise"], ["--float8", "rowwise"]))
+    assert tensorwise[0] < plain[0] == rowwise[0]
+    linears = float8_linears(parse_args(base).model)
+    everything, _ = param_count(parse_args(base).model)
+    # a swapped weight moves 2 x 1 + 4 bytes of the 8
+    assert tensorwise[0] == pytest.approx(plain[0] * (1 - linears.weights / everything / 4))
+    assert tensorwise[1] == pytest.approx(plain[1] * 6 / 8) and rowwise[1] == plain[1]
