@@ -16,7 +16,9 @@ the head), from torchao's tensorwise recipe (`torchao/float8/float8_linear.py`):
   op reads and writes its whole tensor, 33 bytes per bf16 element (abs 2 + 2, max 2, fp32
   copy 2 + 4, multiply 4 + 4, clamp 4 + 4, cast 4 + 1); compiled, inductor fuses them into
   one read for the amax and one read-and-write for the cast, 5 bytes. The traffic runs at
-  `BANDWIDTH_EFFICIENCY` of the datasheet's HBM bandwidth.
+  `BANDWIDTH_EFFICIENCY` of the datasheet's HBM bandwidth. Counted per linear, an upper
+  bound where torchao's tp styles share one input cast among wq/wk/wv or w1/w3; rowwise
+  scales are counted as tensorwise ones (the same bytes, a scale per row).
 - Collectives: FSDP2 all-gathers tensorwise weights in float8 (1 byte, not 2); under tp,
   torchao's float8 styles cast each all-gathered activation (forward input, backward
   output gradient) before the gather, so the sequence-parallel all-gathers move 1 byte an
