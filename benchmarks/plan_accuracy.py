@@ -46,7 +46,8 @@ CONFIGS: dict[int, list[list[str]]] = {
         [*MOE, "--ep", "2"], ["--grad-accum-steps", "2", *DEEP],
         ["--grad-accum-steps", "2", "--accum-reduce", "micro-batch", *DEEP],
         ["--pp", "2", "--batch-size", "4", *DEEP],
-        ["--pp", "2", "--pp-schedule", "gpipe", "--batch-size", "4", *DEEP]],
+        ["--pp", "2", "--pp-schedule", "gpipe", "--batch-size", "4", *DEEP],
+        ["--dtype", "bf16", "--float8", "tensorwise"]],  # emulated; float8 all-gather
     4: [[], ["--dp-replicate", "2", "--ac", "block", "--loss-impl", "chunked"],
         ["--tp", "2", "--loss-impl", "loss-parallel"],
         ["--tp", "2", "--loss-impl", "fused-linear", "--ac", "selective"],

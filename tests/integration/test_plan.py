@@ -29,6 +29,7 @@ DEEP_PP = [*PP, *DEEP]  # 4 blocks a stage, extrapolated from 1 and 2
 EP = ["--model", "moe-debug", "--dtype", "bf16", "--ep", "2"]  # traced as balanced routing
 COMPILED = ["--compile", "--act-mem-budget", "0.5", "--loss-impl", "compiled", "--seq-len",
             "512", "--batch-size", "4", "--vocab-size", "2048"]
+FLOAT8 = ["--dtype", "bf16", "--float8", "tensorwise"]  # emulated on CPU; float8 all-gather
 RUNS = [[], HSDP, ["--tp", "2", "--loss-impl", "loss-parallel"], TP_FUSED]
 TOLERANCE = 0.10
 
@@ -37,8 +38,9 @@ TOLERANCE = 0.10
 def test_predicted_peaks_within_ten_percent_of_measured_on_2_ranks(tmp_path):
     """HSDP + block AC + chunked loss, tp + fused-linear + selective AC, pipeline parallel
     (per-stage traces, in-flight micro-batches, receive buffers), context parallel (the
-    gathered K/V) and expert parallel: one launch."""
-    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP, EP])
+    gathered K/V), expert parallel and float8 (torchao's linears as they run, emulated, and
+    FSDP2's float8 all-gather): one launch."""
+    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP, EP, FLOAT8])
 
 
 @pytest.mark.multirank

@@ -125,8 +125,7 @@ def precompute_scales(context: StepContext) -> dict[str, float]:
 
 
 register_converter(ModelConverter(
-    "float8", enabled=lambda cfg: cfg.parallel.float8 != "off", convert=convert_to_float8,
-    traced=False))
+    "float8", enabled=lambda cfg: cfg.parallel.float8 != "off", convert=convert_to_float8))
 register_step_hook(StepHook(
     "float8-scales", enabled=lambda cfg: cfg.parallel.float8 == "tensorwise",
     run=precompute_scales))

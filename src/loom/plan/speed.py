@@ -5,9 +5,11 @@ FLOPs come from `loom.observability.flops.count_step_flops` (the unsharded model
 tensors) at reduced depth, extrapolated per block like memory. Every rank does 1/world of them
 (dp splits the batch, tp the matmuls, cp the sequence, pp the layers, see
 `predict_step_time` for the pipeline's bubble); activation checkpointing adds the
-recomputed forward. Communication volume is derived from the layout: FSDP all-gathers (forward and,
-when resharding, backward again) and reduce-scatters overlap with compute; tensor and
-expert parallel collectives, cp's K/V all-gathers and pp's sends sit on the critical path.
+recomputed forward; --float8's linears run at the float8 peak, their casts cost memory
+traffic (`loom.plan.float8`). Communication volume is derived from the layout: FSDP
+all-gathers (forward and, when resharding, backward again) and reduce-scatters overlap with
+compute; tensor and expert parallel collectives, cp's K/V all-gathers and pp's sends sit on
+the critical path.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from loom.models.resolve import model_args, plain_model
 from loom.numerics.precision import torch_dtype
 from loom.observability.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
 from loom.parallel.mesh import ParallelDims
+from loom.plan.float8 import (
+    cast_seconds,
+    float8_flops,
+    float8_peak,
+    gathered_weight_bytes,
+    tp_collective_units,
+)
 from loom.plan.memory import traced_depths
 from loom.plan.pipeline import compute_share
 from loom.plan.trace import with_layers
@@ -131,18 +140,20 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
     routed = experts / max(1, dims.ep * (dims.tp if dims.etp_enabled else 1)) * share
     accum = cfg.train.grad_accum_steps  # every micro-batch gathers; reductions: see below
     reduced = accum if cfg.train.accum_reduce == "micro-batch" or dims.pp_enabled else 1
-    per_weight = accum * (2 if p.reshard_after_forward == "always" else 1) * param_bytes \
-        + reduced * grad_bytes
+    gathers = accum * (2 if p.reshard_after_forward == "always" else 1)
     shard = dims.dp_shard * dims.cp  # FSDP shards over cp too
     shard_ep = dims.efsdp if dims.ep_enabled else shard
-    fsdp = (dense * (shard - 1) / shard + routed * (shard_ep - 1) / shard_ep) * per_weight
+    fsdp = ((gathers * gathered_weight_bytes(cfg, dense, param_bytes, dims.tp, share)
+             + reduced * dense * grad_bytes) * (shard - 1) / shard
+            + routed * (gathers * param_bytes + reduced * grad_bytes) * (shard_ep - 1) / shard_ep)
     fsdp_s = fsdp / bandwidth(device, shard * dims.tp)
     if dims.dp_replicate > 1:  # HSDP: all-reduce of the shard's gradients across replicas
         fsdp_s += reduced * 2 * (dense / shard) * grad_bytes / bandwidth(device, dims.world_size)
     act = cfg.train.batch_size * cfg.data.seq_len // dims.cp * m.dim * param_bytes
     exposed = 0.0
-    if dims.tp > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters per block, x2 bwd
-        exposed += m.n_layers * 8 * act * (dims.tp - 1) / dims.tp / bandwidth(device, dims.tp)
+    if dims.tp > 1:  # sequence parallel: all-gathers and reduce-scatters of every block
+        exposed += (m.n_layers * tp_collective_units(cfg) * act * (dims.tp - 1) / dims.tp
+                    / bandwidth(device, dims.tp))
     if dims.ep > 1:  # dispatch + combine, forward and backward, top_k copies of each token;
         # at etp 1 each tp rank sends its share of the slots over ep consecutive ranks, at
         # etp = tp every tp rank sends all of them over ep ranks tp apart
@@ -181,8 +192,12 @@ def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path)
         share = compute_share(cfg)
         stretch = 1 / (1 - bubble_fraction(dims.pp, stages_per_rank(p),
                                            choose_microbatches(p, cfg.train.batch_size)))
-    flops = _flops(cfg) / (dims.tp * dims.cp) * share * recompute * cfg.train.grad_accum_steps
-    compute = flops / (peak * EFFICIENCY) * stretch
+    per_rank = share * recompute * cfg.train.grad_accum_steps / (dims.tp * dims.cp)
+    flops = _flops(cfg) * per_rank
+    fast = float8_flops(cfg) * per_rank if float8_peak(device) else 0.0  # --float8 linears
+    compute = ((flops - fast) / peak + fast / (float8_peak(device) or peak)) / EFFICIENCY
+    tokens = cfg.train.batch_size * cfg.data.seq_len / dims.cp * share * cfg.train.grad_accum_steps
+    compute = (compute + cast_seconds(cfg, tokens, dims.tp, extra_forward, device)) * stretch
     fsdp_s, exposed = comm_seconds(cfg, dims, device, share)
     exposed += max(0.0, fsdp_s - compute)
     return StepTime(compute + exposed, compute, exposed, source)

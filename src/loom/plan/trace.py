@@ -30,6 +30,7 @@ from loom.losses.cross_entropy import localise
 from loom.models.registry import for_config, output_of
 from loom.models.resolve import plain_model
 from loom.models.spec import ModelParts
+from loom.numerics import float8 as _float8  # noqa: F401  (registers the --float8 converter)
 from loom.numerics.precision import torch_dtype
 from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.mesh import ParallelDims
@@ -185,7 +186,7 @@ def trace_step(cfg: JobConfig, world_size: int,
     if stage is not None:
         n = cfg.model.n_layers
         model = stage_module(model, range(0 if stage.first else 1, n + 2 if stage.last else n + 1))
-    convert_model(model, cfg, traced_only=True)  # LoRA: frozen base, adapters' optimizer state
+    convert_model(model, cfg, traced_only=True)  # LoRA's adapters, float8's torchao linears
     with quiet():
         parallelize(model, dims, cfg.parallel,
                     loss_parallel=cfg.loss.loss_impl == "loss-parallel", backend="gloo")

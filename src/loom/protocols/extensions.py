@@ -58,8 +58,9 @@ class ModelConverter:
     them: they are drawn from the seed even when the model is loaded), their initial std
     (0.0: zeros); None for every other name."""
     traced: bool = True
-    """Whether `loom plan`'s fake-tensor trace applies it (float8's torchao modules are not
-    followed there yet)."""
+    """Whether `loom plan`'s fake-tensor trace applies it (every built-in converter is
+    traced, float8's torchao modules included; a converter fake tensors cannot follow
+    says False)."""
 
 
 @dataclass(frozen=True)

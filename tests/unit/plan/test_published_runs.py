@@ -1,0 +1,129 @@
+"""`loom plan` against torchtitan's published Llama 3.1 runs on H100.
+
+Source: torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md` (December 2024; torch
+1963fc8, torchao eab345c, torchtitan 9dec370; H100 96 GB HBM2e, 500 W), whose memory column
+is the caching allocator's reserved peak. Table 1: Llama 3.1 8B, 8 GPUs, FSDP, local batch
+2, selective (per-op) activation checkpointing; seq 8192 is torchtitan 9dec370's
+`train_configs/llama3_8b.toml`. Table 4: 70B, 256 GPUs, FSDP 32 x TP 8, local batch 16,
+full AC, torch.compile, Float8 (the "2D" row; "2D + AsyncTP" is 876 tok/s, 67.6 GiB); seq
+8192 from its `llama3_70b.toml`; loss parallel is torchtitan's default under tp. The rows,
+planned values and the reasons for the misses are in docs/planning.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from loom.config import JobConfig, parse_args
+from loom.losses import resolve_loss_impl
+from loom.parallel.mesh import ParallelDims
+from loom.plan.command import make_plan
+from loom.plan.float8 import float8_linears
+from loom.plan.speed import comm_seconds, param_count, predict_step_time
+from loom.plan.trace import fake_world
+
+LLAMA3_8B = ["--dim", "4096", "--n-layers", "32", "--n-heads", "32", "--n-kv-heads", "8",
+             "--hidden-dim", "14336", "--vocab-size", "128256", "--rope-theta", "500000",
+             "--seq-len", "8192", "--max-seq-len", "8192", "--dtype", "bf16"]
+TABLE_1 = [*LLAMA3_8B, "--batch-size", "2", "--ac", "op"]
+LLAMA3_70B = ["--dim", "8192", "--n-layers", "80", "--n-heads", "64", "--n-kv-heads", "8",
+              "--hidden-dim", "28672", "--vocab-size", "128256", "--rope-theta", "500000",
+              "--seq-len", "8192", "--max-seq-len", "8192", "--dtype", "bf16"]
+TABLE_4 = [*LLAMA3_70B, "--tp", "8", "--batch-size", "16", "--ac", "full",
+           "--loss-impl", "loss-parallel", "--float8", "tensorwise"]
+GiB = 2**30
+
+
+def planned(argv: list[str], compile_: bool = False) -> JobConfig:
+    """The run's config; --compile is set after validation, which refuses it with block AC
+    at tp > 1 on torch 2.13 (a training refusal, issue 55 items 1-2: the plan itself can
+    model the run)."""
+    cfg = parse_args(argv)
+    return resolve_loss_impl(replace(cfg, parallel=replace(cfg.parallel, compile=compile_)))
+
+
+def tokens_per_gpu(cfg: JobConfig, world_size: int, tmp_path: Path) -> float:
+    with fake_world(world_size):
+        step = predict_step_time(cfg, world_size, "H100", tmp_path)
+    return cfg.train.batch_size * cfg.data.seq_len / step.seconds
+
+
+@pytest.mark.parametrize(("flags", "compile_", "published"), [
+    ([], False, 5762), ([], True, 6667), (["--float8", "tensorwise"], True, 8532)],
+    ids=["eager", "compiled", "compiled-float8"])
+def test_table_1_tokens_per_gpu_within_25_percent(flags, compile_, published, tmp_path):
+    """FLOPs over the bf16 peak at 0.4 efficiency; float8: the swapped linears at the
+    float8 peak plus the casts' traffic (loom.plan.float8). compile changes no term of the
+    estimate: the published 16 % is the fusion of memory-bound ops, which the single
+    efficiency does not separate (docs/planning.md)."""
+    planned_tps = tokens_per_gpu(planned([*TABLE_1, *flags], compile_), 8, tmp_path)
+    assert abs(planned_tps / published - 1) <= 0.25, planned_tps
+
+
+def test_float8_speeds_the_step_by_its_matmuls_less_its_casts(tmp_path):
+    """On H100 the swapped linears run at twice the bf16 peak: the compiled step is faster,
+    by less than 2x (attention and the head stay bf16, the casts cost traffic); eager casts
+    (33 bytes an element, not 5) take more of it back, as torchao's guidance to compile
+    float8 says."""
+    bf16 = tokens_per_gpu(planned(TABLE_1, True), 8, tmp_path)
+    fp8 = tokens_per_gpu(planned([*TABLE_1, "--float8", "tensorwise"], True), 8, tmp_path)
+    eager_fp8 = tokens_per_gpu(planned([*TABLE_1, "--float8", "tensorwise"]), 8, tmp_path)
+    assert bf16 < fp8 < 2 * bf16
+    assert eager_fp8 < fp8
+
+
+def test_table_1_peak_within_15_percent(tmp_path):
+    """82.4 GiB reserved, eager FSDP with per-op SAC on 96 GiB."""
+    cfg = planned(TABLE_1)
+    with fake_world(8):
+        plan = make_plan(cfg, 8, 96 * GiB, "H100", tmp_path)
+    assert plan.fits
+    assert abs(plan.peak_gib / 82.4 - 1) <= 0.15, plan.peak_gib
+
+
+TABLE_4_RECORDED_ERROR = -0.476
+"""docs/planning.md: the plan's 70B peak is 47.6 % under torchtitan's 71.9 GiB. Its loss
+upcasts the vocab-sharded logits to fp32 and peaks 15.6 GiB above loom's (traced); the
+rest is unexplained, the published figure being the allocator's reserved peak."""
+
+
+@pytest.mark.slow
+def test_table_4_peak_is_the_recorded_difference_and_fits(tmp_path):
+    """Through the planner's function: `loom plan` refuses --compile with --ac at --tp 8 on
+    torch 2.13 (a training refusal). ~1 min: the float8 blocks traced at 256 fake ranks."""
+    cfg = planned(TABLE_4, compile_=True)
+    with fake_world(256):
+        plan = make_plan(cfg, 256, 96 * GiB, "H100", tmp_path)
+    assert plan.fits
+    assert abs(plan.peak_gib / 71.9 - 1 - TABLE_4_RECORDED_ERROR) <= 0.02, plan.peak_gib
+    assert abs(plan.tokens_per_s / 256 / 829 - 1) <= 0.25, plan.tokens_per_s / 256
+
+
+def test_float8_plan_on_a_device_without_float8_cores_is_the_bf16_plan(tmp_path):
+    """An A100 (as the CPU) has no float8 tensor cores: `--float8-emulate` runs there at
+    bf16 speed, and the estimate keeps the bf16 matmuls."""
+    small = ["--model", "debug", "--dtype", "bf16", "--seq-len", "128"]
+    cfg, fp8 = planned(small), planned([*small, "--float8", "tensorwise"])
+    with fake_world(2):
+        times = [predict_step_time(c, 2, "A100", tmp_path).compute_s for c in (cfg, fp8)]
+    assert times[0] == times[1]
+
+
+def test_tensorwise_float8_gathers_weights_and_tp_activations_in_one_byte():
+    """FSDP2 gathers tensorwise float8 weights in 1 byte (rowwise ones in --dtype); torchao's
+    tp styles all-gather float8 activations, the reduce-scatters stay bf16: 6 of 8 units."""
+    base = [*LLAMA3_8B, "--batch-size", "1", "--tp", "2", "--reshard-after-forward", "always",
+            "--reduce-dtype", "fp32"]  # per weight: gathered twice (2 x 2 bytes), reduced (4)
+    dims = ParallelDims.from_config(parse_args(base).parallel, 16)
+    plain, tensorwise, rowwise = (
+        comm_seconds(parse_args([*base, *flags]), dims, "H100")
+        for flags in ([], ["--float8", "tensorwise"], ["--float8", "rowwise"]))
+    assert tensorwise[0] < plain[0] == rowwise[0]
+    linears = float8_linears(parse_args(base).model)
+    everything, _ = param_count(parse_args(base).model)
+    # a swapped weight moves 2 x 1 + 4 bytes of the 8
+    assert tensorwise[0] == pytest.approx(plain[0] * (1 - linears.weights / everything / 4))
+    assert tensorwise[1] == pytest.approx(plain[1] * 6 / 8) and rowwise[1] == plain[1]
