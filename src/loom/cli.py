@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 import loom
+import loom.models.registry
 from loom.config import SECTIONS, JobConfig, parse_args
 from loom.config.file import to_toml
+from loom.config.job import section_values
 from loom.errors import (
     BAD_INPUT_EXIT,
     DIVERGED_EXIT,
@@ -69,7 +71,7 @@ def first_sentence(err: Exception) -> str:
 
 
 def config_toml(cfg: JobConfig) -> str:
-    return to_toml({name: getattr(cfg, name) for name in SECTIONS})
+    return to_toml({name: section_values(cfg, name) for name in SECTIONS})
 
 
 def run_train(argv: Sequence[str]) -> int:

@@ -8,7 +8,7 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,9 +27,6 @@ from loom.safe_io import write_text_new
 from loom.trainer.evaluate import Evaluator, Validation, build_validation
 from loom.trainer.scoped import training
 
-MODEL_FIELDS = frozenset(f.name for f in fields(ModelConfig))
-"""The checkpoint's model_args are named like these config fields (every family's)."""
-
 
 def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
@@ -39,14 +36,15 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     if not (checkpoint / "loop.json").is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
     loop = read_loop(checkpoint)
-    shape = {k: v for k, v in loop["model_args"].items() if k in MODEL_FIELDS}
+    flags = ModelConfig().values()  # model_args are named like the model flags (families' too)
+    shape = {k: v for k, v in loop["model_args"].items() if k in flags}
     if loop["architecture"].get("family"):
         shape["family"] = loop["architecture"]["family"]
     cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
                       "--resume-new-data"])  # evaluating other data is the point
     given = cfg.output.outdir if "outdir" in cfg.explicit else None
     outdir = eval_folder(checkpoint, given, f"eval-{checkpoint.resolve().name}")
-    model = replace(cfg.model, **shape)
+    model = cfg.model.with_values(**shape)
     steps = cfg.eval.eval_steps if "eval_steps" in cfg.explicit else 0  # 0: the whole set
     cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False,
                                                    outdir=str(outdir)),

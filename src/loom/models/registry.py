@@ -12,7 +12,9 @@ from typing import Any
 from torch import nn
 
 from loom.config import ConfigError, ModelConfig
+from loom.config.families import register_flags
 from loom.models.llama.spec import LLAMA
+from loom.models.moe.flags import moe_flags
 from loom.models.moe.spec import MOE
 from loom.models.qwen3.spec import QWEN3, QWEN3_MOE
 from loom.models.spec import FAMILY_ATTR, HFAdapter, ModelSpec
@@ -22,7 +24,9 @@ _FAMILIES: dict[str, ModelSpec] = {}
 
 
 def register(spec: ModelSpec) -> ModelSpec:
-    """Add a family (replacing one of the same name)."""
+    """Add a family (replacing one of the same name), its flags with `loom.config`."""
+    for group in spec.flags:
+        register_flags(group)
     _FAMILIES[spec.name] = spec
     return spec
 
@@ -38,7 +42,7 @@ def family_name(m: ModelConfig) -> str:
     """The family a resolved model config builds."""
     if m.runs_transformers:
         return TRANSFORMERS.name
-    return m.family or ("moe" if m.n_experts else "llama")
+    return m.family or ("moe" if moe_flags(m).n_experts else "llama")
 
 
 def for_config(m: ModelConfig) -> ModelSpec:

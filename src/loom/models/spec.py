@@ -188,6 +188,10 @@ class ModelSpec:
     None: all of them."""
     hooks: tuple[SpecHook, ...] = ()
     """Step hooks every run of this family uses (the MoE expert-bias update)."""
+    flags: tuple[type, ...] = ()
+    """The family's own flag dataclasses (`loom.config.families`: `flag()` fields, their
+    defaults and a `check(cfg)`), registered with the family; its arguments are filled from
+    them and the shared model flags."""
 
     def part(self, model: nn.Module, name: str | None) -> nn.Module | None:
         return None if name is None else getattr(model, name, None)

@@ -18,6 +18,7 @@ from loom.config import ConfigError, JobConfig, parse_args, validate
 from loom.data.cache import default_cache_dir
 from loom.lora.converter import resolve_lora_targets
 from loom.losses import resolve_loss_impl
+from loom.models.moe.flags import moe_flags
 from loom.models.resolve import plain_model, resolve_model
 from loom.numerics.precision import resolve_precision
 from loom.parallel.mesh import ParallelDims
@@ -103,9 +104,9 @@ def check_supported(cfg: JobConfig) -> None:
                           f"{m.model}")
     if p.data_parallel != "fsdp2":
         raise ConfigError("loom plan traces --data-parallel fsdp2 only")
-    if m.n_experts and p.pp > 1:
+    if moe_flags(m).n_experts and p.pp > 1:
         raise ConfigError("loom plan cannot model --pp with a mixture-of-experts model yet")
-    if m.n_experts and p.dtype == "fp32":
+    if moe_flags(m).n_experts and p.dtype == "fp32":
         raise ConfigError("loom plan cannot trace fp32 experts yet (their per-expert loop "
                           "splits rows by data-dependent counts); use --dtype bf16")
 
@@ -172,7 +173,7 @@ def plan_main(argv: Sequence[str]) -> int:
         ParallelDims.from_config(cfg.parallel, options.world_size)
         check_supported(cfg)
         cfg = planned_doc_mask(resolve_loss_impl(cfg), options.device)
-        if cfg.model.n_experts:
+        if moe_flags(cfg.model).n_experts:
             print("warning: loom plan's MoE memory figures are validated on moe-debug only "
                   "(docs/planning.md)", file=sys.stderr, flush=True)
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
