@@ -2,8 +2,8 @@
 with biases, GELU MLP, biased projections. Nothing under src/ knows it; it trains under
 dp, tp and pp through its spec alone (tests/integration/test_custom_family.py).
 
-Importing this module registers the family as `gpt2-test` (its spec with the model
-registry, its parallel plan with `loom.parallel.model_plan`). Its checkpoints record its own
+Importing this module registers the family as `gpt2-test`: one record, its spec with its
+parallel plan (`loom.models.registry.register`). Its checkpoints record its own
 five arguments and nothing else.
 """
 
@@ -28,7 +28,6 @@ from loom.config import ModelConfig
 from loom.models.registry import register
 from loom.models.spec import ModelParts, ModelPlan, ModelSpec
 from loom.parallel.mesh import ParallelDims
-from loom.parallel.model_plan import register_plan
 
 
 @dataclass(frozen=True)
@@ -160,5 +159,5 @@ GPT2_SPEC = register(ModelSpec(
     name="gpt2-test", model_cls=GPT2, args_from_config=gpt2_args, build=GPT2,
     args_cls=GPT2Args,
     parts=ModelParts(embedding="embed", blocks="blocks", head=("ln_f", "head"), output="head",
-                     attention="attn", attention_core=None, feed_forward=("mlp",))))
-register_plan(GPT2_SPEC.name, gpt2_plan)
+                     attention="attn", attention_core=None, feed_forward=("mlp",))),
+    plan=gpt2_plan)

@@ -7,6 +7,7 @@ import sys
 
 from loom.config.reference import render
 from loom.models.registry import families
+from loom.parallel import families as _loom_families  # noqa: F401  (registers them)
 
 if __name__ == "__main__":
     assert families(), "importing the registry registers loom's families"

@@ -133,6 +133,10 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     sections = flag_fields()
     by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for name, value in values.items():
+        if name not in sections:  # a preset's family flag, the family not yet registered
+            raise ConfigError(f"--{name.replace('_', '-')}: no registered model family declares "
+                              "it (import loom.parallel, which registers loom's families, or "
+                              "the module registering yours, before building a config)")
         by_section[sections[name][0]][name] = value
     cfg = JobConfig(**{s: SECTIONS[s]()  # type: ignore[misc]
                        for s in SECTIONS}, warnings=tuple(warnings))
