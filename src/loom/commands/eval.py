@@ -4,7 +4,6 @@ imports the other inside a function."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -82,15 +81,15 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
     """Load the checkpoint through training's own resume path and evaluate --dataset."""
     cfg = eval_config(checkpoint, argv)
     info = rank_info()
-    ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
     with process_group(info) as (info, device):
-        return evaluate(checkpoint, cfg, info, device)  # its trainer goes before the group
+        return evaluate(checkpoint, cfg, info, device, dims)  # its trainer goes first
 
 
-def evaluate(checkpoint: Path, cfg: JobConfig, info: RankInfo, device: torch.device
-             ) -> dict[str, float]:
+def evaluate(checkpoint: Path, cfg: JobConfig, info: RankInfo, device: torch.device,
+             dims: ParallelDims | None = None) -> dict[str, float]:
     """Evaluate in the started process group; rank 0 writes eval.json and prints."""
-    with training(cfg, info, device) as trainer:
+    with training(cfg, info, device, dims) as trainer:
         evaluator: Validation = trainer.evaluator or build_validation(
             {"": trainer.loader.dataset}, trainer.executor, trainer.dims, device,
             cfg.train.batch_size, cfg.eval.eval_steps, every=0)
@@ -115,9 +114,11 @@ def asks_for_tasks(argv: Sequence[str]) -> bool:
 
 def run_tasks_eval(checkpoint: Path, argv: Sequence[str]) -> None:
     """`--tasks`: lm-evaluation-harness on the checkpoint (its module imports the harness,
-    so it is loaded by name once the harness is known to be installed)."""
+    so it is imported here, once the harness is known to be installed)."""
     require_lm_eval("loom eval --tasks")
-    importlib.import_module("loom.commands.eval_tasks").evaluate_checkpoint(checkpoint, argv)
+    from loom.commands.eval_tasks import evaluate_checkpoint
+
+    evaluate_checkpoint(checkpoint, argv)
 
 
 def main(argv: Sequence[str]) -> int:
