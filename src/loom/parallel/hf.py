@@ -2,7 +2,8 @@
 
 Their plan (`transformers_plan`, registered in parallel/families.py) has no TP (config
 resolution forced tp to 1), the model's own gradient-checkpointing switch for --ac,
-per-block compile, one FSDP2 unit per decoder block, then the root (which keeps tied embedding and output weights together).
+per-block compile, one FSDP2 unit per decoder block, then the root (which keeps tied
+embedding and output weights together).
 """
 
 from __future__ import annotations
