@@ -232,3 +232,37 @@ def test_the_layout_is_built_once_per_run(tmp_path, monkeypatch, loom_logger_res
                       "--vocab-size", "64", "--seq-len", "16", "--max-steps", "1", "--fp32",
                       "--outdir", str(tmp_path / "run")])
     assert code == 0 and built == [1], (code, built)
+
+
+def config_rewriters(found: dict[str, ast.Module]) -> set[str]:
+    """`module.function` of each function outside `loom.config` annotated to return a
+    `JobConfig` (alone or in a tuple): a package rewriting the configuration itself."""
+    out = set()
+    for name, tree in found.items():
+        if name.startswith("loom.config"):
+            continue
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) and fn.returns \
+                    and "JobConfig" in ast.unparse(fn.returns):
+                out.add(f"{name}.{fn.name}")
+    return out
+
+
+REWRITERS_LEFT = {
+    "loom.checkpoint.resume.apply_saved_settings", "loom.checkpoint.resume.resume_on_restart",
+    "loom.commands.eval.eval_config", "loom.commands.eval.with_lora",
+    "loom.data.loaders.build_dataset", "loom.data.loaders.build_datasets",
+    "loom.data.loaders.chat_datasets", "loom.data.loaders.mixture_datasets",
+    "loom.data.loaders.sized_to_tokenizer", "loom.plan.search.candidates",
+    "loom.models.resolve.fall_back", "loom.models.resolve.resolve_model",
+    "loom.models.transformers.model.with_hf_config", "loom.parallel.hf.resolve_hf_model",
+    "loom.plan.command.planned_doc_mask", "loom.plan.trace.traceable",
+    "loom.plan.trace.with_layers", "loom.trainer.entry.job_config",
+}
+"""Functions outside the resolvers that still return a rewritten `JobConfig` (issue #56:
+facts flow up, `loom.config.resolved.settled` applies them). The set only shrinks: the
+losses, CUDA graphs and LoRA targets return facts now."""
+
+
+def test_the_config_rewriters_only_go():
+    assert config_rewriters(modules()) == REWRITERS_LEFT

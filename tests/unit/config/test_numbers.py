@@ -15,7 +15,7 @@ from loom.config import ConfigError, parse_args
 from loom.config.declare import INT64_MAX
 from loom.config.job import flag_fields
 from loom.config.presets import PRESETS
-from loom.lora.converter import resolve_lora_targets
+from loom.lora.converter import lora_targets_for
 
 BASE = ["--model", "debug", "--dataset", "random", "--max-steps", "1", "--fp32"]
 TABLE = {  # id: (flags, what the one line says)
@@ -142,8 +142,8 @@ def test_lora_rank_is_bounded_by_the_narrowest_layer_it_adapts(rank, ok):
     flags = ["--model", "debug", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2",
              "--dataset", "random", "--lora-rank", str(rank)]
     if ok:
-        resolve_lora_targets(parse_args(flags))
+        lora_targets_for(parse_args(flags))
         return
     with pytest.raises(ConfigError, match=r"--lora-rank 64 exceeds attention.wk's narrower "
                                           r"side \(32\)"):
-        resolve_lora_targets(parse_args(flags))
+        lora_targets_for(parse_args(flags))
