@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass
 
 from loom.config import parse_args
-from loom.losses import resolve_loss_impl
+from loom.config.resolved import settled
+from loom.losses import loss_impl_for
 from loom.plan.peaks import predict_memory
 from loom.plan.trace import fake_world
 
@@ -43,7 +44,8 @@ def measured_peaks(stdouts: list[str], n_runs: int) -> list[float]:
 
 
 def predicted_peak(flags: list[str], ranks: int) -> float:
-    cfg = resolve_loss_impl(parse_args(flags))
+    cfg = parse_args(flags)
+    cfg = settled(cfg, loss_impl=loss_impl_for(cfg))
     with fake_world(ranks):
         return predict_memory(cfg, ranks, "cpu").peak_gib * 1024
 

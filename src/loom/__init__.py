@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 __version__ = "0.1.0"
@@ -17,5 +16,7 @@ def __getattr__(name: str) -> Any:
     its flag checks before any heavy import) stays free of torch. Not a cycle dodge:
     nothing under `loom.trainer` imports this package's namespace."""
     if name == "fit":
-        return importlib.import_module("loom.trainer.entry").fit
+        from loom.trainer.entry import fit
+
+        return fit
     raise AttributeError(f"module 'loom' has no attribute {name!r}")

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import version
 
 import loom
+import loom.parallel.families  # registers loom's families: their flags parse
 from loom.config import SECTIONS, JobConfig, parse_args
 from loom.config.file import to_toml
+from loom.config.job import section_values
 from loom.errors import (
     BAD_INPUT_EXIT,
     DIVERGED_EXIT,
@@ -23,7 +24,6 @@ from loom.errors import (
     NonFiniteLossError,
     Preempted,
 )
-from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import rank_info
 from loom.runtime.logs import quiet_upstream_notices
 from loom.runtime.preflight import check_outdir
@@ -46,12 +46,34 @@ USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
 """
 
 
-COMMANDS = {"launch": "loom.runtime.launch", "export": "loom.hf.export",
-            "plan": "loom.plan.command", "tokenize": "loom.commands.tokenize",
-            "eval": "loom.commands.eval", "generate": "loom.commands.generate",
-            "doctor": "loom.commands.doctor", "verify": "loom.commands.verify",
-            "digest": "loom.checkpoint.digest"}
+COMMANDS = ("launch", "export", "plan", "tokenize", "eval", "generate", "doctor", "verify",
+            "digest")
 """Subcommands other than train, each a module with `main(argv) -> exit code`."""
+
+
+def subcommand(command: str) -> Callable[[Sequence[str]], int]:
+    """The `main` of one of COMMANDS. Imported here, when that command runs: each pulls in
+    what only it needs (the launcher none of the model code, export the Hugging Face side),
+    and `loom --version` none of it. Plain imports, so the cycle test sees them."""
+    if command == "launch":
+        from loom.runtime.launch import main
+    elif command == "export":
+        from loom.hf.export import main
+    elif command == "plan":
+        from loom.plan.command import main
+    elif command == "tokenize":
+        from loom.commands.tokenize import main
+    elif command == "eval":
+        from loom.commands.eval import main
+    elif command == "generate":
+        from loom.commands.generate import main
+    elif command == "doctor":
+        from loom.commands.doctor import main
+    elif command == "verify":
+        from loom.commands.verify import main
+    else:
+        from loom.checkpoint.digest import main
+    return main
 
 
 def is_comm_failure(err: Exception) -> bool:
@@ -69,7 +91,7 @@ def first_sentence(err: Exception) -> str:
 
 
 def config_toml(cfg: JobConfig) -> str:
-    return to_toml({name: getattr(cfg, name) for name in SECTIONS})
+    return to_toml({name: section_values(cfg, name) for name in SECTIONS})
 
 
 def run_train(argv: Sequence[str]) -> int:
@@ -88,10 +110,10 @@ def run_train(argv: Sequence[str]) -> int:
             return 0
         if not cfg.output.verbose:  # this process's own: its loggers are born quiet
             quiet_upstream_notices()
-        ParallelDims.from_config(cfg.parallel, info.world_size)  # fails before heavy imports
         check_outdir(cfg.output.outdir)
-        # Loaded by name, as COMMANDS are: bad flags fail before the model/parallel imports.
-        importlib.import_module("loom.trainer.entry").fit(cfg)
+        from loom.trainer.entry import fit  # the trainer loads once the flags are good
+
+        fit(cfg)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -141,6 +163,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command == "train":
         sys.exit(run_train(rest))
     if command in COMMANDS:
-        sys.exit(importlib.import_module(COMMANDS[command]).main(rest))
+        sys.exit(subcommand(command)(rest))
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     sys.exit(2)

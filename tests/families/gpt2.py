@@ -1,15 +1,18 @@
 """A GPT-2-style family defined and registered from the tests: learned positions, LayerNorm
-with biases, GELU MLP, biased projections. Nothing under src/ knows it; it trains under
-dp, tp and pp through its spec alone (tests/integration/test_custom_family.py).
+with biases, a GELU (or ReLU: its own flag, `--gpt2-activation`) MLP, biased projections.
+Nothing under src/ knows it; it trains under dp, tp and pp through its spec alone
+(tests/integration/test_custom_family.py).
 
-Importing this module registers the family as `gpt2-test` (its spec with the model
-registry, its parallel plan with `loom.parallel.model_plan`). Its checkpoints record its own
-five arguments and nothing else.
+Importing this module registers the family as `gpt2-test`: one record, its spec with its
+parallel plan (`loom.models.registry.register`), and its flag with `loom.config` (so
+`loom train --help`, a `[model]` TOML table and `--print-config` hold it). Its checkpoints
+record its own six arguments and nothing else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +27,29 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from loom.config import ModelConfig
+from loom.config import ConfigError, ModelConfig
+from loom.config.declare import flag
 from loom.models.registry import register
 from loom.models.spec import ModelParts, ModelPlan, ModelSpec
 from loom.parallel.mesh import ParallelDims
-from loom.parallel.model_plan import register_plan
+
+ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+@dataclass(frozen=True)
+class GPT2Flags:
+    """GPT-2 (test family)
+
+    The family's own flag: declared here, gathered by loom's parser, TOML and --print-config."""
+
+    gpt2_activation: str = flag("gelu", "gpt2-test: the MLP's activation",
+                                choices=tuple(ACTIVATIONS))
+
+    def check(self, cfg: Any) -> None:
+        """Also for a config built in Python, which no parser's `choices` saw."""
+        if self.gpt2_activation not in ACTIVATIONS:
+            raise ConfigError(f"--gpt2-activation {self.gpt2_activation!r}: choose "
+                              f"{' or '.join(ACTIVATIONS)}")
 
 
 @dataclass(frozen=True)
@@ -38,10 +59,13 @@ class GPT2Args:
     n_heads: int
     vocab_size: int
     max_seq_len: int
+    gpt2_activation: str = "gelu"
+    """Named as its flag, so a checkpoint's record restores it (`loom eval`, export)."""
 
 
 def gpt2_args(m: ModelConfig) -> GPT2Args:
-    return GPT2Args(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.max_seq_len)
+    return GPT2Args(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.max_seq_len,
+                    m.flags_of(GPT2Flags).gpt2_activation)
 
 
 class Embeddings(nn.Module):
@@ -80,9 +104,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(args.dim, 4 * args.dim)
         self.proj = nn.Linear(4 * args.dim, args.dim)
+        self.activation = ACTIVATIONS[args.gpt2_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(self.activation(self.fc(x)))
 
 
 class Block(nn.Module):
@@ -160,5 +185,5 @@ GPT2_SPEC = register(ModelSpec(
     name="gpt2-test", model_cls=GPT2, args_from_config=gpt2_args, build=GPT2,
     args_cls=GPT2Args,
     parts=ModelParts(embedding="embed", blocks="blocks", head=("ln_f", "head"), output="head",
-                     attention="attn", attention_core=None, feed_forward=("mlp",))))
-register_plan(GPT2_SPEC.name, gpt2_plan)
+                     attention="attn", attention_core=None, feed_forward=("mlp",)),
+    flags=(GPT2Flags,)), plan=gpt2_plan)

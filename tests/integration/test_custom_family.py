@@ -1,5 +1,5 @@
 """A model family registered from tests/ (GPT-2 style: learned positions, LayerNorm, GELU)
-trains under dp2, tp2 and pp2 with the losses of one process, checkpoints its own five
+trains under dp2, tp2 and pp2 with the losses of one process, checkpoints its own six
 arguments, resumes a dp2 checkpoint at tp2 with the uninterrupted run's losses, is planned
 by `loom plan` and passes `loom verify`, with nothing under src/ written for it: its spec
 (and its plan, registered by the family's name) tells loom what to do."""
@@ -22,8 +22,10 @@ PYTHONPATH = os.environ.get("PYTHONPATH", "")
 
 LOSS_RTOL = 1e-5
 GLOBAL_BATCH = 4
-ARGS = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 32768}
-"""The family's own arguments (max_seq_len: the flag's default), all a checkpoint records."""
+ARGS = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 32768,
+        "gpt2_activation": "gelu"}
+"""The family's own arguments (max_seq_len, gpt2_activation: the flags' defaults), all a
+checkpoint records."""
 FAMILY = ["--family", "gpt2-test", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
           "--dataset", "random", "--vocab-size", "256", "--seq-len", "32", "--fp32",
           "--seed", "3", "--lr", "3e-3"]
@@ -67,7 +69,7 @@ def test_test_family_trains_like_one_process(family_runs: Path, layout: str) -> 
 @pytest.mark.multirank
 def test_test_family_checkpoints_its_own_arguments_and_resumes_at_another_layout(
         family_runs: Path) -> None:
-    """The checkpoint records {family, **its five arguments} (no Llama field); resumed at
+    """The checkpoint records {family, **its six arguments} (no Llama field); resumed at
     tp2, steps 3-4 have the losses of the run that never stopped."""
     loop = json.loads((family_runs / "saved-dp2" / "checkpoints" / "step-2" / "loop.json")
                       .read_text())

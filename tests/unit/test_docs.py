@@ -249,7 +249,7 @@ def test_every_relative_link_resolves():
 
 def test_flag_reference_is_current():
     stale = (REPO / "docs" / "flags.md").read_text() != render()
-    assert not stale, "docs/flags.md is stale: python -m loom.config.reference > docs/flags.md"
+    assert not stale, "docs/flags.md is stale: python -m loom.commands.reference > docs/flags.md"
 
 
 def test_composition_matrix_is_current():

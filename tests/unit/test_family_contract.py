@@ -105,7 +105,8 @@ def test_the_expert_bias_hook_is_the_moe_spec_s_not_an_import_side_effect() -> N
     assert "moe-expert-bias" not in dense
 
 
-GPT2 = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 128}
+GPT2 = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 128,
+        "gpt2_activation": "gelu"}
 
 
 @pytest.mark.parametrize(("args", "message"), [

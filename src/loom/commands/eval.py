@@ -4,11 +4,10 @@ imports the other inside a function."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,9 +26,6 @@ from loom.safe_io import write_text_new
 from loom.trainer.evaluate import Evaluator, Validation, build_validation
 from loom.trainer.scoped import training
 
-MODEL_FIELDS = frozenset(f.name for f in fields(ModelConfig))
-"""The checkpoint's model_args are named like these config fields (every family's)."""
-
 
 def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
@@ -39,14 +35,15 @@ def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
     if not (checkpoint / "loop.json").is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
     loop = read_loop(checkpoint)
-    shape = {k: v for k, v in loop["model_args"].items() if k in MODEL_FIELDS}
+    flags = ModelConfig().values()  # model_args are named like the model flags (families' too)
+    shape = {k: v for k, v in loop["model_args"].items() if k in flags}
     if loop["architecture"].get("family"):
         shape["family"] = loop["architecture"]["family"]
     cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
                       "--resume-new-data"])  # evaluating other data is the point
     given = cfg.output.outdir if "outdir" in cfg.explicit else None
     outdir = eval_folder(checkpoint, given, f"eval-{checkpoint.resolve().name}")
-    model = replace(cfg.model, **shape)
+    model = cfg.model.with_values(**shape)
     steps = cfg.eval.eval_steps if "eval_steps" in cfg.explicit else 0  # 0: the whole set
     cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False,
                                                    outdir=str(outdir)),
@@ -84,15 +81,15 @@ def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
     """Load the checkpoint through training's own resume path and evaluate --dataset."""
     cfg = eval_config(checkpoint, argv)
     info = rank_info()
-    ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
     with process_group(info) as (info, device):
-        return evaluate(checkpoint, cfg, info, device)  # its trainer goes before the group
+        return evaluate(checkpoint, cfg, info, device, dims)  # its trainer goes first
 
 
-def evaluate(checkpoint: Path, cfg: JobConfig, info: RankInfo, device: torch.device
-             ) -> dict[str, float]:
+def evaluate(checkpoint: Path, cfg: JobConfig, info: RankInfo, device: torch.device,
+             dims: ParallelDims | None = None) -> dict[str, float]:
     """Evaluate in the started process group; rank 0 writes eval.json and prints."""
-    with training(cfg, info, device) as trainer:
+    with training(cfg, info, device, dims) as trainer:
         evaluator: Validation = trainer.evaluator or build_validation(
             {"": trainer.loader.dataset}, trainer.executor, trainer.dims, device,
             cfg.train.batch_size, cfg.eval.eval_steps, every=0)
@@ -117,9 +114,11 @@ def asks_for_tasks(argv: Sequence[str]) -> bool:
 
 def run_tasks_eval(checkpoint: Path, argv: Sequence[str]) -> None:
     """`--tasks`: lm-evaluation-harness on the checkpoint (its module imports the harness,
-    so it is loaded by name once the harness is known to be installed)."""
+    so it is imported here, once the harness is known to be installed)."""
     require_lm_eval("loom eval --tasks")
-    importlib.import_module("loom.commands.eval_tasks").evaluate_checkpoint(checkpoint, argv)
+    from loom.commands.eval_tasks import evaluate_checkpoint
+
+    evaluate_checkpoint(checkpoint, argv)
 
 
 def main(argv: Sequence[str]) -> int:

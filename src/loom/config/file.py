@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +48,10 @@ def _check(section: str, f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
-def read_config_file(path: str, sections: Mapping[str, Callable]) -> dict[str, Any]:
-    """The file's settings as {field name: value}, every name and type checked."""
+def read_config_file(path: str, sections: Mapping[str, list[dataclasses.Field]]
+                     ) -> dict[str, Any]:
+    """The file's settings as {field name: value}, every name and type checked against
+    each section's flags (`loom.config.job.section_fields`: [model] holds the families')."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # the same parser, installed as a dependency on Python 3.10
@@ -66,7 +68,7 @@ def read_config_file(path: str, sections: Mapping[str, Callable]) -> dict[str, A
         if section not in sections or not isinstance(table, dict):
             raise ConfigError(f"--config {path}: unknown section [{section}]; sections: "
                               f"{', '.join(sections)}")
-        known = {f.name: f for f in dataclasses.fields(sections[section])}
+        known = {f.name: f for f in sections[section]}
         for name, value in table.items():
             if name not in known:
                 raise ConfigError(f"--config {path}: [{section}] has no setting {name!r}")
@@ -87,14 +89,14 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value)  # a valid TOML basic string
 
 
-def to_toml(sections: Mapping[str, Any]) -> str:
-    """One table per section, in declaration order; unset (None) fields are left out."""
+def to_toml(sections: Mapping[str, Mapping[str, Any]]) -> str:
+    """One table per section ({section: {flag: value}}, in order); unset (None) fields are
+    left out."""
     lines: list[str] = []
-    for name, section in sections.items():
+    for name, values in sections.items():
         lines.append(f"[{name}]")
-        for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
+        for key, value in values.items():
             if value is not None:
-                lines.append(f"{f.name} = {_toml_value(value)}")
+                lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)

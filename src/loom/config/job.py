@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from loom.config.families import flag_groups
 from loom.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -45,7 +46,9 @@ class JobConfig:
     resumed run keeps the others from its checkpoint)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every section's flags by name; the families' model flags flat in `model`, as a
+        user spells them (config.json, the checkpoint's settings)."""
+        return {**dataclasses.asdict(self), "model": self.model.values()}
 
 
 SECTIONS = {f.name: f.default_factory for f in fields(JobConfig)
@@ -53,7 +56,37 @@ SECTIONS = {f.name: f.default_factory for f in fields(JobConfig)
 """The flag groups of `JobConfig`, by attribute name."""
 
 
+def section_fields(section: str) -> list[dataclasses.Field]:
+    """A section's flags in declaration order; `model`'s are followed by the registered
+    families' (`loom.config.families`), which a [model] table and --print-config hold."""
+    own = [f for f in fields(SECTIONS[section]) if "help" in f.metadata]
+    if section != "model":
+        return own
+    return own + [f for group in flag_groups() for f in fields(group)]
+
+
 def flag_fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Every flag's field and its section, by field name (names are unique across sections)."""
-    return {f.name: (section, f) for section, factory in SECTIONS.items()
-            for f in fields(factory)}
+    """Every flag's field and its section, by field name (names are unique across sections,
+    a family's included)."""
+    out: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section in SECTIONS:
+        for f in section_fields(section):
+            if f.name in out:
+                raise ValueError(f"the flag {f.name} is declared twice")
+            out[f.name] = (section, f)
+    return out
+
+
+def section_values(cfg: JobConfig, section: str) -> dict[str, Any]:
+    """A section's flags by name (the families' flat in `model`)."""
+    value = getattr(cfg, section)
+    return value.values() if section == "model" else \
+        {f.name: getattr(value, f.name) for f in section_fields(section)}
+
+
+def with_settings(cfg: JobConfig, section: str, values: dict[str, Any]) -> JobConfig:
+    """`cfg` with flags of one section replaced by name (a family's under `model`)."""
+    current = getattr(cfg, section)
+    new = current.with_values(**values) if section == "model" else \
+        dataclasses.replace(current, **values)
+    return dataclasses.replace(cfg, **{section: new})

@@ -10,10 +10,11 @@ and the few ranges that depend on two settings at once."""
 from __future__ import annotations
 
 import math
-from dataclasses import Field, fields
+from dataclasses import Field, fields, is_dataclass
 from typing import Any
 
 from loom.config.declare import INT64_MAX
+from loom.config.families import flag_groups
 from loom.config.job import SECTIONS, JobConfig
 from loom.errors import ConfigError
 
@@ -104,8 +105,7 @@ def check_value(f: Field, value: Any) -> None:
 
 
 def check_numbers(cfg: JobConfig) -> None:
-    """Every section's type, every setting's type and range, then the ranges that depend
-    on two settings."""
+    """Every section's type, every setting's type and range, the families' flags too."""
     if not isinstance(cfg, JobConfig):
         raise ConfigError(f"the job config must be a JobConfig, got {type(cfg).__name__}")
     for name, factory in SECTIONS.items():
@@ -114,20 +114,12 @@ def check_numbers(cfg: JobConfig) -> None:
             raise ConfigError(f"JobConfig.{name} must be a {factory.__name__}, got "
                               f"{type(section).__name__}")
         for f in fields(section):
-            check_value(f, getattr(section, f.name))
-    _check_shape(cfg)
+            if "help" in f.metadata:  # a flag (ModelConfig.family_args is checked below)
+                check_value(f, getattr(section, f.name))
+    for args in cfg.model.family_args:
+        if not is_dataclass(args) or type(args) not in flag_groups():
+            raise ConfigError(f"ModelConfig.family_args holds {type(args).__name__}, not a "
+                              "registered family's flags")
+        for f in fields(args):
+            check_value(f, getattr(args, f.name))
 
-
-def _check_shape(cfg: JobConfig) -> None:
-    """Model numbers that are in range alone but not together."""
-    m = cfg.model
-    if m.from_hub_format:  # its shape is the checkpoint's, checked where it is read
-        return
-    if m.rope_factor != 1.0 and not m.rope_high_freq_factor > m.rope_low_freq_factor:
-        raise ConfigError(f"--rope-high-freq-factor {m.rope_high_freq_factor} must exceed "
-                          f"--rope-low-freq-factor {m.rope_low_freq_factor} (with --rope-factor "
-                          f"{m.rope_factor}, RoPE blends the band between them)")
-    head_dim = m.head_dim or m.dim // m.n_heads
-    if head_dim % 2 and (m.head_dim or not m.dim % m.n_heads):  # else validate: no divisor
-        given = "--head-dim" if m.head_dim else "--dim / --n-heads"
-        raise ConfigError(f"{given} = {head_dim} must be even: RoPE rotates pairs of channels")

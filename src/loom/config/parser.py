@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import Field, fields
 from typing import Any
 
+from loom.config.families import flag_groups, group_title
 from loom.config.file import read_config_file
-from loom.config.job import SECTIONS, JobConfig
+from loom.config.job import SECTIONS, JobConfig, section_fields
 from loom.config.presets import PRESETS
 from loom.config.sources import config_from_flags
 from loom.errors import ConfigError
@@ -28,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-HELP_GROUPS = {"model": "model (and MoE)", "parallel": "parallel", "optim": "optimisation",
+HELP_GROUPS = {"model": "model", "parallel": "parallel", "optim": "optimisation",
                "lora": "LoRA", "train": "training", "checkpoint": "checkpoint", "loss": "loss",
                "data": "data", "eval": "validation", "output": "output"}
 """`loom train --help` groups, in the order of the README's flag table; every section of
@@ -49,30 +50,38 @@ def _presets_epilog() -> str:
             + "; a Hugging Face repo id or local folder also works")
 
 
+def _add_flags(group: Any, flags: list[Field]) -> None:
+    """One argparse option per declared flag, its kind from the declaration."""
+    for f in flags:
+        meta = f.metadata
+        kwargs: dict[str, Any] = dict(dest=f.name, help=_help(meta["help"], f.default))
+        if meta["hidden"]:
+            kwargs["help"] = argparse.SUPPRESS
+        if meta["repeat"]:
+            kwargs.update(action="append", type=meta["type"])
+        elif isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        else:
+            kwargs["type"] = meta["type"] or type(f.default)
+            if meta["choices"]:
+                kwargs["choices"] = meta["choices"]
+            if meta["const"] is not None:
+                kwargs.update(nargs="?", const=meta["const"])
+        group.add_argument(*_flag_names(f.name, meta["aliases"]), **kwargs)
+
+
 def build_parser(prog: str = "loom train") -> argparse.ArgumentParser:
     """One argparse parser generated from the dataclass declarations (defaults suppressed,
     so the parsed namespace holds exactly the flags the user gave)."""
     parser = _Parser(prog=prog, usage="%(prog)s [FLAGS]", argument_default=argparse.SUPPRESS,
                      epilog=_presets_epilog())
     for section, title in HELP_GROUPS.items():
-        group = parser.add_argument_group(title)
-        for f in fields(SECTIONS[section]):
-            meta = f.metadata
-            kwargs: dict[str, Any] = dict(dest=f.name, help=_help(meta["help"], f.default))
-            if meta["hidden"]:
-                kwargs["help"] = argparse.SUPPRESS
-            if meta["repeat"]:
-                kwargs.update(action="append", type=meta["type"])
-            elif isinstance(f.default, bool):
-                kwargs["action"] = (argparse.BooleanOptionalAction if f.default
-                                    else "store_true")
-            else:
-                kwargs["type"] = meta["type"] or type(f.default)
-                if meta["choices"]:
-                    kwargs["choices"] = meta["choices"]
-                if meta["const"] is not None:
-                    kwargs.update(nargs="?", const=meta["const"])
-            group.add_argument(*_flag_names(f.name, meta["aliases"]), **kwargs)
+        _add_flags(parser.add_argument_group(title),
+                   [f for f in fields(SECTIONS[section]) if "help" in f.metadata])
+        if section == "model":  # each family's own flags, in a group of their own
+            for family in flag_groups():
+                _add_flags(parser.add_argument_group(f"model: {group_title(family)}"),
+                           list(fields(family)))
     parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                         action="store_const", const="never",
                         help="same as --reshard-after-forward never")
@@ -91,4 +100,5 @@ def parse_args(argv: Sequence[str]) -> JobConfig:
     explicit = vars(build_parser().parse_args(list(argv)))
     explicit.pop("print_config", None)
     path = explicit.pop("config_file", None)
-    return config_from_flags(explicit, from_file=read_config_file(path, SECTIONS) if path else None)
+    tables = {name: section_fields(name) for name in SECTIONS}
+    return config_from_flags(explicit, from_file=read_config_file(path, tables) if path else None)

@@ -1,7 +1,9 @@
-"""The flag reference, `docs/flags.md`, generated from the schema:
-`python -m loom.config.reference > docs/flags.md`.
+"""The flag reference, `docs/flags.md`, generated from the schema and the registered
+families' flags: `python -m loom.commands.reference > docs/flags.md` (that module registers
+loom's families first; `loom.config` cannot import them, they import it).
 
-Every flag is a documented field of `loom.config.schema`, so the reference is rendered from
+Every flag is a documented field of `loom.config.schema` or of a family's flags, so the
+reference is rendered from
 those declarations (help text, default, choices, aliases, environment variable, TOML table)
 instead of being written by hand; a test regenerates it and fails when the file is stale.
 """
@@ -12,12 +14,14 @@ import dataclasses
 import sys
 from typing import Any
 
+from loom.config.families import flag_groups, group_title
 from loom.config.job import SECTIONS
 from loom.config.parser import HELP_GROUPS
 
 HEADER = """# Flag reference
 
-Generated from `src/loom/config/schema.py` by `python -m loom.config.reference > docs/flags.md`;
+Generated from `src/loom/config/schema.py` and each family's flags (`src/loom/models/*/flags.py`)
+by `python -m loom.commands.reference > docs/flags.md`;
 do not edit by hand (`tests/unit/test_docs.py` fails when this file is stale).
 Every flag of `loom train` is also taken by `loom plan`, `loom eval` and in a `--config` TOML
 file, under the table named in each heading, with the name in snake case. Precedence:
@@ -66,13 +70,29 @@ def notes(field: dataclasses.Field) -> str:
     return "; ".join(extra)
 
 
+def rows(flags: list[dataclasses.Field]) -> list[str]:
+    return [f"| {flag_text(field)} | {cell(default_text(field))} | "
+            f"{cell(field.metadata['help'])} | {notes(field)} |" for field in flags]
+
+
+TABLE = ["| flag | default | what it does | notes |", "| --- | --- | --- | --- |"]
+
+
 def section(name: str, title: str) -> list[str]:
-    lines = [f"## {title} (`[{name}]`)", "", "| flag | default | what it does | notes |",
-             "| --- | --- | --- | --- |"]
-    for field in dataclasses.fields(SECTIONS[name]):
-        lines.append(f"| {flag_text(field)} | {cell(default_text(field))} | "
-                     f"{cell(field.metadata['help'])} | {notes(field)} |")
-    return [*lines, ""]
+    own = [f for f in dataclasses.fields(SECTIONS[name]) if "help" in f.metadata]
+    return [f"## {title} (`[{name}]`)", "", *TABLE, *rows(own), ""]
+
+
+def family_sections() -> list[str]:
+    """loom's own families' flags, one table per family group, also under `[model]`; a
+    family registered from outside loom (a test's, a user's) shows in `loom train --help`
+    once its module is imported, not here."""
+    lines = []
+    for group in flag_groups():
+        if group.__module__.startswith("loom."):
+            lines += [f"### model: {group_title(group)} (`[model]`; `{group.__module__}`)",
+                      "", *TABLE, *rows(list(dataclasses.fields(group))), ""]
+    return lines
 
 
 def render() -> str:
@@ -80,10 +100,12 @@ def render() -> str:
     lines = [HEADER]
     for name, title in HELP_GROUPS.items():
         lines += section(name, title)
+        lines += family_sections() if name == "model" else []
     lines += ["## Parser shortcuts", "", "| flag | what it does |", "| --- | --- |"]
     lines += [f"| `{name}` | {cell(text)} |" for name, text in PARSER_ONLY]
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    sys.stdout.write(render())
+if __name__ == "__main__":  # without the families their flags would be missing: say so
+    sys.exit("error: run python -m loom.commands.reference > docs/flags.md (it registers "
+             "loom's families, whose flags the reference lists)")

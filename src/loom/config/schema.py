@@ -4,10 +4,14 @@ environment source and the range checks are generated; `loom.config.job` compose
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from loom.config.declare import COUNT_MAX, DEGREE, FOREVER_S, INT64_MAX, SIZE, SIZE_MAX, flag
+from loom.config.declare import COUNT_MAX, DEGREE, FOREVER_S, INT64_MAX, SIZE, flag
+from loom.config.families import flat_values, replace_values
 from loom.config.presets import is_hf_model
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -28,20 +32,6 @@ class ModelConfig:
     norm_eps: float = flag(1e-5, "RMSNorm epsilon", gt=0, lt=1)
     vocab_size: int = flag(32000, "vocabulary size (replaced by the tokenizer's size)", **SIZE)
     max_seq_len: int = flag(32768, "RoPE table size; seq-len must not exceed it", **SIZE)
-    n_experts: int = flag(0, "routed experts per MoE layer (0 = dense model)", le=COUNT_MAX)
-    top_k: int = flag(2, "MoE: experts each token is routed to", **DEGREE)
-    n_shared_experts: int = flag(1, "MoE: always-on shared experts per layer", le=COUNT_MAX)
-    moe_hidden_dim: int | None = flag(None, "MoE: hidden dim of each expert "
-                                      "(default: the SwiGLU hidden dim)", type=int, le=SIZE_MAX)
-    n_dense_layers: int = flag(1, "MoE: leading blocks that keep a dense feed-forward",
-                               le=COUNT_MAX)
-    score_func: str = flag("sigmoid", "MoE: router score function (computed in fp32)",
-                           choices=("sigmoid", "softmax"))
-    route_norm: bool = flag(True, "MoE: normalise the chosen experts' scores to sum to 1")
-    route_scale: float = flag(1.0, "MoE: multiply the routed experts' weights by this", gt=0)
-    load_balance_coeff: float = flag(1e-3, "MoE: expert-bias step per optimizer step "
-                                     "(aux-loss-free balancing; 0 disables)")
-    aux_loss_coeff: float = flag(0.0, "MoE: weight of the sequence-wise balance loss (0 = off)")
     trust_remote_code: bool = flag(False, "Hugging Face --model: run the modelling code the "
                                    "repo ships (only for repos you trust)")
     model_impl: str = flag(
@@ -54,15 +44,27 @@ class ModelConfig:
                                          hidden=True)
     family: str | None = flag(None, "model family (default: llama, or moe when --n-experts > "
                               "0; a Hugging Face import sets it)", type=str)
-    head_dim: int = flag(0, "width of one attention head (0: dim / n-heads)", le=SIZE_MAX)
-    qk_norm: bool = flag(False, "RMSNorm each head's queries and keys before RoPE (Qwen3)")
-    rope_factor: float = flag(1.0, "Llama 3.1 RoPE scaling factor (1: no scaling)", ge=1)
-    rope_low_freq_factor: float = flag(1.0, "Llama 3.1 RoPE scaling: low-frequency factor", gt=0)
-    rope_high_freq_factor: float = flag(4.0, "Llama 3.1 RoPE scaling: high-frequency factor", gt=0)
-    rope_original_max_seq_len: int = flag(8192, "Llama 3.1 RoPE scaling: the context length "
-                                          "the model was pretrained at", **SIZE)
     tie_embeddings: bool = flag(False, "the source ties output and embedding weights (trained "
                                 "as two tensors that start equal; export ties them again)")
+    family_args: tuple[Any, ...] = field(default=(), metadata={"family_args": True})
+    """The families' own flags (`loom.config.families`), one frozen dataclass per group,
+    each held only where it differs from its defaults: not a flag itself. Read one with
+    `flags_of`, all of them flat with `values`; set them with `with_values`."""
+
+    def flags_of(self, group: type[T]) -> T:
+        """The values of one family's flag group (its defaults where none was set)."""
+        return next((a for a in self.family_args if type(a) is group), None) or group()
+
+    def values(self) -> dict[str, Any]:
+        """Every model flag by name, the families' included: what config.json, a --config
+        file and `--print-config` hold under [model], and what a family's arguments are
+        filled from."""
+        return flat_values(self)
+
+    def with_values(self, **values: Any) -> ModelConfig:
+        """This config with model flags replaced by name, shared or a registered family's
+        (an unknown name is a TypeError, as `dataclasses.replace` raises)."""
+        return replace_values(self, values)
 
     @property
     def from_hub_format(self) -> bool:

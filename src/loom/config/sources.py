@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import Field, replace
 from typing import Any
 
-from loom.config.job import SECTIONS, JobConfig, flag_fields
+from loom.config.job import SECTIONS, JobConfig, flag_fields, with_settings
 from loom.config.presets import is_hf_model, resolve_preset
 from loom.config.validate import knob_warnings, validate
 from loom.errors import ConfigError
@@ -133,10 +133,15 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     sections = flag_fields()
     by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for name, value in values.items():
+        if name not in sections:  # a preset's family flag, the family not yet registered
+            raise ConfigError(f"--{name.replace('_', '-')}: no registered model family declares "
+                              "it (import loom.parallel, which registers loom's families, or "
+                              "the module registering yours, before building a config)")
         by_section[sections[name][0]][name] = value
     cfg = JobConfig(**{s: SECTIONS[s]()  # type: ignore[misc]
                        for s in SECTIONS}, warnings=tuple(warnings))
-    cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in by_section.items()})
+    for section, settings in by_section.items():
+        cfg = with_settings(cfg, section, settings)
     warnings += knob_warnings(cfg.parallel, budget_given=budget_given)
     cfg = replace(cfg, warnings=tuple(warnings), explicit=tuple(sorted(given)))
     if cfg.model.runs_transformers:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import importlib.util
 
 from loom.config.compose import refuse_combinations
+from loom.config.families import flag_groups
 from loom.config.job import JobConfig
 from loom.config.mixture import parse_mixture
 from loom.config.numbers import check_numbers
 from loom.config.pipeline import validate_pipeline
-from loom.config.schema import EvalConfig, ModelConfig, OutputConfig, ParallelConfig
+from loom.config.schema import EvalConfig, OutputConfig, ParallelConfig
 from loom.config.valsets import DEFAULT_SET, val_sets
 from loom.errors import ConfigError
 
@@ -73,22 +74,11 @@ def check_expert_layout(ep: int, etp: int, tp: int, dp_shard_cp: int | None,
                           f"parallel spans the {what} ranks)")
 
 
-def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
-    """Mixture-of-experts shapes and the expert-parallel degrees they allow."""
-    if m.n_experts == 0:
-        if p.ep != 1 or p.etp != 1:
-            raise ConfigError(f"--ep {p.ep} / --etp {p.etp} need a mixture-of-experts model "
-                              "(--n-experts > 0, e.g. --model moe-debug)")
-        return
-    if not 1 <= m.top_k <= m.n_experts:
-        raise ConfigError(f"--top-k {m.top_k} must be in [1, --n-experts {m.n_experts}]")
-    if p.ep < 1 or m.n_experts % p.ep:
-        raise ConfigError(f"--n-experts {m.n_experts} is not divisible by --ep {p.ep}")
-    check_expert_layout(p.ep, p.etp, p.tp, p.dp_shard * p.cp if p.dp_shard > 0 else None)
-    if (m.moe_hidden_dim or 0) % p.tp or m.n_dense_layers > m.n_layers:
-        raise ConfigError(f"--moe-hidden-dim {m.moe_hidden_dim} must be divisible by --tp "
-                          f"{p.tp}; --n-dense-layers {m.n_dense_layers} must be in [0, "
-                          f"--n-layers {m.n_layers}]")
+def check_family_flags(cfg: JobConfig) -> None:
+    """Each registered family's own checks of its flags (`loom.config.families`)."""
+    for group in flag_groups():
+        if hasattr(group, "check"):
+            cfg.model.flags_of(group).check(cfg)
 
 
 def _validate_strings(cfg: JobConfig) -> None:
@@ -213,7 +203,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("--val-dataset needs a text --dataset (random data has no tokenizer; "
                           "use --val-fraction)")
     if not shape_unknown:
-        _validate_moe(m, p)
+        check_family_flags(cfg)
     refuse_combinations(cfg)  # the composition matrix's refusals, one table
     _validate_cp(cfg)
     _validate_doc_mask(cfg)
@@ -225,8 +215,6 @@ def validate(cfg: JobConfig) -> None:
                           f"Hugging Face model {m.model} (use fsdp2)")
     if shape_unknown:
         return
-    if m.dim % m.n_heads and not m.head_dim:
-        raise ConfigError(f"--dim {m.dim} is not divisible by --n-heads {m.n_heads}")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"--n-kv-heads {m.n_kv_heads} does not divide --n-heads {m.n_heads}")
     if m.n_heads % p.tp:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,6 @@ from loom.models.transformers.model import hf_model_from_config
 from loom.runtime.preflight import check_host_fits
 from loom.safe_io import read_json_capped
 
-CONFIG_FIELDS = frozenset(f.name for f in fields(ModelConfig))
-"""The model flags a family's arguments are named after (model_cfg keeps those it has)."""
 HOST_COPIES = 3
 """Copies of the weights `loom generate` and export's check hold at once (loaded, a second
 model, serialised), for the memory check."""
@@ -82,8 +80,9 @@ def run_model(checkpoint: Path) -> RunModel:
     except (TypeError, ValueError, ZeroDivisionError) as e:
         raise UnusableCheckpoint(f"checkpoint {checkpoint} is unsafe: loop.json model_args "
                                  f"do not make a {spec.name} model ({e})") from None
-    model_cfg = ModelConfig(**{k: v for k, v in loop["model_args"].items() if k in CONFIG_FIELDS},
-                            family=spec.name)
+    flags = ModelConfig().values()  # the model flags a family's arguments are named after
+    model_cfg = ModelConfig().with_values(
+        **{k: v for k, v in loop["model_args"].items() if k in flags}, family=spec.name)
     lora = LoraSettings.recorded(arch)
     base = run_config(checkpoint).get("model", {}).get("model") if lora else None
     held = RunModel(spec, args, model_cfg, checkpoint, lora, base,

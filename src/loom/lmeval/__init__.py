@@ -1,11 +1,11 @@
 """Benchmark tasks through lm-evaluation-harness, an optional extra (`pip install
 'loom[eval]'`): `model` wraps loom's model as the harness's `LM`, `harness` finds and runs
-tasks. Both import `lm_eval`; callers check `require_lm_eval` first and import them by name,
-so loom runs without the extra until tasks are asked for."""
+tasks. Both import `lm_eval`, so they are imported inside the functions here (and
+`loom.commands.eval`'s), once `require_lm_eval` found the extra: loom runs without it until
+tasks are asked for."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -24,7 +24,9 @@ def require_lm_eval(flag: str) -> ModuleType:
     if importlib.util.find_spec("lm_eval") is None:
         raise ConfigError(f"{flag} needs lm-evaluation-harness, which is not installed: "
                           "pip install 'loom[eval]' (or lm_eval>=0.4)")
-    return importlib.import_module("loom.lmeval.harness")
+    from loom.lmeval import harness  # imports lm_eval: only now that it is known installed
+
+    return harness
 
 
 def build_task_evaluation(cfg: JobConfig, model: nn.Module, device: torch.device,
@@ -35,5 +37,6 @@ def build_task_evaluation(cfg: JobConfig, model: nn.Module, device: torch.device
     if not cfg.eval.eval_tasks:
         return None
     require_lm_eval("--eval-tasks")
-    periodic = importlib.import_module("loom.lmeval.periodic")
-    return periodic.TaskEvaluation(cfg, model, device, outdir, is_main, context)
+    from loom.lmeval.periodic import TaskEvaluation  # imports lm_eval (found above)
+
+    return TaskEvaluation(cfg, model, device, outdir, is_main, context)

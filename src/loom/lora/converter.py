@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -158,22 +158,23 @@ def adapter_std(name: str, cfg: JobConfig) -> float | None:
     return None
 
 
-def resolve_lora_targets(cfg: JobConfig) -> JobConfig:
+def lora_targets_for(cfg: JobConfig) -> str | None:
     """--lora-targets expanded (or the family's defaults) and checked against the model
-    (built on meta); transformers' module is refused by `validate`."""
+    (built on meta): a fact for the resolver (`loom.config.resolved.settled`). The flag as
+    given without LoRA or on transformers' module (which `validate` refuses)."""
     if not cfg.lora.lora_rank or cfg.model.runs_transformers:
-        return cfg
+        return cfg.lora.lora_targets
     with torch.device("meta"):
-        return resolve_lora(cfg, plain_model(cfg))
+        return checked_targets(cfg, plain_model(cfg))
 
 
-def resolve_lora(cfg: JobConfig, model: nn.Module) -> JobConfig:
-    """The config with --lora-targets expanded (the family's defaults when not given),
-    checked against `model` (the plain model, on meta): one line for a name that is not a
-    linear of some block. A run without LoRA is returned as is."""
+def checked_targets(cfg: JobConfig, model: nn.Module) -> str | None:
+    """--lora-targets expanded (the family's defaults when not given), checked against
+    `model` (the plain model, on meta): one line for a name that is not a linear of some
+    block. Without LoRA, the flag as given."""
     lo = cfg.lora
     if not lo.lora_rank:
-        return cfg
+        return lo.lora_targets
     spec = for_config(cfg.model)
     if lo.lora_targets is None and not spec.lora_targets:
         raise ConfigError(f"--lora-rank: the {spec.name} family names no default LoRA "
@@ -192,7 +193,7 @@ def resolve_lora(cfg: JobConfig, model: nn.Module) -> JobConfig:
             raise ConfigError(f"--lora-rank {lo.lora_rank} exceeds {target}'s narrower side "
                               f"({narrowest}): a rank-r update of that layer is no more than "
                               f"a rank-{narrowest} one, at more memory")
-    return replace(cfg, lora=replace(lo, lora_targets=",".join(targets)))
+    return ",".join(targets)
 
 
 def _has(module: nn.Module, target: str) -> bool:

@@ -18,7 +18,7 @@ from loom.losses.dispatch import (
     build_loss,
     effective_loss_impl,
     logits_criterion,
-    resolve_loss_impl,
+    loss_impl_for,
 )
 from loom.losses.fused_linear import fused_linear_cross_entropy
 
@@ -35,6 +35,6 @@ __all__ = [
     "effective_loss_impl",
     "fused_linear_cross_entropy",
     "logits_criterion",
-    "resolve_loss_impl",
+    "loss_impl_for",
     "vocab_parallel_cross_entropy",
 ]

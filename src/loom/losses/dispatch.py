@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -47,13 +47,14 @@ def effective_loss_impl(mode: str, tp: int, hf_model: bool) -> tuple[str, str | 
     return mode, None
 
 
-def resolve_loss_impl(cfg: JobConfig) -> JobConfig:
-    """`cfg` with the effective --loss-impl; a fallback is logged as one warning line."""
+def loss_impl_for(cfg: JobConfig) -> str:
+    """The effective --loss-impl (a fact for the resolver, `loom.config.resolved.settled`);
+    a fallback is logged as one warning line."""
     requested = cfg.loss.loss_impl
     mode, reason = effective_loss_impl(requested, cfg.parallel.tp, cfg.model.runs_transformers)
     if reason is not None:
         logger.warning("--loss-impl %s %s; using %s", requested, reason, mode)
-    return replace(cfg, loss=replace(cfg.loss, loss_impl=mode))
+    return mode
 
 
 LogitsLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

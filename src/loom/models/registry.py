@@ -1,28 +1,36 @@
 """Model families by name (a built model carries its own) and by Hugging Face architecture.
 
-loom's own families are registered here; a family defined elsewhere (a test, a user's
-package imported before training) calls `register` once and is then used like them.
+The registry is filled by `register`, once per family: loom's own in
+`loom/parallel/families.py` (above both the models and their parallel plans), a family
+defined elsewhere (a test, a user's package imported before training) by its own module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from loom.config import ConfigError, ModelConfig
-from loom.models.llama.spec import LLAMA
-from loom.models.moe.spec import MOE
-from loom.models.qwen3.spec import QWEN3, QWEN3_MOE
-from loom.models.spec import FAMILY_ATTR, HFAdapter, ModelSpec
-from loom.models.transformers.spec import TRANSFORMERS
+from loom.config.families import register_flags
+from loom.models.moe.flags import moe_flags
+from loom.models.spec import FAMILY_ATTR, HFAdapter, ModelPlan, ModelSpec
 
 _FAMILIES: dict[str, ModelSpec] = {}
 
 
-def register(spec: ModelSpec) -> ModelSpec:
-    """Add a family (replacing one of the same name)."""
+def register(spec: ModelSpec, plan: Callable[[nn.Module], ModelPlan] | None = None
+             ) -> ModelSpec:
+    """Add a family, one record (replacing one of the same name): its spec with its parallel
+    plan, and its flags with `loom.config`. loom's own register in
+    `loom/parallel/families.py`; a family of yours from any module imported before the run
+    (`tests/families/gpt2.py`)."""
+    if plan is not None:
+        spec = replace(spec, plan=plan)
+    for group in spec.flags:
+        register_flags(group)
     _FAMILIES[spec.name] = spec
     return spec
 
@@ -37,8 +45,8 @@ def family(name: str) -> ModelSpec:
 def family_name(m: ModelConfig) -> str:
     """The family a resolved model config builds."""
     if m.runs_transformers:
-        return TRANSFORMERS.name
-    return m.family or ("moe" if m.n_experts else "llama")
+        return "transformers"  # transformers' own module (loom.models.transformers)
+    return m.family or ("moe" if moe_flags(m).n_experts else "llama")
 
 
 def for_config(m: ModelConfig) -> ModelSpec:
@@ -112,6 +120,3 @@ def export_adapter(spec: ModelSpec, args: Any) -> HFAdapter:
 def families() -> list[ModelSpec]:
     return list(_FAMILIES.values())
 
-
-for _spec in (LLAMA, QWEN3, MOE, QWEN3_MOE, TRANSFORMERS):
-    register(_spec)

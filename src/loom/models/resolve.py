@@ -114,5 +114,5 @@ def resolve_model(cfg: JobConfig) -> JobConfig:
                           f"max_position_embeddings {fields['max_seq_len']}")
     why = f"{shown} is served by loom's {spec.name} family"
     logger.info("model %s: native (%s)", m.model, why)
-    return replace(cfg, model=replace(m, **fields, model_impl="native", family=spec.name,
+    return replace(cfg, model=m.with_values(**fields, model_impl="native", family=spec.name,
                                       model_impl_reason=why))

@@ -6,8 +6,9 @@ fills it, and a spec. Everything outside the folder (the parallelize recipe, pip
 context parallel, compile, init, FLOP counting, float8, histograms, Hugging Face import and
 export) asks the spec, so a new family touches no module outside its folder. A built model
 carries its family's name (`FAMILY_ATTR`), so the spec is found by name, never by class.
-The family's parallel plan is registered with `loom.parallel.model_plan` by the same name:
-models never import the parallel code.
+A family registers once, as one record: this spec, which holds its flags and Hugging Face
+adapters and is given its parallel plan at registration (models never import the parallel
+code; loom's own families register in `loom/parallel/families.py`, one line each).
 
 The model protocol a spec promises (written down because the recipe relies on it):
 - `forward(tokens, positions=None, return_hidden=False)`: ids (B, T) -> logits (B, T, V);
@@ -86,6 +87,10 @@ class ModelPlan:
     """The model's own activation checkpointing, used instead of wrapping blocks."""
     fullgraph: bool = True
     """Compile blocks fullgraph (a graph break is an error) or let code loom does not own break."""
+    spec: Any = None
+    """The family's `ModelSpec`, set by `loom.parallel.model_plan.model_plan`: what
+    `parallelize` asks (parts for context parallel, the embedding for compile) without
+    looking the family up again."""
 
     def blocks(self) -> list[nn.Module]:
         """The container's current entries (wrapped ones once AC has run)."""
@@ -192,6 +197,15 @@ class ModelSpec:
     None: all of them."""
     hooks: tuple[SpecHook, ...] = ()
     """Step hooks every run of this family uses (the MoE expert-bias update)."""
+    plan: Callable[[nn.Module], ModelPlan] | None = None
+    """The family's parallel plan (built model or stage -> `ModelPlan`). Models never import
+    the parallel code, so it is given when the family registers
+    (`loom.models.registry.register(spec, plan=...)`, in `loom/parallel/families.py` for
+    loom's own); None: the family cannot be parallelized."""
+    flags: tuple[type, ...] = ()
+    """The family's own flag dataclasses (`loom.config.families`: `flag()` fields, their
+    defaults and a `check(cfg)`), registered with the family; its arguments are filled from
+    them and the shared model flags."""
 
     def part(self, model: nn.Module, name: str | None) -> nn.Module | None:
         return None if name is None else getattr(model, name, None)

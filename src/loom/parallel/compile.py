@@ -38,7 +38,7 @@ from torch import nn
 
 from loom.config import ParallelConfig
 from loom.models.registry import named_part
-from loom.models.spec import ModelPlan
+from loom.models.spec import ModelPlan, ModelSpec
 from loom.runtime.scope import GlobalSettings
 
 logger = logging.getLogger("loom")
@@ -78,7 +78,7 @@ def _own_storage(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.
     return output.clone() if output._base is not None else output
 
 
-def prepare_compile(model: nn.Module) -> None:
+def prepare_compile(model: nn.Module, spec: ModelSpec | None = None) -> None:
     """What every compiled-block recipe needs besides the compile calls and the run's
     `compiler_settings`.
 
@@ -86,7 +86,7 @@ def prepare_compile(model: nn.Module) -> None:
     block given such a view as input drops its gradient (the embedding's gradient came out
     zero), so the embedding output gets its own storage first.
     """
-    embedding = named_part(model, "embedding")
+    embedding = named_part(model, "embedding") if spec is None else spec.embedding(model)
     if embedding is not None:  # absent on later pipeline stages
         embedding.register_forward_hook(_own_storage)
 
@@ -109,7 +109,7 @@ def apply_compile(plan: ModelPlan, mode: str, backend: str = "inductor",
     units break a MoE block's graph, and with `checkpointed` (activation checkpointing) leave
     the routed experts eager (see the module docstring). The caller keeps the run's
     `compiler_settings` in force while the graphs compile, at the first step."""
-    prepare_compile(plan.model)
+    prepare_compile(plan.model, plan.spec)
     kwargs = {**compile_kwargs(mode, backend), "fullgraph": plan.fullgraph}
     experts = set(plan.experts) if expert_parallel else set()
     hooked = set() if whole_model else experts

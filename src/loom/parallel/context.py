@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from loom.compat import all_gather_autograd
 from loom.models.documents import shard_document_mask
 from loom.models.registry import for_model
+from loom.models.spec import ModelParts
 from loom.parallel.mesh import ParallelDims
 
 logger = logging.getLogger("loom")
@@ -205,11 +206,13 @@ def _add_positions(mesh: DeviceMesh, tp: int
     return hook
 
 
-def apply_cp(model: nn.Module, mesh: DeviceMesh, tp: int = 1) -> None:
+def apply_cp(model: nn.Module, mesh: DeviceMesh, tp: int = 1,
+             parts: ModelParts | None = None) -> None:
     """Swap every block's `attention.core` for the context-parallel one and make the model
     index RoPE by global position. The core has no parameters: names, init and checkpoints
-    stay the same."""
-    parts = for_model(model).parts
+    stay the same. `parts`: the family's (`parallelize` passes its plan's spec's); None:
+    looked up from the model."""
+    parts = for_model(model).parts if parts is None else parts
     if parts is None or parts.attention_core is None:
         raise ValueError(f"{type(model).__name__} names no attention core to replace")
     for block in getattr(model, parts.blocks).values():

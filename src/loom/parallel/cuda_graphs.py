@@ -8,9 +8,7 @@ cases `cuda_graphs_refusal` names; each is refused before the model is built."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from loom.config import JobConfig
+from loom.config import JobConfig, ParallelConfig
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.single import runs_plain
 
@@ -39,8 +37,7 @@ def cuda_graphs_refusal(cfg: JobConfig, dims: ParallelDims, device_type: str) ->
     return None
 
 
-def with_cuda_graphs(cfg: JobConfig) -> JobConfig:
-    """The config whose compiled regions record CUDA graphs (--cuda-graphs, once checked)."""
-    if not cfg.parallel.cuda_graphs:
-        return cfg
-    return replace(cfg, parallel=replace(cfg.parallel, compile_mode="reduce-overhead"))
+def graphs_compile_mode(p: ParallelConfig) -> str:
+    """The compile mode that records CUDA graphs under --cuda-graphs (once checked; a fact
+    for the resolver), else the one asked for."""
+    return "reduce-overhead" if p.cuda_graphs else p.compile_mode

@@ -1,8 +1,9 @@
 """Hugging Face models: resolved once per node, then sharded by the one recipe.
 
-Their plan (parallel/model_plan.py) has no TP (config resolution forced tp to 1), the
-model's own gradient-checkpointing switch for --ac, per-block compile, one FSDP2 unit per
-decoder block, then the root (which keeps tied embedding and output weights together).
+Their plan (`transformers_plan`, registered in parallel/families.py) has no TP (config
+resolution forced tp to 1), the model's own gradient-checkpointing switch for --ac,
+per-block compile, one FSDP2 unit per decoder block, then the root (which keeps tied
+embedding and output weights together).
 """
 
 from __future__ import annotations

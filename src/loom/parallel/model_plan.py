@@ -1,41 +1,25 @@
 """What each parallelism acts on in one model, so the recipe never looks inside a model.
 
-A family's parallel plan is registered here under the family's name (models never import
-the parallel code; this registry, above both, joins them): loom's own families below, a
-family defined elsewhere (a test, a user's package) with `register_plan`. A built model's
-family is the one its spec recorded on it (`loom.models.registry.for_model`).
+A family's parallel plan is part of its one registered record (`ModelSpec.plan`, given at
+`loom.models.registry.register`; loom's own families in `loom.parallel.families`). A built
+model's family is the one its spec recorded on it (`loom.models.registry.for_model`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torch import nn
 
 from loom.models.registry import for_model
-from loom.models.spec import ModelPlan
-from loom.parallel.hf import transformers_plan
-from loom.parallel.llama_plan import dense_plan
-from loom.parallel.moe_plan import moe_plan
-
-Plan = Callable[[nn.Module], ModelPlan]
-_PLANS: dict[str, Plan] = {}
+from loom.models.spec import ModelPlan, ModelSpec
 
 
-def register_plan(family: str, plan: Plan) -> Plan:
-    """The parallel plan of the family named `family` (replacing an earlier one)."""
-    _PLANS[family] = plan
+def model_plan(model: nn.Module, spec: ModelSpec | None = None) -> ModelPlan:
+    """The model's plan, carrying its family's spec (`ModelPlan.spec`) so that the recipe
+    asks the family nothing more by lookup; `spec`: the family, when the caller has it."""
+    spec = for_model(model) if spec is None else spec
+    if spec.plan is None:
+        raise ValueError(f"the {spec.name} family has no parallel plan: register it with "
+                         "loom.models.registry.register(spec, plan=...)")
+    plan = spec.plan(model)
+    plan.spec = spec
     return plan
-
-
-def model_plan(model: nn.Module) -> ModelPlan:
-    spec = for_model(model)
-    if spec.name not in _PLANS:
-        raise ValueError(f"the {spec.name} family has no parallel plan: register one with "
-                         "loom.parallel.model_plan.register_plan")
-    return _PLANS[spec.name](model)
-
-
-for _name, _plan in (("llama", dense_plan), ("qwen3", dense_plan), ("moe", moe_plan),
-                     ("qwen3-moe", moe_plan), ("transformers", transformers_plan)):
-    register_plan(_name, _plan)

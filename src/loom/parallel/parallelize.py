@@ -50,7 +50,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
                 loss_parallel: bool, backend: str) -> nn.Module:
     """Apply every enabled parallelism to a model, in place: a meta-device one gets meta
     shards (to be materialised and filled), a CPU-resident one real shards."""
-    plan = model_plan(model)
+    plan = model_plan(model)  # carries the family's spec: no further lookup below
     if plan.tensor_parallel is not None:
         frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         plan.tensor_parallel(dims, loss_parallel)
@@ -61,7 +61,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
         logger.info("tensor parallel: tp=%d, sequence parallel, %s logits", dims.tp,
                     "vocab-sharded" if loss_parallel else "replicated")
     if dims.cp_enabled:  # context parallel: attention cores swapped, RoPE by global position
-        apply_cp(model, dims.get_mesh("cp"), dims.tp)
+        apply_cp(model, dims.get_mesh("cp"), dims.tp, parts=plan.spec.parts)
         if plan.context_parallel is not None:
             plan.context_parallel(sum_over_cp(dims.get_mesh("cp")))
     apply_ac(plan, cfg.activation_checkpoint)

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 
 from loom.config import ConfigError, JobConfig, parse_args, validate
+from loom.config.resolved import settled
 from loom.data.cache import default_cache_dir
-from loom.lora.converter import resolve_lora_targets
-from loom.losses import resolve_loss_impl
+from loom.lora.converter import lora_targets_for
+from loom.losses import loss_impl_for
+from loom.models.moe.flags import moe_flags
 from loom.models.resolve import plain_model, resolve_model
 from loom.numerics.precision import resolve_precision
 from loom.parallel.mesh import ParallelDims
@@ -103,9 +105,9 @@ def check_supported(cfg: JobConfig) -> None:
                           f"{m.model}")
     if p.data_parallel != "fsdp2":
         raise ConfigError("loom plan traces --data-parallel fsdp2 only")
-    if m.n_experts and p.pp > 1:
+    if moe_flags(m).n_experts and p.pp > 1:
         raise ConfigError("loom plan cannot model --pp with a mixture-of-experts model yet")
-    if m.n_experts and p.dtype == "fp32":
+    if moe_flags(m).n_experts and p.dtype == "fp32":
         raise ConfigError("loom plan cannot trace fp32 experts yet (their per-expert loop "
                           "splits rows by data-dependent counts); use --dtype bf16")
 
@@ -163,7 +165,8 @@ def plan_main(argv: Sequence[str]) -> int:
         if options.world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {options.world_size}")
         device_memory = parse_size(options.device_memory)
-        cfg = resolve_lora_targets(resolve_model(parse_args(train_argv)))
+        cfg = resolve_model(parse_args(train_argv))
+        cfg = settled(cfg, lora_targets=lora_targets_for(cfg))
         validate(cfg)  # the model a Hugging Face folder filled in, checked as train checks it
         p = cfg.parallel
         cfg = replace(cfg, parallel=replace(
@@ -171,8 +174,8 @@ def plan_main(argv: Sequence[str]) -> int:
             gloo_collectives=planned_collectives(p.gloo_collectives, options.device)))
         ParallelDims.from_config(cfg.parallel, options.world_size)
         check_supported(cfg)
-        cfg = planned_doc_mask(resolve_loss_impl(cfg), options.device)
-        if cfg.model.n_experts:
+        cfg = planned_doc_mask(settled(cfg, loss_impl=loss_impl_for(cfg)), options.device)
+        if moe_flags(cfg.model).n_experts:
             print("warning: loom plan's MoE memory figures are validated on moe-debug only "
                   "(docs/planning.md)", file=sys.stderr, flush=True)
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \

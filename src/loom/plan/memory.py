@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config import JobConfig
+from loom.models.moe.flags import moe_flags
 from loom.plan.compiled import compiled_block_fraction
 from loom.plan.trace import (
     HELD,
@@ -73,7 +74,8 @@ class MemoryPrediction:
 
 
 def traced_depths(cfg: JobConfig) -> tuple[int, int]:
-    first = min(cfg.model.n_dense_layers, cfg.model.n_layers) + 1 if cfg.model.n_experts else 1
+    moe = moe_flags(cfg.model)
+    first = min(moe.n_dense_layers, cfg.model.n_layers) + 1 if moe.n_experts else 1
     return first, first + 1
 
 

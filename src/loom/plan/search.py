@@ -29,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from loom.config import ConfigError, JobConfig, validate
+from loom.models.moe.flags import moe_flags
 from loom.parallel.mesh import ParallelDims
 from loom.plan.memory import GiB, finish, in_gib
 from loom.plan.peaks import traced_phases
@@ -51,7 +52,7 @@ def pipeline_degrees(cfg: JobConfig, rest: int) -> list[int]:
     """pp degrees worth searching: dividing the ranks left and the blocks, >= 2 blocks a
     stage (MoE: none, see `check_supported`)."""
     n = cfg.model.n_layers
-    if cfg.model.n_experts:
+    if moe_flags(cfg.model).n_experts:
         return [1]
     return [pp for pp in (1, 2, 4, 8) if rest % pp == 0 and n % pp == 0 and n >= 2 * pp]
 
@@ -59,7 +60,7 @@ def pipeline_degrees(cfg: JobConfig, rest: int) -> list[int]:
 def expert_degrees(cfg: JobConfig, region: int) -> list[int]:
     """ep degrees worth searching: dividing the ranks it spans at --etp 1 (dp_shard x cp x
     tp) and the experts."""
-    n = cfg.model.n_experts
+    n = moe_flags(cfg.model).n_experts
     return [ep for ep in (1, 2, 4, 8, 16, 32, 64) if region % ep == 0 and n % ep == 0] \
         if n else [1]
 

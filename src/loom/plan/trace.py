@@ -27,6 +27,7 @@ from loom.config import ConfigError, JobConfig
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.losses import Criterion, build_criterion
 from loom.losses.cross_entropy import localise
+from loom.models.moe.flags import moe_flags
 from loom.models.registry import for_config, output_of
 from loom.models.resolve import plain_model
 from loom.models.spec import ModelParts
@@ -110,8 +111,8 @@ class WorstCaseNonzero(TorchDispatchMode):
 def with_layers(cfg: JobConfig, n_layers: int) -> JobConfig:
     """`cfg` with only `n_layers` blocks (the same block shapes)."""
     model = cfg.model
-    n_dense = min(model.n_dense_layers, n_layers)
-    return replace(cfg, model=replace(model, n_layers=n_layers, n_dense_layers=n_dense))
+    n_dense = min(moe_flags(model).n_dense_layers, n_layers)
+    return replace(cfg, model=model.with_values(n_layers=n_layers, n_dense_layers=n_dense))
 
 
 def traceable(cfg: JobConfig) -> JobConfig:

@@ -69,10 +69,11 @@ def save_hf(checkpointer: Checkpointer, step: int, cfg: JobConfig, rank: int) ->
     on_node_leaders(write, leader=rank == 0)
 
 
-def run(cfg: JobConfig, info: RankInfo, device: torch.device) -> Trainer:
+def run(cfg: JobConfig, info: RankInfo, device: torch.device,
+        dims: ParallelDims | None = None) -> Trainer:
     """Train one job in an initialised process group; returns the (closed) trainer for
-    inspection."""
-    with training(cfg, info, device) as trainer:
+    inspection. `dims`: the layout `fit` checked (None: built from `cfg`)."""
+    with training(cfg, info, device, dims) as trainer:
         trainer.fit()
         if trainer.cfg.checkpoint.save_hf:
             save_hf(trainer.checkpointer, trainer.loop.step, trainer.cfg, trainer.info.rank)
@@ -141,10 +142,10 @@ def fit(config: JobConfig | Sequence[str]) -> FitResult:
     info = in_current_group(rank_info())
     owned = not logging.getLogger("loom").handlers
     with log_output(info.rank) if owned else contextlib.nullcontext():
-        ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
         check_outdir(cfg.output.outdir)
         check_run_entries(cfg)
-        cfg = resolve_model(resume_on_restart(cfg, info.restarts))
+        cfg = resolve_model(resume_on_restart(cfg, info.restarts))  # may reset --tp (HF)
+        dims = ParallelDims.from_config(cfg.parallel, info.world_size)  # once, no collective
         for warning in cfg.warnings:
             logger.warning(warning)
         with process_group(info, collective_timeout_s(cfg.train.comm_timeout_s)) as (
@@ -155,4 +156,4 @@ def fit(config: JobConfig | Sequence[str]) -> FitResult:
                             "glibc's default)")
             # The trainer is dropped before the group goes: its model and FSDP state sit in
             # reference cycles holding collective handles (see `teardown`).
-            return result_of(run(cfg, info, device))
+            return result_of(run(cfg, info, device, dims))

@@ -24,12 +24,13 @@ from loom.checkpoint.resume import (
     find_resume,
 )
 from loom.config import ConfigError, JobConfig, validate
+from loom.config.resolved import settled
 from loom.data.loaders import build_datasets
-from loom.lora.converter import apply_lora, resolve_lora_targets, settings
-from loom.losses import resolve_loss_impl
+from loom.lora.converter import apply_lora, lora_targets_for, settings
+from loom.losses import loss_impl_for
 from loom.models.resolve import model_args, plain_model, resolve_model
 from loom.numerics.precision import Precision, resolve_precision
-from loom.parallel.cuda_graphs import cuda_graphs_refusal, with_cuda_graphs
+from loom.parallel.cuda_graphs import cuda_graphs_refusal, graphs_compile_mode
 from loom.parallel.hf import resolve_hf_model
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, seed_everything
@@ -86,16 +87,16 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
         raise ValueError("the model was resolved after the mesh was built; call "
                          "loom.models.resolve.resolve_model on the flags first")
     cfg = resolve_hf_model(cfg, info.local_rank)
-    cfg = resolve_lora_targets(cfg)
+    cfg = settled(cfg, lora_targets=lora_targets_for(cfg))
     validate(cfg)  # the facts added below come from loom itself, not from the user
     check_fits(cfg, dims, device)
     if cfg.parallel.cuda_graphs:  # needs the device and the layout: refused here, not earlier
         refusal = cuda_graphs_refusal(cfg, dims, device.type)
         if refusal is not None:
             raise ConfigError(refusal)
-        cfg = with_cuda_graphs(cfg)
+        cfg = settled(cfg, compile_mode=graphs_compile_mode(cfg.parallel))
     dataset, val_datasets, cfg = build_datasets(cfg, info.local_rank)
-    cfg = resolve_loss_impl(cfg)  # effective --loss-impl, before the tp plan
+    cfg = settled(cfg, loss_impl=loss_impl_for(cfg))  # effective --loss-impl, before tp
     if resume is not None:  # before the model is built
         check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)))
     return Resolved(cfg, precision, resume, dataset, val_datasets)

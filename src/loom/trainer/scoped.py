@@ -35,13 +35,16 @@ def run_settings(cfg: JobConfig, device_type: str) -> GlobalSettings:
 
 
 @contextlib.contextmanager
-def training(cfg: JobConfig, info: RankInfo, device: torch.device) -> Iterator[Trainer]:
+def training(cfg: JobConfig, info: RankInfo, device: torch.device,
+             dims: ParallelDims | None = None) -> Iterator[Trainer]:
     """A Trainer for `cfg` in the initialised process group, closed on the way out. The
     run's settings stay in force for the whole block: compiled graphs are built at the
-    first step, and read the compiler options then."""
+    first step, and read the compiler options then. `dims`: the run's layout, where the
+    caller checked it before starting the group (else built here, once)."""
+    if dims is None:
+        dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     with applied(run_settings(cfg, device.type)):
-        trainer = Trainer(cfg, info, ParallelDims.from_config(cfg.parallel, info.world_size),
-                          device)
+        trainer = Trainer(cfg, info, dims, device)
         try:
             yield trainer
         finally:

@@ -93,7 +93,7 @@ def test_cp_takes_the_moe_balance_loss() -> None:
     parity/test_moe_parity.py::test_layout_matches_single_process[aux_cp2_ep2])."""
     cfg = config_from_flags({"model": "moe-debug", "cp": 2, "aux_loss_coeff": 0.01},
                             environ={})
-    assert cfg.parallel.cp == 2 and cfg.model.aux_loss_coeff == 0.01
+    assert cfg.parallel.cp == 2 and cfg.model.values()["aux_loss_coeff"] == 0.01
 
 
 def test_each_tested_cell_names_a_collected_test() -> None:

@@ -11,7 +11,7 @@ import pytest
 from loom.checkpoint.resume import architecture
 from loom.config import SECTIONS, ConfigError, JobConfig, config_from_flags, parse_args
 from loom.config.job import flag_fields
-from loom.config.schema import DataConfig, ModelConfig
+from loom.config.schema import DataConfig
 from loom.errors import (
     BAD_INPUT_EXIT,
     DIVERGED_EXIT,
@@ -75,12 +75,13 @@ def test_a_bad_variable_is_one_line_naming_it(environ, message):
 def test_model_arguments_are_the_config_fields_of_the_same_name(flags):
     cfg = parse_args(flags)
     args = model_args(cfg)
-    assert type(args) is (MoEArgs if cfg.model.n_experts else ModelArgs)
+    flags = cfg.model.values()  # the shared flags and every registered family's
+    assert type(args) is (MoEArgs if flags["n_experts"] else ModelArgs)
     names = {f.name for f in fields(args)}
-    assert names <= {f.name for f in fields(ModelConfig)}, names
-    wrong = {n: (getattr(args, n), getattr(cfg.model, n)) for n in names
-             if getattr(args, n) != getattr(cfg.model, n)
-             and not (n == "head_dim" and cfg.model.head_dim == 0)}  # 0: dim / n_heads
+    assert names <= set(flags), names
+    wrong = {n: (getattr(args, n), flags[n]) for n in names
+             if getattr(args, n) != flags[n]
+             and not (n == "head_dim" and flags["head_dim"] == 0)}  # 0: dim / n_heads
     assert not wrong, wrong
 
 

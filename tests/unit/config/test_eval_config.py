@@ -11,7 +11,7 @@ import pytest
 from loom.commands.eval import eval_config
 from loom.config import ConfigError, parse_args
 from loom.config.file import read_config_file, to_toml
-from loom.config.job import SECTIONS
+from loom.config.job import SECTIONS, section_fields, section_values
 from loom.config.valsets import split_val_dataset, val_prefix, val_sets
 from loom.observability.plots import plot_series
 from loom.observability.progress import format_progress
@@ -64,11 +64,12 @@ def test_a_set_name_is_one_key_segment_before_the_first_equals(value, parsed):
 def test_named_sets_round_trip_through_a_config_file(tmp_path: Path):
     cfg = parse_args(["--val-dataset", "a=x.txt", "--val-dataset", "y.txt"])
     path = tmp_path / "run.toml"
-    path.write_text(to_toml({name: getattr(cfg, name) for name in SECTIONS}))
-    assert read_config_file(str(path), SECTIONS)["val_dataset"] == ("a=x.txt", "y.txt")
+    path.write_text(to_toml({name: section_values(cfg, name) for name in SECTIONS}))
+    tables = {name: section_fields(name) for name in SECTIONS}
+    assert read_config_file(str(path), tables)["val_dataset"] == ("a=x.txt", "y.txt")
     path.write_text('[eval]\nval_dataset = ["a=x.txt", 3]\n')
     with pytest.raises(ConfigError, match="must be a list of str"):
-        read_config_file(str(path), SECTIONS)
+        read_config_file(str(path), tables)
 
 
 def checkpoint_folder(root: Path) -> Path:

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from loom.config import ConfigError, parse_args
 from loom.models.moe.balance import update_expert_bias
+from loom.models.moe.flags import MoEFlags
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
 from loom.models.resolve import plain_model
 from loom.parallel.mesh import ParallelDims
@@ -15,7 +16,7 @@ from tests.one_rank import one_rank_group
 def test_moe_flags_select_the_moe_model():
     cfg = parse_args(["--model", "moe-debug", "--top-k", "3", "--score-func", "softmax",
                       "--no-route-norm", "--ep", "2"])
-    m = cfg.model
+    m = cfg.model.flags_of(MoEFlags)
     assert (m.n_experts, m.top_k, m.score_func, m.route_norm) == (8, 3, "softmax", False)
     assert cfg.parallel.ep == 2
     with torch.device("meta"):

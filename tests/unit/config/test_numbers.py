@@ -7,16 +7,15 @@ declared; the table holds the cases found by hand (issue 59) through the command
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 
 import pytest
 
 from loom.cli import run_train
 from loom.config import ConfigError, parse_args
 from loom.config.declare import INT64_MAX
-from loom.config.job import SECTIONS
+from loom.config.job import flag_fields
 from loom.config.presets import PRESETS
-from loom.lora.converter import resolve_lora_targets
+from loom.lora.converter import lora_targets_for
 
 BASE = ["--model", "debug", "--dataset", "random", "--max-steps", "1", "--fp32"]
 TABLE = {  # id: (flags, what the one line says)
@@ -88,7 +87,8 @@ def test_a_bad_number_in_the_environment_names_flag_and_variable(tmp_path, capsy
 
 
 def numeric_fields() -> list:
-    return [f for factory in SECTIONS.values() for f in fields(factory)
+    """Every flag's, the registered families' included (`flag_fields`)."""
+    return [f for _, f in flag_fields().values()
             if float in (type(f.default), f.metadata["type"])
             or (int in (type(f.default), f.metadata["type"]) and type(f.default) is not bool)]
 
@@ -113,7 +113,7 @@ def bad_values(f) -> list:
 def test_every_number_of_the_schema_is_range_checked_by_flag_and_by_file(tmp_path, f):
     """Each int and float setting, generated from the schema: every value outside its
     declared range is refused, naming the flag, from the command line and from TOML."""
-    section = next(s for s, factory in SECTIONS.items() if f in fields(factory))
+    section = flag_fields()[f.name][0]
     name = f"--{f.name.replace('_', '-')}"
     base = BASE if f.name != "max_steps" else BASE[:4]  # a flag would override the file
     for value in bad_values(f):
@@ -142,8 +142,8 @@ def test_lora_rank_is_bounded_by_the_narrowest_layer_it_adapts(rank, ok):
     flags = ["--model", "debug", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2",
              "--dataset", "random", "--lora-rank", str(rank)]
     if ok:
-        resolve_lora_targets(parse_args(flags))
+        lora_targets_for(parse_args(flags))
         return
     with pytest.raises(ConfigError, match=r"--lora-rank 64 exceeds attention.wk's narrower "
                                           r"side \(32\)"):
-        resolve_lora_targets(parse_args(flags))
+        lora_targets_for(parse_args(flags))

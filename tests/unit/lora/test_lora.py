@@ -7,14 +7,21 @@ import pytest
 import torch
 from torch import nn
 
-from loom.config import ConfigError, parse_args
+from loom.config import ConfigError, JobConfig, parse_args
+from loom.config.resolved import settled
 from loom.config.validate import validate
 from loom.lora import converter as lora
-from loom.lora.converter import LoRALinear, apply_lora, expand_targets, merged, resolve_lora_targets
+from loom.lora.converter import LoRALinear, apply_lora, expand_targets, lora_targets_for, merged
 from loom.models.llama.spec import LORA_TARGETS
 from loom.models.resolve import plain_model
 from loom.parallel.init import init_weights
 from loom.plan.trace import PEAK, fake_world, trace_step
+
+
+def lora_resolved(cfg: JobConfig) -> JobConfig:
+    """`cfg` with its LoRA targets settled as the resolver settles them."""
+    return settled(cfg, lora_targets=lora_targets_for(cfg))
+
 
 SMALL = ["--model", "debug", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
          "--n-kv-heads", "2", "--vocab-size", "128", "--seq-len", "16"]
@@ -28,9 +35,9 @@ def test_targets_shorthand_keeps_the_previous_parent():
 
 
 def test_family_defaults_and_given_targets_resolve_to_full_names():
-    cfg = resolve_lora_targets(parse_args([*SMALL, "--lora-rank", "4"]))
+    cfg = lora_resolved(parse_args([*SMALL, "--lora-rank", "4"]))
     assert cfg.lora.lora_targets == ",".join(LORA_TARGETS)
-    cfg = resolve_lora_targets(parse_args([*SMALL, "--lora-rank", "4", "--lora-targets",
+    cfg = lora_resolved(parse_args([*SMALL, "--lora-rank", "4", "--lora-targets",
                                            "attention.wq,wv"]))
     assert cfg.lora.lora_targets == "attention.wq,attention.wv"
 
@@ -38,7 +45,7 @@ def test_family_defaults_and_given_targets_resolve_to_full_names():
 @pytest.mark.parametrize("targets", ["attention.q_proj", "attention", "attention_norm"])
 def test_a_target_that_is_not_a_block_linear_is_refused_in_one_line(targets):
     with pytest.raises(ConfigError, match=f"'{targets}' is not a linear layer"):
-        resolve_lora_targets(parse_args([*SMALL, "--lora-rank", "4", "--lora-targets",
+        lora_resolved(parse_args([*SMALL, "--lora-rank", "4", "--lora-targets",
                                          targets]))
 
 
@@ -58,7 +65,7 @@ def test_settings_lora_cannot_run_with_are_refused_in_one_line(flags, says):
 def converted(rank: int = 4) -> tuple[nn.Module, nn.Module]:
     """(base, adapted) debug models from the same seed: the adapted one converted on meta
     and initialised as training initialises it."""
-    cfg = resolve_lora_targets(parse_args([*SMALL, "--lora-rank", str(rank)]))
+    cfg = lora_resolved(parse_args([*SMALL, "--lora-rank", str(rank)]))
     with torch.device("meta"):
         base, adapted = plain_model(cfg), plain_model(cfg)
     lora.convert(adapted, cfg)
@@ -102,7 +109,7 @@ def test_plan_counts_the_adapters_optimizer_state_only():
     the adapters' dp-shard of elements (and a step count per tensor), nothing for the frozen
     base."""
     flags = [*SMALL, "--fp32", "--dp-shard", "2", "--batch-size", "1"]
-    cfg = resolve_lora_targets(parse_args([*flags, "--lora-rank", "4"]))
+    cfg = lora_resolved(parse_args([*flags, "--lora-rank", "4"]))
     with torch.device("meta"):
         model = plain_model(cfg)
     lora.convert(model, cfg)

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.config import ConfigError, JobConfig, LossConfig, config_from_flags
+from loom.config.resolved import settled
 from loom.losses import (
     IGNORE_INDEX,
     build_loss,
@@ -19,7 +20,7 @@ from loom.losses import (
     effective_loss_impl,
     fused_linear_cross_entropy,
     logits_criterion,
-    resolve_loss_impl,
+    loss_impl_for,
     vocab_parallel_cross_entropy,
 )
 from loom.models.llama.model import ModelArgs
@@ -156,7 +157,7 @@ def test_fallbacks(mode: str, tp: int, hf: bool, effective: str) -> None:
 def test_fallback_is_recorded_in_the_config_with_one_warning(caplog) -> None:
     cfg = config_from_flags({"loss_impl": "loss-parallel", "model": "debug"}, environ={})
     with caplog.at_level(logging.WARNING, logger="loom"):
-        resolved = resolve_loss_impl(cfg)
+        resolved = settled(cfg, loss_impl=loss_impl_for(cfg))
     assert resolved.loss.loss_impl == "compiled"
     assert resolved.to_dict()["loss"]["loss_impl"] == "compiled"
     assert [r.getMessage() for r in caplog.records] == [
@@ -165,7 +166,7 @@ def test_fallback_is_recorded_in_the_config_with_one_warning(caplog) -> None:
 
 def test_unknown_modes_are_errors() -> None:
     with pytest.raises(ConfigError, match="unknown --loss-impl"):
-        resolve_loss_impl(JobConfig(loss=LossConfig("fast")))
+        loss_impl_for(JobConfig(loss=LossConfig("fast")))
     with pytest.raises(ValueError, match="'fast'"):
         build_loss(LossConfig("fast"), tiny_model(ARGS))
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from loom.config import ConfigError, LossConfig, config_from_flags, parse_args
 from loom.data.loaders import sized_to_tokenizer
-from loom.losses import build_loss, resolve_loss_impl
+from loom.losses import build_loss, loss_impl_for
 from loom.models.transformers.model import (
     HFCausalLM,
     hf_model_from_config,
@@ -180,7 +180,7 @@ def test_models_own_checkpointing_recomputes_blocks_with_equal_gradients() -> No
 def test_fused_linear_falls_back_to_compiled_on_a_hf_model(llama_folder: Path) -> None:
     cfg = parse_args(["--model", str(llama_folder), "--model-impl", "transformers",
                       "--loss-impl", "fused-linear"])
-    assert resolve_loss_impl(cfg).loss.loss_impl == "compiled"
+    assert loss_impl_for(cfg) == "compiled"
 
 
 @pytest.mark.parametrize("mode", ["eager", "chunked", "chunked-backward"])

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from loom.config import parse_args
-from loom.parallel.cuda_graphs import cuda_graphs_refusal, with_cuda_graphs
+from loom.config.resolved import settled
+from loom.parallel.cuda_graphs import cuda_graphs_refusal, graphs_compile_mode
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo
 from loom.trainer.parity import layout_training
@@ -42,9 +43,10 @@ def test_refused_where_they_cannot_apply(flags, world_size, device, says) -> Non
 
 def test_a_static_single_device_compiled_step_gets_reduce_overhead() -> None:
     assert refusal(["--compile"]) is None
-    cfg = with_cuda_graphs(parse_args([*BASE, "--compile"]))
+    cfg = parse_args([*BASE, "--compile"])
+    cfg = settled(cfg, compile_mode=graphs_compile_mode(cfg.parallel))
     assert cfg.parallel.compile_mode == "reduce-overhead"
-    assert with_cuda_graphs(parse_args(["--model", "debug"])).parallel.compile_mode == "default"
+    assert graphs_compile_mode(parse_args(["--model", "debug"]).parallel) == "default"
 
 
 def test_the_cli_refuses_on_the_cpu_in_one_line(tmp_path) -> None:

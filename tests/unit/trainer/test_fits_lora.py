@@ -8,10 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.config import ConfigError, parse_args
-from loom.lora.converter import resolve_lora_targets
+from loom.config import ConfigError, JobConfig, parse_args
+from loom.config.resolved import settled
+from loom.lora.converter import lora_targets_for
 from loom.parallel.mesh import ParallelDims
 from loom.trainer import resolve
+
+
+def lora_resolved(cfg: JobConfig) -> JobConfig:
+    """`cfg` with its LoRA targets settled as the resolver settles them."""
+    return settled(cfg, lora_targets=lora_targets_for(cfg))
+
 
 SHAPE = ["--model", "debug", "--dim", "256", "--n-layers", "2", "--n-heads", "4",
          "--n-kv-heads", "4", "--vocab-size", "1024", "--dataset", "random", "--seq-len", "32",
@@ -20,7 +27,7 @@ SHAPE = ["--model", "debug", "--dim", "256", "--n-layers", "2", "--n-heads", "4"
 
 def fits(flags: list[str], free: int, monkeypatch) -> None:
     monkeypatch.setattr(resolve, "available_memory_bytes", lambda: free)
-    cfg = resolve_lora_targets(parse_args([*SHAPE, *flags]))
+    cfg = lora_resolved(parse_args([*SHAPE, *flags]))
     resolve.check_fits(cfg, ParallelDims.from_config(cfg.parallel, 1), torch.device("cpu"))
 
 

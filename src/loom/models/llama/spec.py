@@ -7,14 +7,18 @@ from dataclasses import fields
 import torch
 
 from loom.config import ModelConfig
+from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.hf import LlamaAdapter
 from loom.models.llama.model import ModelArgs, Transformer
+from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.spec import ModelSpec
 
 
 def dense_args(m: ModelConfig) -> ModelArgs:
-    """Every field from the config field of the same name (never copied by hand)."""
-    return ModelArgs(**{f.name: getattr(m, f.name) for f in fields(ModelArgs)})
+    """Every field from the model flag of the same name, shared or a family's (never
+    copied by hand)."""
+    values = m.values()
+    return ModelArgs(**{f.name: values[f.name] for f in fields(ModelArgs)})
 
 
 def rope_input(model: Transformer) -> tuple[torch.Tensor]:
@@ -29,4 +33,5 @@ LORA_TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
 LLAMA = ModelSpec(
     name="llama", model_cls=Transformer, args_from_config=dense_args, build=Transformer,
     args_cls=ModelArgs, block_inputs=rope_input, hf=(LlamaAdapter(),), lora_targets=LORA_TARGETS,
+    flags=(LlamaFlags, Qwen3Flags),
     description="GQA attention with RoPE (Llama 3.1 scaling), SwiGLU, RMSNorm")

@@ -8,14 +8,18 @@ from dataclasses import fields
 from torch import nn
 
 from loom.config import ModelConfig
+from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.spec import rope_input
 from loom.models.moe.balance import moe_layers, update_expert_bias
+from loom.models.moe.flags import MoEFlags
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
+from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.spec import ModelSpec, SpecHook
 
 
 def moe_args(m: ModelConfig) -> MoEArgs:
-    return MoEArgs(**{f.name: getattr(m, f.name) for f in fields(MoEArgs)})
+    values = m.values()  # the shared flags, Llama's, Qwen3's and the MoE family's own
+    return MoEArgs(**{f.name: values[f.name] for f in fields(MoEArgs)})
 
 
 def _count(module: nn.Module) -> int:
@@ -41,4 +45,5 @@ MOE = ModelSpec(
     name="moe", model_cls=MoETransformer, args_from_config=moe_args, build=MoETransformer,
     args_cls=MoEArgs, block_cost=moe_block_cost, block_inputs=rope_input,
     routers=router_gates, active_params=active_param_count, hooks=(EXPERT_BIAS,),
+    flags=(LlamaFlags, Qwen3Flags, MoEFlags),
     description="top-k routed experts (sigmoid or softmax), shared experts, expert bias")

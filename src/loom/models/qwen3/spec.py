@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from loom.config import ModelConfig
+from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.models.llama.spec import LORA_TARGETS, dense_args, rope_input
 from loom.models.moe.model import MoEArgs
 from loom.models.moe.spec import MOE
+from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.qwen3.hf import Qwen3Adapter, Qwen3MoeAdapter
 from loom.models.spec import ModelSpec
 
@@ -26,6 +28,7 @@ def qwen3_moe_args(m: ModelConfig) -> MoEArgs:
 QWEN3 = ModelSpec(
     name="qwen3", model_cls=Transformer, args_from_config=qwen3_args, build=Transformer,
     args_cls=ModelArgs, block_inputs=rope_input, hf=(Qwen3Adapter(),), lora_targets=LORA_TARGETS,
+    flags=(LlamaFlags, Qwen3Flags),
     description="Llama with per-head q/k RMSNorm and an explicit head width")
 
 QWEN3_MOE = replace(

@@ -1,0 +1,58 @@
+"""A family is one unit (issue #56): the files its one registration names are its folder and
+its parallel plan, so adding a family touches those and one `register` line."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import tests.families.gpt2  # noqa: F401  (registers gpt2-test)
+from loom.models.registry import families
+from loom.models.spec import ModelSpec
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "src" / "loom"
+
+
+def named_files(spec: ModelSpec) -> set[str]:
+    """The source files of everything the record holds: model, arguments, flags, builders,
+    parallel plan, Hugging Face adapters, hooks."""
+    things = [spec.model_cls, spec.args_from_config, spec.build, spec.plan, *spec.flags,
+              *(type(a) for a in spec.hf), *(h.run for h in spec.hooks)]
+    if spec.args_cls is not None:
+        things.append(spec.args_cls)
+    return {Path(inspect.getfile(inspect.unwrap(t))).resolve().relative_to(REPO).as_posix()
+            for t in things if t is not None}
+
+
+def test_each_family_names_its_folder_and_its_plan():
+    """loom's families name files of their own folder (a family built on another's blocks,
+    qwen3 on llama, names that family's too), `parallel/<family>_plan.py` (transformers':
+    `parallel/hf.py`) and nothing else; the test family names its one file."""
+    allowed = {"llama": {"models/llama", "models/qwen3", "parallel/llama_plan.py"},
+               "qwen3": {"models/llama", "models/qwen3", "parallel/llama_plan.py"},
+               "moe": {"models/llama", "models/qwen3", "models/moe", "parallel/moe_plan.py"},
+               "qwen3-moe": {"models/llama", "models/qwen3", "models/moe",
+                             "parallel/moe_plan.py"},
+               "transformers": {"models/transformers", "parallel/hf.py"},
+               "gpt2-test": {"tests/families/gpt2.py"}}
+    found = {spec.name: named_files(spec) for spec in families()}
+    assert set(found) == set(allowed)
+    for name, files in found.items():
+        outside = {f for f in files if not any(
+            f.removeprefix("src/loom/").startswith(place) for place in allowed[name])}
+        assert not outside, (name, outside)
+    assert found["gpt2-test"] == {"tests/families/gpt2.py"}
+    assert "src/loom/models/moe/flags.py" in found["moe"]
+    assert "src/loom/parallel/moe_plan.py" in found["moe"]
+
+
+def test_loom_registers_its_families_in_one_place():
+    """One `register(...)` line per family, in `loom/parallel/families.py`, and no other
+    module of src/ registers one."""
+    text = (SRC / "parallel" / "families.py").read_text()
+    lines = [line for line in text.splitlines() if line.startswith("register(")]
+    assert len(lines) == len([s for s in families() if s.name != "gpt2-test"]), lines
+    others = [p for p in SRC.rglob("*.py") if p.name != "families.py"
+              and "\nregister(" in p.read_text()]
+    assert not others, others
