@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from loom.config import JobConfig, parse_args
-from loom.losses import resolve_loss_impl
+from loom.config.resolved import settled
+from loom.losses import loss_impl_for
 from loom.parallel.mesh import ParallelDims
 from loom.plan.command import make_plan
 from loom.plan.float8 import float8_linears
@@ -42,7 +43,8 @@ def planned(argv: list[str], compile_: bool = False) -> JobConfig:
     at tp > 1 on torch 2.13 (a training refusal, issue 55 items 1-2: the plan itself can
     model the run)."""
     cfg = parse_args(argv)
-    return resolve_loss_impl(replace(cfg, parallel=replace(cfg.parallel, compile=compile_)))
+    cfg = replace(cfg, parallel=replace(cfg.parallel, compile=compile_))
+    return settled(cfg, loss_impl=loss_impl_for(cfg))
 
 
 def tokens_per_gpu(cfg: JobConfig, world_size: int, tmp_path: Path) -> float:
