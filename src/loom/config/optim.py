@@ -52,6 +52,11 @@ class OptimConfig:
     muon_ns_coefficients: str = flag(
         NS_COEFFICIENTS, "--optimizer muon: the Newton-Schulz quintic's coefficients a,b,c "
         "(torch.optim.Muon's)")
+    muon_ns_dtype: str = flag(
+        "bf16", "--optimizer muon: the Newton-Schulz iteration's precision: bf16 "
+        "(torch.optim.Muon's own) or fp32 (the same iteration in float32: layouts then agree "
+        "to fp32 summation order, which bf16 rounding turns into ~2e-3 of a weight's norm "
+        "after 5 steps; slower)", choices=("bf16", "fp32"))
     muon_adjust_lr: str = flag(
         "match-rms-adamw", "--optimizer muon: per-matrix learning-rate scale: "
         "0.2 * sqrt(max(rows, cols)), matching AdamW's update RMS (Moonshot), or "

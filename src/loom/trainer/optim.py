@@ -54,6 +54,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     adamw = _adamw(rest, cfg.lr) if rest else None  # LoRA: every trainable one is a matrix
     return MuonWithAdamW(
         muon, adamw, lr=cfg.lr if cfg.muon_lr is None else cfg.muon_lr,
+        ns_dtype=cfg.muon_ns_dtype,
         weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum,
         nesterov=cfg.muon_nesterov, ns_coefficients=ns_coefficients(cfg.muon_ns_coefficients),
         ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr.replace("-", "_"))

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loom.compat import newton_schulz
 from loom.config import ConfigError, OptimConfig, parse_args, validate
 from loom.lora.converter import LoraSettings, apply_lora
 from loom.models.llama.model import ModelArgs
 from loom.models.moe.model import MoEArgs, MoETransformer
+from loom.trainer.muon import newton_schulz_fp32
 from loom.trainer.optim import build_lr_scheduler, build_optimizer, takes_muon
 from tests.tiny import tiny_model
 
@@ -113,3 +115,16 @@ def test_each_step_equals_torch_muon_and_adamw(nesterov: bool) -> None:
 def test_muon_flags_are_checked(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(parse_args(["--model", "debug", *flags]))
+
+
+def test_the_fp32_iteration_is_torchs_in_float32() -> None:
+    """--muon-ns-dtype fp32 agrees with torch's bfloat16 Newton-Schulz to bfloat16's
+    precision, on tall and wide matrices, and keeps float32's (its own rerun is exact)."""
+    gen = torch.Generator().manual_seed(5)
+    for shape in ((48, 32), (32, 48)):
+        grad = torch.randn(shape, generator=gen)
+        ours = newton_schulz_fp32(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        theirs = newton_schulz(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        assert ours.dtype == torch.float32 and ours.shape == grad.shape
+        torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=3e-2)
+        assert (ours - theirs.float()).abs().max() > 1e-4  # not the bfloat16 result itself
