@@ -12,6 +12,8 @@ from loom.config import ConfigError, OptimConfig, parse_args, validate
 from loom.lora.converter import LoraSettings, apply_lora
 from loom.models.llama.model import ModelArgs
 from loom.models.moe.model import MoEArgs, MoETransformer
+from loom.models.resolve import plain_model
+from loom.plan.trace import PEAK, fake_world, trace_step
 from loom.trainer.muon import newton_schulz_fp32
 from loom.trainer.optim import build_lr_scheduler, build_optimizer, takes_muon
 from tests.tiny import tiny_model
@@ -128,3 +130,22 @@ def test_the_fp32_iteration_is_torchs_in_float32() -> None:
         assert ours.dtype == torch.float32 and ours.shape == grad.shape
         torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=3e-2)
         assert (ours - theirs.float()).abs().max() > 1e-4  # not the bfloat16 result itself
+
+
+def test_plan_counts_one_muon_buffer_per_matrix() -> None:
+    """`loom plan` builds the run's optimizer: at dp 2, AdamW's two fp32 states of each
+    rank's half of the other parameters, and one momentum buffer of the matrices' half, each
+    tensor with its fp32 step count."""
+    flags = ["--model", "debug", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
+             "--n-kv-heads", "2", "--vocab-size", "128", "--seq-len", "16", "--fp32",
+             "--dp-shard", "2", "--batch-size", "1"]
+    with torch.device("meta"):
+        model = plain_model(parse_args(flags))
+    named = list(model.named_parameters())
+    matrices = [p.numel() for n, p in named if takes_muon(n, p)]
+    rest = [p.numel() for n, p in named if not takes_muon(n, p)]
+    with fake_world(2):
+        muon = trace_step(parse_args([*flags, "--optimizer", "muon"]), 2)[PEAK]["OptState"]
+        adamw = trace_step(parse_args(flags), 2)[PEAK]["OptState"]
+    assert adamw == 2 * 4 * (sum(matrices) + sum(rest)) // 2 + 4 * len(named)
+    assert muon == 4 * sum(matrices) // 2 + 2 * 4 * sum(rest) // 2 + 4 * len(named)
