@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loom.checkpoint.schema import SchemaError, _param_group
 from loom.compat import newton_schulz
 from loom.config import ConfigError, OptimConfig, parse_args, validate
 from loom.lora.converter import LoraSettings, apply_lora
@@ -149,3 +150,25 @@ def test_plan_counts_one_muon_buffer_per_matrix() -> None:
         adamw = trace_step(parse_args(flags), 2)[PEAK]["OptState"]
     assert adamw == 2 * 4 * (sum(matrices) + sum(rest)) // 2 + 4 * len(named)
     assert muon == 4 * sum(matrices) // 2 + 2 * 4 * sum(rest) // 2 + 4 * len(named)
+
+
+GROUP = {"params": ["layers.0.attention.wq.weight"], "kind": "muon", "lr": 1e-3,
+         "initial_lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+         "ns_coefficients": [3.4445, -4.775, 2.0315], "ns_steps": 5, "eps": 1e-7,
+         "adjust_lr_fn": "match_rms_adamw", "ns_dtype": "bf16"}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({}, None), ({"ns_steps": 10**9}, "ns_steps"), ({"momentum": 2.0}, "momentum"),
+    ({"ns_coefficients": [1.0, 2.0]}, "ns_coefficients"), ({"nesterov": 1}, "nesterov"),
+    ({"adjust_lr_fn": "__import__"}, "adjust_lr_fn"), ({"extra": 1}, "unknown key"),
+])
+def test_a_checkpoints_muon_group_is_checked(change: dict, message: str | None) -> None:
+    """loop.json's Muon groups hold only Muon's keys, each in its flag's range (a hostile
+    checkpoint cannot hand the optimizer a huge iteration count or a non-choice)."""
+    group = {**GROUP, **change}
+    if message is None:
+        _param_group(group, "param_groups[1]")
+        return
+    with pytest.raises(SchemaError, match=message):
+        _param_group(group, "param_groups[1]")
