@@ -47,6 +47,7 @@ SLOW = {
     "simple_fsdp_dp2": ("single", 2, 2, ["--data-parallel", "simple-fsdp", "--dp-shard", "2"]),
     "pp2": ("single", 2, 1, ["--pp", "2", "--dp-shard", "1"]),
     "moe_ep2": ("moe_single", 2, 2, ["--dp-shard", "2", "--ep", "2"]),
+    "moe_dp2_tp2_ep2": ("moe_single", 4, 2, ["--dp-shard", "2", "--tp", "2", "--ep", "2"]),
 }
 
 
