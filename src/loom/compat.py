@@ -34,3 +34,12 @@ def all_gather_autograd(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor
     if gather is None:
         gather = funcol.all_gather_tensor_autograd
     return gather(x, gather_dim, group)
+
+
+# torch.optim.Muon's own pieces, private in every supported release with these signatures
+# (checked on 2.11.0, 2.13.0, 2.15.0): loom applies torch's update to each whole matrix.
+from torch.optim._muon import _adjust_lr as muon_adjust_lr  # noqa: E402
+from torch.optim._muon import _zeropower_via_newtonschulz as newton_schulz  # noqa: E402
+
+__all__ = ["TORCH_CEILING", "TORCH_FLOOR", "all_gather_autograd", "all_gather_flat",
+           "muon_adjust_lr", "newton_schulz"]

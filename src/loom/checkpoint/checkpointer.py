@@ -297,10 +297,12 @@ class Checkpointer:
         rank's RNG state; `saved` is its loop.json."""
         model_sd, optim_sd, own_name = plain_state_dict(model, optimizer)
         # Group counts, not parameter names: a pipeline stage's groups list its own parameters.
-        if len(saved["param_groups"]) != len(optim_sd["param_groups"]):
-            raise UnusableCheckpoint(f"checkpoint {path}: it has {len(saved['param_groups'])} "
-                                     "optimizer groups, this run "
-                                     f"{len(optim_sd['param_groups'])}")
+        kinds = [[g.get("kind", "adamw") for g in groups]
+                 for groups in (saved["param_groups"], optim_sd["param_groups"])]
+        if kinds[0] != kinds[1]:  # --optimizer muon holds two kinds of groups, AdamW one
+            raise UnusableCheckpoint(f"checkpoint {path}: its optimizer groups are "
+                                     f"{', '.join(kinds[0])}, this run's {', '.join(kinds[1])} "
+                                     "(resume with the checkpoint's --optimizer)")
         state = {"model": saved_model_state(model, model_sd),
                  "optim": {"state": optim_sd["state"]}}
         try:

@@ -123,7 +123,32 @@ def _settings(value: Any) -> None:
         check_setting(name, v, f"settings.{name}")
 
 
+_MUON_GROUP_KEYS = {"params", "kind", "lr", "weight_decay", "momentum", "nesterov",
+                    "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn", "ns_dtype"}
+_MUON_CHOICES = {"kind": ("muon",), "nesterov": (True, False),
+                 "adjust_lr_fn": ("match_rms_adamw", "original"), "ns_dtype": ("bf16", "fp32")}
+
+
+def _muon_group(group: dict[str, Any], where: str) -> None:
+    """A Muon group (`loom.trainer.muon`): its hyperparameters in the flags' ranges."""
+    _object(group, where, _MUON_GROUP_KEYS, {"initial_lr"})
+    for key, (low, high) in _FLOAT_GROUP_KEYS.items():
+        if key in group:
+            _number(group[key], f"{where}.{key}", low, high)
+    _number(group["momentum"], f"{where}.momentum", 0.0, 0.999999)
+    _integer(group["ns_steps"], f"{where}.ns_steps", 1, 99)
+    _list(group["ns_coefficients"], f"{where}.ns_coefficients",
+          lambda v, w: _number(v, w, -1e6, 1e6), 3)
+    for key, choices in _MUON_CHOICES.items():
+        if not any(group[key] == c and type(group[key]) is type(c) for c in choices):
+            raise SchemaError(f"{where}.{key} is {group[key]!r}, not one of {choices}")
+    _list(group["params"], f"{where}.params", _name)
+
+
 def _param_group(value: Any, where: str) -> None:
+    if isinstance(value, dict) and "kind" in value:
+        _muon_group(value, where)
+        return
     group = _object(value, where, {"params", "lr", "betas", "eps", "weight_decay"},
                     {"initial_lr", *_FIXED_GROUP_KEYS, *_CHOICE_GROUP_KEYS})
     for key, (low, high) in _FLOAT_GROUP_KEYS.items():

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from loom.config.declare import COUNT_MAX, DEGREE, FOREVER_S, INT64_MAX, SIZE, flag
 from loom.config.families import flat_values, replace_values
+from loom.config.optim import OptimConfig  # noqa: F401  (a section of the job, declared apart)
 from loom.config.presets import is_hf_model
 
 T = TypeVar("T")
@@ -155,19 +156,6 @@ class ParallelConfig:
     float8_emulate: bool = flag(
         False, "--float8: run the float8 casts with high-precision matmuls (numerics of "
         "float8, speed of none; automatic on CPU, for testing elsewhere)")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = flag(3e-3, "AdamW learning rate")
-    max_grad_norm: float = flag(1.0, "clip the global gradient norm; <= 0 disables", ge=None,
-                                finite=False)
-    lr_schedule: str = flag("constant", "learning-rate schedule after warmup",
-                            choices=("constant", "cosine", "linear", "wsd"))
-    warmup_steps: int = flag(0, "linear warmup from 0 to --lr over this many steps")
-    min_lr_ratio: float = flag(0.0, "floor of the decaying schedules, as a fraction of --lr", le=1)
-    decay_fraction: float = flag(0.2, "wsd: fraction of the steps spent decaying at the end",
-                                 gt=0, le=1)
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,14 @@ tp, ranges, combinations), run on the final config."""
 from __future__ import annotations
 
 import importlib.util
+import math
 
 from loom.config.compose import refuse_combinations
 from loom.config.families import flag_groups
 from loom.config.job import JobConfig
 from loom.config.mixture import parse_mixture
 from loom.config.numbers import check_numbers
+from loom.config.optim import ns_coefficients
 from loom.config.pipeline import validate_pipeline
 from loom.config.schema import EvalConfig, OutputConfig, ParallelConfig
 from loom.config.valsets import DEFAULT_SET, val_sets
@@ -166,6 +168,20 @@ def _validate_lora(cfg: JobConfig) -> None:
             raise ConfigError(f"--lora-rank does not run with {what}")
 
 
+def _validate_optim(cfg: JobConfig) -> None:
+    """Muon's knobs only with Muon; its coefficients three finite numbers."""
+    o = cfg.optim
+    given = sorted(name for name in cfg.explicit if name.startswith("muon_"))
+    if o.optimizer != "muon" and given:
+        raise ConfigError(f"--{given[0].replace('_', '-')} needs --optimizer muon")
+    try:
+        if not all(math.isfinite(c) for c in ns_coefficients(o.muon_ns_coefficients)):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--muon-ns-coefficients is {o.muon_ns_coefficients!r}, not three "
+                          "finite numbers a,b,c") from None
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     check_numbers(cfg)  # every number's type and range, first: the checks below compare them
@@ -209,6 +225,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_doc_mask(cfg)
     _validate_float8(cfg)
     _validate_lora(cfg)
+    _validate_optim(cfg)
     validate_pipeline(cfg)
     if m.runs_transformers and p.data_parallel != "fsdp2":
         raise ConfigError(f"--data-parallel {p.data_parallel} needs loom's own model, not the "

@@ -1,4 +1,5 @@
-"""AdamW construction, learning-rate schedules and gradient clipping over sharded gradients."""
+"""Optimizer construction (AdamW, or Muon with AdamW), learning-rate schedules and
+gradient clipping over sharded gradients."""
 
 from __future__ import annotations
 
@@ -12,17 +13,51 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from loom.checkpoint.checkpointer import plain_namer
 from loom.config import OptimConfig
+from loom.config.optim import ns_coefficients
+from loom.trainer.muon import MuonWithAdamW
+
+NOT_MUON = frozenset({"router", "gate"})
+"""Module names of MoE routers (loom's `moe.router`, Hugging Face's `mlp.gate`): a router's
+matrix scores experts, it is no hidden projection, and it takes AdamW."""
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def takes_muon(name: str, param: torch.Tensor) -> bool:
+    """The family-neutral rule of Muon's groups: a matrix (or a 3-D stack of experts'
+    matrices) inside the blocks (`layers.`: every family, loom's and Hugging Face's, keeps
+    its blocks there, and the checkpoint and export key on those names), other than a
+    router's. Embeddings, the output head, norms, biases and routers take AdamW. By name and
+    shape, not by the plan's modules: the name is what every layout, stage and wrapper
+    keeps (`plain_namer` strips SimpleFSDP's and the pipeline's additions)."""
+    parts = name.split(".")
+    return param.ndim in (2, 3) and "layers" in parts and not NOT_MUON & set(parts)
+
+
+def _adamw(params: list[torch.Tensor], lr: float) -> torch.optim.AdamW:
     """AdamW with the fused kernel where the parameters' device supports it, else foreach."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    kwargs = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(params, foreach=True, **kwargs)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over every trainable parameter, or Muon over the blocks' matrices
+    (`takes_muon`) and AdamW over the rest, as one optimizer."""
+    named = [(plain_namer(model)(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw":
+        return _adamw([p for _, p in named], cfg.lr)
+    muon = [p for n, p in named if takes_muon(n, p)]
+    rest = [p for n, p in named if not takes_muon(n, p)]
+    adamw = _adamw(rest, cfg.lr) if rest else None  # LoRA: every trainable one is a matrix
+    return MuonWithAdamW(
+        muon, adamw, lr=cfg.lr if cfg.muon_lr is None else cfg.muon_lr,
+        ns_dtype=cfg.muon_ns_dtype,
+        weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov, ns_coefficients=ns_coefficients(cfg.muon_ns_coefficients),
+        ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr.replace("-", "_"))
 
 
 ShardKey = tuple[object, tuple[int, ...]]
