@@ -61,7 +61,8 @@ def test_print_config_exits_without_training(tmp_path):
     out = run_process([sys.executable, "-m", "loom", "train", "--model", "debug",
                       "--lr", "0.02", "--print-config"], timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "[optim]\nlr = 0.02\n" in out.stdout and "[model]\nmodel = \"debug\"" in out.stdout
+    assert "[optim]\noptimizer = \"adamw\"\nlr = 0.02\n" in out.stdout
+    assert "[model]\nmodel = \"debug\"" in out.stdout
 
 
 @pytest.mark.parametrize("text, message", [
