@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from loom.config import ConfigError, ModelConfig
+from loom.models.deepseek_v3.spec import DEEPSEEK_V3
 from loom.models.llama.spec import LLAMA
 from loom.models.moe.spec import MOE
 from loom.models.qwen3.spec import QWEN3, QWEN3_MOE
@@ -113,5 +114,5 @@ def families() -> list[ModelSpec]:
     return list(_FAMILIES.values())
 
 
-for _spec in (LLAMA, QWEN3, MOE, QWEN3_MOE, TRANSFORMERS):
+for _spec in (LLAMA, QWEN3, MOE, QWEN3_MOE, DEEPSEEK_V3, TRANSFORMERS):
     register(_spec)

@@ -14,6 +14,7 @@ from torch import nn
 
 from loom.models.registry import for_model
 from loom.models.spec import ModelPlan
+from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
 from loom.parallel.hf import transformers_plan
 from loom.parallel.llama_plan import dense_plan
 from loom.parallel.moe_plan import moe_plan
@@ -37,5 +38,6 @@ def model_plan(model: nn.Module) -> ModelPlan:
 
 
 for _name, _plan in (("llama", dense_plan), ("qwen3", dense_plan), ("moe", moe_plan),
-                     ("qwen3-moe", moe_plan), ("transformers", transformers_plan)):
+                     ("qwen3-moe", moe_plan), ("deepseek-v3", deepseek_v3_plan),
+                     ("transformers", transformers_plan)):
     register_plan(_name, _plan)
