@@ -36,3 +36,16 @@ def save_deepseek(folder: Path, seed: int = 0, tokenizer: bool = True, **changes
     if tokenizer:
         save_tokenizer(folder, corpus_sample())
     return folder
+
+
+def bias_routing(folder: Path, seed: int = 1) -> None:
+    """Give every routing bias (`e_score_correction_bias`) a value large enough to change
+    which experts tokens pick, as a trained checkpoint's have."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    for name in tensors:
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = torch.randn(tensors[name].shape, generator=gen) * 0.3
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})

@@ -4,6 +4,8 @@ with transformers' logits and greedy text; a bad config field is refused in one 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,9 @@ from loom.models.hf_checkpoint import HFCheckpoint
 from loom.models.registry import for_config
 from loom.models.resolve import plain_model, resolve_model
 from loom.parallel.init import clean_name, load_weights
-from tests.deepseek_folders import save_deepseek
+from tests.deepseek_folders import bias_routing, save_deepseek
+from tests.harness import REPO
+from tests.hf_models import corpus_sample
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,7 +43,9 @@ def test_imported_logits_and_greedy_text_equal_transformers(tmp_path: Path,
         q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 5e4},
         n_group=4, topk_group=2, norm_topk_prob=False)
     folder = save_deepseek(tmp_path / "ds", tokenizer=False, **changes)
+    bias_routing(folder)
     cfg, model = imported(folder)
+    assert model.layers["1"].moe.expert_bias.abs().sum() > 0
     assert cfg.model.family == "deepseek-v3" and cfg.model.model_impl == "native"
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -75,3 +81,44 @@ def test_unsupported_setting_falls_back_to_transformers(tmp_path: Path) -> None:
     cfg = resolve_model(parse_args(["--model", str(folder), "--seq-len", "32"]))
     assert cfg.model.model_impl == "transformers"
     assert "rope_interleave = False" in cfg.model.model_impl_reason
+
+
+def loom(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loom", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env={"PYTHONPATH": str(REPO / "src"),
+                                                      "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("source", ["hf_folder", "mtp_preset"])
+def test_trained_run_exports_to_a_folder_transformers_loads(tmp_path: Path,
+                                                            source: str) -> None:
+    """The export checks itself (transformers' logits within 1e-4 of loom's); MTP modules
+    are written as the layers after the last, under DeepSeek's names."""
+    if source == "hf_folder":
+        model = str(save_deepseek(tmp_path / "ds"))
+        bias_routing(tmp_path / "ds")
+        (tmp_path / "text.txt").write_text(corpus_sample(20_000))
+        data = ["--dataset", str(tmp_path / "text.txt")]
+    else:
+        model, data = "deepseek-v3-mtp-debug", ["--dataset", "random"]
+    run = loom("train", "--model", model, *data, "--seq-len", "32", "--fp32", "--max-steps",
+               "2", "--checkpoint-interval", "2", "--outdir", str(tmp_path / "run"),
+               cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "out"
+    proc = loom("export", str(tmp_path / "run" / "checkpoints" / "step-2"), str(out),
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "DeepseekV3ForCausalLM" in proc.stdout and "checked" in proc.stdout, proc.stdout
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    mtp = {n for n in names if n.startswith("model.layers.3.")}
+    if source == "mtp_preset":
+        assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
+                "model.layers.3.embed_tokens.weight", "model.layers.3.enorm.weight",
+                "model.layers.3.mlp.experts.7.up_proj.weight"} <= mtp
+        assert '"mtp/loss"' in (tmp_path / "run" / "metrics-0.jsonl").read_text()
+    else:
+        assert not mtp
