@@ -1,0 +1,65 @@
+"""DeepSeek-V3 parity: the same seed and global batch on one process and under expert
+parallel, tensor parallel (latent attention's heads split, its down-projections whole) and
+their compositions give the same per-step losses, gradient norms, routing counts and final
+parameters (fp32). Every layout replays the single process's routing and each token that
+would have chosen otherwise must be a near tie (tests/routing.py, as the MoE parity tests
+do; the group-limited router is a `TokenChoiceRouter`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.harness import run_ranks
+from tests.parity.test_moe_parity import assert_same_run
+
+GLOBAL_BATCH = 4
+COMMON = ["--model", "deepseek-v3-debug", "--dataset", "random", "--vocab-size", "512",
+          "--seq-len", "64", "--fp32", "--max-steps", "5", "--seed", "7", "--lr", "1e-3",
+          "--warmup-steps", "0"]
+LAYOUTS = {  # name: (world size, dp degree, flags)
+    "single": (1, 1, []),
+    "ep2": (2, 2, ["--ep", "2"]),
+    "tp2": (2, 1, ["--tp", "2"]),
+}
+SLOW_LAYOUTS = {
+    "ep4": (4, 4, ["--ep", "4"]),
+    "tp2_ep2": (4, 2, ["--tp", "2", "--ep", "2"]),
+    "cp2": (4, 2, ["--cp", "2"]),
+    "simple_fsdp_ep2": (4, 4, ["--data-parallel", "simple-fsdp", "--ep", "2"]),
+}
+
+
+def launch(world: int, layouts: dict, root: Path, references: Path) -> None:
+    runs = [{"argv": [*COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // dp), "--outdir",
+                      str(root / name)],
+             "routing": "record" if name == "single" else str(references / "single")}
+            for name, (size, dp, flags) in layouts.items() if size == world]
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs)],
+                    timeout=1200)
+    assert job.ok, job.describe()
+
+
+@pytest.fixture(scope="module")
+def deepseek_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("deepseek_parity")
+    launch(1, LAYOUTS, root, root)
+    launch(2, LAYOUTS, root, root)
+    return root
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+def test_layout_matches_single_process(deepseek_runs: Path, layout: str) -> None:
+    assert_same_run(deepseek_runs / layout, deepseek_runs / "single")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(SLOW_LAYOUTS))
+def test_four_rank_layout_matches_single_process(deepseek_runs: Path, tmp_path: Path,
+                                                 layout: str) -> None:
+    launch(4, {layout: SLOW_LAYOUTS[layout]}, tmp_path, deepseek_runs)
+    assert_same_run(tmp_path / layout, deepseek_runs / "single")
