@@ -11,9 +11,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.compare import assert_norms_close
 from tests.harness import run_ranks
-from tests.parity.test_moe_parity import assert_same_run
+from tests.parity.test_moe_parity import (
+    PARAM_NORM_RTOL,
+    assert_losses_and_grad_norms_close,
+    assert_same_run,
+)
 
 GLOBAL_BATCH = 4
 COMMON = ["--model", "deepseek-v3-debug", "--dataset", "random", "--vocab-size", "512",
@@ -63,3 +69,20 @@ def test_four_rank_layout_matches_single_process(deepseek_runs: Path, tmp_path: 
                                                  layout: str) -> None:
     launch(4, {layout: SLOW_LAYOUTS[layout]}, tmp_path, deepseek_runs)
     assert_same_run(tmp_path / layout, deepseek_runs / "single")
+
+
+@pytest.mark.multirank
+def test_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> None:
+    """Two stages (the dense block and the first MoE block on one, the rest and the head on
+    the other): losses, gradient norms and final parameters. Routing is not replayed (a
+    stage's routers see micro-batches, which the recorded whole-batch picks do not index),
+    as in the MoE family's pp2 x ep2 test."""
+    job = run_ranks(2, ["tests/workers/parity_worker.py", json.dumps(
+        [[*COMMON, "--pp", "2", "--batch-size", str(GLOBAL_BATCH), "--outdir",
+          str(tmp_path / "pp2")]])], timeout=1200)
+    assert job.ok, job.describe()
+    single = deepseek_runs / "single"
+    assert_losses_and_grad_norms_close(tmp_path / "pp2", single)
+    assert_norms_close(torch.load(tmp_path / "pp2" / "params.pt"),
+                       torch.load(single / "params.pt"), rtol=PARAM_NORM_RTOL,
+                       what="parameters after 5 AdamW steps")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -101,5 +102,8 @@ class LatentAttention(nn.Module):
         if self.q_gain is not None:
             q = q * self.q_gain
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        width = q.shape[-1]
+        if self.v_dim < width:  # flash kernels (context parallel's) want one head width
+            v = F.pad(v, (0, width - self.v_dim))
         out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
-        return self.wo(out.reshape(bsz, seqlen, -1))
+        return self.wo(out[..., :self.v_dim].reshape(bsz, seqlen, -1))
