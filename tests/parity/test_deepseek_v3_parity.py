@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.compare import assert_norms_close
+from tests.compare import assert_norms_close, assert_series_close, column
 from tests.harness import run_ranks
 from tests.parity.test_moe_parity import (
     PARAM_NORM_RTOL,
@@ -25,23 +25,35 @@ GLOBAL_BATCH = 4
 COMMON = ["--model", "deepseek-v3-debug", "--dataset", "random", "--vocab-size", "512",
           "--seq-len", "64", "--fp32", "--max-steps", "5", "--seed", "7", "--lr", "1e-3",
           "--warmup-steps", "0"]
+MTP = ["--model", "deepseek-v3-mtp-debug"]
+"""One multi-token prediction module: its loss joins the backward (a wrong scale of it under
+data parallel moves the gradient norms) and is compared as its own metric."""
 LAYOUTS = {  # name: (world size, dp degree, flags)
     "single": (1, 1, []),
     "ep2": (2, 2, ["--ep", "2"]),
     "tp2": (2, 1, ["--tp", "2"]),
+    "mtp_single": (1, 1, MTP),
+    "mtp_ep2": (2, 2, [*MTP, "--ep", "2"]),
 }
+SINGLES = ("single", "mtp_single")
 SLOW_LAYOUTS = {
     "ep4": (4, 4, ["--ep", "4"]),
     "tp2_ep2": (4, 2, ["--tp", "2", "--ep", "2"]),
     "cp2": (4, 2, ["--cp", "2"]),
     "simple_fsdp_ep2": (4, 4, ["--data-parallel", "simple-fsdp", "--ep", "2"]),
+    "ep2_ac_compile": (2, 2, ["--ep", "2", "--ac", "block", "--compile", "--compile-backend",
+                              "aot_eager"]),
 }
+
+
+def reference_of(layout: str) -> str:
+    return "mtp_single" if layout.startswith("mtp_") else "single"
 
 
 def launch(world: int, layouts: dict, root: Path, references: Path) -> None:
     runs = [{"argv": [*COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // dp), "--outdir",
                       str(root / name)],
-             "routing": "record" if name == "single" else str(references / "single")}
+             "routing": "record" if name in SINGLES else str(references / reference_of(name))}
             for name, (size, dp, flags) in layouts.items() if size == world]
     job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs)],
                     timeout=1200)
@@ -57,17 +69,21 @@ def deepseek_runs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in SINGLES])
 def test_layout_matches_single_process(deepseek_runs: Path, layout: str) -> None:
-    assert_same_run(deepseek_runs / layout, deepseek_runs / "single")
+    reference = deepseek_runs / reference_of(layout)
+    assert_same_run(deepseek_runs / layout, reference)
+    if layout.startswith("mtp_"):
+        assert_series_close(column(deepseek_runs / layout, "mtp/loss"),
+                            column(reference, "mtp/loss"), rtol=1e-5, what="mtp/loss")
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(SLOW_LAYOUTS))
-def test_four_rank_layout_matches_single_process(deepseek_runs: Path, tmp_path: Path,
-                                                 layout: str) -> None:
-    launch(4, {layout: SLOW_LAYOUTS[layout]}, tmp_path, deepseek_runs)
+def test_slow_layout_matches_single_process(deepseek_runs: Path, tmp_path: Path,
+                                            layout: str) -> None:
+    launch(SLOW_LAYOUTS[layout][0], {layout: SLOW_LAYOUTS[layout]}, tmp_path, deepseek_runs)
     assert_same_run(tmp_path / layout, deepseek_runs / "single")
 
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from loom.errors import ConfigError
 from loom.models.moe.balance import moe_layers
 from loom.models.spec import ModelPlan
 from loom.parallel.expert import sum_grad_over
@@ -62,7 +63,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     """Sequence-parallel norms and embedding, head-split attention, the dense blocks'
     SwiGLU split as Llama's; logits replicated or vocab-sharded (loss parallel)."""
     if getattr(model, "mtp", None) is not None:
-        raise ValueError("deepseek-v3 multi-token prediction does not run under --tp yet "
+        raise ConfigError("deepseek-v3 multi-token prediction does not run under --tp yet "
                          "(its shifted embeddings cross sequence shards)")
     outer = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),

@@ -79,9 +79,12 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor,
-                ) -> torch.Tensor:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this depth's hidden state, the same normed for the head): both inside this
+        call, where a wrapper (an FSDP2 unit) holds the weights gathered."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
-        return self.block(x, rope)
+        x = self.block(x, rope)
+        return x, self.norm(x)
 
 
 class DeepseekV3(MoETransformer):
@@ -126,8 +129,8 @@ class DeepseekV3(MoETransformer):
         for depth, module in enumerate(self.mtp.values(), start=1):
             # position i sees token i+depth; the last `depth` positions have none: padded
             shifted = F.pad(embedded[:, depth:], (0, 0, 0, depth))
-            prev = module(prev, shifted, self.rope)
-            hidden.append(module.norm(prev))
+            prev, normed = module(prev, shifted, self.rope)
+            hidden.append(normed)
         logits = self.output(torch.cat(hidden, dim=0))  # one head call: (B * (1 + D), T, V)
         main, *extra = logits.chunk(len(hidden), dim=0)
         loss = mtp_loss(extra, tokens) * self.args.mtp_loss_weight

@@ -60,14 +60,16 @@ def mtp_metrics(model: nn.Module, summed: Any, ranks: int) -> dict[str, float]:
     return {"mtp/loss": float(summed(model.mtp_loss.clone()) / ranks)}
 
 
-LORA_TARGETS = ("attention.wq_b", "attention.wkv_b", "attention.wo", "feed_forward.w1",
-                "feed_forward.w2", "feed_forward.w3")
+LORA_TARGETS = ("attention.wq", "attention.wq_b", "attention.wkv_b", "attention.wo",
+                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+"""The per-head projections (the low-rank down-projections stay whole) and the dense
+SwiGLU; routed experts are stacked weights, not linears."""
 
 DEEPSEEK_V3 = ModelSpec(
     name="deepseek-v3", model_cls=DeepseekV3, args_from_config=deepseek_v3_args,
     build=DeepseekV3, args_cls=DeepseekV3Args, parts=ModelParts(),
     block_cost=moe_block_cost, block_inputs=rope_input, routers=router_gates,
-    active_params=active_params, hf=(DeepseekV3Adapter(),),
+    active_params=active_params, hf=(DeepseekV3Adapter(),), lora_targets=LORA_TARGETS,
     hooks=(EXPERT_BIAS, SpecHook("deepseek-v3-mtp", mtp_metrics)),
     description="multi-head latent attention, group-limited sigmoid routing with shared "
                 "experts and expert bias, YaRN, multi-token prediction")
