@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from tests.compare import assert_norms_close, assert_series_close, column
+from tests.deepseek_folders import bias_routing, save_deepseek
 from tests.harness import run_ranks
+from tests.hf_models import corpus_sample
 from tests.parity.test_moe_parity import (
     PARAM_NORM_RTOL,
     assert_losses_and_grad_norms_close,
@@ -102,3 +104,25 @@ def test_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> None
     assert_norms_close(torch.load(tmp_path / "pp2" / "params.pt"),
                        torch.load(single / "params.pt"), rtol=PARAM_NORM_RTOL,
                        what="parameters after 5 AdamW steps")
+
+
+@pytest.mark.multirank
+def test_imported_folder_trains_at_tp2_ep2_like_one_process(tmp_path: Path) -> None:
+    """A transformers-built DeepseekV3ForCausalLM folder (biased routing, YaRN, a query
+    bottleneck) trained natively at --tp 2 --ep 2 (the experts over the tp ranks) gives the
+    single process's losses, gradient norms, routing counts and parameters."""
+    folder = save_deepseek(tmp_path / "ds")
+    bias_routing(folder)
+    (tmp_path / "text.txt").write_text(corpus_sample(20_000))
+    common = ["--model", str(folder), "--dataset", str(tmp_path / "text.txt"), "--seq-len",
+              "32", "--fp32", "--max-steps", "5", "--seed", "5", "--lr", "1e-3",
+              "--batch-size", "4"]
+    for world, name, flags in ((1, "single", []), (2, "tp2_ep2", ["--tp", "2", "--ep", "2"])):
+        run = {"argv": [*common, *flags, "--outdir", str(tmp_path / name)],
+               "routing": "record" if world == 1 else str(tmp_path / "single")}
+        job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps([run])],
+                        timeout=1200, env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
+        assert job.ok, job.describe()
+    config = json.loads((tmp_path / "tp2_ep2" / "config.json").read_text())
+    assert config["model"]["family"] == "deepseek-v3", config["model"]
+    assert_same_run(tmp_path / "tp2_ep2", tmp_path / "single")
