@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from loom.config import parse_args
+from loom.errors import ConfigError
 from loom.models.deepseek_v3.args import SHAPES, DeepseekV3Args
 from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
+from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
 
 TINY = DeepseekV3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64,
                       hidden_dim=48, n_experts=8, top_k=2, moe_hidden_dim=16,
@@ -85,3 +87,16 @@ def test_mtp_loss_trains_the_shared_embedding_and_head_and_leaves_eval_alone() -
 def test_arguments_out_of_range_are_refused(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         replace(TINY, **change)
+
+
+def test_layouts_that_split_sequences_or_stages_refuse_mtp_in_one_line() -> None:
+    with torch.device("meta"):
+        model = DeepseekV3(TINY)
+    plan = deepseek_v3_plan(model)
+    assert plan.after[0] is model.mtp["0"]  # an FSDP2 unit of its own
+    with pytest.raises(ConfigError, match="under --cp"):
+        plan.context_parallel(lambda t: t)
+    model.tok_embeddings = None  # a later pipeline stage
+    with pytest.raises(ConfigError, match="under --pp"):
+        deepseek_v3_plan(model)
+    deepseek_v3_plan(DeepseekV3(replace(TINY, mtp_layers=0)))  # without MTP: no refusal

@@ -59,12 +59,19 @@ def block_tp_plan(block: nn.Module, styles: Styles) -> dict:
     return plan
 
 
+def refuse_mtp(model: nn.Module, layout: str) -> None:
+    """Multi-token prediction shifts whole sequences and needs the embedding and the head
+    in one module: a layout that splits them refuses in one line."""
+    if getattr(model, "mtp", None) is not None:
+        raise ConfigError(f"deepseek-v3 multi-token prediction does not run under {layout} "
+                          "yet (it shifts whole sequences through the embedding and head); "
+                          "use a model without MTP modules (mtp_layers 0)")
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Sequence-parallel norms and embedding, head-split attention, the dense blocks'
     SwiGLU split as Llama's; logits replicated or vocab-sharded (loss parallel)."""
-    if getattr(model, "mtp", None) is not None:
-        raise ConfigError("deepseek-v3 multi-token prediction does not run under --tp yet "
-                         "(its shifted embeddings cross sequence shards)")
+    refuse_mtp(model, "--tp")
     outer = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -89,10 +96,16 @@ def deepseek_v3_plan(model: nn.Module) -> ModelPlan:
             apply_tp(model, dims.get_mesh("tp"), loss_parallel)
         apply_moe_parallel(model, dims)
 
+    def context_parallel(summed) -> None:
+        refuse_mtp(model, "--cp")
+        complete_sequences(model, summed)
+
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
+        if model.tok_embeddings is None or model.norm is None:
+            refuse_mtp(model, "--pp")
         plan.after = [*mtp.values(), *plan.after]
     plan.tensor_parallel = tensor_parallel
-    plan.context_parallel = partial(complete_sequences, model)
+    plan.context_parallel = context_parallel
     plan.experts = [moe.experts for moe in moe_layers(model)]
     return plan
