@@ -52,6 +52,9 @@ class DeepseekV3Args(MoEArgs):
         for name in ("q_lora_rank", "qk_nope_head_dim", "mtp_layers"):
             if not 0 <= getattr(self, name) <= MAX_SIZE:
                 raise ValueError(f"{name} is {getattr(self, name)}, not in [0, {MAX_SIZE}]")
+        if self.n_experts < 2 and self.n_layers > self.n_dense_layers:
+            raise ValueError(f"n_experts is {self.n_experts}: blocks after the first "
+                             f"{self.n_dense_layers} route among at least 2 experts")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim is {self.qk_rope_head_dim}, not even")
         if self.n_experts % self.n_group or self.topk_group > self.n_group:
@@ -109,6 +112,6 @@ def derived(dim: int, n_heads: int) -> dict[str, Any]:
     """MLA widths for a model given only its width and heads (a --family deepseek-v3 run
     without a preset): DeepSeek-V3's proportions (latent dim / 14, rope = nope / 2)."""
     head = max(2, dim // n_heads)
-    return dict(q_lora_rank=0, kv_lora_rank=max(1, dim // 14 * 4 // 4),
+    return dict(q_lora_rank=0, kv_lora_rank=max(1, dim // 14),
                 qk_nope_head_dim=head, qk_rope_head_dim=max(2, head // 2 // 2 * 2),
                 v_head_dim=head)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.config import ModelConfig
+from loom.config import ConfigError, ModelConfig
 from loom.models.deepseek_v3.args import MLA_FIELDS, SHAPES, DeepseekV3Args, derived
 from loom.models.deepseek_v3.hf import DeepseekV3Adapter, mla_fields
 from loom.models.deepseek_v3.model import DeepseekV3
@@ -36,9 +36,14 @@ def own_fields(m: ModelConfig) -> dict[str, Any]:
 
 
 def deepseek_v3_args(m: ModelConfig) -> DeepseekV3Args:
+    """The shared flags' values and the family's own fields; sizes it cannot be built with
+    are a configuration error (one line), as validation reports the shared flags'."""
     shared = {f.name: getattr(m, f.name) for f in fields(DeepseekV3Args)
               if f.name not in MLA_FIELDS}
-    return DeepseekV3Args(**shared, **own_fields(m))
+    try:
+        return DeepseekV3Args(**shared, **own_fields(m))
+    except ValueError as e:
+        raise ConfigError(f"--family deepseek-v3: {e}") from None
 
 
 def active_params(args: DeepseekV3Args) -> int:
