@@ -76,11 +76,18 @@ def test_hostile_config_fields_are_refused_in_one_line(tmp_path: Path, field: st
         resolve_model(parse_args(["--model", str(folder), "--seq-len", "32"]))
 
 
-def test_unsupported_setting_falls_back_to_transformers(tmp_path: Path) -> None:
-    folder = save_deepseek(tmp_path / "ds", tokenizer=False, rope_interleave=False)
+@pytest.mark.parametrize(("setting", "reason"), [
+    ("rope_interleave", "rope_interleave = False"), ("quantization_config", "quantized")])
+def test_unsupported_setting_falls_back_to_transformers(tmp_path: Path, setting: str,
+                                                       reason: str) -> None:
+    folder = save_deepseek(tmp_path / "ds", tokenizer=False)
+    config = json.loads((folder / "config.json").read_text())
+    config[setting] = False if setting == "rope_interleave" else {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
     cfg = resolve_model(parse_args(["--model", str(folder), "--seq-len", "32"]))
     assert cfg.model.model_impl == "transformers"
-    assert "rope_interleave = False" in cfg.model.model_impl_reason
+    assert reason in cfg.model.model_impl_reason
 
 
 def loom(*argv: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -85,6 +85,8 @@ def config_fields(c: dict[str, Any]) -> dict[str, Any]:
     """loom's shared model-config fields of a DeepseekV3 config.json."""
     refuse(c, {"attention_bias": False, "hidden_act": "silu", "rope_interleave": True,
                "scoring_func": "sigmoid", "topk_method": "noaux_tc", "pretraining_tp": 1})
+    if c.get("quantization_config") is not None:  # DeepSeek's own FP8 block-scaled release
+        raise ValueError("quantization_config (quantized weights: dequantize to bf16 first)")
     mla_fields(c)  # checked here, so a bad folder fails while its fields are resolved
     heads = _int(c, "num_attention_heads", 1)
     return {"dim": _int(c, "hidden_size", 1), "n_layers": _int(c, "num_hidden_layers", 1),
