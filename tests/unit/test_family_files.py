@@ -34,6 +34,9 @@ def test_each_family_names_its_folder_and_its_plan():
                "moe": {"models/llama", "models/qwen3", "models/moe", "parallel/moe_plan.py"},
                "qwen3-moe": {"models/llama", "models/qwen3", "models/moe",
                              "parallel/moe_plan.py"},
+               "deepseek-v3": {"models/llama", "models/qwen3", "models/moe",
+                               "models/transformers", "models/deepseek_v3",
+                               "parallel/deepseek_v3_plan.py"},
                "transformers": {"models/transformers", "parallel/hf.py"},
                "gpt2-test": {"tests/families/gpt2.py"}}
     found = {spec.name: named_files(spec) for spec in families()}

@@ -36,6 +36,27 @@ PRESETS: dict[str, dict[str, int | float | str | bool]] = {
                      hidden_dim=18432, n_experts=256, top_k=8, n_shared_experts=1,
                      moe_hidden_dim=2048, n_dense_layers=3, route_scale=2.5,
                      seq_len=4096, batch_size=1),  # DeepSeek-V3 shape: 672B total, 38.7B active
+    # DeepSeek-V3 (multi-head latent attention; its own fields: models/deepseek_v3/args.py).
+    "deepseek-v3-debug": dict(family="deepseek-v3", dim=64, n_layers=3, n_heads=4,
+                              n_kv_heads=4, hidden_dim=128, n_experts=8, top_k=2,
+                              n_shared_experts=1, moe_hidden_dim=32, n_dense_layers=1,
+                              route_scale=2.5, seq_len=128, batch_size=1,
+                              load_balance_coeff=1e-2, warmup_steps=20),
+    "deepseek-v3-mtp-debug": dict(family="deepseek-v3", dim=64, n_layers=3, n_heads=4,
+                                  n_kv_heads=4, hidden_dim=128, n_experts=8, top_k=2,
+                                  n_shared_experts=1, moe_hidden_dim=32, n_dense_layers=1,
+                                  route_scale=2.5, seq_len=128, batch_size=1,
+                                  load_balance_coeff=1e-2, warmup_steps=20),
+    "deepseek-v3": dict(family="deepseek-v3", dim=7168, n_layers=61, n_heads=128,
+                        n_kv_heads=128, vocab_size=129280, hidden_dim=18432, n_experts=256,
+                        top_k=8, n_shared_experts=1, moe_hidden_dim=2048, n_dense_layers=3,
+                        route_scale=2.5, norm_eps=1e-6, max_seq_len=163840, seq_len=4096,
+                        batch_size=1),
+    "moonlight-16b": dict(family="deepseek-v3", dim=2048, n_layers=27, n_heads=16,
+                          n_kv_heads=16, vocab_size=163840, hidden_dim=11264, n_experts=64,
+                          top_k=6, n_shared_experts=2, moe_hidden_dim=1408, n_dense_layers=1,
+                          route_scale=2.446, rope_theta=50000.0, max_seq_len=8192,
+                          seq_len=4096, batch_size=1),
     # The Hub's checkpoints people start from, by shape (plan them offline; train them
     # with --model <their folder>, which fills these fields from its config.json).
     "llama-3.2-1b": dict(family="llama", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,

@@ -101,6 +101,8 @@ def resolve_model(cfg: JobConfig) -> JobConfig:
     spec, adapter = found
     try:
         fields = adapter.fields_from_hf(hf)
+    except ConfigError:  # the folder is bad (a field's type or range), not unsupported
+        raise
     except (ValueError, KeyError, TypeError) as e:
         if m.model_impl == "native":
             raise ConfigError(f"--model {m.model}: {shown} with {e} has no native "

@@ -8,11 +8,13 @@ A new family: its folder, its plan, and one `register(...)` line below.
 
 from __future__ import annotations
 
+from loom.models.deepseek_v3.spec import DEEPSEEK_V3
 from loom.models.llama.spec import LLAMA
 from loom.models.moe.spec import MOE
 from loom.models.qwen3.spec import QWEN3, QWEN3_MOE
 from loom.models.registry import register
 from loom.models.transformers.spec import TRANSFORMERS
+from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
 from loom.parallel.hf import transformers_plan
 from loom.parallel.llama_plan import dense_plan
 from loom.parallel.moe_plan import moe_plan
@@ -21,4 +23,5 @@ register(LLAMA, plan=dense_plan)
 register(QWEN3, plan=dense_plan)
 register(MOE, plan=moe_plan)
 register(QWEN3_MOE, plan=moe_plan)
+register(DEEPSEEK_V3, plan=deepseek_v3_plan)
 register(TRANSFORMERS, plan=transformers_plan)

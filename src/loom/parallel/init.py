@@ -100,3 +100,19 @@ def load_weights(model: nn.Module, device: torch.device,
                                   src_data_rank=0).to_local()
         param.to_local().copy_(local)
     model.init_buffers(device)
+    load_buffers(model, read)
+
+
+@torch.no_grad()
+def load_buffers(model: nn.Module, read: Callable[[str], torch.Tensor]) -> None:
+    """Persistent buffers the source holds (DeepSeek-V3's expert bias) replace their
+    initial values; `read` raises KeyError for the others (MoE's bias a Qwen3-MoE lacks)."""
+    saved = set(model.state_dict())
+    for name, buf in model.named_buffers():
+        if name not in saved:
+            continue
+        try:
+            value = read(clean_name(name))
+        except KeyError:
+            continue
+        buf.copy_(value)

@@ -1,0 +1,1 @@
+"""The DeepSeek-V3 family: multi-head latent attention, group-limited routed experts, MTP."""

@@ -1,0 +1,155 @@
+"""DeepSeek-V3: latent-attention blocks, the first `n_dense_layers` with a dense SwiGLU, the
+rest loom's mixture of experts routed within the best expert groups, and optional
+multi-token prediction (MTP) modules trained beside the main head.
+
+Pure PyTorch, built from the Llama and MoE families' modules: the experts, their grouped
+matmul, the expert bias and its aux-loss-free balancing hook are the MoE family's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from loom.models.deepseek_v3.args import DeepseekV3Args
+from loom.models.deepseek_v3.attention import LatentAttention, yarn_rope_table
+from loom.models.llama.model import FeedForward, RMSNorm
+from loom.models.moe.model import MoE, MoETransformer, TokenChoiceRouter, _AddAuxLoss
+
+
+class GroupLimitedRouter(TokenChoiceRouter):
+    """Sigmoid scores; experts form `n_group` groups, each scored by its two best biased
+    scores, and a token picks its top-k experts within its `topk_group` best groups."""
+
+    def __init__(self, args: DeepseekV3Args):
+        super().__init__(args)
+        self.n_group, self.topk_group = args.n_group, args.topk_group
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, dim) -> top-k weights (N, k) fp32, expert ids (N, k), all scores (N, E)."""
+        scores = self.gate(x).float().sigmoid()
+        biased = scores + expert_bias
+        if self.n_group > 1:
+            grouped = biased.unflatten(-1, (self.n_group, -1))  # (N, G, E/G)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (N, G)
+            best = group_scores.topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            biased = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        expert_idx = biased.topk(self.top_k, dim=-1).indices
+        return self.weights_for(scores, expert_idx), expert_idx, scores
+
+
+class LatentBlock(nn.Module):
+    """Pre-norm block: latent attention, then a dense feed-forward or routed experts."""
+
+    def __init__(self, args: DeepseekV3Args, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = LatentAttention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        if layer_id < args.n_dense_layers:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        else:
+            self.moe = MoE(args)
+            self.moe.router = GroupLimitedRouter(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class MTPModule(nn.Module):
+    """One prediction depth: the previous depth's hidden state at i and the embedding of
+    token i+k, each normed, projected together, through a block, then normed for the
+    shared head (checkpoint names: enorm, hnorm, eh_proj, shared_head.norm)."""
+
+    def __init__(self, args: DeepseekV3Args, layer_id: int):
+        super().__init__()
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = LatentBlock(args, layer_id)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this depth's hidden state, the same normed for the head): both inside this
+        call, where a wrapper (an FSDP2 unit) holds the weights gathered."""
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        x = self.block(x, rope)
+        return x, self.norm(x)
+
+
+class DeepseekV3(MoETransformer):
+    """Token ids (B, T) -> logits (B, T, V). Training with `mtp_layers` > 0 also runs the
+    MTP modules and adds `mtp_loss_weight` times their mean loss in backward (the logits
+    are the main head's alone); evaluation never runs them."""
+
+    args: DeepseekV3Args
+
+    def __init__(self, args: DeepseekV3Args):
+        super().__init__(args)
+        self.rope = yarn_rope_table(args)
+        self.mtp = nn.ModuleDict({str(i): MTPModule(args, args.n_layers + i)
+                                  for i in range(args.mtp_layers)}) if args.mtp_layers else None
+        self.register_buffer("mtp_loss", torch.zeros(()), persistent=False)
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        return LatentBlock(self.args, layer_id)
+
+    def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None,
+                head_apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                ) -> torch.Tensor:
+        """As the Llama Transformer's; MTP runs only where this is one whole model given
+        token ids, training, with plain logits out."""
+        if not (self.mtp is not None and self.training and torch.is_grad_enabled()):
+            return super().forward(tokens, return_hidden, positions, documents, mask,
+                                   head_apply)
+        if (positions is not None or documents is not None or head_apply is not None
+                or return_hidden or self.hidden_output or self.tok_embeddings is None):
+            raise NotImplementedError("multi-token prediction runs on whole sequences with "
+                                      "plain logits only (no cp, pp, --doc-mask or fused loss)")
+        return self.forward_with_mtp(tokens)
+
+    def forward_with_mtp(self, tokens: torch.Tensor) -> torch.Tensor:
+        embedded = self.tok_embeddings(tokens)
+        h = embedded
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        hidden, prev = [self.norm(h)], h
+        for depth, module in enumerate(self.mtp.values(), start=1):
+            # position i sees token i+depth; the last `depth` positions have none: padded
+            shifted = F.pad(embedded[:, depth:], (0, 0, 0, depth))
+            prev, normed = module(prev, shifted, self.rope)
+            hidden.append(normed)
+        logits = self.output(torch.cat(hidden, dim=0))  # one head call: (B * (1 + D), T, V)
+        main, *extra = logits.chunk(len(hidden), dim=0)
+        loss = mtp_loss(extra, tokens) * self.args.mtp_loss_weight
+        with torch.no_grad():
+            self.mtp_loss.copy_(loss.detach() / max(self.args.mtp_loss_weight, 1e-30))
+        return _AddAuxLoss.apply(main, loss)
+
+    def init_buffers(self, device: torch.device) -> None:
+        super().init_buffers(device)
+        self.rope = yarn_rope_table(self.args).to(device)
+        self.mtp_loss.zero_()
+
+
+def mtp_loss(logits: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Mean over depths of each depth's cross-entropy: at depth d, position i predicts token
+    i + d + 1 (positions whose target lies past the sequence are left out)."""
+    losses = []
+    for depth, depth_logits in enumerate(logits, start=1):
+        valid = tokens.shape[1] - depth - 1
+        losses.append(F.cross_entropy(depth_logits[:, :valid].flatten(0, 1).float(),
+                                      tokens[:, depth + 1:].flatten()))
+    return torch.stack(losses).mean()

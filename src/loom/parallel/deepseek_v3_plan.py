@@ -1,0 +1,111 @@
+"""The DeepSeek-V3 family's parallel plan: FSDP units, AC and compile targets as the dense
+plan's; tensor parallel splits latent attention's heads; EP/ETP and the MoE TP plan are the
+MoE family's.
+
+Under tp the heads split: the up-projections (`wq`/`wq_b`, `wkv_b`) column-wise, `wo`
+row-wise. The low-rank down-projections and their norms stay whole on every tp rank (they
+are small): their inputs are the all-gathered hidden states, and the gradients reaching
+them are already summed over tp by the column-wise projections' input, except the RoPE key
+every head shares, which each rank uses only for its own heads: `shared_key`'s gradient is
+summed over tp here.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from loom.errors import ConfigError
+from loom.models.moe.balance import moe_layers
+from loom.models.spec import ModelPlan
+from loom.parallel.expert import sum_grad_over
+from loom.parallel.llama_plan import dense_plan
+from loom.parallel.mesh import ParallelDims
+from loom.parallel.moe_plan import apply_moe_parallel, complete_sequences
+from loom.parallel.tp_styles import Styles, carries_float8
+
+
+def _summed_over(tp_mesh: DeviceMesh, module: nn.Module, args: tuple, output):
+    return sum_grad_over(output, tp_mesh)
+
+
+def block_tp_plan(block: nn.Module, styles: Styles) -> dict:
+    colwise, rowwise, prepare = styles.colwise, styles.rowwise, styles.prepare_input
+    up = ["attention.wq_b"] if hasattr(block.attention, "wq_b") else ["attention.wq"]
+    plan = {"attention_norm": SequenceParallel(),
+            "attention": prepare("attention", input_layouts=(Shard(1), None),
+                                 desired_input_layouts=(Replicate(), None),
+                                 use_local_output=True),
+            **{name: colwise(name) for name in (*up, "attention.wkv_b")},
+            "attention.wo": rowwise("attention.wo", output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel()}
+    if hasattr(block, "feed_forward"):
+        plan.update({
+            "feed_forward": prepare("feed_forward", input_layouts=(Shard(1),),
+                                    desired_input_layouts=(Replicate(),),
+                                    use_local_output=True),
+            "feed_forward.w1": colwise("feed_forward.w1"),
+            "feed_forward.w2": rowwise("feed_forward.w2", output_layouts=Shard(1)),
+            "feed_forward.w3": colwise("feed_forward.w3")})
+    return plan
+
+
+def refuse_mtp(model: nn.Module, layout: str) -> None:
+    """Multi-token prediction shifts whole sequences and needs the embedding and the head
+    in one module: a layout that splits them refuses in one line."""
+    if getattr(model, "mtp", None) is not None:
+        raise ConfigError(f"deepseek-v3 multi-token prediction does not run under {layout} "
+                          "yet (it shifts whole sequences through the embedding and head); "
+                          "use a model without MTP modules (mtp_layers 0)")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Sequence-parallel norms and embedding, head-split attention, the dense blocks'
+    SwiGLU split as Llama's; logits replicated or vocab-sharded (loss parallel)."""
+    refuse_mtp(model, "--tp")
+    outer = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1),
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel)}
+    parallelize_module(model, tp_mesh, {name: style for name, style in outer.items()
+                                        if getattr(model, name) is not None})
+    float8_comm = carries_float8(tp_mesh)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_tp_plan(block, Styles(block, float8_comm)))
+        block.attention.shared_key.register_forward_hook(partial(_summed_over, tp_mesh))
+
+
+def deepseek_v3_plan(model: nn.Module) -> ModelPlan:
+    """The dense plan's units (MTP modules as units of their own), this TP plan, then the
+    MoE family's EP/ETP; routed experts on their own dp mesh under EP."""
+    plan = dense_plan(model)
+
+    def tensor_parallel(dims: ParallelDims, loss_parallel: bool) -> None:
+        if dims.tp_enabled:
+            apply_tp(model, dims.get_mesh("tp"), loss_parallel)
+        apply_moe_parallel(model, dims)
+
+    def context_parallel(summed) -> None:
+        refuse_mtp(model, "--cp")
+        complete_sequences(model, summed)
+
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        if model.tok_embeddings is None or model.norm is None:
+            refuse_mtp(model, "--pp")
+        plan.after = [*mtp.values(), *plan.after]
+    plan.tensor_parallel = tensor_parallel
+    plan.context_parallel = context_parallel
+    plan.experts = [moe.experts for moe in moe_layers(model)]
+    return plan

@@ -1,0 +1,131 @@
+"""A transformers-built DeepseekV3ForCausalLM folder loads into loom's deepseek-v3 family
+with transformers' logits and greedy text; a bad config field is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.config import ConfigError, parse_args
+from loom.models.hf_checkpoint import HFCheckpoint
+from loom.models.registry import for_config
+from loom.models.resolve import plain_model, resolve_model
+from loom.parallel.init import clean_name, load_weights
+from tests.deepseek_folders import bias_routing, save_deepseek
+from tests.harness import REPO
+from tests.hf_models import corpus_sample
+
+transformers = pytest.importorskip("transformers")
+
+LOGITS_RTOL = 1e-4
+
+
+def imported(folder: Path):
+    cfg = resolve_model(parse_args(["--model", str(folder), "--seq-len", "32", "--fp32"]))
+    with torch.device("meta"):
+        model = plain_model(cfg)
+    spec = for_config(cfg.model)
+    checkpoint = HFCheckpoint(folder, spec.hf[0], spec.args_from_config(cfg.model))
+    checkpoint.check(model, clean_name)
+    load_weights(model, torch.device("cpu"), checkpoint.read)
+    return cfg, model.eval()
+
+
+@pytest.mark.parametrize("variant", ["yarn_q_lora", "plain_rope_no_q_lora"])
+def test_imported_logits_and_greedy_text_equal_transformers(tmp_path: Path,
+                                                            variant: str) -> None:
+    changes = {} if variant == "yarn_q_lora" else dict(
+        q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+        n_group=4, topk_group=2, norm_topk_prob=False)
+    folder = save_deepseek(tmp_path / "ds", tokenizer=False, **changes)
+    bias_routing(folder)
+    cfg, model = imported(folder)
+    assert model.layers["1"].moe.expert_bias.abs().sum() > 0
+    assert cfg.model.family == "deepseek-v3" and cfg.model.model_impl == "native"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(input_ids=tokens).logits
+    diff = float((ours - theirs).abs().max() / theirs.abs().max())
+    assert diff <= LOGITS_RTOL, diff
+    prompt = tokens[:1, :8]
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=12, do_sample=False)
+        text = prompt
+        for _ in range(12):
+            text = torch.cat([text, model(text)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(text, expected)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("kv_lora_rank", 0, "kv_lora_rank is 0"), ("n_group", "2", "n_group is '2'"),
+    ("q_lora_rank", 2**40, "q_lora_rank is"), ("topk_group", True, "topk_group is True"),
+    ("qk_nope_head_dim", -1, "qk_nope_head_dim is -1")])
+def test_hostile_config_fields_are_refused_in_one_line(tmp_path: Path, field: str, value,
+                                                      message: str) -> None:
+    folder = save_deepseek(tmp_path / "ds", tokenizer=False)
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        resolve_model(parse_args(["--model", str(folder), "--seq-len", "32"]))
+
+
+@pytest.mark.parametrize(("setting", "reason"), [
+    ("rope_interleave", "rope_interleave = False"), ("quantization_config", "quantized")])
+def test_unsupported_setting_falls_back_to_transformers(tmp_path: Path, setting: str,
+                                                       reason: str) -> None:
+    folder = save_deepseek(tmp_path / "ds", tokenizer=False)
+    config = json.loads((folder / "config.json").read_text())
+    config[setting] = False if setting == "rope_interleave" else {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = resolve_model(parse_args(["--model", str(folder), "--seq-len", "32"]))
+    assert cfg.model.model_impl == "transformers"
+    assert reason in cfg.model.model_impl_reason
+
+
+def loom(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loom", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env={"PYTHONPATH": str(REPO / "src"),
+                                                      "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("source", ["hf_folder", "mtp_preset"])
+def test_trained_run_exports_to_a_folder_transformers_loads(tmp_path: Path,
+                                                            source: str) -> None:
+    """The export checks itself (transformers' logits within 1e-4 of loom's); MTP modules
+    are written as the layers after the last, under DeepSeek's names."""
+    if source == "hf_folder":
+        model = str(save_deepseek(tmp_path / "ds"))
+        bias_routing(tmp_path / "ds")
+        (tmp_path / "text.txt").write_text(corpus_sample(20_000))
+        data = ["--dataset", str(tmp_path / "text.txt")]
+    else:
+        model, data = "deepseek-v3-mtp-debug", ["--dataset", "random"]
+    run = loom("train", "--model", model, *data, "--seq-len", "32", "--fp32", "--max-steps",
+               "2", "--checkpoint-interval", "2", "--outdir", str(tmp_path / "run"),
+               cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "out"
+    proc = loom("export", str(tmp_path / "run" / "checkpoints" / "step-2"), str(out),
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "DeepseekV3ForCausalLM" in proc.stdout and "checked" in proc.stdout, proc.stdout
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    mtp = {n for n in names if n.startswith("model.layers.3.")}
+    if source == "mtp_preset":
+        assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
+                "model.layers.3.embed_tokens.weight", "model.layers.3.enorm.weight",
+                "model.layers.3.mlp.experts.7.up_proj.weight"} <= mtp
+        assert '"mtp/loss"' in (tmp_path / "run" / "metrics-0.jsonl").read_text()
+    else:
+        assert not mtp

@@ -1,0 +1,128 @@
+"""DeepSeek-V3 parity: the same seed and global batch on one process and under expert
+parallel, tensor parallel (latent attention's heads split, its down-projections whole) and
+their compositions give the same per-step losses, gradient norms, routing counts and final
+parameters (fp32). Every layout replays the single process's routing and each token that
+would have chosen otherwise must be a near tie (tests/routing.py, as the MoE parity tests
+do; the group-limited router is a `TokenChoiceRouter`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.compare import assert_norms_close, assert_series_close, column
+from tests.deepseek_folders import bias_routing, save_deepseek
+from tests.harness import run_ranks
+from tests.hf_models import corpus_sample
+from tests.parity.test_moe_parity import (
+    PARAM_NORM_RTOL,
+    assert_losses_and_grad_norms_close,
+    assert_same_run,
+)
+
+GLOBAL_BATCH = 4
+COMMON = ["--model", "deepseek-v3-debug", "--dataset", "random", "--vocab-size", "512",
+          "--seq-len", "64", "--fp32", "--max-steps", "5", "--seed", "7", "--lr", "1e-3",
+          "--warmup-steps", "0"]
+MTP = ["--model", "deepseek-v3-mtp-debug"]
+"""One multi-token prediction module: its loss joins the backward (a wrong scale of it under
+data parallel moves the gradient norms) and is compared as its own metric."""
+LAYOUTS = {  # name: (world size, dp degree, flags)
+    "single": (1, 1, []),
+    "ep2": (2, 2, ["--ep", "2"]),
+    "tp2": (2, 1, ["--tp", "2"]),
+    "mtp_single": (1, 1, MTP),
+    "mtp_ep2": (2, 2, [*MTP, "--ep", "2"]),
+}
+SINGLES = ("single", "mtp_single")
+SLOW_LAYOUTS = {
+    "ep4": (4, 4, ["--ep", "4"]),
+    "tp2_ep2": (4, 2, ["--tp", "2", "--ep", "2"]),
+    "cp2": (4, 2, ["--cp", "2"]),
+    "simple_fsdp_ep2": (4, 4, ["--data-parallel", "simple-fsdp", "--ep", "2"]),
+    "ep2_ac_compile": (2, 2, ["--ep", "2", "--ac", "block", "--compile", "--compile-backend",
+                              "aot_eager"]),
+}
+
+
+def reference_of(layout: str) -> str:
+    return "mtp_single" if layout.startswith("mtp_") else "single"
+
+
+def launch(world: int, layouts: dict, root: Path, references: Path) -> None:
+    runs = [{"argv": [*COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // dp), "--outdir",
+                      str(root / name)],
+             "routing": "record" if name in SINGLES else str(references / reference_of(name))}
+            for name, (size, dp, flags) in layouts.items() if size == world]
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(runs)],
+                    timeout=1200)
+    assert job.ok, job.describe()
+
+
+@pytest.fixture(scope="module")
+def deepseek_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("deepseek_parity")
+    launch(1, LAYOUTS, root, root)
+    launch(2, LAYOUTS, root, root)
+    return root
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in SINGLES])
+def test_layout_matches_single_process(deepseek_runs: Path, layout: str) -> None:
+    reference = deepseek_runs / reference_of(layout)
+    assert_same_run(deepseek_runs / layout, reference)
+    if layout.startswith("mtp_"):
+        assert_series_close(column(deepseek_runs / layout, "mtp/loss"),
+                            column(reference, "mtp/loss"), rtol=1e-5, what="mtp/loss")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(SLOW_LAYOUTS))
+def test_slow_layout_matches_single_process(deepseek_runs: Path, tmp_path: Path,
+                                            layout: str) -> None:
+    launch(SLOW_LAYOUTS[layout][0], {layout: SLOW_LAYOUTS[layout]}, tmp_path, deepseek_runs)
+    assert_same_run(tmp_path / layout, deepseek_runs / "single")
+
+
+@pytest.mark.multirank
+def test_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> None:
+    """Two stages (the dense block and the first MoE block on one, the rest and the head on
+    the other): losses, gradient norms and final parameters. Routing is not replayed (a
+    stage's routers see micro-batches, which the recorded whole-batch picks do not index),
+    as in the MoE family's pp2 x ep2 test."""
+    job = run_ranks(2, ["tests/workers/parity_worker.py", json.dumps(
+        [[*COMMON, "--pp", "2", "--batch-size", str(GLOBAL_BATCH), "--outdir",
+          str(tmp_path / "pp2")]])], timeout=1200)
+    assert job.ok, job.describe()
+    single = deepseek_runs / "single"
+    assert_losses_and_grad_norms_close(tmp_path / "pp2", single)
+    assert_norms_close(torch.load(tmp_path / "pp2" / "params.pt"),
+                       torch.load(single / "params.pt"), rtol=PARAM_NORM_RTOL,
+                       what="parameters after 5 AdamW steps")
+
+
+@pytest.mark.multirank
+def test_imported_folder_trains_at_tp2_ep2_like_one_process(tmp_path: Path) -> None:
+    """A transformers-built DeepseekV3ForCausalLM folder (biased routing, YaRN, a query
+    bottleneck) trained natively at --tp 2 --ep 2 (the experts over the tp ranks) gives the
+    single process's losses, gradient norms, routing counts and parameters."""
+    folder = save_deepseek(tmp_path / "ds")
+    bias_routing(folder)
+    (tmp_path / "text.txt").write_text(corpus_sample(20_000))
+    common = ["--model", str(folder), "--dataset", str(tmp_path / "text.txt"), "--seq-len",
+              "32", "--fp32", "--max-steps", "5", "--seed", "5", "--lr", "1e-3",
+              "--batch-size", "4"]
+    for world, name, flags in ((1, "single", []), (2, "tp2_ep2", ["--tp", "2", "--ep", "2"])):
+        run = {"argv": [*common, *flags, "--outdir", str(tmp_path / name)],
+               "routing": "record" if world == 1 else str(tmp_path / "single")}
+        job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps([run])],
+                        timeout=1200, env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
+        assert job.ok, job.describe()
+    config = json.loads((tmp_path / "tp2_ep2" / "config.json").read_text())
+    assert config["model"]["family"] == "deepseek-v3", config["model"]
+    assert_same_run(tmp_path / "tp2_ep2", tmp_path / "single")

@@ -1,0 +1,102 @@
+"""The deepseek-v3 family: group-limited routing, the published shapes' parameter counts,
+multi-token prediction's loss and gradients, and the arguments' ranges."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from loom.config import parse_args
+from loom.errors import ConfigError
+from loom.models.deepseek_v3.args import SHAPES, DeepseekV3Args
+from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter
+from loom.models.registry import for_config
+from loom.models.resolve import model_args, plain_model
+from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
+
+TINY = DeepseekV3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64,
+                      hidden_dim=48, n_experts=8, top_k=2, moe_hidden_dim=16,
+                      max_seq_len=64, **SHAPES["deepseek-v3-mtp-debug"])
+
+
+def built(args: DeepseekV3Args) -> DeepseekV3:
+    torch.manual_seed(0)
+    model = DeepseekV3(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" not in name else 1.0))
+    model.init_buffers(torch.device("cpu"))
+    return model
+
+
+def test_router_picks_only_within_the_best_groups() -> None:
+    args = replace(TINY, n_experts=8, n_group=4, topk_group=2, top_k=3)
+    router = GroupLimitedRouter(args)
+    torch.nn.init.normal_(router.gate.weight)
+    x = torch.randn(64, args.dim)
+    bias = torch.randn(8) * 0.1
+    weights, idx, scores = router(x, bias)
+    biased = (scores + bias).view(64, 4, 2)
+    best = biased.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices  # (N, 2) groups
+    assert all(set((idx[n] // 2).tolist()) <= set(best[n].tolist()) for n in range(64))
+    chosen = scores.gather(1, idx)
+    assert torch.allclose(weights, chosen / chosen.sum(-1, keepdim=True) * args.route_scale)
+
+
+@pytest.mark.parametrize(("preset", "total", "active"), [
+    ("deepseek-v3", 671e9, 37e9), ("moonlight-16b", 16e9, 3e9)])
+def test_published_shapes_have_their_published_parameter_counts(preset: str, total: float,
+                                                                 active: float) -> None:
+    """DeepSeek-V3: 671B total, 37B active (its report: 37.55B by this count, the embedding
+    table included); Moonlight-16B-A3B: 16B, 3B (2.91B by this count)."""
+    cfg = parse_args(["--model", preset])
+    with torch.device("meta"):
+        count = sum(p.numel() for p in plain_model(cfg).parameters())
+    assert abs(count / total - 1) < 0.01, count
+    multiplied = for_config(cfg.model).active_params(model_args(cfg))
+    assert abs(multiplied / active - 1) < 0.02 if preset == "deepseek-v3" else 0.04, multiplied
+
+
+def test_mtp_loss_trains_the_shared_embedding_and_head_and_leaves_eval_alone() -> None:
+    model = built(TINY)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain = built(replace(TINY, mtp_layers=0))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items()
+                           if not k.startswith("mtp.")})
+    model.train()
+    logits = model(tokens)
+    with torch.no_grad():
+        assert torch.equal(logits, plain.train()(tokens))  # main head's logits only
+    assert model.mtp_loss > 0
+    logits.sum().mul(0).backward()  # the main loss adds nothing: what moves is MTP's
+    for name in ("tok_embeddings.weight", "output.weight", "mtp.0.eh_proj.weight"):
+        grad = model.get_parameter(name).grad
+        assert grad is not None and grad.abs().sum() > 0, name
+    assert model.layers["0"].attention.wkv_a.weight.grad.abs().sum() > 0
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens), plain.eval()(tokens))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(kv_lora_rank=0), "kv_lora_rank"), (dict(n_group=3), "n_group"),
+    (dict(qk_rope_head_dim=7), "not even"), (dict(topk_group=2, n_group=1), "topk_group"),
+    (dict(yarn_factor=float("inf")), "yarn_factor")])
+def test_arguments_out_of_range_are_refused(change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        replace(TINY, **change)
+
+
+def test_layouts_that_split_sequences_or_stages_refuse_mtp_in_one_line() -> None:
+    with torch.device("meta"):
+        model = DeepseekV3(TINY)
+    plan = deepseek_v3_plan(model)
+    assert plan.after[0] is model.mtp["0"]  # an FSDP2 unit of its own
+    with pytest.raises(ConfigError, match="under --cp"):
+        plan.context_parallel(lambda t: t)
+    model.tok_embeddings = None  # a later pipeline stage
+    with pytest.raises(ConfigError, match="under --pp"):
+        deepseek_v3_plan(model)
+    deepseek_v3_plan(DeepseekV3(replace(TINY, mtp_layers=0)))  # without MTP: no refusal
