@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from loom.cli import config_toml
 from loom.config import parse_args
 from loom.errors import ConfigError
 from loom.models.deepseek_v3.args import SHAPES, DeepseekV3Args
@@ -100,3 +101,19 @@ def test_layouts_that_split_sequences_or_stages_refuse_mtp_in_one_line() -> None
     with pytest.raises(ConfigError, match="under --pp"):
         deepseek_v3_plan(model)
     deepseek_v3_plan(DeepseekV3(replace(TINY, mtp_layers=0)))  # without MTP: no refusal
+
+
+def test_the_family_flags_override_the_preset_and_show_in_the_config() -> None:
+    """The family's own flags (issue #56's contract): unset, a width is the preset's; set,
+    it wins, and `--print-config`'s [model] table carries it; out of range is refused."""
+    preset = model_args(parse_args(["--model", "deepseek-v3-debug", "--dataset", "random"]))
+    assert preset.kv_lora_rank == SHAPES["deepseek-v3-debug"]["kv_lora_rank"]
+    cfg = parse_args(["--model", "deepseek-v3-debug", "--dataset", "random",
+                      "--kv-lora-rank", "24", "--mtp-layers", "1", "--mtp-loss-weight", "0.5"])
+    args = model_args(cfg)
+    assert (args.kv_lora_rank, args.mtp_layers, args.mtp_loss_weight) == (24, 1, 0.5)
+    assert args.q_lora_rank == preset.q_lora_rank  # unset: still the preset's
+    assert "kv_lora_rank = 24" in config_toml(cfg)
+    with pytest.raises(ConfigError, match="kv-lora-rank"):
+        parse_args(["--model", "deepseek-v3-debug", "--dataset", "random",
+                    "--kv-lora-rank", "0"])

@@ -42,8 +42,9 @@ class DeepseekV3Flags:
     mtp_layers: int | None = flag(None, "deepseek-v3: multi-token prediction modules "
                                   "(trained, never exported; DeepSeek-V3 has 1)", type=int,
                                   ge=0, le=COUNT_MAX)
-    mtp_loss_weight: float = flag(0.3, "deepseek-v3: weight of the mean MTP loss added to "
-                                  "the main loss", ge=0, le=1e3)
+    mtp_loss_weight: float | None = flag(None, "deepseek-v3: weight of the mean MTP loss "
+                                         "added to the main loss (unset: 0.3)", type=float,
+                                         ge=0, le=1e3)
 
     def set_values(self) -> dict[str, Any]:
         """The flags a user set (a width left None keeps its source's)."""
