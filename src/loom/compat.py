@@ -34,3 +34,28 @@ def all_gather_autograd(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor
     if gather is None:
         gather = funcol.all_gather_tensor_autograd
     return gather(x, gather_dim, group)
+
+
+def torch_minor() -> tuple[int, int]:
+    """The running torch's (major, minor) release, e.g. (2, 13) for 2.13.0+cpu."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def checkpoint_inside_compile_saves_mesh() -> bool:
+    """Whether AOT autograd fails a compiled region that holds a checkpointed DTensor
+    redistribution (tensor parallel's sequence-parallel transitions, SimpleFSDP's gathers):
+    torch 2.13 registers DeviceMesh as an opaque reference type, and the partitioner puts the
+    mesh the recompute needs among the saved tensors, so the first backward raises `expected
+    all tensors_saved_with_vc_check to be Tensors` (torchtitan 0.2.2's own apply_tp +
+    apply_ac + apply_compile fails the same way). Checked on 2.13.0 (fails), 2.11.0
+    (DeviceMesh is not opaque there) and 2.15.0 (fixed); 2.12 and 2.14 are unchecked and
+    counted as failing, which only costs them the order `loom.parallel.parallelize` falls
+    back to (checkpoint around the compiled block). tests/parity/test_upstream_compiled_
+    ac.py reproduces it on each version."""
+    return (2, 12) <= torch_minor() < (2, 15)
+
+
+def torch_release() -> str:
+    """The running torch's release without the build tag: '2.13.0' for 2.13.0+cpu."""
+    return torch.__version__.split("+")[0]

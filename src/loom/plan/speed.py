@@ -180,7 +180,8 @@ def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path)
     if dims.pp_enabled:
         share = compute_share(cfg)
         stretch = 1 / (1 - bubble_fraction(dims.pp, stages_per_rank(p),
-                                           choose_microbatches(p, cfg.train.batch_size)))
+                                           choose_microbatches(p, cfg.train.batch_size),
+                                           p.pp_schedule))
     flops = _flops(cfg) / (dims.tp * dims.cp) * share * recompute * cfg.train.grad_accum_steps
     compute = flops / (peak * EFFICIENCY) * stretch
     fsdp_s, exposed = comm_seconds(cfg, dims, device, share)

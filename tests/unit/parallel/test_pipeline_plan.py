@@ -14,6 +14,7 @@ from loom.config.pipeline import (
     stage_indices,
 )
 from loom.models.llama.model import ModelArgs, Transformer
+from loom.parallel.fsdp import one_unit
 from loom.parallel.pipeline import layer_costs, stage_io, stage_module
 
 
@@ -51,14 +52,38 @@ def test_stages_hold_their_layers_and_keep_the_model_names() -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [
     ({"pp": 2, "pp_schedule": "gpipe", "pp_stages_per_rank": 2}, "one stage per rank"),
-    ({"pp": 2, "pp_schedule": "dualpipev"}, "splits backward"),
-    ({"pp": 2, "pp_schedule": "zero-bubble"}, "splits backward"),
+    ({"pp": 2, "pp_schedule": "dualpipev", "pp_stages_per_rank": 3}, "two stages per rank"),
+    ({"pp": 2, "pp_schedule": "dualpipev", "batch_size": 2}, "no micro-batch count divides"),
+    ({"pp": 2, "pp_schedule": "dualpipev", "batch_size": 8, "pp_microbatches": 2},
+     "at least 4 micro-batches"),
+    ({"model": "moe-debug", "pp": 2, "ep": 2, "pp_schedule": "zero-bubble"},
+     "split backward gets the weight gradients of nested FSDP2 units"),
     ({"pp": 2, "pp_microbatches": 3, "batch_size": 4}, "must divide --batch-size"),
     ({"pp": 4, "pp_schedule": "interleaved-1f1b", "n_layers": 4}, "exceeds the 6 layers"),
 ])
 def test_unworkable_pipelines_fail_at_validation(flags: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_from_flags({"model": "debug", **flags}, environ={})
+
+
+def test_v_schedules_fill_the_bubble_given_two_micro_batches_per_stage() -> None:
+    """ZB-V and DualPipeV idle (p-1)(F + B - 2W) and (p-1)(F&B + B - 3W): none when F, B and
+    W take equal time, once 2 pp micro-batches fill the warm-up; with fewer, the looped
+    1F1B's bubble over two stages per rank. `loom plan` stretches a step by it."""
+    for schedule in ("zero-bubble", "dualpipev"):
+        assert bubble_fraction(4, 2, 8, schedule) == 0.0
+        assert bubble_fraction(4, 2, 4, schedule) == bubble_fraction(4, 2, 4) == 3 / 11
+    assert choose_microbatches(ParallelConfig(pp=2, pp_schedule="zero-bubble"), 8) == 2
+    assert choose_microbatches(ParallelConfig(pp=2, pp_schedule="dualpipev"), 8) == 4
+    assert bubble_fraction(4, 2, 8, "interleaved-1f1b") == 3 / 19
+
+
+def test_v_schedules_make_each_stage_one_fsdp2_unit() -> None:
+    """torch's split backward is exact only for a stage that is one FSDP2 unit."""
+    assert one_unit(ParallelConfig(pp=2, pp_schedule="zero-bubble"))
+    assert one_unit(ParallelConfig(pp=2, pp_schedule="dualpipev"))
+    assert not one_unit(ParallelConfig(pp=2, pp_schedule="1f1b"))
+    assert not one_unit(ParallelConfig(pp=1, pp_schedule="zero-bubble"))
 
 
 def test_stage_io_under_context_parallel_is_the_cp_shard_of_each_sequence() -> None:
