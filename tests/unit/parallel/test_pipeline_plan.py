@@ -3,6 +3,8 @@ micro-batch count and the flag combinations refused at validation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from loom.config.pipeline import (
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.parallel.fsdp import one_unit
 from loom.parallel.pipeline import layer_costs, stage_io, stage_module
+from loom.plan.speed import predict_step_time
 
 
 def test_balanced_split_minimises_the_costliest_stage() -> None:
@@ -101,3 +104,20 @@ def test_stage_io_under_context_parallel_is_the_cp_shard_of_each_sequence() -> N
     hidden, logits = stage_io(last, cfg, 2, 2, hidden=False)
     assert hidden.shape == (2, 16, cfg.model.dim)
     assert logits.shape == (2, 32, cfg.model.vocab_size)
+
+
+@pytest.mark.parametrize("schedule", ["zero-bubble", "dualpipev"])
+def test_plan_step_time_of_v_schedules_has_no_bubble_given_two_micro_batches_per_stage(
+        schedule: str, tmp_path: Path) -> None:
+    """`loom plan` stretches the step by `bubble_fraction`: nothing once 2 pp micro-batches
+    run; with fewer (zero-bubble only: dualpipev refuses them) by the looped 1F1B's
+    1 / (1 - 1/5)."""
+    def compute(microbatches: int, name: str) -> float:
+        cfg = config_from_flags({"model": "debug", "pp": 2, "pp_schedule": name,
+                                 "batch_size": 8, "pp_microbatches": microbatches,
+                                 "dtype": "bf16"}, environ={})
+        return predict_step_time(cfg, 2, "H100", tmp_path).compute_s
+
+    filled = compute(4, schedule)
+    assert compute(8, schedule) == pytest.approx(filled)  # nothing left to fill
+    assert compute(2, "zero-bubble") == pytest.approx(filled * 1.25)
