@@ -59,3 +59,13 @@ def checkpoint_inside_compile_saves_mesh() -> bool:
 def torch_release() -> str:
     """The running torch's release without the build tag: '2.13.0' for 2.13.0+cpu."""
     return torch.__version__.split("+")[0]
+
+
+def v_schedules_send_to_own_rank() -> bool:
+    """Whether torch's V-shaped pipeline schedules (ZBVZeroBubble, DualPipeV) send the
+    activation between a rank's two adjacent stages (the V's turn) to the rank itself,
+    which gloo cannot: the first step's stage initialisation fails with `Pair is not
+    connected`. torch 2.13 hands it over in-process (its "V-schedule special case"); checked
+    failing on 2.11.0, running on 2.13.0 and 2.15.0; 2.12 is unchecked and counted failing.
+    tests/parity/test_upstream_zbv.py reproduces it with torch alone."""
+    return torch_minor() < (2, 13)

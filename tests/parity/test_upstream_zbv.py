@@ -18,8 +18,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from loom.compat import v_schedules_send_to_own_rank
 from tests.harness import run_ranks
+
+SELF_SEND = "Pair is not connected"
+"""gloo's error when a rank sends to itself (torch 2.11's V turn)."""
 
 EXACT = 1e-5
 """fp32, 2 micro-batches against the whole batch: measured worst 1e-7."""
@@ -30,8 +35,16 @@ on rank 0 and 2.9 on rank 1."""
 
 @pytest.mark.multirank
 def test_zbv_weight_gradients_are_wrong_with_nested_fsdp2_units() -> None:
+    """Where `loom.compat.v_schedules_send_to_own_rank` says so (torch 2.11-2.12), the
+    schedule does not run at all over gloo, not even on plain stages: asserted too, so the
+    test fails the day that changes."""
     job = run_ranks(2, ["tests/workers/zbv_fsdp_worker.py", "plain", "fsdp2", "nested"],
                     timeout=300)
+    if v_schedules_send_to_own_rank():
+        assert not job.ok and any(SELF_SEND in r.stderr for r in job.ranks), (
+            f"torch {torch.__version__} now runs ZBV over gloo ({job.describe()}): drop it "
+            "from loom.compat.v_schedules_send_to_own_rank")
+        return
     assert job.ok, job.describe()
     errors = [json.loads(r.stdout.strip().splitlines()[-1])["worst_relative"]
               for r in job.ranks]

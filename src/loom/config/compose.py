@@ -14,7 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
-from loom.compat import checkpoint_inside_compile_saves_mesh, torch_release
+from loom.compat import (
+    checkpoint_inside_compile_saves_mesh,
+    torch_release,
+    v_schedules_send_to_own_rank,
+)
 from loom.config.job import JobConfig
 from loom.config.pipeline import SPLIT_BACKWARD
 from loom.errors import ConfigError
@@ -69,6 +73,16 @@ def _float8(cfg: JobConfig) -> bool:
 
 
 REFUSALS: tuple[Refusal, ...] = (
+    Refusal((), lambda c: c.parallel.pp > 1 and c.parallel.pp_schedule in SPLIT_BACKWARD
+            and v_schedules_send_to_own_rank(),
+            lambda c: f"--pp-schedule {c.parallel.pp_schedule} needs torch 2.13 or newer: "
+                      f"torch {torch_release()}'s V schedules send between a rank's own two "
+                      "stages, which gloo cannot; use 1f1b or interleaved-1f1b",
+            "--pp-schedule zero-bubble / dualpipev on torch 2.11-2.12 (`loom.compat."
+            "v_schedules_send_to_own_rank`; fails on 2.11.0, runs on 2.13.0 and 2.15.0): the "
+            "V's turn sends the activation from a rank to itself, which gloo refuses (`Pair "
+            "is not connected`) in the first step's stage initialisation "
+            "(tests/parity/test_upstream_zbv.py)"),
     Refusal((), lambda c: c.parallel.pp > 1 and c.parallel.pp_schedule in SPLIT_BACKWARD
             and c.parallel.ep > 1 and c.parallel.data_parallel == "fsdp2",
             lambda c: f"--pp-schedule {c.parallel.pp_schedule} with --ep {c.parallel.ep}: "
