@@ -46,6 +46,14 @@ SLOW_LAYOUTS = {
     "pp2_tp2_fused_linear": (4, 1, [*PP2, "--tp", "2", "--loss-impl", "fused-linear"]),
 }
 
+V_LAYOUTS = {
+    "pp2_zero_bubble": (2, 1, [*PP2, "--pp-schedule", "zero-bubble"]),
+    "pp2_dualpipev": (2, 1, [*PP2, "--pp-schedule", "dualpipev"]),
+    "pp2_dp2_zero_bubble": (4, 2, [*PP2, "--dp-shard", "2", "--pp-schedule", "zero-bubble"]),
+}
+"""The split-backward schedules (input gradients first, weight gradients deferred), each
+stage one FSDP2 unit (`loom.parallel.fsdp.one_unit`; sharded over dp 2 in the last)."""
+
 
 def launch(world: int, layouts: dict, root: Path, common: list[str] = COMMON,
            options: tuple[str, ...] = ("--first-grads",)) -> None:
@@ -98,6 +106,17 @@ def assert_matches_single(root: Path, layout: str, layouts: dict) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_layout_matches_single_process(fast_runs: Path, layout: str) -> None:
     assert_matches_single(fast_runs, layout, LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def v_runs(tmp_path_factory) -> Path:
+    return pipeline_runs(tmp_path_factory.mktemp("pp_parity_v"), V_LAYOUTS)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", list(V_LAYOUTS))
+def test_v_schedules_match_one_process(v_runs: Path, layout: str) -> None:
+    assert_matches_single(v_runs, layout, V_LAYOUTS)
 
 
 @pytest.mark.multirank

@@ -14,6 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
+from loom.compat import (
+    checkpoint_inside_compile_saves_mesh,
+    torch_release,
+    v_schedules_send_to_own_rank,
+)
 from loom.config.job import JobConfig
 from loom.config.pipeline import SPLIT_BACKWARD
 from loom.errors import ConfigError
@@ -68,31 +73,45 @@ def _float8(cfg: JobConfig) -> bool:
 
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal((), lambda c: c.parallel.pp > 1 and c.parallel.pp_schedule in SPLIT_BACKWARD,
-            lambda c: f"--pp-schedule {c.parallel.pp_schedule} splits backward into input and "
-                      f"weight gradients, which torch {TORCH_CHECKED} gets wrong for loom's "
-                      "FSDP2 stages; use 1f1b, gpipe or interleaved-1f1b",
-            f"--pp-schedule zero-bubble / dualpipev: torch {TORCH_CHECKED}'s split backward "
-            "(stage_backward_input, then the deferred stage_backward_weight, as "
-            "ScheduleZBVZeroBubble runs them) gives wrong weight gradients when a stage holds "
-            "nested FSDP2 units (fully_shard on each block, then on the stage, as loom wraps "
-            "it), even on a one-rank dp mesh: worst relative error 1.0 and 2.9 against one "
-            "process, while plain stages and one-unit FSDP2 stages match within 1e-7 "
-            "(tests/parity/test_upstream_zbv.py; in loom, pp 2: first-step gradient norm "
-            "3.27 against 4.75)"),
-    Refusal((), lambda c: c.parallel.compile and c.parallel.activation_checkpoint != "none"
-            and (_simple(c) or c.parallel.tp > 1),
-            lambda c: f"--compile with --ac {c.parallel.activation_checkpoint} at --tp "
-                      f"{c.parallel.tp} (--data-parallel {c.parallel.data_parallel}) fails in "
-                      f"torch {TORCH_CHECKED}'s compiled autograd; drop --ac (use "
-                      "--act-mem-budget) or --compile",
-            f"--compile with --ac under TP or SimpleFSDP: torch {TORCH_CHECKED}'s compiled "
-            "autograd asserts that everything it saves is a tensor, and the checkpointed "
-            "DTensor redistribution saves its DeviceMesh (`expected all "
-            "tensors_saved_with_vc_check to be Tensors`; seen at tp 2, at SimpleFSDP dp_shard "
-            "2 and HSDP 2 x 2; reproduced by tests/parity/test_upstream_compiled_ac.py). Each "
-            "pair alone trains (its tests above); under FSDP2 at tp 1 compile with AC "
-            "trains"),
+    Refusal((), lambda c: c.parallel.pp > 1 and c.parallel.pp_schedule in SPLIT_BACKWARD
+            and v_schedules_send_to_own_rank(),
+            lambda c: f"--pp-schedule {c.parallel.pp_schedule} needs torch 2.13 or newer: "
+                      f"torch {torch_release()}'s V schedules send between a rank's own two "
+                      "stages, which gloo cannot; use 1f1b or interleaved-1f1b",
+            "--pp-schedule zero-bubble / dualpipev on torch 2.11-2.12 (`loom.compat."
+            "v_schedules_send_to_own_rank`; fails on 2.11.0, runs on 2.13.0 and 2.15.0): the "
+            "V's turn sends the activation from a rank to itself, which gloo refuses (`Pair "
+            "is not connected`) in the first step's stage initialisation "
+            "(tests/parity/test_upstream_zbv.py)"),
+    Refusal((), lambda c: c.parallel.pp > 1 and c.parallel.pp_schedule in SPLIT_BACKWARD
+            and c.parallel.ep > 1 and c.parallel.data_parallel == "fsdp2",
+            lambda c: f"--pp-schedule {c.parallel.pp_schedule} with --ep {c.parallel.ep}: "
+                      f"torch {torch_release()}'s split backward gets the weight gradients "
+                      "of nested FSDP2 units (the routed experts) wrong; use 1f1b or "
+                      "interleaved-1f1b",
+            f"--pp-schedule zero-bubble / dualpipev with --ep under FSDP2: torch "
+            f"{TORCH_CHECKED}'s split backward (stage_backward_input, then the deferred "
+            "stage_backward_weight, as ScheduleZBVZeroBubble runs them) gives wrong weight "
+            "gradients when a stage holds nested FSDP2 units, even on a one-rank dp mesh: "
+            "worst relative error 1.0 and 2.9 against one process, while plain stages and "
+            "one-unit FSDP2 stages match within 1e-7 (tests/parity/test_upstream_zbv.py). "
+            "loom makes each such stage one FSDP2 unit (`loom.parallel.fsdp.one_unit`; "
+            "tests/parity/test_pipeline_parity.py::test_v_schedules_match_one_process), "
+            "but EP's routed experts are units of their own, over another mesh"),
+    Refusal((), lambda c: c.parallel.compile and c.parallel.activation_checkpoint == "selective"
+            and (_simple(c) or c.parallel.tp > 1) and checkpoint_inside_compile_saves_mesh(),
+            lambda c: f"--compile with --ac selective at --tp {c.parallel.tp} (--data-parallel "
+                      f"{c.parallel.data_parallel}) fails in torch {torch_release()}'s compiled "
+                      "autograd; use --ac block or op (or --act-mem-budget)",
+            "--compile with --ac selective under TP or SimpleFSDP, on torch 2.12-2.14 "
+            "(`loom.compat.checkpoint_inside_compile_saves_mesh`; fails on 2.13.0, runs on "
+            "2.11.0 and 2.15.0): AOT autograd saves the recomputed DTensor redistribution's "
+            "DeviceMesh among the tensors (`expected all tensors_saved_with_vc_check to be "
+            "Tensors`; torchtitan 0.2.2's own apply_tp + apply_ac + apply_compile fails the "
+            "same way; tests/parity/test_upstream_compiled_ac.py). `--ac block` and `op` "
+            "work around it there by checkpointing each compiled block whole "
+            "(`loom.parallel.parallelize.checkpoint_outside_compile`); selective "
+            "checkpoints the attention inside the compiled block, which has no such order"),
 )
 
 FAST_SWEEP = "tests/parity/test_layout_sweep.py::test_fast_layouts_match_one_process"

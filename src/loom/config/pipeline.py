@@ -14,9 +14,10 @@ SCHEDULES = {**SINGLE, **LOOPED, **V_SHAPED}
 """--pp-schedule -> torch.distributed.pipelining class name (without `Schedule`)."""
 MAX_BUBBLE = 0.25
 SPLIT_BACKWARD = ("zero-bubble", "dualpipev")
-"""Schedules that split backward into input and deferred weight gradients: refused in
-`loom.config.compose.REFUSALS` (torch's split backward gets nested FSDP2 units' weight
-gradients wrong; reproduced in tests/parity/test_upstream_zbv.py)."""
+"""Schedules that split backward into input and deferred weight gradients: torch's split
+backward gets nested FSDP2 units' weight gradients wrong (tests/parity/test_upstream_zbv.py),
+so under them each stage is one FSDP2 unit (`loom.parallel.fsdp.apply_fsdp`), and routed
+experts, FSDP2 units of their own, are refused (`loom.config.compose.REFUSALS`)."""
 
 
 def stages_per_rank(p: ParallelConfig) -> int:
@@ -32,8 +33,17 @@ def stage_indices(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[i
     return [pp_rank + i * pp for i in range(per_rank)]
 
 
-def bubble_fraction(pp: int, per_rank: int, microbatches: int) -> float:
-    """Share of a step each rank idles in (1F1B and its looped form): (p-1) / (v m + p-1)."""
+def bubble_fraction(pp: int, per_rank: int, microbatches: int,
+                    schedule: str = "1f1b") -> float:
+    """Share of a step each rank idles in. 1F1B and its looped form: (p-1) / (v m + p-1).
+    The V-shaped ones split backward into input (B) and weight (W) gradients and fill the
+    idle slots with deferred W: per rank the idle time is (p-1)(F + B - 2W) for ZB-V and
+    (p-1)(F&B + B - 3W) for DualPipeV (their papers' counts), zero when a chunk's F, B and W
+    take equal time (the backward's two matmuls per forward one, split evenly); that needs
+    m >= 2p micro-batches to fill the warm-up, and with fewer the V runs like the looped
+    1F1B over its two stages per rank."""
+    if schedule in V_SHAPED and microbatches >= 2 * pp:
+        return 0.0
     return (pp - 1) / (per_rank * microbatches + pp - 1)
 
 
@@ -49,6 +59,8 @@ def microbatch_problem(schedule: str, pp: int, per_rank: int, microbatches: int)
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
             return f"interleaved-1f1b needs a multiple of {rounds} micro-batches"
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        return f"dualpipev needs at least {2 * pp} micro-batches (one per stage)"
     return None
 
 
@@ -63,7 +75,8 @@ def choose_microbatches(p: ParallelConfig, batch_size: int) -> int:
     if not counts:
         raise ConfigError(f"--pp-schedule {p.pp_schedule}: no micro-batch count divides "
                           f"--batch-size {batch_size}; raise --batch-size")
-    fitting = [m for m in counts if bubble_fraction(p.pp, per_rank, m) <= MAX_BUBBLE]
+    fitting = [m for m in counts
+               if bubble_fraction(p.pp, per_rank, m, p.pp_schedule) <= MAX_BUBBLE]
     return fitting[0] if fitting else counts[-1]
 
 
@@ -108,6 +121,9 @@ def validate_pipeline(cfg: JobConfig) -> None:
                           "interleaved-1f1b for --pp-stages-per-rank > 1")
     if p.pp_schedule in LOOPED and per_rank < 2:
         raise ConfigError(f"--pp-schedule {p.pp_schedule} needs --pp-stages-per-rank >= 2")
+    if p.pp_schedule in V_SHAPED and per_rank != 2:
+        raise ConfigError(f"--pp-schedule {p.pp_schedule} runs two stages per rank (a V); "
+                          "drop --pp-stages-per-rank")
     units = m.n_layers + 2  # the embedding and the head count as layers
     if p.pp * per_rank > units:
         raise ConfigError(f"--pp {p.pp} x {per_rank} stages per rank exceeds the "

@@ -139,7 +139,7 @@ class ParallelConfig:
     pp: int = flag(1, "pipeline-parallel degree (the outermost mesh dim: ranks hold "
                    "consecutive layers)", **DEGREE)
     pp_schedule: str = flag("1f1b", "pipeline schedule (interleaved-1f1b: looped stages; "
-                            "zero-bubble, dualpipev: refused on torch 2.13, see "
+                            "zero-bubble, dualpipev: V-shaped, split backward, see "
                             "docs/parallelism.md)",
                             choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
                                      "dualpipev"))

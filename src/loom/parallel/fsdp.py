@@ -16,6 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 from torch.distributed.tensor import DTensor, Shard
 
 from loom.config import ParallelConfig
+from loom.config.pipeline import SPLIT_BACKWARD
 from loom.models.spec import ModelPlan
 from loom.numerics.precision import torch_dtype
 from loom.parallel.gloo_comm import use_pairwise_collectives
@@ -43,15 +44,27 @@ def mixed_precision(dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
                                 cast_forward_inputs=False)
 
 
+def one_unit(cfg: ParallelConfig) -> bool:
+    """Whether the model (a pipeline stage) is one FSDP2 unit, kept gathered from forward to
+    backward, rather than one unit per block: under the split-backward schedules, whose
+    deferred weight gradients torch gets wrong for nested units (tests/parity/
+    test_upstream_zbv.py). Not resharding after forward matters as much: torch finds the
+    weights to differentiate among the stage's registered parameters, and a resharded
+    stage registers its shards, not the gathered tensors the graph used, so a micro-batch's
+    weight gradients went missing (the last stage's all of them). The whole stage is
+    gathered for the step, so its parameters' memory is not spread over the blocks."""
+    return cfg.pp > 1 and cfg.pp_schedule in SPLIT_BACKWARD
+
+
 def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend: str) -> str:
-    """The FSDP2 strategy: routed experts first (under EP), then one unit per plan unit, then
-    the root; returns what it did, for the recipe's log line."""
-    reshard = cfg.reshard_after_forward == "always"
+    """The FSDP2 strategy: routed experts first (under EP), then one unit per plan unit
+    (none under `one_unit`), then the root; returns what it did, for the recipe's log line."""
+    reshard = cfg.reshard_after_forward == "always" and not one_unit(cfg)
     kwargs = dict(reshard_after_forward=reshard,
                   mp_policy=mixed_precision(cfg.dtype, cfg.reduce_dtype))
     experts = shard_experts(plan.experts, dims, backend, **kwargs) if dims.ep_enabled else []
     units = []
-    planned = plan.fsdp_units()
+    planned = [] if one_unit(cfg) else plan.fsdp_units()
     names = unit_names(plan.model, [*planned, *(plan.experts if dims.ep_enabled else [])])
     placement = expert_placement(plan.experts, dims.fsdp_mesh.shape[-1])
     for i, unit in enumerate(planned):
@@ -78,7 +91,8 @@ def apply_fsdp(plan: ModelPlan, dims: ParallelDims, cfg: ParallelConfig, backend
         use_named_collectives(named)
     return (f"FSDP2 {len(units)} units over "
             f"{'HSDP' if dims.dp_replicate_enabled else 'dp_shard'} mesh "
-            f"{tuple(dims.fsdp_mesh.shape)}, reshard after forward: {cfg.reshard_after_forward}")
+            f"{tuple(dims.fsdp_mesh.shape)}, reshard after forward: "
+            f"{'never (split backward)' if one_unit(cfg) else cfg.reshard_after_forward}")
 
 
 def unit_names(model: nn.Module, units: list[nn.Module | list[nn.Module]]

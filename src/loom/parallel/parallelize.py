@@ -1,5 +1,6 @@
 """The one ordered recipe for every model: TP (and EP) -> CP -> activation checkpointing ->
-compile -> the data-parallel wrapper, each step driven by the model's plan."""
+compile -> the data-parallel wrapper, each step driven by the model's plan (compile before
+checkpointing where the torch in use fails a checkpoint inside a compiled DTensor graph)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from loom.compat import checkpoint_inside_compile_saves_mesh
 from loom.config import ParallelConfig
 from loom.numerics.precision import describe
 from loom.parallel.checkpointing import apply_ac
@@ -46,6 +49,17 @@ def refreeze(model: nn.Module, frozen: set[str]) -> None:
             param.requires_grad_(False)
 
 
+def checkpoint_outside_compile(dims: ParallelDims, cfg: ParallelConfig) -> bool:
+    """Whether blocks are compiled first and then checkpointed (AC around the compiled
+    block) instead of checkpointed inside the compiled graph: only where this torch fails
+    the usual order (`loom.compat.checkpoint_inside_compile_saves_mesh`) and a DTensor
+    redistribution sits inside the block (tp, SimpleFSDP's gathers). Blocks are then
+    compiled one by one, also under SimpleFSDP (its gathers stay in each block's graph)."""
+    return (cfg.compile and cfg.activation_checkpoint in ("block", "op")
+            and (dims.tp_enabled or cfg.data_parallel == "simple-fsdp")
+            and checkpoint_inside_compile_saves_mesh())
+
+
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
                 loss_parallel: bool, backend: str) -> nn.Module:
     """Apply every enabled parallelism to a model, in place: a meta-device one gets meta
@@ -64,15 +78,22 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
         apply_cp(model, dims.get_mesh("cp"), dims.tp, parts=plan.spec.parts)
         if plan.context_parallel is not None:
             plan.context_parallel(sum_over_cp(dims.get_mesh("cp")))
-    apply_ac(plan, cfg.activation_checkpoint)
     strategy = SINGLE_DEVICE if runs_plain(dims, cfg) else STRATEGIES[cfg.data_parallel]
+    outside = checkpoint_outside_compile(dims, cfg)
+    if not outside:
+        apply_ac(plan, cfg.activation_checkpoint)
     if cfg.compile and hasattr(model, "flex_doc_mask"):  # flex pays compiled only
         model.flex_doc_mask = True
     if cfg.compile:
         apply_compile(plan, cfg.compile_mode, cfg.compile_backend,
-                      whole_model=strategy.whole_graph,
+                      whole_model=strategy.whole_graph and not outside,
                       expert_parallel=dims.ep_enabled,
                       checkpointed=cfg.activation_checkpoint != "none")
+    if outside:
+        apply_ac(plan, cfg.activation_checkpoint)
+        logger.info("--compile with --ac under %s on torch %s: each compiled block is "
+                    "checkpointed whole (this torch fails a checkpoint inside the graph)",
+                    "tp" if dims.tp_enabled else "SimpleFSDP", torch.__version__)
     done = strategy.wrap(plan, dims, cfg, backend)
     if strategy is not SINGLE_DEVICE:  # which names its own precision: nothing is reduced
         done = f"{done}, {describe(cfg.dtype, cfg.reduce_dtype)}"

@@ -192,7 +192,8 @@ def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path)
     if dims.pp_enabled:
         share = compute_share(cfg)
         stretch = 1 / (1 - bubble_fraction(dims.pp, stages_per_rank(p),
-                                           choose_microbatches(p, cfg.train.batch_size)))
+                                           choose_microbatches(p, cfg.train.batch_size),
+                                           p.pp_schedule))
     per_rank = share * recompute * cfg.train.grad_accum_steps / (dims.tp * dims.cp)
     flops = _flops(cfg) * per_rank
     fast = float8_flops(cfg) * per_rank if float8_peak(device) else 0.0  # --float8 linears

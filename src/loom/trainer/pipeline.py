@@ -55,7 +55,7 @@ class PipelineExecutor(StepExecutor):
             parts[-1].hidden_output = True  # the criterion projects through the head
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.owns_loss = self.has_last and dims.tp_rank == 0
-        self.bubble = bubble_fraction(dims.pp, per_rank, self.microbatches)
+        self.bubble = bubble_fraction(dims.pp, per_rank, self.microbatches, p.pp_schedule)
         self.schedule_name = effective_schedule(p.pp_schedule, dims.pp, self.microbatches)
         if self.schedule_name != p.pp_schedule:
             logger.warning("--pp-schedule %s with %d micro-batch(es) < pp %d runs as %s "

@@ -10,6 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from loom.checkpoint.checkpointer import plain_state_dict
+from loom.compat import checkpoint_inside_compile_saves_mesh
 from loom.config import ConfigError, ParallelConfig, config_from_flags
 from loom.models.moe.model import MoEArgs, MoETransformer
 from loom.parallel import simple_fsdp as sf
@@ -39,10 +40,17 @@ def test_hugging_face_models_are_refused_with_one_line() -> None:
                            "data_parallel": "simple-fsdp"}, environ={})
 
 
-def test_compile_with_ac_is_refused_under_simple_fsdp() -> None:
-    with pytest.raises(ConfigError, match="fails in torch .* compiled autograd"):
-        config_from_flags({"data_parallel": "simple-fsdp", "compile": True,
-                           "activation_checkpoint": "block"}, environ={})
+def test_compile_with_ac_is_accepted_under_simple_fsdp_and_selective_where_it_runs() -> None:
+    """Block AC compiles on every torch (`loom.parallel.parallelize.checkpoint_outside_
+    compile`); selective only where the torch runs a checkpoint inside the graph."""
+    flags = {"data_parallel": "simple-fsdp", "compile": True}
+    cfg = config_from_flags({**flags, "activation_checkpoint": "block"}, environ={})
+    assert cfg.parallel.activation_checkpoint == "block"
+    if checkpoint_inside_compile_saves_mesh():
+        with pytest.raises(ConfigError, match="selective .* fails in torch"):
+            config_from_flags({**flags, "activation_checkpoint": "selective"}, environ={})
+    else:
+        config_from_flags({**flags, "activation_checkpoint": "selective"}, environ={})
 
 
 @pytest.mark.parametrize(("replicate", "shard", "cp", "dims", "mode"), [
