@@ -36,6 +36,10 @@ def register(spec: ModelSpec, plan: Callable[[nn.Module], ModelPlan] | None = No
 
 
 def family(name: str) -> ModelSpec:
+    if not _FAMILIES:  # loom's own register in loom.parallel.families (above models/)
+        raise ConfigError(f"--family {name}: no model family is registered yet; import "
+                          "loom.parallel (which registers loom's families) before building "
+                          "a model")
     if name not in _FAMILIES:
         raise ConfigError(f"--family {name}: no such model family; choose one of "
                           f"{', '.join(sorted(_FAMILIES))}")
