@@ -36,6 +36,7 @@ from loom.plan.float8 import (
     tp_collective_units,
 )
 from loom.plan.memory import traced_depths
+from loom.plan.muon import muon_flops_per_rank
 from loom.plan.pipeline import compute_share
 from loom.plan.trace import with_layers
 
@@ -200,6 +201,10 @@ def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path)
     compute = ((flops - fast) / peak + fast / (float8_peak(device) or peak)) / EFFICIENCY
     tokens = cfg.train.batch_size * cfg.data.seq_len / dims.cp * share * cfg.train.grad_accum_steps
     compute = (compute + cast_seconds(cfg, tokens, dims.tp, extra_forward, device)) * stretch
+    muon = muon_flops_per_rank(cfg, world_size)  # after the pipeline drains: no bubble
+    if muon:
+        ns_peak, _ = device_peak(device, torch_dtype(cfg.optim.muon_ns_dtype), cache)
+        compute += muon / (ns_peak * EFFICIENCY)
     fsdp_s, exposed = comm_seconds(cfg, dims, device, share)
     exposed += max(0.0, fsdp_s - compute)
     return StepTime(compute + exposed, compute, exposed, source)
