@@ -30,6 +30,7 @@ EP = ["--model", "moe-debug", "--dtype", "bf16", "--ep", "2"]  # traced as balan
 COMPILED = ["--compile", "--act-mem-budget", "0.5", "--loss-impl", "compiled", "--seq-len",
             "512", "--batch-size", "4", "--vocab-size", "2048"]
 FLOAT8 = ["--dtype", "bf16", "--float8", "tensorwise"]  # emulated on CPU; float8 all-gather
+MUON = ["--optimizer", "muon"]  # one momentum buffer per block matrix, AdamW's two elsewhere
 RUNS = [[], HSDP, ["--tp", "2", "--loss-impl", "loss-parallel"], TP_FUSED]
 TOLERANCE = 0.10
 
@@ -38,9 +39,9 @@ TOLERANCE = 0.10
 def test_predicted_peaks_within_ten_percent_of_measured_on_2_ranks(tmp_path):
     """HSDP + block AC + chunked loss, tp + fused-linear + selective AC, pipeline parallel
     (per-stage traces, in-flight micro-batches, receive buffers), context parallel (the
-    gathered K/V), expert parallel and float8 (torchao's linears as they run, emulated, and
-    FSDP2's float8 all-gather): one launch."""
-    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP, EP, FLOAT8])
+    gathered K/V), expert parallel, float8 (torchao's linears as they run, emulated, and
+    FSDP2's float8 all-gather) and Muon's state: one launch."""
+    assert_predictions_close(tmp_path, 2, [HSDP, TP_FUSED, PP, CP, EP, FLOAT8, MUON])
 
 
 @pytest.mark.multirank
