@@ -16,6 +16,7 @@ from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
+from loom.plan.command import Plan, parameter_counts, report
 
 TINY = DeepseekV3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64,
                       hidden_dim=48, n_experts=8, top_k=2, moe_hidden_dim=16,
@@ -117,3 +118,17 @@ def test_the_family_flags_override_the_preset_and_show_in_the_config() -> None:
     with pytest.raises(ConfigError, match="kv-lora-rank"):
         parse_args(["--model", "deepseek-v3-debug", "--dataset", "random",
                     "--kv-lora-rank", "0"])
+
+
+def test_loom_plan_prints_the_published_parameter_counts() -> None:
+    """`loom plan --model deepseek-v3` names 671B parameters and its per-token share (the
+    family's count, the embedding table included: 37.55B against DeepSeek's rounded 37B)."""
+    cfg = parse_args(["--model", "deepseek-v3", "--dataset", "random"])
+    counts = parameter_counts(cfg)
+    assert counts["parameters"] == pytest.approx(671e9, rel=0.01)
+    assert counts["active_parameters"] == pytest.approx(37e9, rel=0.02)
+    plan = Plan(peak_gib=1.0, fits=True, breakdown={}, step_time_s=1.0, tokens_per_s=1.0,
+                device_memory_gib=80.0, world_size=256, layout={}, **counts)
+    line = report(plan, cfg, "H100").splitlines()[1]
+    assert line == (f"parameters: {counts['parameters'] / 1e9:.2f}B, "
+                    f"{counts['active_parameters'] / 1e9:.2f}B active per token")

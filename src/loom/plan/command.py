@@ -20,12 +20,13 @@ from loom.data.cache import default_cache_dir
 from loom.lora.converter import lora_targets_for
 from loom.losses import loss_impl_for
 from loom.models.moe.flags import moe_flags
-from loom.models.resolve import plain_model, resolve_model
+from loom.models.registry import for_config
+from loom.models.resolve import model_args, plain_model, resolve_model
 from loom.numerics.precision import resolve_precision
 from loom.parallel.mesh import ParallelDims
 from loom.plan.peaks import predict_memory
 from loom.plan.search import search
-from loom.plan.speed import predict_step_time
+from loom.plan.speed import param_count, predict_step_time
 from loom.plan.trace import fake_world
 from loom.runtime.logs import logging_scope
 from loom.runtime.scope import logger_levels
@@ -75,6 +76,10 @@ class Plan:
     device_memory_gib: float
     world_size: int
     layout: dict[str, int]
+    parameters: int = 0
+    """Every parameter of the model (routed experts, MTP modules included)."""
+    active_parameters: int = 0
+    """Those one token multiplies (its family's count: routed experts by top-k / E)."""
 
     def verdict(self) -> str:
         return "fits" if self.fits else f"OOM (needs {self.peak_gib:.2f} GiB)"
@@ -137,12 +142,22 @@ def make_plan(cfg: JobConfig, world_size: int, device_memory: int, device: str,
                 breakdown=memory.breakdown_gib, step_time_s=step.seconds,
                 tokens_per_s=tokens * cfg.data.seq_len / step.seconds,
                 device_memory_gib=device_memory / 2**30, world_size=world_size,
-                layout={**dims.degrees, "ep": dims.ep})
+                layout={**dims.degrees, "ep": dims.ep}, **parameter_counts(cfg))
+
+
+def parameter_counts(cfg: JobConfig) -> dict[str, int]:
+    """The model's parameters, all and per token (a dense family's are the same)."""
+    total, _ = param_count(cfg.model)
+    active = for_config(cfg.model).active_params
+    return {"parameters": total,
+            "active_parameters": total if active is None else active(model_args(cfg))}
 
 
 def report(plan: Plan, cfg: JobConfig, device: str) -> str:
     lines = [f"loom plan: {cfg.model.model or 'custom'} on {plan.world_size} ranks "
              f"{plan.layout}, batch {cfg.train.batch_size} x seq {cfg.data.seq_len}",
+             f"parameters: {plan.parameters / 1e9:.2f}B, {plan.active_parameters / 1e9:.2f}B "
+             "active per token",
              "per-rank peak memory (worst rank, predicted):"]
     lines += [f"  {name:<16}{gib:9.3f} GiB" for name, gib in sorted(plan.breakdown.items())]
     lines.append(f"  {'total':<16}{plan.peak_gib:9.3f} GiB of {plan.device_memory_gib:.2f} "
