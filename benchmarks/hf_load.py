@@ -74,10 +74,10 @@ def load(mode: str, folder: str) -> None:
     import torch.distributed as dist
 
     from loom.config import parse_args
+    from loom.hf.model_config import resolve_hf_model
     from loom.models.resolve import plain_model, resolve_model
     from loom.models.transformers.model import load_hf_model
     from loom.parallel import hf_load
-    from loom.parallel.hf import resolve_hf_model
     from loom.parallel.init import load_weights
     from loom.parallel.mesh import ParallelDims
     from loom.parallel.parallelize import parallelize

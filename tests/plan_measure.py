@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from loom.config import JobConfig, parse_args
-from loom.config.pipeline import stages_per_rank
+from loom.config.pipeline_layout import stages_per_rank
 from loom.observability.profiling import peak_live_bytes
 from loom.plan.trace import Breakdown
 from loom.runtime.distributed import init_distributed, rank_info, teardown

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loom.config import ConfigError, parse_args
-from loom.models.hf_checkpoint import HFCheckpoint
+from loom.hf.checkpoint import HFCheckpoint
 from loom.models.registry import for_config
 from loom.models.resolve import plain_model, resolve_model
 from loom.parallel.init import clean_name, load_weights

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from loom.hf.export import export, export_peft
+from loom.hf.peft import WEIGHTS_FILE
 from loom.hf.run_checkpoint import load_run_model
-from loom.lora.export import WEIGHTS_FILE
 from tests.compare import column
 from tests.harness import run_ranks
 from tests.hf_models import save_tiny_model

@@ -23,8 +23,8 @@ from loom.models.resolve import model_args, plain_model
 from loom.protocols import extensions
 
 SRC = Path(loom.__file__).parent
-FAMILY_PLANS = ("parallel/llama_plan.py", "parallel/moe_plan.py", "parallel/hf.py",
-                "parallel/deepseek_v3_plan.py")
+FAMILY_PLANS = ("parallel/llama_plan.py", "parallel/moe_plan.py",
+                "parallel/transformers_plan.py", "parallel/deepseek_v3_plan.py")
 """Where a family's modules may be named outside its folder: its parallel plan."""
 SUBMODULES = {"tok_embeddings", "layers", "output", "attention", "moe", "feed_forward",
               "attention_norm", "ffn_norm"}

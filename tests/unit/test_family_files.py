@@ -27,8 +27,8 @@ def named_files(spec: ModelSpec) -> set[str]:
 
 def test_each_family_names_its_folder_and_its_plan():
     """loom's families name files of their own folder (a family built on another's blocks,
-    qwen3 on llama, names that family's too), `parallel/<family>_plan.py` (transformers':
-    `parallel/hf.py`) and nothing else; the test family names its one file."""
+    qwen3 on llama, names that family's too), `parallel/<family>_plan.py` and nothing
+    else; the test family names its one file."""
     allowed = {"llama": {"models/llama", "models/qwen3", "parallel/llama_plan.py"},
                "qwen3": {"models/llama", "models/qwen3", "parallel/llama_plan.py"},
                "moe": {"models/llama", "models/qwen3", "models/moe", "parallel/moe_plan.py"},
@@ -37,7 +37,7 @@ def test_each_family_names_its_folder_and_its_plan():
                "deepseek-v3": {"models/llama", "models/qwen3", "models/moe",
                                "models/transformers", "models/deepseek_v3",
                                "parallel/deepseek_v3_plan.py"},
-               "transformers": {"models/transformers", "parallel/hf.py"},
+               "transformers": {"models/transformers", "parallel/transformers_plan.py"},
                "gpt2-test": {"tests/families/gpt2.py"}}
     found = {spec.name: named_files(spec) for spec in families()}
     assert set(found) == set(allowed)

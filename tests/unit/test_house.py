@@ -255,7 +255,7 @@ REWRITERS_LEFT = {
     "loom.data.loaders.chat_datasets", "loom.data.loaders.mixture_datasets",
     "loom.data.loaders.sized_to_tokenizer", "loom.plan.search.candidates",
     "loom.models.resolve.fall_back", "loom.models.resolve.resolve_model",
-    "loom.models.transformers.model.with_hf_config", "loom.parallel.hf.resolve_hf_model",
+    "loom.models.transformers.model.with_hf_config", "loom.hf.model_config.resolve_hf_model",
     "loom.plan.command.planned_doc_mask", "loom.plan.trace.traceable",
     "loom.plan.trace.with_layers", "loom.trainer.entry.job_config",
 }

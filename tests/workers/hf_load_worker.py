@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import loom.parallel.hf_load as hf_load
+import loom.hf.load as hf_load
 import loom.trainer.model_parts as model_parts
 from loom.config import ConfigError, ModelConfig, parse_args
 from loom.models.transformers.model import HFCausalLM, load_hf_model

@@ -20,7 +20,7 @@ from loom.compat import (
     v_schedules_send_to_own_rank,
 )
 from loom.config.job import JobConfig
-from loom.config.pipeline import SPLIT_BACKWARD
+from loom.config.pipeline_layout import SPLIT_BACKWARD
 from loom.errors import ConfigError
 
 TORCH_CHECKED = "2.13"

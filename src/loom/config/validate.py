@@ -12,7 +12,7 @@ from loom.config.job import JobConfig
 from loom.config.mixture import parse_mixture
 from loom.config.numbers import check_numbers
 from loom.config.optim import ns_coefficients
-from loom.config.pipeline import validate_pipeline
+from loom.config.pipeline_layout import validate_pipeline
 from loom.config.schema import EvalConfig, OutputConfig, ParallelConfig
 from loom.config.valsets import DEFAULT_SET, val_sets
 from loom.errors import ConfigError

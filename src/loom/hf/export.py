@@ -35,8 +35,8 @@ from loom.data.tokenizers import (
 from loom.hf.export_check import check_peft, verify_export
 from loom.hf.export_files import DTYPES, MAX_SHARD_BYTES, write_weights
 from loom.hf.export_plan import export_plan
+from loom.hf.peft import CONFIG_FILE, WEIGHTS_FILE
 from loom.hf.run_checkpoint import run_config, run_model, run_reader, run_tokenizer
-from loom.lora.export import CONFIG_FILE, WEIGHTS_FILE
 from loom.runtime.logs import logging_scope
 from loom.runtime.outputs import output_folder, staged
 from loom.runtime.rundir import is_run_folder
@@ -80,7 +80,7 @@ def export_folder(checkpoint: Path, outdir: Path, overwrite: bool,
 
 def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool,
                 overwrite: bool = False) -> str:
-    """Write a LoRA run's adapters as a PEFT folder (`loom.lora.export`), checked by peft."""
+    """Write a LoRA run's adapters as a PEFT folder (`loom.hf.peft`), checked by peft."""
     outdir = export_folder(checkpoint, outdir, overwrite)
     held = run_model(checkpoint)
     if held.lora is None:

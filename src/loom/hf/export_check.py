@@ -12,9 +12,9 @@ from torch import nn
 
 from loom.config import ConfigError, ModelConfig
 from loom.hf.export_files import DTYPES
+from loom.hf.peft import peft_logits
 from loom.hf.run_checkpoint import load_run_model
 from loom.lora.converter import merge_adapters
-from loom.lora.export import peft_logits
 from loom.models.transformers.model import load_hf_model
 
 VERIFY_TOLERANCE = 1e-4

@@ -17,8 +17,8 @@ import torch
 
 from loom.config import ConfigError
 from loom.hf.export_files import Tensors
+from loom.hf.peft import merging, peft_plan
 from loom.hf.run_checkpoint import RunModel, run_config, run_reader
-from loom.lora.export import merging, peft_plan
 from loom.models.registry import export_adapter
 
 
@@ -26,7 +26,7 @@ def export_plan(held: RunModel, dtype: str, peft: bool = False
                 ) -> tuple[dict[str, Any], Tensors, dict[str, Any]]:
     """(config.json, the tensors to write, loom shapes by name) of the export; a model with
     no Hugging Face equivalent fails here, in one line, before anything is written. A LoRA
-    run's adapters are merged, or with `peft` are the export (`loom.lora.export`)."""
+    run's adapters are merged, or with `peft` are the export (`loom.hf.peft`)."""
     with torch.device("meta"):
         model = held.build()
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}

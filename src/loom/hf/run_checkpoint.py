@@ -24,8 +24,8 @@ from loom.checkpoint.model_record import rebuilt_args
 from loom.checkpoint.trust import UnusableCheckpoint, read_loop, verify_checkpoint
 from loom.config import ConfigError, ModelConfig
 from loom.data.tokenizers import tokenizer_name
+from loom.hf.peft import base_reader
 from loom.lora.converter import LoraSettings, apply_lora
-from loom.lora.export import base_reader
 from loom.models.registry import family
 from loom.models.spec import ModelSpec
 from loom.models.transformers.model import hf_model_from_config

@@ -15,9 +15,9 @@ from loom.models.qwen3.spec import QWEN3, QWEN3_MOE
 from loom.models.registry import register
 from loom.models.transformers.spec import TRANSFORMERS
 from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
-from loom.parallel.hf import transformers_plan
 from loom.parallel.llama_plan import dense_plan
 from loom.parallel.moe_plan import moe_plan
+from loom.parallel.transformers_plan import transformers_plan
 
 register(LLAMA, plan=dense_plan)
 register(QWEN3, plan=dense_plan)

@@ -16,7 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 from torch.distributed.tensor import DTensor, Shard
 
 from loom.config import ParallelConfig
-from loom.config.pipeline import SPLIT_BACKWARD
+from loom.config.pipeline_layout import SPLIT_BACKWARD
 from loom.models.spec import ModelPlan
 from loom.numerics.precision import torch_dtype
 from loom.parallel.gloo_comm import use_pairwise_collectives

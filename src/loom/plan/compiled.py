@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from loom.config import JobConfig, ModelConfig
-from loom.config.pipeline import choose_microbatches
+from loom.config.pipeline_layout import choose_microbatches
 from loom.models.moe.flags import moe_flags
 from loom.models.registry import for_model
 from loom.models.resolve import plain_model

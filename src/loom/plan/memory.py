@@ -46,7 +46,7 @@ CATEGORIES = {
     "OptState": "optimizer", "Activation": "activations", "Temp": "backward_temps",
     "Block Activation": "block_activations",  # split off by `extrapolate`
     "All Gather": "fsdp_buffers", "Reduce Scatter": "fsdp_buffers", "Inputs": "inputs",
-    "Pipeline Buffers": "pipeline_buffers",  # loom.plan.pipeline's, not the tracker's
+    "Pipeline Buffers": "pipeline_buffers",  # loom.plan.pipeline_memory's, not the tracker's
 }
 
 ANALYTIC: dict[str, dict[str, float]] = {

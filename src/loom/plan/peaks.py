@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from loom.config import JobConfig
 from loom.plan.memory import Breakdown, MemoryPrediction, finish, in_gib, traced
-from loom.plan.pipeline import pipeline_phases
+from loom.plan.pipeline_memory import pipeline_phases
 from loom.plan.trace import HELD, MICROBATCH
 
 

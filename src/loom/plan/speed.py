@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from loom.config import DataConfig, JobConfig, ModelConfig
-from loom.config.pipeline import bubble_fraction, choose_microbatches, stages_per_rank
+from loom.config.pipeline_layout import bubble_fraction, choose_microbatches, stages_per_rank
 from loom.models.moe.flags import moe_flags
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
@@ -37,7 +37,7 @@ from loom.plan.float8 import (
 )
 from loom.plan.memory import traced_depths
 from loom.plan.muon import muon_flops_per_rank
-from loom.plan.pipeline import compute_share
+from loom.plan.pipeline_memory import compute_share
 from loom.plan.trace import with_layers
 
 EFFICIENCY = 0.4

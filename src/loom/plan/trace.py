@@ -36,7 +36,7 @@ from loom.numerics.precision import torch_dtype
 from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
-from loom.parallel.pipeline import stage_module
+from loom.parallel.pipeline_stages import stage_module
 from loom.parallel.single import step_autocast
 from loom.plan.compiled import compiled_loss_memory
 from loom.protocols.extensions import convert_model

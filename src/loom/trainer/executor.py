@@ -1,5 +1,5 @@
 """Which step executor a run uses. Apart from `loom.trainer.step` (the executor protocol and the
-plain accumulation loop), which `loom.parallel.pipeline` builds on: choosing between the
+plain accumulation loop), which `loom.parallel.pipeline_stages` builds on: choosing between the
 two needs both, so it lives above them."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from loom.models.registry import named_part
 from loom.parallel.compile import compile_kwargs
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.single import runs_plain, step_autocast, within
-from loom.trainer.pipeline import PipelineExecutor
+from loom.trainer.pipeline_executor import PipelineExecutor
 from loom.trainer.step import AccumulationExecutor, StepExecutor
 
 

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from loom.config import JobConfig
+from loom.hf.load import build_hf_model, open_native_checkpoint
 from loom.models.resolve import plain_model
-from loom.parallel.hf_load import build_hf_model, open_native_checkpoint
 from loom.parallel.init import init_weights, load_weights
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.parallelize import parallelize
-from loom.parallel.pipeline import split_stages
+from loom.parallel.pipeline_stages import split_stages
 from loom.protocols.extensions import added_parameter_std, convert_model
 from loom.runtime.distributed import backend_for
 

@@ -26,12 +26,12 @@ from loom.checkpoint.resume import (
 from loom.config import ConfigError, JobConfig, validate
 from loom.config.resolved import settled
 from loom.data.loaders import build_datasets
+from loom.hf.model_config import resolve_hf_model
 from loom.lora.converter import apply_lora, lora_targets_for, settings
 from loom.losses import loss_impl_for
 from loom.models.resolve import model_args, plain_model, resolve_model
 from loom.numerics.precision import Precision, resolve_precision
 from loom.parallel.cuda_graphs import cuda_graphs_refusal, graphs_compile_mode
-from loom.parallel.hf import resolve_hf_model
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, seed_everything
 from loom.runtime.preflight import available_memory_bytes, check_model_fits

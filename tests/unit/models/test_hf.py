@@ -25,7 +25,7 @@ from loom.models.transformers.model import (
     with_hf_config,
 )
 from loom.observability import flops
-from loom.parallel.hf import apply_hf_ac, decoder_blocks
+from loom.parallel.transformers_plan import apply_hf_ac, decoder_blocks
 from tests.hf_models import ARCHITECTURES, MODEL_VOCAB, SHAPE, save_tiny_model
 
 

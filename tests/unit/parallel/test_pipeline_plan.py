@@ -10,7 +10,7 @@ import torch
 
 from loom.compat import v_schedules_send_to_own_rank
 from loom.config import ConfigError, ParallelConfig, config_from_flags
-from loom.config.pipeline import (
+from loom.config.pipeline_layout import (
     balanced_split,
     bubble_fraction,
     choose_microbatches,
@@ -18,7 +18,7 @@ from loom.config.pipeline import (
 )
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.parallel.fsdp import one_unit
-from loom.parallel.pipeline import layer_costs, stage_io, stage_module
+from loom.parallel.pipeline_stages import layer_costs, stage_io, stage_module
 from loom.plan.speed import predict_step_time
 
 V_REFUSED = "needs torch 2.13 or newer" if v_schedules_send_to_own_rank() else ""

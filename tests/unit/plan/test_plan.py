@@ -8,7 +8,7 @@ from loom.parallel.mesh import ParallelDims
 from loom.plan.command import planned_doc_mask
 from loom.plan.compiled import compiled_block_fraction
 from loom.plan.memory import extrapolate, held_in_phase
-from loom.plan.pipeline import others_alive, schedule_actions
+from loom.plan.pipeline_memory import others_alive, schedule_actions
 from loom.plan.search import candidates, launch_line, unsearched
 from loom.plan.speed import comm_seconds
 

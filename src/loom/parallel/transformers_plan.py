@@ -1,6 +1,6 @@
-"""Hugging Face models: resolved once per node, then sharded by the one recipe.
+"""The transformers family's parallel plan: a Hugging Face model sharded by the one recipe.
 
-Their plan (`transformers_plan`, registered in parallel/families.py) has no TP (config
+Its plan (`transformers_plan`, registered in parallel/families.py) has no TP (config
 resolution forced tp to 1), the model's own gradient-checkpointing switch for --ac,
 per-block compile, one FSDP2 unit per decoder block, then the root (which keeps tied
 embedding and output weights together).
@@ -10,20 +10,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from loom.config import ConfigError, JobConfig
-from loom.data.loaders import on_node_leaders
+from loom.config import ConfigError
 from loom.models.spec import ModelPlan
-from loom.models.transformers.model import HFCausalLM, load_hf_config, with_hf_config
-
-
-def resolve_hf_model(cfg: JobConfig, local_rank: int) -> JobConfig:
-    """`cfg` with the HF model's shape (no-op for loom's models). Each node's first rank
-    checks the source and fetches the config while the others wait, so every rank fails
-    together, with one line, when the model cannot be had."""
-    if not cfg.model.runs_transformers:
-        return cfg
-    on_node_leaders(lambda: load_hf_config(cfg.model), leader=local_rank == 0)
-    return with_hf_config(cfg, load_hf_config(cfg.model, cached=True))
+from loom.models.transformers.model import HFCausalLM
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList:

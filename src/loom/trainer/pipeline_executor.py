@@ -1,5 +1,5 @@
 """The pipeline step executor: each loader batch goes to a `torch.distributed.pipelining`
-schedule as micro-batches over the stages `loom.parallel.pipeline` cut. It lives with the
+schedule as micro-batches over the stages `loom.parallel.pipeline_stages` cut. It lives with the
 other executors, above `parallel/`, so the cut knows nothing of the step."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from loom.config import JobConfig
-from loom.config.pipeline import (
+from loom.config.pipeline_layout import (
     SCHEDULES,
     bubble_fraction,
     choose_microbatches,
@@ -27,7 +27,7 @@ from loom.config.pipeline import (
 )
 from loom.losses import Criterion
 from loom.parallel.mesh import ParallelDims
-from loom.parallel.pipeline import held_layers, stage_io
+from loom.parallel.pipeline_stages import held_layers, stage_io
 from loom.trainer.step import Accumulated, Batch, StepExecutor
 
 logger = logging.getLogger("loom")

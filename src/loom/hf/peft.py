@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from loom.config import ConfigError, ModelConfig
+from loom.hf.checkpoint import HFCheckpoint
+from loom.hf.load import local_folder
 from loom.lora.converter import LoraSettings, adapted_weights, merged
-from loom.models.hf_checkpoint import HFCheckpoint
 from loom.models.spec import HFAdapter, ModelSpec
-from loom.parallel.hf_load import local_folder
 from loom.parallel.init import clean_name, seeded_value
 
 Read = Callable[[str], torch.Tensor]

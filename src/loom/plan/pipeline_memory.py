@@ -28,7 +28,7 @@ from functools import cache
 import torch
 
 from loom.config import JobConfig, ModelConfig
-from loom.config.pipeline import (
+from loom.config.pipeline_layout import (
     balanced_split,
     choose_microbatches,
     effective_schedule,
@@ -37,7 +37,7 @@ from loom.config.pipeline import (
 )
 from loom.models.resolve import plain_model
 from loom.numerics.precision import torch_dtype
-from loom.parallel.pipeline import layer_costs
+from loom.parallel.pipeline_stages import layer_costs
 from loom.plan.memory import GATHERED, traced
 from loom.plan.trace import (
     HELD,

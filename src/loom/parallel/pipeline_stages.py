@@ -1,5 +1,5 @@
 """Pipeline parallel: the model cut into stages, and each stage's input and output shapes
-(`loom.trainer.pipeline` hands micro-batches to a `torch.distributed.pipelining` schedule).
+(`loom.trainer.pipeline_executor` hands micro-batches to a `torch.distributed.pipelining` schedule).
 
 Each stage is the model built on the meta device with the layers it does not hold removed,
 so parameter names, and with them the name-seeded init, are those of the whole model: every
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from loom.config import JobConfig, ParallelConfig
-from loom.config.pipeline import (
+from loom.config.pipeline_layout import (
     balanced_split,
     stage_indices,
     stages_per_rank,

@@ -27,7 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from loom.config import JobConfig, ModelConfig
 from loom.data.loaders import on_node_leaders
-from loom.models.hf_checkpoint import HFCheckpoint
+from loom.hf.checkpoint import HFCheckpoint
 from loom.models.hf_folder import read_weights
 from loom.models.registry import for_config
 from loom.models.transformers.model import (
