@@ -74,7 +74,8 @@ def load(mode: str, folder: str) -> None:
     import torch.distributed as dist
 
     from loom.config import parse_args
-    from loom.hf.model_config import resolve_hf_model
+    from loom.config.resolved import settled
+    from loom.hf.model_config import hf_model_shape
     from loom.models.resolve import plain_model, resolve_model
     from loom.models.transformers.model import load_hf_model
     from loom.parallel import hf_load
@@ -90,7 +91,7 @@ def load(mode: str, folder: str) -> None:
     cfg = resolve_model(parse_args(["--model", folder, "--fp32", "--dataset", "random",
                                     "--seq-len", "128", "--dp-shard", str(info.world_size),
                                     "--model-impl", impl]))
-    cfg = resolve_hf_model(cfg, info.local_rank)
+    cfg = settled(cfg, **hf_model_shape(cfg, info.local_rank))
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     dims.build_mesh(device.type)
     dist.barrier()

@@ -234,12 +234,17 @@ def test_the_layout_is_built_once_per_run(tmp_path, monkeypatch, loom_logger_res
     assert code == 0 and built == [1], (code, built)
 
 
+RESOLVERS = ("loom.config", "loom.trainer.resolve")
+"""Where a `JobConfig` may be rebuilt: `loom.config` (parsing, validation, `settled`) and the
+one resolver that hands it what start-up learned."""
+
+
 def config_rewriters(found: dict[str, ast.Module]) -> set[str]:
-    """`module.function` of each function outside `loom.config` annotated to return a
+    """`module.function` of each function outside the resolvers annotated to return a
     `JobConfig` (alone or in a tuple): a package rewriting the configuration itself."""
     out = set()
     for name, tree in found.items():
-        if name.startswith("loom.config"):
+        if name == RESOLVERS[1] or name.startswith(RESOLVERS[0]):
             continue
         for fn in ast.walk(tree):
             if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) and fn.returns \
@@ -249,19 +254,16 @@ def config_rewriters(found: dict[str, ast.Module]) -> set[str]:
 
 
 REWRITERS_LEFT = {
-    "loom.checkpoint.resume.apply_saved_settings", "loom.checkpoint.resume.resume_on_restart",
     "loom.commands.eval.eval_config", "loom.commands.eval.with_lora",
-    "loom.data.loaders.build_dataset", "loom.data.loaders.build_datasets",
-    "loom.data.loaders.chat_datasets", "loom.data.loaders.mixture_datasets",
-    "loom.data.loaders.sized_to_tokenizer", "loom.plan.search.candidates",
+    "loom.plan.search.candidates",
     "loom.models.resolve.fall_back", "loom.models.resolve.resolve_model",
-    "loom.models.transformers.model.with_hf_config", "loom.hf.model_config.resolve_hf_model",
     "loom.plan.command.planned_doc_mask", "loom.plan.trace.traceable",
     "loom.plan.trace.with_layers", "loom.trainer.entry.job_config",
 }
 """Functions outside the resolvers that still return a rewritten `JobConfig` (issue #56:
-facts flow up, `loom.config.resolved.settled` applies them). The set only shrinks: the
-losses, CUDA graphs and LoRA targets return facts now."""
+facts flow up, `loom.trainer.resolve` settles them with `loom.config.resolved.settled`).
+The set only shrinks: the losses, CUDA graphs, LoRA targets, resumed settings, restarts,
+the tokenizer's vocabulary, chat data's mask and the Hugging Face shape return facts now."""
 
 
 def test_the_config_rewriters_only_go():

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from loom.config import parse_args
+from loom.config.resolved import applied
 from loom.data.loaders import build_dataloader, build_dataset
 from loom.parallel.mesh import ParallelDims
 from tests.workers.bootstrap import rank_job
@@ -30,7 +31,8 @@ def main(source: str, outdir: Path) -> None:
                           "--seed", str(SEED)])
         dims = ParallelDims(1, -1, 2, info.world_size)
         dims.build_mesh("cpu")
-        dataset, cfg = build_dataset(cfg, info.local_rank)
+        dataset, facts = build_dataset(cfg, info.local_rank)
+        cfg = applied(cfg, facts)
         record = {"dp_rank": dims.dp_rank, "tp_rank": dims.get_mesh("tp").get_local_rank(),
                   "batches": first_batches(dataset, BATCH, dims.dp_rank, dims.dp_size),
                   "one_process": first_batches(dataset, BATCH * dims.dp_size, 0, 1),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -36,22 +36,20 @@ class ResumePoint:
     run_id: str
 
 
-def resume_on_restart(cfg: JobConfig, restarts: int) -> JobConfig:
-    """A restarted job (torchrun's --max-restarts, a Slurm requeue) continues its own run
+def resume_after_restart(cfg: JobConfig, restarts: int) -> tuple[str | None, str | None]:
+    """(the --resume a restarted job takes, or None to keep its own; the note that says
+    so). A restarted job (torchrun's --max-restarts, a Slurm requeue) continues its own run
     from the newest complete checkpoint in --outdir, as `--resume auto` would, without the
     user adding the flag: the restarted command line is the one that started the job. An
     explicit --resume wins; without --outdir every attempt would get a new folder, so the
     restart says it starts over."""
     if restarts == 0 or cfg.checkpoint.resume is not None:
-        return cfg
+        return None, None
     if cfg.output.outdir is None:
-        note = (f"restart {restarts} of this job starts a new run: pass --outdir so that a "
-                "restart continues the same run folder")
-        return replace(cfg, warnings=(*cfg.warnings, note))
-    note = (f"restart {restarts} of this job: continuing from the newest complete checkpoint "
-            f"in {cfg.output.outdir} (--resume auto)")
-    return replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"),
-                   warnings=(*cfg.warnings, note))
+        return None, (f"restart {restarts} of this job starts a new run: pass --outdir so "
+                      "that a restart continues the same run folder")
+    return "auto", (f"restart {restarts} of this job: continuing from the newest complete "
+                    f"checkpoint in {cfg.output.outdir} (--resume auto)")
 
 
 def new_run_id() -> str:
@@ -161,14 +159,14 @@ def run_settings(cfg: JobConfig) -> dict[str, Any]:
             for section, names in group.items() for name in names}
 
 
-def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any], path: Path) -> JobConfig:
-    """The checkpoint's run settings, except those given again; what the run reads must be
-    what the command line says (`check_read_settings`). One info line lists every restored
-    setting and every difference; `loom.trainer.resolve` validates the result with the other
-    start-up facts."""
+def saved_settings(cfg: JobConfig, saved: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The checkpoint's run settings this run takes back, by flag name: all but those given
+    again; what the run reads must be what the command line says (`check_read_settings`).
+    One info line lists every restored setting and every difference; `loom.trainer.resolve`
+    settles and validates them with the other start-up facts."""
     changed = check_read_settings(saved, run_settings(cfg), path,
                                   cfg.checkpoint.resume_new_data)
-    kept: dict[str, dict[str, Any]] = {}
+    kept: dict[str, Any] = {}
     for section, names in RUN_SETTINGS.items():
         for name in (n for n in names if n in saved):
             now = getattr(getattr(cfg, section), name)
@@ -176,12 +174,11 @@ def apply_saved_settings(cfg: JobConfig, saved: dict[str, Any], path: Path) -> J
                 if now != saved[name]:
                     changed.append(f"--{name.replace('_', '-')} {saved[name]} -> {now}")
             else:
-                kept.setdefault(section, {})[name] = saved[name]
-    cfg = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in kept.items()})
-    restored = ", ".join(f"{n} {v}" for kw in kept.values() for n, v in kw.items()) or "none"
+                kept[name] = saved[name]
+    restored = ", ".join(f"{n} {v}" for n, v in kept.items()) or "none"
     logger.info("resume: restored from %s: %s%s", path.name, restored,
                 f"; given again: {', '.join(changed)}" if changed else "")
-    return cfg
+    return kept
 
 
 def rescale_lr(optimizer: Any, scheduler: Any, saved_lr: float, lr: float) -> None:

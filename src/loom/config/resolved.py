@@ -8,14 +8,20 @@ each fact in the flag of the same name, so every rewrite reads the same.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from loom.config.job import JobConfig, flag_fields, with_settings
 
 
-def settled(cfg: JobConfig, **facts: Any) -> JobConfig:
-    """`cfg` with each fact set as the flag of its name (a model family's flags too); a
-    name that is no flag is a TypeError, as a misspelt field is."""
+def settled(cfg: JobConfig, notes: tuple[str, ...] = (), **facts: Any) -> JobConfig:
+    """`cfg` with each fact set as the flag of its name (a model family's flags too) and
+    `notes` added to the warnings the run prints; a name that is no flag is a TypeError, as
+    a misspelt field is."""
+    if notes:
+        cfg = dataclasses.replace(cfg, warnings=(*cfg.warnings, *notes))
     where = flag_fields()
     unknown = sorted(set(facts) - set(where))
     if unknown:
@@ -24,3 +30,21 @@ def settled(cfg: JobConfig, **facts: Any) -> JobConfig:
         cfg = with_settings(cfg, section, {k: v for k, v in facts.items()
                                            if where[k][0] == section})
     return cfg
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a package learned that the configuration must say: flag values by name and the
+    notes (warnings) that explain a change the user did not ask for."""
+
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def and_(self, other: Facts) -> Facts:
+        """Both; `other`'s value wins where both set a flag."""
+        return Facts({**self.settings, **other.settings}, (*self.notes, *other.notes))
+
+
+def applied(cfg: JobConfig, facts: Facts) -> JobConfig:
+    """`cfg` with `facts` settled (`settled`)."""
+    return settled(cfg, notes=facts.notes, **facts.settings)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from loom.config import ConfigError, JobConfig
 from loom.config.mixture import parse_mixture
+from loom.config.resolved import Facts
 from loom.config.valsets import DEFAULT_SET, naming_val_dataset, val_sets
 from loom.data.cache import TokenCache, cache_key, default_cache_dir
 from loom.data.chat import ChatTokens, encode_chat, held_out, is_chat_source
@@ -142,10 +142,11 @@ def end_of_text(dataset: Dataset | StreamSpec) -> int:
     return int(dataset.eot_id)
 
 
-def build_dataset(cfg: JobConfig, local_rank: int) -> tuple[Dataset, JobConfig]:
-    """The training dataset, and `cfg` with the vocabulary sized from its tokenizer."""
-    train, _, cfg = build_datasets(cfg, local_rank)
-    return train, cfg
+def build_dataset(cfg: JobConfig, local_rank: int) -> tuple[Dataset, Facts]:
+    """The training dataset, and what it says of the configuration (the vocabulary its
+    tokenizer sizes)."""
+    train, _, facts = build_datasets(cfg, local_rank)
+    return train, facts
 
 
 ValSets = dict[str, Dataset]
@@ -153,8 +154,9 @@ ValSets = dict[str, Dataset]
 
 
 def build_datasets(cfg: JobConfig, local_rank: int,
-                   ) -> tuple[Dataset | StreamSpec, ValSets, JobConfig]:
-    """(training set, validation sets, `cfg` sized to the tokenizer). A --val-fraction
+                   ) -> tuple[Dataset | StreamSpec, ValSets, Facts]:
+    """(training set, validation sets, the facts the data decides: the vocabulary its
+    tokenizer sizes, --doc-mask for conversations). A --val-fraction
     holds out the tail of the training tokens, cut between documents (the default set);
     each --val-dataset is read with the training set's tokenizer;
     --streaming gives a stream spec that `build_dataloader` deals out to the dp ranks; a
@@ -165,7 +167,7 @@ def build_datasets(cfg: JobConfig, local_rank: int,
         val = {DEFAULT_SET: RandomTokens(cfg.model.vocab_size, data.seq_len, cfg.train.seed + 1,
                                          max(1, round(len(train) * ev.val_fraction)))} \
             if ev.val_fraction else {}
-        return train, val, cfg
+        return train, val, Facts()
     if parse_mixture(data.dataset) is not None:
         return mixture_datasets(cfg, local_rank)
     source = None if data.dataset is None or is_shard_folder(data.dataset) else \
@@ -177,8 +179,7 @@ def build_datasets(cfg: JobConfig, local_rank: int,
         val = {name: PackedTokens(*token_stream(path, cfg, local_rank)[:2], data.seq_len)
                for name, path in val_sets(ev).items()}
         tok = spec.tokenizer
-        return spec, val, sized_to_tokenizer(cfg, {"vocab_size": tok.size,
-                                                   "tokenizer": tok.name})
+        return spec, val, tokenizer_vocab(cfg, {"vocab_size": tok.size, "tokenizer": tok.name})
     stream, meta, name = token_stream(data.dataset, cfg, local_rank)
     span = (0, len(stream))
     val: ValSets = {}
@@ -190,7 +191,7 @@ def build_datasets(cfg: JobConfig, local_rank: int,
     train = PackedTokens(stream, meta, data.seq_len, span)
     logger.info("data: %s, %d tokens, %d windows of %d tokens%s", name, train.n_tokens,
                 len(train), data.seq_len + 1, validation_note(val))
-    return train, val, sized_to_tokenizer(cfg, meta)
+    return train, val, tokenizer_vocab(cfg, meta)
 
 
 def same_tokenizer(meta: dict, other: dict, what: str) -> None:
@@ -211,7 +212,7 @@ def text_val_sets(cfg: JobConfig, meta: dict, local_rank: int) -> ValSets:
     return sets
 
 
-def mixture_datasets(cfg: JobConfig, local_rank: int) -> tuple[Mixture, ValSets, JobConfig]:
+def mixture_datasets(cfg: JobConfig, local_rank: int) -> tuple[Mixture, ValSets, Facts]:
     """A --dataset mixture: each source (text, JSONL or shards, never chat) packed as one
     dataset would be, all with one tokenizer, dealt by `loom.data.mixture`'s schedule."""
     data, spec = cfg.data, parse_mixture(cfg.data.dataset) or []
@@ -232,7 +233,7 @@ def mixture_datasets(cfg: JobConfig, local_rank: int) -> tuple[Mixture, ValSets,
                 "%s)%s", ", ".join(f"{p} ({float(w):.3g}: {len(s)} windows)" for (p, w), s
                                    in zip(spec, sources, strict=True)),
                 len(mix), data.seq_len + 1, data.mixture_exhausted, validation_note(val))
-    return mix, val, sized_to_tokenizer(cfg, metas[0])
+    return mix, val, tokenizer_vocab(cfg, metas[0])
 
 
 def validation_note(val: ValSets) -> str:
@@ -242,10 +243,10 @@ def validation_note(val: ValSets) -> str:
 
 
 def chat_datasets(cfg: JobConfig, source: TextSource,
-                  ) -> tuple[ChatTokens, ValSets, JobConfig]:
-    """Conversations (chat.py) as (training set, validation sets, `cfg` sized to the
-    tokenizer, with --doc-mask on: a window packs several conversations, and none may see
-    another). A --val-fraction holds out whole conversations at the end."""
+                  ) -> tuple[ChatTokens, ValSets, Facts]:
+    """Conversations (chat.py) as (training set, validation sets, the vocabulary the
+    tokenizer sizes, and --doc-mask on: a window packs several conversations, and none may
+    see another). A --val-fraction holds out whole conversations at the end."""
     data, ev, m = cfg.data, cfg.eval, cfg.model
     hf = m.runs_transformers
     if data.streaming:
@@ -274,12 +275,12 @@ def chat_datasets(cfg: JobConfig, source: TextSource,
                 int(train.trained.sum()), len(train), data.seq_len + 1,
                 "".join(f"; {name or 'validation'} {v.n_conversations} conversations"
                         for name, v in val.items()))
-    cfg = sized_to_tokenizer(cfg, {"vocab_size": tokenizer.size, "tokenizer": tokenizer.name})
+    facts = tokenizer_vocab(cfg, {"vocab_size": tokenizer.size, "tokenizer": tokenizer.name})
     if hf:
         logger.warning("chat data under transformers' module for %s: conversations are "
                        "packed without --doc-mask (it needs loom's own model)", m.model)
-        return train, val, cfg
-    return train, val, replace(cfg, data=replace(cfg.data, doc_mask=True))
+        return train, val, facts
+    return train, val, facts.and_(Facts({"doc_mask": True}))
 
 
 def token_stream(dataset: str | None, cfg: JobConfig, local_rank: int,
@@ -324,20 +325,20 @@ def on_node_leaders(fn: Callable[[], None], leader: bool) -> None:
         raise RuntimeError(f"preparing the data failed on rank {rank}: {message}")
 
 
-def sized_to_tokenizer(cfg: JobConfig, meta: dict) -> JobConfig:
-    """The embedding must cover every id the tokenizer emits, added special tokens too."""
+def tokenizer_vocab(cfg: JobConfig, meta: dict) -> Facts:
+    """The vocabulary size the tokenizer needs: the embedding must cover every id it emits,
+    added special tokens too (none where `cfg`'s already does, or the model's is given)."""
     size = int(meta["vocab_size"])
     if size == cfg.model.vocab_size:
-        return cfg
+        return Facts()
     if cfg.model.from_hub_format:  # its embedding is given
         if size > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer {meta['tokenizer']} has {size} tokens but the model "
                               f"{cfg.model.model} embeds only {cfg.model.vocab_size}")
-        return cfg
-    sized = replace(cfg, model=replace(cfg.model, vocab_size=size))
+        return Facts()
     if "vocab_size" not in cfg.explicit:  # the default or a preset's: sizing it is no news
-        return sized
+        return Facts({"vocab_size": size})
     warning = (f"--vocab-size {cfg.model.vocab_size} replaced by {size}, the full length of "
                f"tokenizer {meta['tokenizer']} (special tokens included)")
     logger.warning(warning)
-    return replace(sized, warnings=(*cfg.warnings, warning))
+    return Facts({"vocab_size": size}, (warning,))

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from loom.config import JobConfig
 from loom.data.loaders import on_node_leaders
-from loom.models.transformers.model import load_hf_config, with_hf_config
+from loom.models.transformers.model import hf_shape, load_hf_config
 
 
-def resolve_hf_model(cfg: JobConfig, local_rank: int) -> JobConfig:
-    """`cfg` with the HF model's shape (no-op for loom's models). Each node's first rank
+def hf_model_shape(cfg: JobConfig, local_rank: int) -> dict[str, int]:
+    """A transformers model's shape by flag name (none for loom's models). Each node's first rank
     checks the source and fetches the config while the others wait, so every rank fails
     together, with one line, when the model cannot be had."""
     if not cfg.model.runs_transformers:
-        return cfg
+        return {}
     on_node_leaders(lambda: load_hf_config(cfg.model), leader=local_rank == 0)
-    return with_hf_config(cfg, load_hf_config(cfg.model, cached=True))
+    return hf_shape(cfg, load_hf_config(cfg.model, cached=True))

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from loom.checkpoint.checkpointer import Checkpointer
-from loom.checkpoint.resume import resume_on_restart
 from loom.config import ConfigError, JobConfig, parse_args, validate
 from loom.data.loaders import on_node_leaders
 from loom.hf.export import export
@@ -32,6 +31,7 @@ from loom.runtime.logs import log_output
 from loom.runtime.outputs import output_folder
 from loom.runtime.preflight import check_outdir
 from loom.runtime.watchdog import collective_timeout_s
+from loom.trainer.resolve import restarted
 from loom.trainer.scoped import training
 from loom.trainer.trainer import Trainer
 
@@ -144,7 +144,7 @@ def fit(config: JobConfig | Sequence[str]) -> FitResult:
     with log_output(info.rank) if owned else contextlib.nullcontext():
         check_outdir(cfg.output.outdir)
         check_run_entries(cfg)
-        cfg = resolve_model(resume_on_restart(cfg, info.restarts))  # may reset --tp (HF)
+        cfg = resolve_model(restarted(cfg, info.restarts))  # may reset --tp (HF)
         dims = ParallelDims.from_config(cfg.parallel, info.world_size)  # once, no collective
         for warning in cfg.warnings:
             logger.warning(warning)

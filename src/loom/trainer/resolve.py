@@ -18,15 +18,16 @@ import torch
 
 from loom.checkpoint.resume import (
     ResumePoint,
-    apply_saved_settings,
     architecture,
     check_architecture,
     find_resume,
+    resume_after_restart,
+    saved_settings,
 )
 from loom.config import ConfigError, JobConfig, validate
-from loom.config.resolved import settled
+from loom.config.resolved import applied, settled
 from loom.data.loaders import build_datasets
-from loom.hf.model_config import resolve_hf_model
+from loom.hf.model_config import hf_model_shape
 from loom.lora.converter import apply_lora, lora_targets_for, settings
 from loom.losses import loss_impl_for
 from loom.models.resolve import model_args, plain_model, resolve_model
@@ -50,6 +51,14 @@ class Resolved:
     """The training set (or a stream spec), whose tokenizer sized the vocabulary."""
     val_datasets: dict[str, Any]
     """The validation sets by name (the default set's name is "")."""
+
+
+def restarted(cfg: JobConfig, restarts: int) -> JobConfig:
+    """`cfg` of a job restarted `restarts` times: it continues its own run folder
+    (`resume_after_restart`)."""
+    resume, note = resume_after_restart(cfg, restarts)
+    return settled(cfg, notes=(note,) if note else (),
+                   **({"resume": resume} if resume else {}))
 
 
 def check_fits(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
@@ -76,8 +85,8 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     """The final config of a job whose process group and mesh are up (collective: rank 0
     reads checkpoints and HF configs and shares them, each node tokenizes once)."""
     resume = find_resume(flags.checkpoint.resume, outdir)
-    cfg = flags if resume is None else apply_saved_settings(flags, resume.saved["settings"],
-                                                                   resume.path)
+    cfg = flags if resume is None else settled(
+        flags, **saved_settings(flags, resume.saved["settings"], resume.path))
     seed_everything(cfg.train.seed)
     precision = resolve_precision(cfg.parallel.dtype, device)
     logger.info("precision: %s (%s)", precision.dtype, precision.reason)
@@ -86,7 +95,7 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     if cfg.parallel.tp != dims.tp:
         raise ValueError("the model was resolved after the mesh was built; call "
                          "loom.models.resolve.resolve_model on the flags first")
-    cfg = resolve_hf_model(cfg, info.local_rank)
+    cfg = settled(cfg, **hf_model_shape(cfg, info.local_rank))
     cfg = settled(cfg, lora_targets=lora_targets_for(cfg))
     validate(cfg)  # the facts added below come from loom itself, not from the user
     check_fits(cfg, dims, device)
@@ -95,7 +104,8 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
         if refusal is not None:
             raise ConfigError(refusal)
         cfg = settled(cfg, compile_mode=graphs_compile_mode(cfg.parallel))
-    dataset, val_datasets, cfg = build_datasets(cfg, info.local_rank)
+    dataset, val_datasets, learned = build_datasets(cfg, info.local_rank)
+    cfg = applied(cfg, learned)
     cfg = settled(cfg, loss_impl=loss_impl_for(cfg))  # effective --loss-impl, before tp
     if resume is not None:  # before the model is built
         check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)))

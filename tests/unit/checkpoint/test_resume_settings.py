@@ -10,16 +10,18 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from loom.checkpoint.resume import (
-    apply_saved_settings,
     architecture,
     check_architecture,
     rescale_lr,
-    resume_on_restart,
+    resume_after_restart,
     run_settings,
+    saved_settings,
 )
 from loom.config import ConfigError, parse_args
+from loom.config.resolved import settled
 from loom.models.resolve import model_args
 from loom.runtime.distributed import rank_info
+from loom.trainer.resolve import restarted as restarted_config
 
 
 def test_saved_settings_hold_unless_given_again(caplog) -> None:
@@ -27,9 +29,11 @@ def test_saved_settings_hold_unless_given_again(caplog) -> None:
                                      "--lr", "1e-3", "--lr-schedule", "cosine", "--seed", "7",
                                      "--max-steps", "10", "--dataset", "random"]))
     with caplog.at_level(logging.INFO, logger="loom"):
-        cfg = apply_saved_settings(parse_args(["--resume", "--max-steps", "20",
-                                               "--batch-size", "4", "--dataset", "random"]),
-                                   saved, Path("step-5"))
+        flags = parse_args(["--resume", "--max-steps", "20", "--batch-size", "4",
+                            "--dataset", "random"])
+        kept = saved_settings(flags, saved, Path("step-5"))
+    assert "max_steps" not in kept and kept["seed"] == 7  # given again: the flag's stays
+    cfg = settled(flags, **kept)
     assert (cfg.checkpoint.checkpoint_interval, cfg.checkpoint.keep_checkpoints) == (5, 3)
     assert (cfg.optim.lr, cfg.optim.lr_schedule, cfg.train.seed) == (1e-3, "cosine", 7)
     assert (cfg.train.max_steps, cfg.train.batch_size, cfg.data.dataset) == (20, 4, "random")
@@ -75,13 +79,15 @@ def test_a_restarted_job_resumes_its_run_folder_unless_told_otherwise() -> None:
     """torchrun's restart count (or a Slurm requeue's) turns a plain command into --resume
     auto; the first attempt, an explicit --resume and a run without --outdir are left be."""
     flags = parse_args(["--model", "debug", "--outdir", "runs/a"])
-    assert resume_on_restart(flags, 0) == flags
-    restarted = resume_on_restart(flags, 2)
-    assert restarted.checkpoint.resume == "auto"
-    assert any("restart 2 of this job: continuing" in w for w in restarted.warnings)
+    assert resume_after_restart(flags, 0) == (None, None)
+    resume, note = resume_after_restart(flags, 2)
+    assert resume == "auto" and "restart 2 of this job: continuing" in note
+    restarted = restarted_config(flags, 2)
+    assert restarted.checkpoint.resume == "auto" and note in restarted.warnings
     explicit = parse_args(["--model", "debug", "--outdir", "runs/a", "--resume", "runs/a/x"])
-    assert resume_on_restart(explicit, 1).checkpoint.resume == "runs/a/x"
-    nowhere = resume_on_restart(parse_args(["--model", "debug"]), 1)
+    assert resume_after_restart(explicit, 1) == (None, None)
+    assert restarted_config(explicit, 1) == explicit
+    nowhere = restarted_config(parse_args(["--model", "debug"]), 1)
     assert nowhere.checkpoint.resume is None
     assert any("pass --outdir" in w for w in nowhere.warnings)
 

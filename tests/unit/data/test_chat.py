@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from loom.config import ConfigError, JobConfig, parse_args
+from loom.config.resolved import applied
 from loom.data.chat import ChatTokens, encode_chat
 from loom.data.loaders import build_datasets
 from loom.data.tokenizers import load_shipped_tokenizer, load_tokenizer, save_tokenizer
@@ -118,7 +119,8 @@ def chat_config(data: Path, *flags: str) -> JobConfig:
 
 def test_chat_data_holds_out_whole_conversations_and_turns_the_mask_on(tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 8)
-    train, sets, cfg = build_datasets(chat_config(data, "--val-fraction", "0.25"), 0)
+    train, sets, facts = build_datasets(chat_config(data, "--val-fraction", "0.25"), 0)
+    cfg = applied(chat_config(data, "--val-fraction", "0.25"), facts)
     val = sets[""]  # the default set
     assert (train.n_conversations, val.n_conversations) == (6, 2)
     assert train.n_tokens + val.n_tokens == 8 * (train.n_tokens // 6)

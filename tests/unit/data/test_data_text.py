@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from loom.config import ConfigError, config_from_flags
+from loom.config.resolved import Facts, applied
 from loom.data import text
 from loom.data.hub import looks_like_hub_id
-from loom.data.loaders import build_dataloader, build_dataset, sized_to_tokenizer
+from loom.data.loaders import build_dataloader, build_dataset, tokenizer_vocab
 from loom.data.text import PackedTokens, mask_labels, resolve_source, select_rows
 from loom.data.tokenizers import SHIPPED_TOKENIZER, load_auto_tokenizer, load_shipped_tokenizer
 from loom.losses import IGNORE_INDEX
@@ -74,9 +75,9 @@ def stream_of(dataset: PackedTokens) -> list[int]:
 def test_local_sources_tokenize_each_document_then_end_of_text(tmp_path, process_group, gpt2,
                                                                 kind):
     cfg = data_config(tmp_path, str(write_source(kind, tmp_path, DOCS)))
-    dataset, cfg2 = build_dataset(cfg, local_rank=0)
+    dataset, facts = build_dataset(cfg, local_rank=0)
     assert stream_of(dataset) == reference_stream(DOCS, gpt2)
-    assert cfg2.model.vocab_size == len(gpt2.backend.get_vocab()) == 50257
+    assert facts.settings["vocab_size"] == len(gpt2.backend.get_vocab()) == 50257
     assert sum(1 for t in stream_of(dataset) if t == gpt2.eot_id) == len(DOCS)
 
 
@@ -199,16 +200,19 @@ def test_bad_local_paths_are_one_line_errors(tmp_path):
 
 def test_vocab_is_sized_from_the_tokenizer_with_one_recorded_warning(tmp_path):
     cfg = data_config(tmp_path, None, vocab_size=1000)
-    resized = sized_to_tokenizer(cfg, {"vocab_size": 50257, "tokenizer": "gpt2"})
+    facts = tokenizer_vocab(cfg, {"vocab_size": 50257, "tokenizer": "gpt2"})
+    resized = applied(cfg, facts)
     assert resized.model.vocab_size == 50257
     assert len(resized.warnings) == len(cfg.warnings) + 1
     assert "--vocab-size 1000 replaced by 50257" in resized.warnings[-1]
-    assert sized_to_tokenizer(resized, {"vocab_size": 50257, "tokenizer": "gpt2"}) is resized
+    assert tokenizer_vocab(resized, {"vocab_size": 50257, "tokenizer": "gpt2"}) == Facts()
 
 
 def test_vocab_not_given_is_sized_from_the_tokenizer_without_a_warning(tmp_path):
     cfg = data_config(tmp_path, None)
-    resized = sized_to_tokenizer(cfg, {"vocab_size": 50257, "tokenizer": "gpt2"})
+    facts = tokenizer_vocab(cfg, {"vocab_size": 50257, "tokenizer": "gpt2"})
+    assert facts == Facts({"vocab_size": 50257})
+    resized = applied(cfg, facts)
     assert resized.model.vocab_size == 50257 and resized.warnings == cfg.warnings
 
 

@@ -15,14 +15,15 @@ import transformers
 from torch import nn
 
 from loom.config import ConfigError, LossConfig, config_from_flags, parse_args
-from loom.data.loaders import sized_to_tokenizer
+from loom.config.resolved import Facts, settled
+from loom.data.loaders import tokenizer_vocab
 from loom.losses import build_loss, loss_impl_for
 from loom.models.transformers.model import (
     HFCausalLM,
     hf_model_from_config,
+    hf_shape,
     load_hf_config,
     load_hf_model,
-    with_hf_config,
 )
 from loom.observability import flops
 from loom.parallel.transformers_plan import apply_hf_ac, decoder_blocks
@@ -73,21 +74,21 @@ def test_trust_remote_code_is_off_unless_asked() -> None:
 
 def test_model_shape_comes_from_the_hf_config(llama_folder: Path) -> None:
     cfg = parse_args(["--model", str(llama_folder), "--seq-len", "64"])
-    resolved = with_hf_config(cfg, load_hf_config(cfg.model))
+    resolved = settled(cfg, **hf_shape(cfg, load_hf_config(cfg.model)))
     m = resolved.model
     assert (m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.max_seq_len) == (
         MODEL_VOCAB, 32, 2, 4, 2, 128)
     too_long = replace(cfg, data=replace(cfg.data, seq_len=256))
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings 128"):
-        with_hf_config(too_long, load_hf_config(cfg.model))
+        hf_shape(too_long, load_hf_config(cfg.model))
 
 
 def test_tokenizer_must_fit_the_models_embedding(llama_folder: Path) -> None:
     flags = parse_args(["--model", str(llama_folder), "--seq-len", "64"])
-    cfg = with_hf_config(flags, load_hf_config(flags.model))
-    assert sized_to_tokenizer(cfg, {"vocab_size": 320, "tokenizer": "t"}) == cfg
+    cfg = settled(flags, **hf_shape(flags, load_hf_config(flags.model)))
+    assert tokenizer_vocab(cfg, {"vocab_size": 320, "tokenizer": "t"}) == Facts()
     with pytest.raises(ConfigError, match="has 400 tokens but the model .* embeds only 328"):
-        sized_to_tokenizer(cfg, {"vocab_size": 400, "tokenizer": "t"})
+        tokenizer_vocab(cfg, {"vocab_size": 400, "tokenizer": "t"})
 
 
 def test_loaded_model_is_the_saved_one_in_fp32_training_mode(llama_folder: Path) -> None:

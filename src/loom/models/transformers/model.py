@@ -9,7 +9,6 @@ itself, so loom never sees or logs it.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +67,9 @@ _SHAPE_FIELDS = {"vocab_size": "vocab_size", "dim": "hidden_size",
 """loom's model fields filled from the HF config where it has them (recorded in config.json)."""
 
 
-def with_hf_config(cfg: JobConfig, hf_config: Any) -> JobConfig:
-    """`cfg` whose model shape (the vocabulary above all) is the HF model's own."""
+def hf_shape(cfg: JobConfig, hf_config: Any) -> dict[str, int]:
+    """The HF model's own shape (the vocabulary above all), by flag name; `cfg`'s --seq-len
+    must fit in it."""
     shape = {ours: getattr(hf_config, theirs) for ours, theirs in _SHAPE_FIELDS.items()
              if isinstance(getattr(hf_config, theirs, None), int)}
     if "n_heads" in shape:  # no grouped-query attention: every head has its own keys
@@ -78,7 +78,7 @@ def with_hf_config(cfg: JobConfig, hf_config: Any) -> JobConfig:
     if limit is not None and cfg.data.seq_len > limit:
         raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's "
                           f"max_position_embeddings {limit}")
-    return replace(cfg, model=replace(cfg.model, **shape))
+    return shape
 
 
 class HFCausalLM(nn.Module):
