@@ -76,13 +76,14 @@ def load(mode: str, folder: str) -> None:
     from loom.config import parse_args
     from loom.config.resolved import settled
     from loom.hf.model_config import hf_model_shape
-    from loom.models.resolve import plain_model, resolve_model
+    from loom.models.resolve import plain_model
     from loom.models.transformers.model import load_hf_model
     from loom.parallel import hf_load
     from loom.parallel.init import load_weights
     from loom.parallel.mesh import ParallelDims
     from loom.parallel.parallelize import parallelize
     from loom.runtime.distributed import init_distributed, rank_info, teardown
+    from loom.trainer.resolve import resolve_model
 
     info = rank_info()
     device = init_distributed(info)

@@ -133,7 +133,8 @@ def plain_loop(flags: list[str], steps: int, warmup: int) -> profile:
     """The reference: loom's Transformer, cross-entropy, foreach clip, fused AdamW."""
     import loom.parallel  # noqa: F401  (registers loom's model families)
     from loom.config import parse_args
-    from loom.models.resolve import plain_model, resolve_model
+    from loom.models.resolve import plain_model
+    from loom.trainer.resolve import resolve_model
 
     cfg = resolve_model(parse_args([*flags, "--dataset", "random"]))
     torch.manual_seed(0)
@@ -181,7 +182,7 @@ def loom_run(flags: list[str], steps: int, warmup: int) -> profile | None:
     (a logging step: the end) is left out. Rank 0 returns the record."""
     import loom.parallel  # noqa: F401  (registers loom's model families)
     from loom.config import parse_args
-    from loom.models.resolve import resolve_model
+    from loom.trainer.resolve import resolve_model
     from rank_trainer import rank_trainer
 
     total = warmup + steps + 1

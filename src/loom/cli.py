@@ -26,7 +26,6 @@ from loom.errors import (
 )
 from loom.runtime.distributed import rank_info
 from loom.runtime.logs import quiet_upstream_notices
-from loom.runtime.preflight import check_outdir
 from loom.runtime.watchdog import report, watch_launcher, write_error_file
 
 USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
@@ -110,7 +109,6 @@ def run_train(argv: Sequence[str]) -> int:
             return 0
         if not cfg.output.verbose:  # this process's own: its loggers are born quiet
             quiet_upstream_notices()
-        check_outdir(cfg.output.outdir)
         from loom.trainer.entry import fit  # the trainer loads once the flags are good
 
         fit(cfg)

@@ -15,7 +15,7 @@ import torch
 
 from loom.cli import run_train
 from loom.config import ConfigError, parse_args
-from loom.models.resolve import resolve_model
+from loom.trainer.resolve import resolve_model
 from tests.compare import losses
 from tests.harness import run_ranks
 from tests.hf_crafted import edit_config

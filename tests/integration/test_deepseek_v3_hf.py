@@ -14,8 +14,9 @@ import torch
 from loom.config import ConfigError, parse_args
 from loom.hf.checkpoint import HFCheckpoint
 from loom.models.registry import for_config
-from loom.models.resolve import plain_model, resolve_model
+from loom.models.resolve import plain_model
 from loom.parallel.init import clean_name, load_weights
+from loom.trainer.resolve import resolve_model
 from tests.deepseek_folders import bias_routing, save_deepseek
 from tests.harness import REPO
 from tests.hf_models import corpus_sample

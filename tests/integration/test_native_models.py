@@ -16,8 +16,9 @@ import torch
 from loom.config import parse_args
 from loom.hf.checkpoint import HFCheckpoint
 from loom.models.registry import for_config
-from loom.models.resolve import plain_model, resolve_model
+from loom.models.resolve import plain_model
 from loom.parallel.init import clean_name, load_weights
+from loom.trainer.resolve import resolve_model
 from tests.compare import losses
 from tests.harness import REPO, run_ranks
 from tests.hf_models import corpus_sample, save_tiny_model

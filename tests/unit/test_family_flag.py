@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +16,16 @@ import loom
 import tests.families.gpt2  # registers gpt2-test and its flag
 from loom.checkpoint.model_record import rebuilt_args
 from loom.cli import config_toml
-from loom.commands.eval import eval_config
-from loom.config import ConfigError, build_parser, parse_args, validate
+from loom.commands.eval import eval_argv, eval_settings
+from loom.config import ConfigError, JobConfig, build_parser, parse_args, validate
+from loom.config.resolved import settled
 from tests.families.gpt2 import GPT2Flags
+
+
+def eval_config(checkpoint: Path, argv: list[str]) -> JobConfig:
+    """`loom eval`'s config for `checkpoint` and `argv`, settled as `run_eval` settles it."""
+    flags = parse_args(eval_argv(checkpoint, argv))
+    return settled(flags, **eval_settings(checkpoint, flags))
 
 FAMILY = ["--family", "gpt2-test", "--dim", "32", "--n-layers", "2", "--n-heads", "4",
           "--vocab-size", "64", "--max-seq-len", "16", "--seq-len", "16", "--dataset",

@@ -239,6 +239,33 @@ RESOLVERS = ("loom.config", "loom.trainer.resolve")
 one resolver that hands it what start-up learned."""
 
 
+def test_the_outdir_and_the_model_are_settled_once_per_run(tmp_path, monkeypatch,
+                                                         loom_logger_restored):
+    """`loom train` checks its --outdir and decides its model's implementation once (the
+    CLI and `fit` both checked the folder, `fit` and the resolver both resolved the model,
+    issue #56): each is counted wherever a loom module holds it."""
+    import sys
+
+    import loom.trainer.entry  # noqa: F401  (loaded before the counters go in)
+    from loom.cli import run_train
+    from loom.models.resolve import model_choice
+    from loom.runtime.preflight import check_outdir
+
+    calls: list[str] = []
+    for real in (check_outdir, model_choice):
+        def counting(*args, real=real):
+            calls.append(real.__name__)
+            return real(*args)
+
+        for module in [m for n, m in sys.modules.items() if n.startswith("loom")]:
+            if getattr(module, real.__name__, None) is real:
+                monkeypatch.setattr(module, real.__name__, counting)
+    code = run_train(["--model", "debug", "--n-layers", "1", "--dataset", "random",
+                      "--vocab-size", "64", "--seq-len", "16", "--max-steps", "1", "--fp32",
+                      "--outdir", str(tmp_path / "run")])
+    assert code == 0 and sorted(calls) == ["check_outdir", "model_choice"], (code, calls)
+
+
 def config_rewriters(found: dict[str, ast.Module]) -> set[str]:
     """`module.function` of each function outside the resolvers annotated to return a
     `JobConfig` (alone or in a tuple): a package rewriting the configuration itself."""
@@ -253,18 +280,15 @@ def config_rewriters(found: dict[str, ast.Module]) -> set[str]:
     return out
 
 
-REWRITERS_LEFT = {
-    "loom.commands.eval.eval_config", "loom.commands.eval.with_lora",
-    "loom.plan.search.candidates",
-    "loom.models.resolve.fall_back", "loom.models.resolve.resolve_model",
-    "loom.plan.command.planned_doc_mask", "loom.plan.trace.traceable",
-    "loom.plan.trace.with_layers", "loom.trainer.entry.job_config",
-}
-"""Functions outside the resolvers that still return a rewritten `JobConfig` (issue #56:
-facts flow up, `loom.trainer.resolve` settles them with `loom.config.resolved.settled`).
-The set only shrinks: the losses, CUDA graphs, LoRA targets, resumed settings, restarts,
-the tokenizer's vocabulary, chat data's mask and the Hugging Face shape return facts now."""
+def test_the_rewriter_finder_sees_one():
+    tree = ast.parse("def f(cfg) -> JobConfig: ...\ndef g(cfg) -> tuple[int, JobConfig]: ...\n"
+                     "def h(cfg) -> dict[str, int]: ...")
+    assert config_rewriters({"loom.data.x": tree, "loom.trainer.resolve": tree,
+                             "loom.config.y": tree}) == {"loom.data.x.f", "loom.data.x.g"}
 
 
-def test_the_config_rewriters_only_go():
-    assert config_rewriters(modules()) == REWRITERS_LEFT
+def test_only_the_resolvers_rewrite_the_configuration():
+    """Facts flow up, one place decides (issue #56): packages return what they learned
+    (`loom.config.resolved.Facts` or flag values by name) and `loom.trainer.resolve` settles
+    it with `loom.config.resolved.settled`; no other function returns a `JobConfig`."""
+    assert not config_rewriters(modules())

@@ -7,63 +7,66 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from loom.checkpoint.trust import read_loop
 from loom.commands.eval_outputs import eval_folder
 from loom.config import ConfigError, JobConfig, ModelConfig, parse_args
+from loom.config.resolved import settled
 from loom.hf.run_checkpoint import run_config
 from loom.lmeval import require_lm_eval
 from loom.lora.converter import LoraSettings
-from loom.models.resolve import resolve_model
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, process_group, rank_info
 from loom.runtime.logs import logging_scope
 from loom.safe_io import write_text_new
 from loom.trainer.evaluate import Evaluator, Validation, build_validation
+from loom.trainer.resolve import resolve_model
 from loom.trainer.scoped import training
 
 
-def eval_config(checkpoint: Path, argv: Sequence[str]) -> JobConfig:
-    """Training flags for the data and mesh (with --val-fraction or --val-dataset, those
-    are evaluated, else --dataset), every window of each unless --eval-steps limits it; the
-    model's shape comes from the checkpoint, and the run writes only to
-    `<run>/eval-step-N/` of the checkpoint's resolved run folder, or --outdir."""
+def eval_argv(checkpoint: Path, argv: Sequence[str]) -> list[str]:
+    """Training flags for the data and mesh, resuming `checkpoint` for one pass over data
+    other than its own (evaluating other data is the point)."""
     if not (checkpoint / "loop.json").is_file():
         raise ConfigError(f"loom eval: {checkpoint} is not a loom checkpoint folder")
+    return [*argv, "--resume", str(checkpoint), "--epochs", "1", "--resume-new-data"]
+
+
+def eval_settings(checkpoint: Path, flags: JobConfig) -> dict[str, Any]:
+    """What the checkpoint and the command decide, by flag name: the model's shape (and a
+    LoRA run's adapters) from the checkpoint; every window of each set unless --eval-steps
+    limits it (with --val-fraction or --val-dataset those are evaluated, else --dataset);
+    the run writes only to `<run>/eval-step-N/` of the checkpoint's resolved run folder,
+    or --outdir."""
     loop = read_loop(checkpoint)
-    flags = ModelConfig().values()  # model_args are named like the model flags (families' too)
-    shape = {k: v for k, v in loop["model_args"].items() if k in flags}
+    known = ModelConfig().values()  # model_args are named like the model flags (families' too)
+    shape = {k: v for k, v in loop["model_args"].items() if k in known}
     if loop["architecture"].get("family"):
         shape["family"] = loop["architecture"]["family"]
-    cfg = parse_args([*argv, "--resume", str(checkpoint), "--epochs", "1",
-                      "--resume-new-data"])  # evaluating other data is the point
-    given = cfg.output.outdir if "outdir" in cfg.explicit else None
+    given = flags.output.outdir if "outdir" in flags.explicit else None
     outdir = eval_folder(checkpoint, given, f"eval-{checkpoint.resolve().name}")
-    model = cfg.model.with_values(**shape)
-    steps = cfg.eval.eval_steps if "eval_steps" in cfg.explicit else 0  # 0: the whole set
-    cfg = replace(cfg, model=model, output=replace(cfg.output, metrics=False,
-                                                   outdir=str(outdir)),
-                  eval=replace(cfg.eval, eval_steps=steps))
-    return resolve_model(with_lora(cfg, checkpoint, loop["architecture"]))
+    steps = flags.eval.eval_steps if "eval_steps" in flags.explicit else 0  # 0: the whole set
+    return {**shape, "metrics": False, "outdir": str(outdir), "eval_steps": steps,
+            **lora_settings(checkpoint, loop["architecture"])}
 
 
-def with_lora(cfg: JobConfig, checkpoint: Path, arch: dict) -> JobConfig:
+def lora_settings(checkpoint: Path, arch: dict) -> dict[str, Any]:
     """A LoRA run's adapters as it trained them, on its base: its checkpoint holds no
     frozen weight, so the run's Hugging Face --model is read again (a base from loom's
-    init is drawn from the restored seed)."""
+    init is drawn from the restored seed). None for a run without adapters."""
     lora = LoraSettings.recorded(arch)
     if lora is None:
-        return cfg
-    cfg = replace(cfg, lora=replace(cfg.lora, lora_rank=lora.rank, lora_alpha=lora.alpha,
-                                    lora_targets=",".join(lora.targets)))
+        return {}
+    found = {"lora_rank": lora.rank, "lora_alpha": lora.alpha,
+             "lora_targets": ",".join(lora.targets)}
     base = run_config(checkpoint).get("model", {}).get("model")
     if base is not None and ModelConfig(model=base).from_hub_format:
-        cfg = replace(cfg, model=replace(cfg.model, model=base))
-    return cfg  # a Hugging Face --model is checked before any rank starts
+        found["model"] = base  # checked, as every Hugging Face --model, before ranks start
+    return found
 
 
 def scored_line(checkpoint: Path, name: str, evaluator: Evaluator,
@@ -79,7 +82,8 @@ def scored_line(checkpoint: Path, name: str, evaluator: Evaluator,
 
 def run_eval(checkpoint: Path, argv: Sequence[str]) -> dict[str, float]:
     """Load the checkpoint through training's own resume path and evaluate --dataset."""
-    cfg = eval_config(checkpoint, argv)
+    flags = parse_args(eval_argv(checkpoint, argv))
+    cfg = resolve_model(settled(flags, **eval_settings(checkpoint, flags)))
     info = rank_info()
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)  # before any collective
     with process_group(info) as (info, device):

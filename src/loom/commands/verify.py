@@ -46,13 +46,13 @@ import torch.distributed as dist
 from loom.config import ConfigError, JobConfig, parse_args
 from loom.errors import BAD_INPUT_EXIT, FAILURE_EXIT
 from loom.models.moe.flags import moe_flags
-from loom.models.resolve import resolve_model
 from loom.observability.metrics import read_rows
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, process_group, rank_info
 from loom.runtime.logs import logging_scope
 from loom.runtime.watchdog import watch_launcher, write_error_file
 from loom.trainer.parity import layout_training, whole_model
+from loom.trainer.resolve import resolve_model
 
 logger = logging.getLogger("loom")
 

@@ -75,7 +75,7 @@ class ModelConfig:
 
     @property
     def runs_transformers(self) -> bool:
-        """The model is transformers' own module (resolved by `loom.models.resolve.resolve_model`;
+        """The model is transformers' own module (resolved by `loom.trainer.resolve.resolve_model`;
         `--model-impl transformers` decides it before then)."""
         return self.from_hub_format and self.model_impl == "transformers"
 

@@ -187,7 +187,7 @@ def validate(cfg: JobConfig) -> None:
     check_numbers(cfg)  # every number's type and range, first: the checks below compare them
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
     shape_unknown = m.runs_transformers or (m.from_hub_format and m.model_impl == "auto")
-    """Until `loom.models.resolve.resolve_model` reads the checkpoint's config, its shape is not
+    """Until `loom.trainer.resolve.resolve_model` reads the checkpoint's config, its shape is not
     known; transformers' module has no loom shape at all."""
     _validate_strings(cfg)
     if p.dp_shard == 0:

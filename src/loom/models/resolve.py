@@ -1,17 +1,16 @@
-"""The model a config describes: which family builds it (resolved once, here), its
-arguments (taken from the config fields of the same name) and the unparallelized module."""
+"""The model a config describes: which family builds it (decided once, here:
+`model_choice`), its arguments (taken from the config fields of the same name) and the
+unparallelized module."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from loom.config import ConfigError, JobConfig
-from loom.config.sources import fit_transformers_model
 from loom.data.hub import first_line
 from loom.models.hf_folder import CONFIG, open_folder, read_config
 from loom.models.llama.spec import dense_args
@@ -62,9 +61,9 @@ TRANSFORMERS_LACKS = ("tp", "pp", "cp", "ep")
 would fall back to it refuses instead of running a different layout."""
 
 
-def fall_back(cfg: JobConfig, why: str) -> JobConfig:
-    """`cfg` on transformers' module, `why` recorded; one info line names what that path
-    cannot do. Under `auto`, flags that need a native family refuse in one line."""
+def fall_back(cfg: JobConfig, why: str) -> dict[str, Any]:
+    """The model settings of transformers' module, `why` recorded; one info line names what
+    that path cannot do. Under `auto`, flags that need a native family refuse in one line."""
     m, p = cfg.model, cfg.parallel
     if m.model_impl == "auto":
         needs = [f"--{d} {getattr(p, d)}" for d in TRANSFORMERS_LACKS if getattr(p, d) > 1]
@@ -74,18 +73,18 @@ def fall_back(cfg: JobConfig, why: str) -> JobConfig:
                               "drop it or pick a model a native family serves")
     logger.info("model %s: transformers' module (%s); that path cannot use %s", m.model,
                 why, LIMITS)
-    model = replace(m, model_impl="transformers", model_impl_reason=why)
-    return fit_transformers_model(replace(cfg, model=model))
+    return {"model_impl": "transformers", "model_impl_reason": why}
 
 
-def resolve_model(cfg: JobConfig) -> JobConfig:
-    """For a Hugging Face --model, decide once which implementation runs it and record why:
-    a native family (its shape filled from config.json) where one serves the architecture
-    and --model-impl allows, else transformers' module. Other models pass unchanged."""
+def model_choice(cfg: JobConfig) -> dict[str, Any]:
+    """For a Hugging Face --model, which implementation runs it and why, as model settings
+    by flag name: a native family (its shape filled from config.json) where one serves the
+    architecture and --model-impl allows, else transformers' module. None for other models
+    and for a choice already made (`loom.trainer.resolve.resolve_model` settles it)."""
     m = cfg.model
     if not m.from_hub_format or m.model_impl_reason is not None:
         for_config(m)  # an unknown --family fails here, in one line
-        return cfg
+        return {}
     hf = hub_config(m.model)
     architectures = hf.get("architectures") or []  # checked: a list of names
     found = for_architectures(architectures)
@@ -116,5 +115,4 @@ def resolve_model(cfg: JobConfig) -> JobConfig:
                           f"max_position_embeddings {fields['max_seq_len']}")
     why = f"{shown} is served by loom's {spec.name} family"
     logger.info("model %s: native (%s)", m.model, why)
-    return replace(cfg, model=m.with_values(**fields, model_impl="native", family=spec.name,
-                                      model_impl_reason=why))
+    return {**fields, "model_impl": "native", "family": spec.name, "model_impl_reason": why}

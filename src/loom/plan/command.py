@@ -21,7 +21,7 @@ from loom.lora.converter import lora_targets_for
 from loom.losses import loss_impl_for
 from loom.models.moe.flags import moe_flags
 from loom.models.registry import for_config
-from loom.models.resolve import model_args, plain_model, resolve_model
+from loom.models.resolve import model_args, plain_model
 from loom.numerics.precision import resolve_precision
 from loom.parallel.mesh import ParallelDims
 from loom.plan.peaks import predict_memory
@@ -30,6 +30,7 @@ from loom.plan.speed import param_count, predict_step_time
 from loom.plan.trace import fake_world
 from loom.runtime.logs import logging_scope
 from loom.runtime.scope import logger_levels
+from loom.trainer.resolve import resolve_model
 
 logger = logging.getLogger("loom")
 
@@ -117,18 +118,17 @@ def check_supported(cfg: JobConfig) -> None:
                           "splits rows by data-dependent counts); use --dtype bf16")
 
 
-def planned_doc_mask(cfg: JobConfig, device: str) -> JobConfig:
-    """`cfg` as the trace should see it for a --doc-mask run on `device`. On an accelerator,
+def planned_doc_mask(cfg: JobConfig, device: str) -> bool:
+    """--doc-mask as the trace should see it for `cfg` on `device`. On an accelerator,
     a --compile run of a family whose attention takes FlexAttention's block mask builds
     that (a few bytes per 128 x 128 block) in place of the dense B x 1 x T x T mask the
     CPU trace would build and count (B T^2 bytes: 4 GiB at batch 4, seq 32k), so the plan
     traces such a run without a mask. Context parallel keeps its dense row-shard mask."""
     if device == "cpu" or not (cfg.data.doc_mask and cfg.parallel.compile) \
             or cfg.parallel.cp > 1:
-        return cfg
+        return cfg.data.doc_mask
     with torch.device("meta"):
-        flex = hasattr(plain_model(cfg), "flex_doc_mask")
-    return replace(cfg, data=replace(cfg.data, doc_mask=False)) if flex else cfg
+        return not hasattr(plain_model(cfg), "flex_doc_mask")
 
 
 def make_plan(cfg: JobConfig, world_size: int, device_memory: int, device: str,
@@ -189,7 +189,8 @@ def plan_main(argv: Sequence[str]) -> int:
             gloo_collectives=planned_collectives(p.gloo_collectives, options.device)))
         ParallelDims.from_config(cfg.parallel, options.world_size)
         check_supported(cfg)
-        cfg = planned_doc_mask(settled(cfg, loss_impl=loss_impl_for(cfg)), options.device)
+        cfg = settled(cfg, loss_impl=loss_impl_for(cfg))
+        cfg = settled(cfg, doc_mask=planned_doc_mask(cfg, options.device))
         if moe_flags(cfg.model).n_experts:
             print("warning: loom plan's MoE memory figures are validated on moe-debug only "
                   "(docs/planning.md)", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config import JobConfig
+from loom.config.resolved import settled
 from loom.models.moe.flags import moe_flags
 from loom.plan.compiled import compiled_block_fraction
 from loom.plan.trace import (
@@ -32,9 +33,9 @@ from loom.plan.trace import (
     Breakdown,
     Stage,
     first_micro_batch,
+    layer_settings,
     part_names,
     trace_step,
-    with_layers,
 )
 
 GiB = 2**30
@@ -123,8 +124,8 @@ def traced(cfg: JobConfig, world_size: int, stage: Stage | None = None) -> dict[
     low_depth, high_depth = traced_depths(cfg)
     if cfg.model.n_layers == 0:
         return trace_step(cfg, world_size, stage)
-    low = trace_step(with_layers(cfg, low_depth), world_size, stage)
-    high = trace_step(with_layers(cfg, high_depth), world_size, stage)
+    low = trace_step(settled(cfg, **layer_settings(cfg, low_depth)), world_size, stage)
+    high = trace_step(settled(cfg, **layer_settings(cfg, high_depth)), world_size, stage)
     block_saves = max(0, high[MICROBATCH].get("Activation", 0)
                       - low[MICROBATCH].get("Activation", 0))
     low_held, high_held = low.pop(HELD), high.pop(HELD)

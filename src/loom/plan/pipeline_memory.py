@@ -35,6 +35,7 @@ from loom.config.pipeline_layout import (
     stage_indices,
     stages_per_rank,
 )
+from loom.config.resolved import settled
 from loom.models.resolve import plain_model
 from loom.numerics.precision import torch_dtype
 from loom.parallel.pipeline_stages import layer_costs
@@ -46,7 +47,7 @@ from loom.plan.trace import (
     Breakdown,
     Stage,
     first_micro_batch,
-    with_layers,
+    layer_settings,
 )
 
 STATIC = ("Sharded Param", "Sharded Grad", "OptState", "Buffer")
@@ -156,7 +157,7 @@ def pipeline_phases(cfg: JobConfig, world_size: int) -> list[Breakdown]:
         blocks = sum(1 for u in units if 1 <= u <= n)
         key = (first, last, blocks)
         if key not in traces:
-            traces[key] = traced(with_layers(cfg, blocks), world_size,
+            traces[key] = traced(settled(cfg, **layer_settings(cfg, blocks)), world_size,
                                  Stage(first, last, microbatch, microbatches))
         return traces[key], buffer_bytes(cfg, first, last)
 

@@ -27,8 +27,10 @@ import shlex
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from loom.config import ConfigError, JobConfig, validate
+from loom.config.resolved import settled
 from loom.models.moe.flags import moe_flags
 from loom.parallel.mesh import ParallelDims
 from loom.plan.memory import GiB, finish, in_gib
@@ -90,8 +92,9 @@ def reductions(cfg: JobConfig, pp: int) -> tuple[str, ...]:
     return ("step", "micro-batch") if cfg.train.grad_accum_steps > 1 and pp == 1 else ("step",)
 
 
-def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
-    """Every valid configuration of the search space (validated like `loom train` flags)."""
+def candidates(cfg: JobConfig, world: int) -> list[dict[str, Any]]:
+    """The settings of every valid configuration of the search space, by flag name (each
+    `settled` on `cfg` validates like `loom train` flags)."""
     out = []
     for (tp, replicate, pp, cp, shard), ac, reshard, mb, (compiled, budget) in \
             itertools.product(layouts(cfg, world), AC_MODES, ("never", "always"),
@@ -101,18 +104,18 @@ def candidates(cfg: JobConfig, world: int) -> list[JobConfig]:
         for m, ep, accum in itertools.product(microbatch_counts(pp, mb),
                                               expert_degrees(cfg, shard * cp * tp),
                                               reductions(cfg, pp)):
-            p = replace(cfg.parallel, tp=tp, dp_replicate=replicate, dp_shard=shard, pp=pp,
-                        cp=cp, pp_microbatches=m, pp_schedule="1f1b", pp_stages_per_rank=0,
-                        activation_checkpoint=ac, reshard_after_forward=reshard,
-                        compile=compiled, act_mem_budget=budget, ep=ep, etp=1)
-            c = replace(cfg, parallel=p, loss=replace(cfg.loss, loss_impl=loss),
-                        train=replace(cfg.train, batch_size=mb, accum_reduce=accum))
+            settings = dict(tp=tp, dp_replicate=replicate, dp_shard=shard, pp=pp, cp=cp,
+                            pp_microbatches=m, pp_schedule="1f1b", pp_stages_per_rank=0,
+                            activation_checkpoint=ac, reshard_after_forward=reshard,
+                            compile=compiled, act_mem_budget=budget, ep=ep, etp=1,
+                            loss_impl=loss, batch_size=mb, accum_reduce=accum)
+            c = settled(cfg, **settings)
             try:
                 validate(c)
-                ParallelDims.from_config(p, world)
+                ParallelDims.from_config(c.parallel, world)
             except ConfigError:
                 continue
-            out.append(c)
+            out.append(settings)
     return out
 
 
@@ -226,7 +229,7 @@ def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: P
     start, cpu_start = time.monotonic(), time.process_time()
     with fake_world(world):
         timed = sorted(((predict_step_time(c, world, device, cache), c)
-                        for c in candidates(cfg, world)),
+                        for c in (settled(cfg, **s) for s in candidates(cfg, world))),
                        key=lambda sc: -global_tokens(sc[1], world) / sc[0].seconds)
         traced: dict[tuple, list[dict[str, float]]] = {}
         found, truncated = [], False

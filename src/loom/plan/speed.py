@@ -22,6 +22,7 @@ import torch
 
 from loom.config import DataConfig, JobConfig, ModelConfig
 from loom.config.pipeline_layout import bubble_fraction, choose_microbatches, stages_per_rank
+from loom.config.resolved import settled
 from loom.models.moe.flags import moe_flags
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
@@ -38,7 +39,7 @@ from loom.plan.float8 import (
 from loom.plan.memory import traced_depths
 from loom.plan.muon import muon_flops_per_rank
 from loom.plan.pipeline_memory import compute_share
-from loom.plan.trace import with_layers
+from loom.plan.trace import layer_settings
 
 EFFICIENCY = 0.4
 """Fraction of the matmul peak a training step reaches (assumed; torchtitan's published
@@ -98,7 +99,7 @@ def _flops_per_sample(model: ModelConfig, seq_len: int) -> float:
     low_depth, high_depth = traced_depths(cfg)
     if cfg.model.n_layers <= high_depth:
         return count(cfg)
-    low, high = count(with_layers(cfg, low_depth)), count(with_layers(cfg, high_depth))
+    low, high = (count(settled(cfg, **layer_settings(cfg, d))) for d in (low_depth, high_depth))
     return low + (cfg.model.n_layers - low_depth) * (high - low)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.config import ConfigError, JobConfig
+from loom.config.resolved import settled
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.losses import Criterion, build_criterion
 from loom.losses.cross_entropy import localise
@@ -108,20 +109,19 @@ class WorstCaseNonzero(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def with_layers(cfg: JobConfig, n_layers: int) -> JobConfig:
-    """`cfg` with only `n_layers` blocks (the same block shapes)."""
-    model = cfg.model
-    n_dense = min(moe_flags(model).n_dense_layers, n_layers)
-    return replace(cfg, model=model.with_values(n_layers=n_layers, n_dense_layers=n_dense))
+def layer_settings(cfg: JobConfig, n_layers: int) -> dict[str, int]:
+    """The model settings of `cfg`'s model cut to `n_layers` blocks (the same block shapes),
+    for `settled`."""
+    return {"n_layers": n_layers,
+            "n_dense_layers": min(moe_flags(cfg.model).n_dense_layers, n_layers)}
 
 
-def traceable(cfg: JobConfig) -> JobConfig:
-    """Dynamo cannot compile under the tracker's dispatch modes, so the trace runs eager
-    blocks (`loom.plan.memory` applies what compile saves) and `traced_criterion`. The
-    tracker follows FSDP2 units, so a one-process plan traces FSDP2 at one rank: the same
-    parameters, gradients and optimizer state as the unwrapped model training runs, plus
-    FSDP2's unshard buffers (the plan errs high by those)."""
-    return replace(cfg, parallel=replace(cfg.parallel, compile=False, single_device="fsdp2"))
+TRACEABLE = {"compile": False, "single_device": "fsdp2"}
+"""The settings a traced step runs under (`settled`). Dynamo cannot compile under the
+tracker's dispatch modes, so the trace runs eager blocks (`loom.plan.memory` applies what
+compile saves) and `traced_criterion`. The tracker follows FSDP2 units, so a one-process
+plan traces FSDP2 at one rank: the same parameters, gradients and optimizer state as the
+unwrapped model training runs, plus FSDP2's unshard buffers (the plan errs high by those)."""
 
 
 def traced_criterion(cfg: JobConfig, head: torch.nn.Module | None, tp: int) -> Criterion:
@@ -179,7 +179,7 @@ def trace_step(cfg: JobConfig, world_size: int,
     The optimizer step runs outside the tracker: under fake tensors the fused AdamW kernel
     reports out-of-place copies of every state that the real in-place kernel never makes
     (measured; the real step's peak is in backward, see benchmarks/plan_accuracy.py)."""
-    cfg = traceable(cfg)
+    cfg = settled(cfg, **TRACEABLE)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.build_mesh("cpu")
     with torch.device("meta"):

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from loom.checkpoint.checkpointer import Checkpointer
-from loom.config import ConfigError, JobConfig, parse_args, validate
+from loom.config import JobConfig
+from loom.config.given import fit_config
 from loom.data.loaders import on_node_leaders
 from loom.hf.export import export
-from loom.models.resolve import resolve_model
 from loom.observability.metrics import read_rows
 from loom.observability.tracking import TENSORBOARD_DIR
 from loom.parallel.mesh import ParallelDims
@@ -31,7 +31,7 @@ from loom.runtime.logs import log_output
 from loom.runtime.outputs import output_folder
 from loom.runtime.preflight import check_outdir
 from loom.runtime.watchdog import collective_timeout_s
-from loom.trainer.resolve import restarted
+from loom.trainer.resolve import resolve_model, restarted
 from loom.trainer.scoped import training
 from loom.trainer.trainer import Trainer
 
@@ -106,29 +106,6 @@ def result_of(trainer: Trainer) -> FitResult:
                      and summary.is_file() else None)
 
 
-def job_config(config: JobConfig | Sequence[str]) -> JobConfig:
-    """A JobConfig as given (validated: built in Python, no parser has checked its values),
-    or parsed from `loom train` flags (a list of strings); anything else is a ConfigError."""
-    if isinstance(config, JobConfig):
-        validate(config)
-        return config
-    if isinstance(config, (str, bytes)):
-        raise ConfigError("loom.fit takes a JobConfig or a list of `loom train` flags, not "
-                          "one string (split it, e.g. with shlex.split)")
-    if not isinstance(config, (list, tuple)):
-        raise ConfigError(f"loom.fit takes a JobConfig or a list of `loom train` flags, not "
-                          f"{type(config).__name__}")
-    wrong = next((a for a in config if not isinstance(a, str)), None)
-    if wrong is not None:
-        raise ConfigError(f"loom.fit: the flags must be strings, got {type(wrong).__name__} "
-                          f"{wrong!r:.60}")
-    argv = list(config)
-    asked = sorted({"-h", "--help", "--print-config"} & set(argv))
-    if asked:
-        raise ConfigError(f"loom.fit: {', '.join(asked)} are `loom train`'s, on the command line")
-    return parse_args(argv)
-
-
 def fit(config: JobConfig | Sequence[str]) -> FitResult:
     """Train a job: a JobConfig (`loom.config.parse_args([...])`) or `loom train`'s flags as
     a list. Errors are raised, never turned into an exit (`loom.errors`: ConfigError for bad
@@ -138,7 +115,7 @@ def fit(config: JobConfig | Sequence[str]) -> FitResult:
     caller started is used and left up. Compiler options and
     logger levels the run sets are restored after it. Progress goes to stdout (rank 0)
     unless the `loom` logger has handlers of the caller's own."""
-    cfg = job_config(config)
+    cfg = fit_config(config)
     info = in_current_group(rank_info())
     owned = not logging.getLogger("loom").handlers
     with log_output(info.rank) if owned else contextlib.nullcontext():

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from loom.config import parse_args
-from loom.models.resolve import resolve_model
 from loom.parallel.context import shard_batch
 from loom.parallel.init import clean_name
 from loom.runtime.distributed import RankInfo
+from loom.trainer.resolve import resolve_model
 from loom.trainer.scoped import training
 from loom.trainer.trainer import Trainer
 

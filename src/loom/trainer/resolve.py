@@ -26,11 +26,12 @@ from loom.checkpoint.resume import (
 )
 from loom.config import ConfigError, JobConfig, validate
 from loom.config.resolved import applied, settled
+from loom.config.sources import fit_transformers_model
 from loom.data.loaders import build_datasets
 from loom.hf.model_config import hf_model_shape
 from loom.lora.converter import apply_lora, lora_targets_for, settings
 from loom.losses import loss_impl_for
-from loom.models.resolve import model_args, plain_model, resolve_model
+from loom.models.resolve import model_args, model_choice, plain_model
 from loom.numerics.precision import Precision, resolve_precision
 from loom.parallel.cuda_graphs import cuda_graphs_refusal, graphs_compile_mode
 from loom.parallel.mesh import ParallelDims
@@ -51,6 +52,17 @@ class Resolved:
     """The training set (or a stream spec), whose tokenizer sized the vocabulary."""
     val_datasets: dict[str, Any]
     """The validation sets by name (the default set's name is "")."""
+
+
+def resolve_model(cfg: JobConfig) -> JobConfig:
+    """`cfg` with the implementation of its Hugging Face --model decided (`model_choice`),
+    once per run, before the mesh is built: transformers' module runs at tp 1 and recomputes
+    whole blocks. Other models, and a config already resolved, pass unchanged."""
+    choice = model_choice(cfg)
+    if not choice:
+        return cfg
+    cfg = settled(cfg, **choice)
+    return fit_transformers_model(cfg) if cfg.model.runs_transformers else cfg
 
 
 def restarted(cfg: JobConfig, restarts: int) -> JobConfig:
@@ -91,10 +103,9 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     precision = resolve_precision(cfg.parallel.dtype, device)
     logger.info("precision: %s (%s)", precision.dtype, precision.reason)
     cfg = replace(cfg, parallel=replace(cfg.parallel, dtype=precision.dtype))
-    cfg = resolve_model(cfg)  # a no-op after `loom train`'s own, for callers that skip it
-    if cfg.parallel.tp != dims.tp:
-        raise ValueError("the model was resolved after the mesh was built; call "
-                         "loom.models.resolve.resolve_model on the flags first")
+    if cfg.model.from_hub_format and cfg.model.model_impl_reason is None:
+        raise ValueError("the mesh was built before the model was resolved; call "
+                         "loom.trainer.resolve.resolve_model on the flags first")
     cfg = settled(cfg, **hf_model_shape(cfg, info.local_rank))
     cfg = settled(cfg, lora_targets=lora_targets_for(cfg))
     validate(cfg)  # the facts added below come from loom itself, not from the user

@@ -8,13 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from loom.commands.eval import eval_config
-from loom.config import ConfigError, parse_args
+from loom.commands.eval import eval_argv, eval_settings
+from loom.config import ConfigError, JobConfig, parse_args
 from loom.config.file import read_config_file, to_toml
 from loom.config.job import SECTIONS, section_fields, section_values
+from loom.config.resolved import settled
 from loom.config.valsets import split_val_dataset, val_prefix, val_sets
 from loom.observability.plots import plot_series
 from loom.observability.progress import format_progress
+
+
+def eval_config(checkpoint: Path, argv: list[str]) -> JobConfig:
+    """`loom eval`'s config for `checkpoint` and `argv`, settled as `run_eval` settles it."""
+    flags = parse_args(eval_argv(checkpoint, argv))
+    return settled(flags, **eval_settings(checkpoint, flags))
 
 
 @pytest.mark.parametrize("flags, message", [

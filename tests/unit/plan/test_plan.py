@@ -3,7 +3,8 @@ keeps of a block's activations."""
 
 import pytest
 
-from loom.config import parse_args
+from loom.config import JobConfig, parse_args
+from loom.config.resolved import settled
 from loom.parallel.mesh import ParallelDims
 from loom.plan.command import planned_doc_mask
 from loom.plan.compiled import compiled_block_fraction
@@ -11,6 +12,12 @@ from loom.plan.memory import extrapolate, held_in_phase
 from loom.plan.pipeline_memory import others_alive, schedule_actions
 from loom.plan.search import candidates, launch_line, unsearched
 from loom.plan.speed import comm_seconds
+
+
+def settled_candidates(argv: list[str], world: int = 4) -> list[JobConfig]:
+    """The search's candidates for `argv`'s flags, each settled as `search` settles it."""
+    cfg = parse_args(argv)
+    return [settled(cfg, **s) for s in candidates(cfg, world)]
 
 
 def test_unsearched_drops_the_flags_the_search_sets():
@@ -23,7 +30,7 @@ def test_unsearched_drops_the_flags_the_search_sets():
 def test_candidates_are_valid_and_their_launch_lines_parse_back():
     base = ["--model", "debug", "--fp32", "--seq-len", "128"]
     cfg = parse_args(base)
-    found = candidates(cfg, 4)
+    found = [settled(cfg, **s) for s in candidates(cfg, 4)]
     layouts = {(c.parallel.tp, c.parallel.dp_replicate, c.parallel.pp, c.parallel.cp)
                for c in found}
     # debug: 2 kv heads (no tp 4), 4 blocks (pp 2 at most: >= 2 a stage)
@@ -115,7 +122,7 @@ def test_compiled_block_keeps_less_the_lower_the_budget():
 
 def test_moe_candidates_search_expert_parallel_and_print_it():
     base = ["--model", "moe-debug", "--dtype", "bf16", "--seq-len", "128"]
-    found = candidates(parse_args(base), 4)
+    found = settled_candidates(base)
     assert {c.parallel.ep for c in found} == {1, 2, 4}  # dividing 4 ranks and 8 experts
     region = [c.parallel.dp_shard * c.parallel.cp * c.parallel.tp for c in found]
     assert all(r % c.parallel.ep == 0 for r, c in zip(region, found, strict=True))
@@ -132,7 +139,7 @@ def test_accumulating_candidates_search_when_to_reduce_and_the_estimate_counts_i
     whose schedule reduces after each run) and printed; reducing every micro-batch moves
     that many times the gradient bytes, and every micro-batch gathers the weights."""
     base = ["--model", "debug", "--fp32", "--seq-len", "128", "--grad-accum-steps", "4"]
-    found = candidates(parse_args(base), 4)
+    found = settled_candidates(base)
     assert {c.train.accum_reduce for c in found if c.parallel.pp == 1} == {"step", "micro-batch"}
     assert {c.train.accum_reduce for c in found if c.parallel.pp > 1} == {"step"}
     for c in [c for c in found if c.parallel.pp == 1][::40]:
@@ -168,7 +175,8 @@ def test_a_compiled_doc_mask_run_on_an_accelerator_is_traced_without_the_dense_m
     """The flex block mask replaces the dense one only where a run would build it: compiled,
     on an accelerator, at cp 1, for a family that takes it."""
     argv = ["--model", "debug", "--doc-mask", "--compile"]
-    assert not planned_doc_mask(parse_args(argv), "h100").data.doc_mask
-    assert planned_doc_mask(parse_args(argv), "cpu").data.doc_mask
-    assert planned_doc_mask(parse_args(argv[:-1]), "h100").data.doc_mask
-    assert planned_doc_mask(parse_args([*argv, "--cp", "2"]), "h100").data.doc_mask
+    assert not planned_doc_mask(parse_args(argv), "h100")
+    assert planned_doc_mask(parse_args(argv), "cpu")
+    assert planned_doc_mask(parse_args(argv[:-1]), "h100")
+    assert planned_doc_mask(parse_args([*argv, "--cp", "2"]), "h100")
+    assert not planned_doc_mask(parse_args(argv[:-2]), "cpu")  # no --doc-mask: none traced
