@@ -16,7 +16,6 @@ from loom.config import parse_args
 from loom.parallel.context import shard_batch
 from loom.parallel.init import clean_name
 from loom.runtime.distributed import RankInfo
-from loom.trainer.resolve import resolve_model
 from loom.trainer.scoped import training
 from loom.trainer.trainer import Trainer
 
@@ -61,5 +60,5 @@ def layout_training(argv: Sequence[str], info: RankInfo, device: torch.device
     its run's settings (`loom.trainer.scoped.training`): the caller trains it (`fit()`) and
     reads what it needs inside the block; it is closed on the way out and the process-wide
     settings restored, so the next layout starts as a fresh process would."""
-    with training(resolve_model(parse_args(argv)), info, device) as trainer:
+    with training(parse_args(argv), info, device) as trainer:
         yield trainer

@@ -23,6 +23,7 @@ from loom.parallel.simple_fsdp import bucketing_settings
 from loom.runtime.distributed import RankInfo
 from loom.runtime.logs import log_settings
 from loom.runtime.scope import GlobalSettings, applied
+from loom.trainer.resolve import resolve_model
 from loom.trainer.trainer import Trainer
 
 
@@ -40,8 +41,10 @@ def training(cfg: JobConfig, info: RankInfo, device: torch.device,
     """A Trainer for `cfg` in the initialised process group, closed on the way out. The
     run's settings stay in force for the whole block: compiled graphs are built at the
     first step, and read the compiler options then. `dims`: the run's layout, where the
-    caller checked it before starting the group (else built here, once)."""
+    caller checked it before starting the group, with the model resolved (else both are
+    done here, once: the model first, since transformers' module changes the layout)."""
     if dims is None:
+        cfg = resolve_model(cfg)
         dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     with applied(run_settings(cfg, device.type)):
         trainer = Trainer(cfg, info, dims, device)
