@@ -138,5 +138,19 @@ class CompiledLossMemory(torch.autograd.Function):
         return torch.empty_like(logits), None
 
 
-def compiled_loss_memory(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return CompiledLossMemory.apply(logits.flatten(0, -2), labels.flatten())
+class DonatedLossMemory(CompiledLossMemory):
+    """The same loss compiled in one graph with the model that made the logits (--compile
+    at one process): the logits are an intermediate the backward graph owns (AOTAutograd's
+    donated buffers), so inductor writes their gradient into their own storage and the
+    backward allocates nothing logits-sized. For traces under fake tensors only."""
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits, _ = ctx.saved_tensors
+        return logits, None
+
+
+def compiled_loss_memory(logits: torch.Tensor, labels: torch.Tensor,
+                         donated: bool = False) -> torch.Tensor:
+    loss = DonatedLossMemory if donated else CompiledLossMemory
+    return loss.apply(logits.flatten(0, -2), labels.flatten())
