@@ -5,6 +5,7 @@ an untested gap that validation accepts; nothing is both, nothing is neither."""
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 
@@ -122,3 +123,13 @@ def test_the_refusals_off_the_matrix_still_refuse() -> None:
     for text, flags in cases.items():
         with pytest.raises(ConfigError, match=text):
             config_from_flags(flags, environ={})
+
+
+def test_each_refusal_names_its_reproduction() -> None:
+    """A refusal rests on a test that reproduces the failure on the torch it names (and
+    fails the day torch changes): every row's reason names such a test file, which exists."""
+    for refusal in REFUSALS:
+        named = re.findall(r"tests/[\w/]+\.py", refusal.why)
+        assert named, f"no reproduction test named: {refusal.why[:100]}"
+        missing = [path for path in named if not (REPO / path).is_file()]
+        assert not missing, missing
