@@ -3,6 +3,7 @@ multi-token prediction's loss and gradients, and the arguments' ranges."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,7 @@ from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
 from loom.plan.command import Plan, parameter_counts, report
+from tests.harness import run_process
 
 TINY = DeepseekV3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64,
                       hidden_dim=48, n_experts=8, top_k=2, moe_hidden_dim=16,
@@ -132,3 +134,35 @@ def test_loom_plan_prints_the_published_parameter_counts() -> None:
     line = report(plan, cfg, "H100").splitlines()[1]
     assert line == (f"parameters: {counts['parameters'] / 1e9:.2f}B, "
                     f"{counts['active_parameters'] / 1e9:.2f}B active per token")
+
+
+@pytest.mark.parametrize("mode", ["eager", "chunked", "chunked-backward", "compiled",
+                                  "loss-parallel", "fused-linear"])
+@pytest.mark.parametrize("doc_mask", [False, True])
+def test_mtp_is_refused_only_with_a_loss_it_cannot_take(mode: str, doc_mask: bool) -> None:
+    """Every --loss-impl against MTP: the logits modes run it (loss-parallel at --tp 1 is
+    the compiled one); fused-linear (hidden states out) and --doc-mask are refused in one
+    line naming the flags, from the preset's MTP module or --mtp-layers alike."""
+    extra = ["--loss-impl", mode, *(["--doc-mask"] if doc_mask else [])]
+    for argv in (["--model", "deepseek-v3-mtp-debug"],
+                 ["--model", "deepseek-v3-debug", "--mtp-layers", "2"]):
+        argv = [*argv, "--dataset", "random", *extra]
+        if mode != "fused-linear" and not doc_mask:
+            assert model_args(parse_args(argv)).mtp_layers >= 1
+            continue
+        with pytest.raises(ConfigError, match="multi-token prediction") as refused:
+            parse_args(argv)
+        named = ["--loss-impl fused-linear"] * (mode == "fused-linear") + ["--doc-mask"] * doc_mask
+        assert all(name in str(refused.value) for name in named), refused.value
+    parse_args(["--model", "deepseek-v3-mtp-debug", "--dataset", "random", "--mtp-layers", "0",
+                *extra])  # without MTP modules both are fine
+
+
+def test_loom_train_refuses_mtp_with_doc_mask_in_one_line(tmp_path) -> None:
+    proc = run_process([sys.executable, "-m", "loom", "train", "--model",
+                        "deepseek-v3-mtp-debug", "--dataset", "random", "--doc-mask",
+                        "--max-steps", "1", "--outdir", str(tmp_path / "out")])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "--doc-mask" in lines[0], lines
+    assert not (tmp_path / "out").exists()

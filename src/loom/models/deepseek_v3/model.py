@@ -114,10 +114,10 @@ class DeepseekV3(MoETransformer):
         if not (self.mtp is not None and self.training and torch.is_grad_enabled()):
             return super().forward(tokens, return_hidden, positions, documents, mask,
                                    head_apply)
-        if (positions is not None or documents is not None or head_apply is not None
-                or return_hidden or self.hidden_output or self.tok_embeddings is None):
-            raise NotImplementedError("multi-token prediction runs on whole sequences with "
-                                      "plain logits only (no cp, pp, --doc-mask or fused loss)")
+        # refused before a model is built: DeepseekV3Flags.check and the parallel plan
+        assert (positions is None and documents is None and head_apply is None
+                and not (return_hidden or self.hidden_output)
+                and self.tok_embeddings is not None), "MTP needs whole sequences, plain logits"
         return self.forward_with_mtp(tokens)
 
     def forward_with_mtp(self, tokens: torch.Tensor) -> torch.Tensor:
