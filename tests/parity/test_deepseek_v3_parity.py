@@ -36,6 +36,7 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "tp2": (2, 1, ["--tp", "2"]),
     "mtp_single": (1, 1, MTP),
     "mtp_ep2": (2, 2, [*MTP, "--ep", "2"]),
+    "mtp_tp2": (2, 1, [*MTP, "--tp", "2"]),
 }
 SINGLES = ("single", "mtp_single")
 SLOW_LAYOUTS = {

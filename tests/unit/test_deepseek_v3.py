@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from loom.cli import config_toml
 from loom.config import parse_args
@@ -84,6 +85,27 @@ def test_mtp_loss_trains_the_shared_embedding_and_head_and_leaves_eval_alone() -
         assert torch.equal(model(tokens), plain.eval()(tokens))
 
 
+def test_each_mtp_depth_reads_the_embedding_of_the_token_that_many_ahead() -> None:
+    """The model shifts token ids (one embedding call, sequence-sharded under tp); the loss
+    equals the definition's: depth d's input at i is the embedding of token i+d (zeros past
+    the end), its logits at i scored against token i+d+1."""
+    model = built(replace(TINY, mtp_layers=2)).train()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    model(tokens)
+    with torch.no_grad():
+        embedded = model.tok_embeddings(tokens)
+        prev, losses = embedded, []
+        for layer in model.layers.values():
+            prev = layer(prev, model.rope)
+        for depth, module in enumerate(model.mtp.values(), start=1):
+            shifted = torch.zeros_like(embedded)
+            shifted[:, :-depth] = embedded[:, depth:]
+            prev, normed = module(prev, shifted, model.rope)
+            logits = model.output(normed)[:, :16 - depth - 1]
+            losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, depth + 1:].flatten()))
+    torch.testing.assert_close(model.mtp_loss, torch.stack(losses).mean(), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(("change", "message"), [
     (dict(kv_lora_rank=0), "kv_lora_rank"), (dict(n_group=3), "n_group"),
     (dict(qk_rope_head_dim=7), "not even"), (dict(topk_group=2, n_group=1), "topk_group"),
@@ -156,6 +178,12 @@ def test_mtp_is_refused_only_with_a_loss_it_cannot_take(mode: str, doc_mask: boo
         assert all(name in str(refused.value) for name in named), refused.value
     parse_args(["--model", "deepseek-v3-mtp-debug", "--dataset", "random", "--mtp-layers", "0",
                 *extra])  # without MTP modules both are fine
+    tp2 = ["--model", "deepseek-v3-mtp-debug", "--dataset", "random", "--tp", "2"]
+    if mode == "loss-parallel" and not doc_mask:  # the vocabulary-sharded logits: refused
+        with pytest.raises(ConfigError, match="--loss-impl loss-parallel"):
+            parse_args([*tp2, *extra])
+    elif mode != "fused-linear" and not doc_mask:  # tp shards the sequence: MTP runs
+        assert parse_args([*tp2, *extra]).parallel.tp == 2
 
 
 def test_loom_train_refuses_mtp_with_doc_mask_in_one_line(tmp_path) -> None:

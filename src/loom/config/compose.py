@@ -240,6 +240,7 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "ep + ac + compile": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
                              "[ep2_ac_compile]",
         "MTP + ep": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_ep2]",
+        "MTP + tp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_tp2]",
         "Hugging Face folder, tp + ep": f"{_DEEPSEEK}test_imported_folder_trains_at_tp2_ep2_"
                                         "like_one_process",
     },
@@ -250,13 +251,13 @@ names its layouts here)."""
 
 FAMILY_REFUSALS: dict[str, tuple[str, ...]] = {
     "deepseek-v3": (
-        "multi-token prediction (`--mtp-layers` > 0) with `--tp`, `--cp` or `--pp` "
-        "(`loom.parallel.deepseek_v3_plan.refuse_mtp`): each MTP depth shifts the whole "
-        "sequence's embeddings by one token and runs the shared embedding and head, which "
-        "tp and cp hold sequence-sharded and pp holds on other stages",
-        "multi-token prediction with `--loss-impl fused-linear` or `--doc-mask` "
-        "(`DeepseekV3Flags.check`): its loss runs on the plain head's logits over whole "
-        "sequences",
+        "multi-token prediction (`--mtp-layers` > 0) with `--cp` or `--pp` "
+        "(`loom.parallel.deepseek_v3_plan.refuse_mtp`): a depth reads the tokens after each "
+        "position, which cp puts on other ranks, and the shared embedding and head, which pp "
+        "puts on different stages",
+        "multi-token prediction with `--loss-impl fused-linear`, `--loss-impl loss-parallel` "
+        "at tp > 1 or `--doc-mask` (`DeepseekV3Flags.check`): its loss runs on the plain "
+        "head's full logits over whole sequences",
     ),
 }
 """Family -> the layouts and losses it refuses in one line, and why."""

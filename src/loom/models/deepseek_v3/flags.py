@@ -15,6 +15,7 @@ from typing import Any
 
 from loom.config.declare import COUNT_MAX, SIZE_MAX, flag
 from loom.errors import ConfigError
+from loom.models.deepseek_v3.args import SHAPES
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,17 @@ class DeepseekV3Flags:
                                          ge=0, le=1e3)
 
     def check(self, cfg: Any) -> None:
-        """Multi-token prediction shifts each whole sequence through the plain head: a
-        loss that takes hidden states (fused-linear) or a per-document mask has no MTP
-        form yet, so the pair is refused here (the model asserts it never sees one)."""
-        from loom.models.deepseek_v3.args import SHAPES  # lazily: args imports torch models
-
+        """Multi-token prediction scores each whole sequence on the plain head's full
+        logits: a loss that takes hidden states (fused-linear) or vocabulary-sharded
+        logits (loss-parallel at tp > 1) or a per-document mask has no MTP form yet, so
+        the pair is refused here (the model asserts it never sees one)."""
         mtp = self.mtp_layers if self.mtp_layers is not None else \
             SHAPES.get(cfg.model.model, {}).get("mtp_layers", 0)
         clash = [name for name, on in (("--loss-impl fused-linear",
                                         cfg.loss.loss_impl == "fused-linear"),
+                                       ("--loss-impl loss-parallel",
+                                        cfg.loss.loss_impl == "loss-parallel"
+                                        and cfg.parallel.tp > 1),
                                        ("--doc-mask", cfg.data.doc_mask)) if on]
         if mtp and clash:
             raise ConfigError(f"deepseek-v3 multi-token prediction (--mtp-layers {mtp}) does "
