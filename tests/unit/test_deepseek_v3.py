@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from loom.cli import config_toml
 from loom.config import parse_args
 from loom.errors import ConfigError
+from loom.lora.converter import checked_targets
 from loom.models.deepseek_v3.args import SHAPES, DeepseekV3Args
 from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter
 from loom.models.registry import for_config
@@ -194,3 +195,23 @@ def test_loom_train_refuses_mtp_with_doc_mask_in_one_line(tmp_path) -> None:
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and "--doc-mask" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("q_lora_rank", "query"), [("0", "attention.wq"),
+                                                    ("32", "attention.wq_b")])
+def test_lora_defaults_take_the_query_projection_the_shape_has(q_lora_rank: str,
+                                                              query: str) -> None:
+    """The family names both query projections; a model has one (`--q-lora-rank`), and
+    the default targets are those its blocks hold (a named missing one is refused)."""
+    argv = ["--model", "deepseek-v3-debug", "--dataset", "random", "--lora-rank", "4",
+            "--q-lora-rank", q_lora_rank]
+    cfg = parse_args(argv)
+    with torch.device("meta"):
+        targets = checked_targets(cfg, plain_model(cfg)).split(",")
+    assert targets[0] == query and {"attention.wkv_b", "attention.wo"} <= set(targets)
+    assert ({"attention.wq", "attention.wq_b"} - {query}).isdisjoint(targets)
+    other = "attention.wq_b" if query == "attention.wq" else "attention.wq"
+    with pytest.raises(ConfigError, match="not a linear layer"):
+        cfg = parse_args([*argv, "--lora-targets", other])
+        with torch.device("meta"):
+            checked_targets(cfg, plain_model(cfg))
