@@ -20,6 +20,7 @@ from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
 from loom.plan.command import Plan, parameter_counts, report
+from tests.deepseek_folders import save_deepseek
 from tests.harness import run_process
 
 TINY = DeepseekV3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64,
@@ -187,14 +188,21 @@ def test_mtp_is_refused_only_with_a_loss_it_cannot_take(mode: str, doc_mask: boo
         assert parse_args([*tp2, *extra]).parallel.tp == 2
 
 
-def test_loom_train_refuses_mtp_with_doc_mask_in_one_line(tmp_path) -> None:
-    proc = run_process([sys.executable, "-m", "loom", "train", "--model",
-                        "deepseek-v3-mtp-debug", "--dataset", "random", "--doc-mask",
-                        "--max-steps", "1", "--outdir", str(tmp_path / "out")])
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: ") and "--doc-mask" in lines[0], lines
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("source", ["preset", "hub_folder"])
+def test_loom_train_refuses_mtp_with_a_loss_it_cannot_take_in_one_line(tmp_path,
+                                                                        source: str) -> None:
+    """The preset's MTP module with --doc-mask; a DeepseekV3ForCausalLM folder (its family
+    known only once its config is read) given --mtp-layers with the fused loss."""
+    argv = ["--model", "deepseek-v3-mtp-debug", "--doc-mask"]
+    if source == "hub_folder":
+        argv = ["--model", str(save_deepseek(tmp_path / "ds", tokenizer=False)),
+                "--mtp-layers", "1", "--loss-impl", "fused-linear"]
+    proc = run_process([sys.executable, "-m", "loom", "train", *argv, "--dataset", "random",
+                        "--seq-len", "32", "--max-steps", "1", "--outdir", str(tmp_path / "out")])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert "multi-token prediction" in errors[0] and argv[-1] in errors[0], errors
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(("q_lora_rank", "query"), [("0", "attention.wq"),

@@ -52,7 +52,10 @@ class DeepseekV3Flags:
         """Multi-token prediction scores each whole sequence on the plain head's full
         logits: a loss that takes hidden states (fused-linear) or vocabulary-sharded
         logits (loss-parallel at tp > 1) or a per-document mask has no MTP form yet, so
-        the pair is refused here (the model asserts it never sees one)."""
+        the pair is refused here (the model asserts it never sees one). Another family
+        ignores these flags."""
+        if cfg.model.family != "deepseek-v3":  # a Hub folder's: known once it is read
+            return
         mtp = self.mtp_layers if self.mtp_layers is not None else \
             SHAPES.get(cfg.model.model, {}).get("mtp_layers", 0)
         clash = [name for name, on in (("--loss-impl fused-linear",
