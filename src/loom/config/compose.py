@@ -241,6 +241,7 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
                              "[ep2_ac_compile]",
         "MTP + ep": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_ep2]",
         "MTP + tp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_tp2]",
+        "MTP + tp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process[mtp_tp2_ep2]",
         "dp_replicate + dp_shard": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
                                    "[hsdp2x2]",
         "LoRA + dp_shard": f"{_DEEPSEEK}test_layout_matches_single_process[lora_dp2]",
