@@ -14,6 +14,7 @@ import pytest
 from loom.compat import checkpoint_inside_compile_saves_mesh, v_schedules_send_to_own_rank
 from loom.config import ConfigError, config_from_flags
 from loom.config.compose import (
+    FAMILY_LAYOUTS,
     FEATURES,
     REFUSALS,
     SAME_FLAG,
@@ -99,8 +100,9 @@ def test_cp_takes_the_moe_balance_loss() -> None:
 
 
 def test_each_tested_cell_names_a_collected_test() -> None:
-    ids = collected({test.split("::")[0] for test in TESTED.values()})
-    missing = sorted(test for test in TESTED.values() if test not in ids)
+    tests = [*TESTED.values(), *(t for family in FAMILY_LAYOUTS.values() for t in family.values())]
+    ids = collected({test.split("::")[0] for test in tests})
+    missing = sorted(test for test in tests if test not in ids)
     assert not missing, missing
 
 
