@@ -31,7 +31,7 @@ from devcheck.loomrow import run_loom
 from devcheck.trace import summarise
 
 HERE = Path(__file__).resolve().parent
-MODES = {"gpu": {"budget_s": 450, "matmul_n": 8192, "threads": None},
+MODES = {"gpu": {"budget_s": 500, "matmul_n": 8192, "threads": None},
          "tiny": {"budget_s": 170, "matmul_n": 512, "threads": 2}}
 
 
@@ -210,7 +210,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("out", type=Path, help="folder the rows are written to (created)")
     parser.add_argument("--tiny", action="store_true",
                         help="the CPU rehearsal (also LOOM_DEVICE_CHECK=tiny)")
-    parser.add_argument("--budget-s", type=float, help="global limit (default: 450 gpu, 170 tiny)")
+    parser.add_argument("--budget-s", type=float, help="global limit (default: 500 gpu, 170 tiny)")
     parser.add_argument("--rows", nargs="+", help="only these rows (catalogue names)")
     parser.add_argument("--work", type=Path, help="scratch folder for run folders and logs")
     parser.add_argument("--no-wheels", action="store_true", help="skip installing .whl/")

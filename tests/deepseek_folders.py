@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.hf_models import MODEL_VOCAB, corpus_sample, save_tokenizer
+from tests.hf_models import MODEL_VOCAB, save_model
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
             original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
@@ -25,17 +25,8 @@ def save_deepseek(folder: Path, seed: int = 0, tokenizer: bool = True, **changes
     """A `save_pretrained` folder of the tiny model (`changes` override the shape)."""
     import transformers
 
-    config = transformers.DeepseekV3Config(**{**SHAPE, **changes})
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():  # norms start at ones: a misplaced one would not show
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
-    model.save_pretrained(folder)
-    if tokenizer:
-        save_tokenizer(folder, corpus_sample())
-    return folder
+    return save_model(folder, transformers.DeepseekV3Config(**{**SHAPE, **changes}), seed,
+                      tokenizer)
 
 
 def bias_routing(folder: Path, seed: int = 1) -> None:

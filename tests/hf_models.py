@@ -70,7 +70,15 @@ def save_tiny_model(folder: Path, arch: str, seed: int = 0, tokenizer: bool = Tr
     import transformers
 
     config_class, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, config_class)(**SHAPE, **extra)
+    return save_model(folder, getattr(transformers, config_class)(**SHAPE, **extra), seed,
+                      tokenizer)
+
+
+def save_model(folder: Path, config, seed: int = 0, tokenizer: bool = True) -> Path:
+    """A `save_pretrained` folder of transformers' causal LM of `config`, seeded, its norms
+    moved off their init, with the corpus tokenizer unless `tokenizer` is False."""
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms start at ones: a wrong permutation of them would not show

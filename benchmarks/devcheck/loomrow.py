@@ -49,7 +49,9 @@ def read_run(folder: Path, row: Row) -> dict:
         return max(values) if values else None
 
     step_s = statistics.median(timed)
-    return {"ac": config["parallel"]["activation_checkpoint"],
+    timings = json.loads((folder / "summary.json").read_text()).get("timings", {})
+    return {"setup_s": timings.get("setup_s"), "train_s": timings.get("train_s"),
+            "ac": config["parallel"]["activation_checkpoint"],
             "dtype": config["precision"]["dtype"], "device": config["device"],
             "batch": config["train"]["batch_size"], "seq_len": config["data"]["seq_len"],
             "loss_impl": config["loss"]["loss_impl"], "parameters": derived["parameters"],
@@ -70,8 +72,8 @@ def run_loom(row: Row, ac: str, work: Path, timeout_s: float, env: dict[str, str
              ) -> tuple[dict, proc.Child]:
     folder = work / row.name
     child = proc.run(train_argv(row, ac, folder), timeout_s, work / "logs" / row.name, env)
-    if not child.ok:
-        return {"status": f"failed: {child.why()}"}, child
+    if not child.ok:  # the run's last words say where a timed-out one was (compile, steps)
+        return {"status": f"failed: {child.why()}", "stderr_tail": child.stderr_tail[-4:]}, child
     try:
         return {"status": "ok", **read_run(folder, row)}, child
     except (OSError, ValueError, KeyError) as e:

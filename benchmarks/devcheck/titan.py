@@ -90,10 +90,11 @@ def loom_shape(flags: list[str]) -> dict:
 
     import loom.parallel  # noqa: F401  (registers loom's model families)
     from loom.config import parse_args
+    from loom.models.moe.flags import moe_flags
     from loom.models.resolve import model_args, plain_model
 
     cfg = parse_args(flags)
-    if cfg.model.n_experts:
+    if moe_flags(cfg.model).n_experts:  # MoE's fields are its family's flags (issue #56)
         raise SystemExit("error: torchtitan's llama3 has no mixture of experts")
     args = model_args(cfg)
     with torch.device("meta"):

@@ -12,29 +12,15 @@ import pytest
 import torch
 
 from loom.config import ConfigError, parse_args
-from loom.hf.checkpoint import HFCheckpoint
-from loom.models.registry import for_config
-from loom.models.resolve import plain_model
-from loom.parallel.init import clean_name, load_weights
 from loom.trainer.resolve import resolve_model
 from tests.deepseek_folders import bias_routing, save_deepseek
 from tests.harness import REPO
 from tests.hf_models import corpus_sample
+from tests.native_import import assert_logits_equal_transformers, imported
 
 transformers = pytest.importorskip("transformers")
 
 LOGITS_RTOL = 1e-4
-
-
-def imported(folder: Path):
-    cfg = resolve_model(parse_args(["--model", str(folder), "--seq-len", "32", "--fp32"]))
-    with torch.device("meta"):
-        model = plain_model(cfg)
-    spec = for_config(cfg.model)
-    checkpoint = HFCheckpoint(folder, spec.hf[0], spec.args_from_config(cfg.model))
-    checkpoint.check(model, clean_name)
-    load_weights(model, torch.device("cpu"), checkpoint.read)
-    return cfg, model.eval()
 
 
 @pytest.mark.parametrize("variant", ["yarn_q_lora", "plain_rope_no_q_lora"])
@@ -48,12 +34,7 @@ def test_imported_logits_and_greedy_text_equal_transformers(tmp_path: Path,
     cfg, model = imported(folder)
     assert model.layers["1"].moe.expert_bias.abs().sum() > 0
     assert cfg.model.family == "deepseek-v3" and cfg.model.model_impl == "native"
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours, theirs = model(tokens), hf(input_ids=tokens).logits
-    diff = float((ours - theirs).abs().max() / theirs.abs().max())
-    assert diff <= LOGITS_RTOL, diff
+    hf, tokens = assert_logits_equal_transformers(model, folder, LOGITS_RTOL)
     prompt = tokens[:1, :8]
     with torch.no_grad():
         expected = hf.generate(prompt, max_new_tokens=12, do_sample=False)

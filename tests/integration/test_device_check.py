@@ -156,3 +156,27 @@ def test_trace_summary_counts_idle_gpu_time(tmp_path):
     assert summary["sdpa_ops"] == {"cudnn": 1}
     assert summary["sdpa_kernels"] == ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]
     assert merged_busy([(0, 1), (2, 3), (2.5, 4)]) == pytest.approx(3.0)
+
+
+def test_every_gpu_row_resolves_for_torchtitan_on_a_cpu():
+    """The torchtitan row reads loom's resolved configuration (`titan.loom_shape`); the
+    CPU rehearsal cannot run torchtitan, so a field that moves (MoE's flags did, in issue
+    #56) would break only the GPU run. Each GPU row's shape resolves here instead."""
+    from devcheck.catalogue import gpu_rows
+
+    sys.path.insert(0, str(REPO / "benchmarks" / "devcheck"))  # titan.py runs as a script
+    import loom.parallel  # noqa: F401  (registers the model families)
+    from devcheck.titan import loom_shape
+    from loom.config import parse_args
+    from loom.models.resolve import model_args
+
+    for row in gpu_rows():
+        if not row.titan:
+            continue
+        shape = loom_shape(list(row.flags))
+        args = model_args(parse_args(list(row.flags)))
+        assert (shape["dim"], shape["n_layers"]) == (args.dim, args.n_layers), row.name
+        assert shape["loom_parameters"] > 0, row.name
+    moe = next(r for r in gpu_rows() if r.name == "moe")
+    with pytest.raises(SystemExit, match="no mixture of experts"):
+        loom_shape(list(moe.flags))

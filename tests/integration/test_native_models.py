@@ -14,14 +14,11 @@ import pytest
 import torch
 
 from loom.config import parse_args
-from loom.hf.checkpoint import HFCheckpoint
-from loom.models.registry import for_config
-from loom.models.resolve import plain_model
-from loom.parallel.init import clean_name, load_weights
 from loom.trainer.resolve import resolve_model
 from tests.compare import losses
 from tests.harness import REPO, run_ranks
 from tests.hf_models import corpus_sample, save_tiny_model
+from tests.native_import import assert_logits_equal_transformers, imported
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,28 +32,12 @@ LAYOUTS = {  # arch: {layout: (world size, flags)}
 }
 
 
-def imported(folder: Path):
-    cfg = resolve_model(parse_args(["--model", str(folder), "--seq-len", "32", "--fp32"]))
-    with torch.device("meta"):
-        model = plain_model(cfg)
-    spec = for_config(cfg.model)
-    checkpoint = HFCheckpoint(folder, spec.hf[0], spec.args_from_config(cfg.model))
-    checkpoint.check(model, clean_name)
-    load_weights(model, torch.device("cpu"), checkpoint.read)
-    return cfg, model.eval()
-
-
 @pytest.mark.parametrize("arch", ["llama", "llama31", "qwen3", "qwen3_moe"])
 def test_imported_logits_equal_transformers(tmp_path: Path, arch: str) -> None:
     folder = save_tiny_model(tmp_path / arch, arch)
     cfg, model = imported(folder)
     assert cfg.model.model_impl == "native" and cfg.model.family in arch.replace("_", "-")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours, theirs = model(tokens), hf(input_ids=tokens).logits
-    diff = float((ours - theirs).abs().max() / theirs.abs().max())
-    assert diff <= LOGITS_RTOL, diff
+    assert_logits_equal_transformers(model, folder, LOGITS_RTOL)
 
 
 def test_architecture_without_native_family_takes_transformers_path(tmp_path: Path) -> None:

@@ -30,14 +30,20 @@ COMMON = ["--model", "deepseek-v3-debug", "--dataset", "random", "--vocab-size",
 MTP = ["--model", "deepseek-v3-mtp-debug"]
 """One multi-token prediction module: its loss joins the backward (a wrong scale of it under
 data parallel moves the gradient norms) and is compared as its own metric."""
+LORA = ["--lora-rank", "4"]
+"""Adapters on latent attention's per-head projections and the dense SwiGLU (the family's
+targets), the base frozen: a wrong scale or a missed sync moves the losses and norms."""
 LAYOUTS = {  # name: (world size, dp degree, flags)
     "single": (1, 1, []),
     "ep2": (2, 2, ["--ep", "2"]),
     "tp2": (2, 1, ["--tp", "2"]),
     "mtp_single": (1, 1, MTP),
     "mtp_ep2": (2, 2, [*MTP, "--ep", "2"]),
+    "mtp_tp2": (2, 1, [*MTP, "--tp", "2"]),
+    "lora_single": (1, 1, LORA),
+    "lora_dp2": (2, 2, LORA),
 }
-SINGLES = ("single", "mtp_single")
+SINGLES = ("single", "mtp_single", "lora_single")
 SLOW_LAYOUTS = {
     "ep4": (4, 4, ["--ep", "4"]),
     "tp2_ep2": (4, 2, ["--tp", "2", "--ep", "2"]),
@@ -45,11 +51,14 @@ SLOW_LAYOUTS = {
     "simple_fsdp_ep2": (4, 4, ["--data-parallel", "simple-fsdp", "--ep", "2"]),
     "ep2_ac_compile": (2, 2, ["--ep", "2", "--ac", "block", "--compile", "--compile-backend",
                               "aot_eager"]),
+    "hsdp2x2": (4, 4, ["--dp-replicate", "2", "--dp-shard", "2"]),
+    "mtp_tp2_ep2": (4, 2, [*MTP, "--tp", "2", "--ep", "2"]),
 }
 
 
 def reference_of(layout: str) -> str:
-    return "mtp_single" if layout.startswith("mtp_") else "single"
+    prefix = layout.partition("_")[0]
+    return f"{prefix}_single" if prefix in ("mtp", "lora") else "single"
 
 
 def launch(world: int, layouts: dict, root: Path, references: Path) -> None:
@@ -73,11 +82,33 @@ def deepseek_runs(tmp_path_factory) -> Path:
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in SINGLES])
 def test_layout_matches_single_process(deepseek_runs: Path, layout: str) -> None:
-    reference = deepseek_runs / reference_of(layout)
-    assert_same_run(deepseek_runs / layout, reference)
-    if layout.startswith("mtp_"):
-        assert_series_close(column(deepseek_runs / layout, "mtp/loss"),
-                            column(reference, "mtp/loss"), rtol=1e-5, what="mtp/loss")
+    assert_matches_reference(deepseek_runs / layout, deepseek_runs / reference_of(layout))
+
+
+def assert_matches_reference(run: Path, reference: Path) -> None:
+    """The moe parity checks, and an MTP run's own metric too."""
+    assert_same_run(run, reference)
+    if reference.name == "mtp_single":
+        assert_series_close(column(run, "mtp/loss"), column(reference, "mtp/loss"),
+                            rtol=1e-5, what="mtp/loss")
+
+
+@pytest.mark.multirank
+def test_lora_adapts_latent_attention_and_leaves_the_base_frozen(deepseek_runs: Path) -> None:
+    """The family's default targets on the query-bottleneck preset: the up-projections and
+    `wo` of every block and the dense SwiGLU carry trained adapters; at dp 2 each frozen
+    base weight is bit for bit the single process's."""
+    single = torch.load(deepseek_runs / "lora_single" / "params.pt")
+    dp2 = torch.load(deepseek_runs / "lora_dp2" / "params.pt")
+    adapted = {name.rpartition(".")[0] for name in single if ".lora_" in name}
+    for layer in range(3):
+        for linear in ("attention.wq_b", "attention.wkv_b", "attention.wo"):
+            assert f"layers.{layer}.{linear}" in adapted, (layer, linear, adapted)
+    assert "layers.0.feed_forward.w1" in adapted, adapted  # the dense block's SwiGLU
+    assert all(single[name].abs().sum() > 0 for name in single if name.endswith("lora_B"))
+    for name, ref in single.items():
+        if ".lora_" not in name:
+            assert torch.equal(dp2[name], ref), name
 
 
 @pytest.mark.multirank
@@ -86,7 +117,7 @@ def test_layout_matches_single_process(deepseek_runs: Path, layout: str) -> None
 def test_slow_layout_matches_single_process(deepseek_runs: Path, tmp_path: Path,
                                             layout: str) -> None:
     launch(SLOW_LAYOUTS[layout][0], {layout: SLOW_LAYOUTS[layout]}, tmp_path, deepseek_runs)
-    assert_same_run(tmp_path / layout, deepseek_runs / "single")
+    assert_matches_reference(tmp_path / layout, deepseek_runs / reference_of(layout))
 
 
 @pytest.mark.multirank

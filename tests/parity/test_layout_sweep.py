@@ -105,13 +105,15 @@ COMPILED_AC = {
         *SIMPLE, "--dp-replicate", "2", "--dp-shard", "2", *AC, *COMPILE]),
     "dp2_tp2_op_ac_compile": ("single", 2, ["--dp-shard", "2", "--tp", "2", "--ac", "op",
                                             *COMPILE]),
+    "simple_fsdp_dp2_tp2_ac_compile": ("single", 2, [*SIMPLE, "--dp-shard", "2", "--tp", "2",
+                                                     *AC, *COMPILE]),
 }
 """Compile with activation checkpointing under tp and SimpleFSDP: checkpointed inside each
 compiled block where the torch runs that, each compiled block checkpointed whole where it
 does not (`loom.parallel.parallelize.checkpoint_outside_compile`), exact either way.
-SimpleFSDP runs over HSDP 2 x 2 here, not with tp: torch 2.11's Dynamo fails SimpleFSDP x
-tp compiled with or without AC (`PendingUnbackedSymbolNotFound` on a _StridedShard weight);
-2.13 and 2.15 train it (measured)."""
+SimpleFSDP runs over HSDP 2 x 2 and with tp 2: torch 2.11's Dynamo fails a view of the
+stored _StridedShard weight (`PendingUnbackedSymbolNotFound`), so SimpleFSDP's gather takes
+its gradient scale on the dp-only view (`loom.parallel.simple_fsdp.Gather.replicate`)."""
 SWEEP = {
     "pp2_dp2_simple_fsdp_1f1b": ("single", 2, [*ONE_F_ONE_B, *SIMPLE, "--dp-shard", "2"]),
     "pp2_cp2_simple_fsdp_interleaved": ("single", 1, [*INTERLEAVED, "--cp", "2", *SIMPLE,

@@ -53,6 +53,13 @@ V_LAYOUTS = {
 }
 """The split-backward schedules (input gradients first, weight gradients deferred), each
 stage one FSDP2 unit (`loom.parallel.fsdp.one_unit`; sharded over dp 2 in the last)."""
+SLOW_V_LAYOUTS = {
+    "pp2_tp2_dualpipev": (4, 1, [*PP2, "--tp", "2", "--pp-schedule", "dualpipev"]),
+    "pp2_dp2_simple_fsdp_zero_bubble": (4, 2, [*PP2, "--dp-shard", "2", "--data-parallel",
+                                               "simple-fsdp", "--pp-schedule", "zero-bubble"]),
+}
+"""The V schedules with tp 2 and with SimpleFSDP over dp 2 (a stage's parameters each
+gathered on read, no FSDP2 unit to make one): another 4-rank job, so under slow."""
 
 
 def launch(world: int, layouts: dict, root: Path, common: list[str] = COMMON,
@@ -117,6 +124,18 @@ def v_runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("layout", list(V_LAYOUTS))
 def test_v_schedules_match_one_process(v_runs: Path, layout: str) -> None:
     assert_matches_single(v_runs, layout, V_LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def slow_v_runs(tmp_path_factory) -> Path:
+    return pipeline_runs(tmp_path_factory.mktemp("pp_parity_v_slow"), SLOW_V_LAYOUTS)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(SLOW_V_LAYOUTS))
+def test_v_schedules_compose_with_tp_and_simple_fsdp(slow_v_runs: Path, layout: str) -> None:
+    assert_matches_single(slow_v_runs, layout, SLOW_V_LAYOUTS)
 
 
 @pytest.mark.multirank

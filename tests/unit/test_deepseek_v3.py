@@ -3,20 +3,25 @@ multi-token prediction's loss and gradients, and the arguments' ranges."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from loom.cli import config_toml
 from loom.config import parse_args
 from loom.errors import ConfigError
+from loom.lora.converter import checked_targets
 from loom.models.deepseek_v3.args import SHAPES, DeepseekV3Args
 from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
 from loom.plan.command import Plan, parameter_counts, report
+from tests.deepseek_folders import save_deepseek
+from tests.harness import run_process
 
 TINY = DeepseekV3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64,
                       hidden_dim=48, n_experts=8, top_k=2, moe_hidden_dim=16,
@@ -82,6 +87,27 @@ def test_mtp_loss_trains_the_shared_embedding_and_head_and_leaves_eval_alone() -
         assert torch.equal(model(tokens), plain.eval()(tokens))
 
 
+def test_each_mtp_depth_reads_the_embedding_of_the_token_that_many_ahead() -> None:
+    """The model shifts token ids (one embedding call, sequence-sharded under tp); the loss
+    equals the definition's: depth d's input at i is the embedding of token i+d (zeros past
+    the end), its logits at i scored against token i+d+1."""
+    model = built(replace(TINY, mtp_layers=2)).train()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    model(tokens)
+    with torch.no_grad():
+        embedded = model.tok_embeddings(tokens)
+        prev, losses = embedded, []
+        for layer in model.layers.values():
+            prev = layer(prev, model.rope)
+        for depth, module in enumerate(model.mtp.values(), start=1):
+            shifted = torch.zeros_like(embedded)
+            shifted[:, :-depth] = embedded[:, depth:]
+            prev, normed = module(prev, shifted, model.rope)
+            logits = model.output(normed)[:, :16 - depth - 1]
+            losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, depth + 1:].flatten()))
+    torch.testing.assert_close(model.mtp_loss, torch.stack(losses).mean(), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(("change", "message"), [
     (dict(kv_lora_rank=0), "kv_lora_rank"), (dict(n_group=3), "n_group"),
     (dict(qk_rope_head_dim=7), "not even"), (dict(topk_group=2, n_group=1), "topk_group"),
@@ -132,3 +158,68 @@ def test_loom_plan_prints_the_published_parameter_counts() -> None:
     line = report(plan, cfg, "H100").splitlines()[1]
     assert line == (f"parameters: {counts['parameters'] / 1e9:.2f}B, "
                     f"{counts['active_parameters'] / 1e9:.2f}B active per token")
+
+
+@pytest.mark.parametrize("mode", ["eager", "chunked", "chunked-backward", "compiled",
+                                  "loss-parallel", "fused-linear"])
+@pytest.mark.parametrize("doc_mask", [False, True])
+def test_mtp_is_refused_only_with_a_loss_it_cannot_take(mode: str, doc_mask: bool) -> None:
+    """Every --loss-impl against MTP: the logits modes run it (loss-parallel at --tp 1 is
+    the compiled one); fused-linear (hidden states out) and --doc-mask are refused in one
+    line naming the flags, from the preset's MTP module or --mtp-layers alike."""
+    extra = ["--loss-impl", mode, *(["--doc-mask"] if doc_mask else [])]
+    for argv in (["--model", "deepseek-v3-mtp-debug"],
+                 ["--model", "deepseek-v3-debug", "--mtp-layers", "2"]):
+        argv = [*argv, "--dataset", "random", *extra]
+        if mode != "fused-linear" and not doc_mask:
+            assert model_args(parse_args(argv)).mtp_layers >= 1
+            continue
+        with pytest.raises(ConfigError, match="multi-token prediction") as refused:
+            parse_args(argv)
+        named = ["--loss-impl fused-linear"] * (mode == "fused-linear") + ["--doc-mask"] * doc_mask
+        assert all(name in str(refused.value) for name in named), refused.value
+    parse_args(["--model", "deepseek-v3-mtp-debug", "--dataset", "random", "--mtp-layers", "0",
+                *extra])  # without MTP modules both are fine
+    tp2 = ["--model", "deepseek-v3-mtp-debug", "--dataset", "random", "--tp", "2"]
+    if mode == "loss-parallel" and not doc_mask:  # the vocabulary-sharded logits: refused
+        with pytest.raises(ConfigError, match="--loss-impl loss-parallel"):
+            parse_args([*tp2, *extra])
+    elif mode != "fused-linear" and not doc_mask:  # tp shards the sequence: MTP runs
+        assert parse_args([*tp2, *extra]).parallel.tp == 2
+
+
+@pytest.mark.parametrize("source", ["preset", "hub_folder"])
+def test_loom_train_refuses_mtp_with_a_loss_it_cannot_take_in_one_line(tmp_path,
+                                                                        source: str) -> None:
+    """The preset's MTP module with --doc-mask; a DeepseekV3ForCausalLM folder (its family
+    known only once its config is read) given --mtp-layers with the fused loss."""
+    argv = ["--model", "deepseek-v3-mtp-debug", "--doc-mask"]
+    if source == "hub_folder":
+        argv = ["--model", str(save_deepseek(tmp_path / "ds", tokenizer=False)),
+                "--mtp-layers", "1", "--loss-impl", "fused-linear"]
+    proc = run_process([sys.executable, "-m", "loom", "train", *argv, "--dataset", "random",
+                        "--seq-len", "32", "--max-steps", "1", "--outdir", str(tmp_path / "out")])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert "multi-token prediction" in errors[0] and argv[-1] in errors[0], errors
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("q_lora_rank", "query"), [("0", "attention.wq"),
+                                                    ("32", "attention.wq_b")])
+def test_lora_defaults_take_the_query_projection_the_shape_has(q_lora_rank: str,
+                                                              query: str) -> None:
+    """The family names both query projections; a model has one (`--q-lora-rank`), and
+    the default targets are those its blocks hold (a named missing one is refused)."""
+    argv = ["--model", "deepseek-v3-debug", "--dataset", "random", "--lora-rank", "4",
+            "--q-lora-rank", q_lora_rank]
+    cfg = parse_args(argv)
+    with torch.device("meta"):
+        targets = checked_targets(cfg, plain_model(cfg)).split(",")
+    assert targets[0] == query and {"attention.wkv_b", "attention.wo"} <= set(targets)
+    assert ({"attention.wq", "attention.wq_b"} - {query}).isdisjoint(targets)
+    other = "attention.wq_b" if query == "attention.wq" else "attention.wq"
+    with pytest.raises(ConfigError, match="not a linear layer"):
+        cfg = parse_args([*argv, "--lora-targets", other])
+        with torch.device("meta"):
+            checked_targets(cfg, plain_model(cfg))

@@ -226,6 +226,47 @@ UNTESTED: frozenset[frozenset[str]] = frozenset()
 moves its pair to `TESTED`)."""
 
 
+_DEEPSEEK = "tests/parity/test_deepseek_v3_parity.py::"
+FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
+    "deepseek-v3": {
+        "ep": f"{_DEEPSEEK}test_layout_matches_single_process[ep2]",
+        "tp": f"{_DEEPSEEK}test_layout_matches_single_process[tp2]",
+        "pp-1f1b": f"{_DEEPSEEK}test_pp2_matches_single_process",
+        "ep (4 ranks)": f"{_DEEPSEEK}test_slow_layout_matches_single_process[ep4]",
+        "tp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process[tp2_ep2]",
+        "cp": f"{_DEEPSEEK}test_slow_layout_matches_single_process[cp2]",
+        "simple-fsdp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
+                            "[simple_fsdp_ep2]",
+        "ep + ac + compile": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
+                             "[ep2_ac_compile]",
+        "MTP + ep": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_ep2]",
+        "MTP + tp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_tp2]",
+        "MTP + tp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process[mtp_tp2_ep2]",
+        "dp_replicate + dp_shard": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
+                                   "[hsdp2x2]",
+        "LoRA + dp_shard": f"{_DEEPSEEK}test_layout_matches_single_process[lora_dp2]",
+        "Hugging Face folder, tp + ep": f"{_DEEPSEEK}test_imported_folder_trains_at_tp2_ep2_"
+                                        "like_one_process",
+    },
+}
+"""Family -> layout -> the parity test that runs it on that family's own modules (the
+matrix above runs loom's dense and MoE models; a family with its own attention or heads
+names its layouts here)."""
+
+FAMILY_REFUSALS: dict[str, tuple[str, ...]] = {
+    "deepseek-v3": (
+        "multi-token prediction (`--mtp-layers` > 0) with `--cp` or `--pp` "
+        "(`loom.parallel.deepseek_v3_plan.refuse_mtp`): a depth reads the tokens after each "
+        "position, which cp puts on other ranks, and the shared embedding and head, which pp "
+        "puts on different stages",
+        "multi-token prediction with `--loss-impl fused-linear`, `--loss-impl loss-parallel` "
+        "at tp > 1 or `--doc-mask` (`DeepseekV3Flags.check`): its loss runs on the plain "
+        "head's full logits over whole sequences",
+    ),
+}
+"""Family -> the layouts and losses it refuses in one line, and why."""
+
+
 def refusal_for(cfg: JobConfig) -> Refusal | None:
     """The first table entry that refuses this configuration, or None."""
     return next((r for r in REFUSALS if r.applies(cfg)), None)

@@ -8,7 +8,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from loom.config.compose import FEATURES, REFUSALS, TORCH_CHECKED, cell, pairs
+from loom.config.compose import (
+    FAMILY_LAYOUTS,
+    FAMILY_REFUSALS,
+    FEATURES,
+    REFUSALS,
+    TORCH_CHECKED,
+    cell,
+    pairs,
+)
 
 BEGIN, END = "<!-- composition-matrix:begin -->", "<!-- composition-matrix:end -->"
 _MARK = {"composes": "✓", "refused": "✗", "untested": "?", "same flag": "—"}
@@ -32,9 +40,21 @@ def render() -> str:
         shown = f"`{detail}`" if status == "composes" else detail
         lines.append(f"- `{a}` × `{b}`: {status}: {shown}")
     others = [r.why for r in REFUSALS if not r.cells]
-    lines += ["", "Further refused combinations:", "", *(f"- {why}" for why in others), "",
-              END]
+    lines += ["", "Further refused combinations:", "", *(f"- {why}" for why in others),
+              *family_lines(), "", END]
     return "\n".join(lines)
+
+
+def family_lines() -> list[str]:
+    """Each family with its own modules: the layouts its parity tests run, its refusals."""
+    lines = []
+    for family, layouts in FAMILY_LAYOUTS.items():
+        lines += ["", f"The `{family}` family's layouts, each matching one process:", "",
+                  *(f"- {layout}: `{test}`" for layout, test in layouts.items())]
+        refused = FAMILY_REFUSALS.get(family, ())
+        lines += ["", f"Refused in the `{family}` family:", "", *(f"- {why}" for why in refused)] \
+            if refused else []
+    return lines
 
 
 def with_matrix(text: str) -> str:

@@ -179,8 +179,9 @@ def checked_targets(cfg: JobConfig, model: nn.Module) -> str | None:
     if lo.lora_targets is None and not spec.lora_targets:
         raise ConfigError(f"--lora-rank: the {spec.name} family names no default LoRA "
                           "targets; pass --lora-targets")
-    targets = expand_targets(lo.lora_targets) if lo.lora_targets else spec.lora_targets
     blocks = list(blocks_of(model).children())
+    targets = expand_targets(lo.lora_targets) if lo.lora_targets else \
+        [t for t in spec.lora_targets if any(_has(b, t) for b in blocks)]  # this model's shape
     for target in targets:
         found = [m for b in blocks if _has(b, target)
                  for m in [b.get_submodule(target)] if type(m) is nn.Linear]

@@ -186,7 +186,9 @@ class ModelSpec:
     """Hugging Face architectures served natively by this family."""
     lora_targets: tuple[str, ...] = ()
     """The linears within a block that `--lora-rank` adapts by default (module paths
-    relative to the block); empty: the user names them with --lora-targets."""
+    relative to the block; those no block of a model has are skipped, so a family whose
+    shape decides a layer, as DeepSeek-V3's query bottleneck does, names each variant);
+    empty: the user names them with --lora-targets."""
     description: str = ""
     block_inputs: Callable[[nn.Module], tuple[Any, ...]] = lambda model: ()
     """What a block's forward takes after the hidden states (Llama: the RoPE table)."""

@@ -59,19 +59,20 @@ def block_tp_plan(block: nn.Module, styles: Styles) -> dict:
     return plan
 
 
-def refuse_mtp(model: nn.Module, layout: str) -> None:
-    """Multi-token prediction shifts whole sequences and needs the embedding and the head
-    in one module: a layout that splits them refuses in one line."""
+def refuse_mtp(model: nn.Module, layout: str, why: str) -> None:
+    """A layout multi-token prediction cannot run under yet refuses in one line."""
     if getattr(model, "mtp", None) is not None:
         raise ConfigError(f"deepseek-v3 multi-token prediction does not run under {layout} "
-                          "yet (it shifts whole sequences through the embedding and head); "
-                          "use a model without MTP modules (mtp_layers 0)")
+                          f"yet ({why}); use a model without MTP modules (--mtp-layers 0)")
+
+
+CP_WHY = "cp splits each sequence, and a depth reads the tokens after each position"
+PP_WHY = "its modules read the embedding, on the first stage, and the head, on the last"
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Sequence-parallel norms and embedding, head-split attention, the dense blocks'
     SwiGLU split as Llama's; logits replicated or vocab-sharded (loss parallel)."""
-    refuse_mtp(model, "--tp")
     outer = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -81,9 +82,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     parallelize_module(model, tp_mesh, {name: style for name, style in outer.items()
                                         if getattr(model, name) is not None})
     float8_comm = carries_float8(tp_mesh)
-    for block in model.layers.values():
+    mtp = list(model.mtp.values()) if getattr(model, "mtp", None) is not None else []
+    for module in mtp:
+        parallelize_module(module, tp_mesh, MTP_TP_PLAN)
+    for block in [*model.layers.values(), *(module.block for module in mtp)]:
         parallelize_module(block, tp_mesh, block_tp_plan(block, Styles(block, float8_comm)))
         block.attention.shared_key.register_forward_hook(partial(_summed_over, tp_mesh))
+
+
+MTP_TP_PLAN = {"enorm": SequenceParallel(), "hnorm": SequenceParallel(),
+               "eh_proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1)),
+               "norm": SequenceParallel()}
+"""An MTP module under tp: its inputs (the shifted tokens' embeddings, the previous depth's
+hidden state) arrive sequence-sharded like a block's; the norms stay sequence-parallel and
+the joint projection gathers the sequence, splits its output channels, and hands its
+block the sequence-sharded layout the block's plan takes."""
 
 
 def deepseek_v3_plan(model: nn.Module) -> ModelPlan:
@@ -97,13 +110,13 @@ def deepseek_v3_plan(model: nn.Module) -> ModelPlan:
         apply_moe_parallel(model, dims)
 
     def context_parallel(summed) -> None:
-        refuse_mtp(model, "--cp")
+        refuse_mtp(model, "--cp", CP_WHY)
         complete_sequences(model, summed)
 
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         if model.tok_embeddings is None or model.norm is None:
-            refuse_mtp(model, "--pp")
+            refuse_mtp(model, "--pp", PP_WHY)
         plan.after = [*mtp.values(), *plan.after]
     plan.tensor_parallel = tensor_parallel
     plan.context_parallel = context_parallel

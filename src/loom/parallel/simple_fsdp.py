@@ -145,18 +145,20 @@ class Gather:
     def gather(self, param: DTensor, pending: torch.Tensor | None) -> torch.Tensor:
         """All-gathered in forward; in backward the gradient (plus the `pending` one, which
         needs the gather uncast so the sum is taken in its dtype) is reduced and scaled."""
-        x = _ScaleGrad.apply(param, self.grad_scale)
         if pending is None:
-            return self.rewrap(self.replicate(x, self.param_dtype))
-        local = _AddGrad.apply(self.replicate(x, None), pending)
+            return self.rewrap(self.replicate(param, self.param_dtype))
+        local = _AddGrad.apply(self.replicate(param, None), pending)
         return self.rewrap(local if self.param_dtype is None else local.to(self.param_dtype))
 
     def replicate(self, x: DTensor, dtype: torch.dtype | None) -> torch.Tensor:
         """The full (over dp) local tensor, cast to `dtype` before the all-gather; backward
-        reduces its gradient, declared partial, in the reduce dtype."""
+        reduces its gradient, declared partial, in the reduce dtype, and scales it. The
+        scale is taken on the dp-only view: torch 2.11's Dynamo fails a view of the stored
+        (_StridedShard) DTensor (`PendingUnbackedSymbolNotFound`)."""
         if self.inner_mesh is not None:  # view the local TP/EP shard as a dp-only DTensor
             x = DTensor.from_local(x.to_local(), self.dp_mesh, self.dp_placements,
                                    shape=self.inner_shape, stride=_contiguous(self.inner_shape))
+        x = _ScaleGrad.apply(x, self.grad_scale)
         n = self.dp_mesh.ndim
         return x.redistribute(self.dp_mesh, [Replicate()] * n, forward_dtype=dtype,
                               backward_dtype=self.reduce_dtype,

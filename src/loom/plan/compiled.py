@@ -10,10 +10,13 @@ code and this module supplies the two differences compile makes:
   saved outputs are weighed against what the same block saves when it runs eager.
 - The compiled cross-entropy fuses log-softmax, NLL and their backward: it keeps the
   logits and one fp32 value per row, and writes the gradient straight in the logits'
-  dtype. `CompiledLossMemory` allocates exactly that and computes nothing.
+  dtype. `CompiledLossMemory` allocates exactly that and computes nothing. Compiled in
+  one graph with the model (one process, `loss_in_graph`), the gradient overwrites the
+  logits, a buffer the backward graph owns (`DonatedLossMemory`).
 
 Both were checked against allocator-level measurements of real compiled CPU steps
-(benchmarks/plan_accuracy.py).
+(benchmarks/plan_accuracy.py); the donated loss also against three compiled steps on one
+H200 (tests/unit/plan/test_device_runs.py).
 """
 
 from __future__ import annotations
@@ -138,5 +141,19 @@ class CompiledLossMemory(torch.autograd.Function):
         return torch.empty_like(logits), None
 
 
-def compiled_loss_memory(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return CompiledLossMemory.apply(logits.flatten(0, -2), labels.flatten())
+class DonatedLossMemory(CompiledLossMemory):
+    """The same loss compiled in one graph with the model that made the logits (--compile
+    at one process): the logits are an intermediate the backward graph owns (AOTAutograd's
+    donated buffers), so inductor writes their gradient into their own storage and the
+    backward allocates nothing logits-sized. For traces under fake tensors only."""
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits, _ = ctx.saved_tensors
+        return logits, None
+
+
+def compiled_loss_memory(logits: torch.Tensor, labels: torch.Tensor,
+                         donated: bool = False) -> torch.Tensor:
+    loss = DonatedLossMemory if donated else CompiledLossMemory
+    return loss.apply(logits.flatten(0, -2), labels.flatten())

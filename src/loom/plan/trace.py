@@ -43,6 +43,7 @@ from loom.plan.compiled import compiled_loss_memory
 from loom.protocols.extensions import convert_model
 from loom.runtime.distributed import caller_excepthook
 from loom.runtime.scope import logger_levels
+from loom.trainer.executor import loss_in_graph
 from loom.trainer.optim import build_optimizer, clip_grad_norm
 from loom.trainer.step import document_ids
 
@@ -124,10 +125,14 @@ plan traces FSDP2 at one rank: the same parameters, gradients and optimizer stat
 unwrapped model training runs, plus FSDP2's unshard buffers (the plan errs high by those)."""
 
 
-def traced_criterion(cfg: JobConfig, head: torch.nn.Module | None, tp: int) -> Criterion:
-    """`build_criterion`, with the compiled loss's memory in place of torch.compile."""
-    if cfg.loss.loss_impl == "compiled":
-        return Criterion(lambda logits, labels: compiled_loss_memory(localise(logits), labels))
+def traced_criterion(cfg: JobConfig, head: torch.nn.Module | None, tp: int,
+                     in_graph: bool = False) -> Criterion:
+    """`build_criterion`, with the compiled loss's memory in place of torch.compile; also
+    where the loss compiles into the model's graph (`in_graph`: --compile at one process,
+    `loss_in_graph`), which fuses the eager cross-entropy as --loss-impl compiled does."""
+    if cfg.loss.loss_impl == "compiled" or in_graph:
+        return Criterion(lambda logits, labels: compiled_loss_memory(localise(logits), labels,
+                                                                     donated=in_graph))
     return build_criterion(cfg.loss, head, tp)
 
 
@@ -179,6 +184,7 @@ def trace_step(cfg: JobConfig, world_size: int,
     The optimizer step runs outside the tracker: under fake tensors the fused AdamW kernel
     reports out-of-place copies of every state that the real in-place kernel never makes
     (measured; the real step's peak is in backward, see benchmarks/plan_accuracy.py)."""
+    in_graph = loss_in_graph(cfg, ParallelDims.from_config(cfg.parallel, world_size))
     cfg = settled(cfg, **TRACEABLE)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.build_mesh("cpu")
@@ -195,7 +201,8 @@ def trace_step(cfg: JobConfig, world_size: int,
         model.to_empty(device="cpu")
         model.init_buffers(torch.device("cpu"))
         optimizer = build_optimizer(model, cfg.optim)
-        step = _stage_step(model, cfg, dims, stage) if stage else _model_step(model, cfg, dims)
+        step = (_stage_step(model, cfg, dims, stage) if stage
+                else _model_step(model, cfg, dims, in_graph))
         step(lambda: None, lambda: None)
         optimizer.step()  # creates the optimizer state: the next step is the steady state
         optimizer.zero_grad(set_to_none=True)
@@ -242,12 +249,14 @@ def traced_documents(tokens: torch.Tensor, cfg: JobConfig) -> torch.Tensor | Non
     return document_ids(tokens.new_zeros(tokens.shape[0], cfg.data.seq_len), 0)
 
 
-def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims) -> Step:
+def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
+                in_graph: bool = False) -> Step:
     """`Trainer.train_step` up to the optimizer step, for one micro-batch of this rank's
     tokens (a 1/cp share of each sequence under context parallel); under --grad-accum-steps
     for two, the second beside the first's gradients: unreduced (--accum-reduce step) or
-    reduced into the sharded ones, as the accumulation loop leaves them."""
-    criterion = traced_criterion(cfg, output_of(model), dims.tp)
+    reduced into the sharded ones, as the accumulation loop leaves them. `in_graph`: the
+    loss compiles with the model (`traced_criterion`)."""
+    criterion = traced_criterion(cfg, output_of(model), dims.tp, in_graph)
     tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len // dims.cp, dtype=torch.long)
     documents = traced_documents(tokens, cfg)
 

@@ -165,6 +165,8 @@ class AccumulationExecutor(StepExecutor):
 
     @torch.no_grad()
     def loss_sum(self, batch: Batch) -> torch.Tensor:
+        if self.marks_steps:  # each evaluation batch is a new replay, as each step is
+            torch.compiler.cudagraph_mark_step_begin()
         inputs, labels = self.to_device(batch)
         return self.owned(self.micro_loss(self.parts[0], inputs, labels,
                                           self.documents(inputs))[0])

@@ -5,6 +5,7 @@ an untested gap that validation accepts; nothing is both, nothing is neither."""
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 from loom.compat import checkpoint_inside_compile_saves_mesh, v_schedules_send_to_own_rank
 from loom.config import ConfigError, config_from_flags
 from loom.config.compose import (
+    FAMILY_LAYOUTS,
     FEATURES,
     REFUSALS,
     SAME_FLAG,
@@ -98,8 +100,9 @@ def test_cp_takes_the_moe_balance_loss() -> None:
 
 
 def test_each_tested_cell_names_a_collected_test() -> None:
-    ids = collected({test.split("::")[0] for test in TESTED.values()})
-    missing = sorted(test for test in TESTED.values() if test not in ids)
+    tests = [*TESTED.values(), *(t for family in FAMILY_LAYOUTS.values() for t in family.values())]
+    ids = collected({test.split("::")[0] for test in tests})
+    missing = sorted(test for test in tests if test not in ids)
     assert not missing, missing
 
 
@@ -122,3 +125,13 @@ def test_the_refusals_off_the_matrix_still_refuse() -> None:
     for text, flags in cases.items():
         with pytest.raises(ConfigError, match=text):
             config_from_flags(flags, environ={})
+
+
+def test_each_refusal_names_its_reproduction() -> None:
+    """A refusal rests on a test that reproduces the failure on the torch it names (and
+    fails the day torch changes): every row's reason names such a test file, which exists."""
+    for refusal in REFUSALS:
+        named = re.findall(r"tests/[\w/]+\.py", refusal.why)
+        assert named, f"no reproduction test named: {refusal.why[:100]}"
+        missing = [path for path in named if not (REPO / path).is_file()]
+        assert not missing, missing

@@ -90,3 +90,15 @@ def test_each_reduce_overhead_step_marks_its_begin_once(tmp_path, monkeypatch,
                           [*compiled, "--compile-mode", "reduce-overhead",
                            "--grad-accum-steps", "2"]) == [1, 1, 1]
     assert marks_per_step(tmp_path / "b", monkeypatch, compiled) == [0, 0, 0]
+
+
+def test_each_evaluation_batch_in_reduce_overhead_mode_marks_its_begin(
+        tmp_path, monkeypatch, process_group) -> None:
+    """Validation batches replay the compiled forward too: each marks its begin (the
+    previous batch's loss was already added up), so a validation between steps neither
+    re-records the graphs nor reads an output a replay overwrote. Two batches per
+    validation, one validation after each step: 1 + 2 marks a step."""
+    compiled = ["--compile", "--compile-backend", "aot_eager", "--compile-mode",
+                "reduce-overhead"]
+    evals = ["--val-fraction", "0.5", "--eval-every", "1", "--eval-steps", "2"]
+    assert marks_per_step(tmp_path / "a", monkeypatch, [*compiled, *evals]) == [3, 3, 3]

@@ -114,22 +114,25 @@ class DeepseekV3(MoETransformer):
         if not (self.mtp is not None and self.training and torch.is_grad_enabled()):
             return super().forward(tokens, return_hidden, positions, documents, mask,
                                    head_apply)
-        if (positions is not None or documents is not None or head_apply is not None
-                or return_hidden or self.hidden_output or self.tok_embeddings is None):
-            raise NotImplementedError("multi-token prediction runs on whole sequences with "
-                                      "plain logits only (no cp, pp, --doc-mask or fused loss)")
+        # refused before a model is built: DeepseekV3Flags.check and the parallel plan
+        assert (positions is None and documents is None and head_apply is None
+                and not (return_hidden or self.hidden_output)
+                and self.tok_embeddings is not None), "MTP needs whole sequences, plain logits"
         return self.forward_with_mtp(tokens)
 
     def forward_with_mtp(self, tokens: torch.Tensor) -> torch.Tensor:
-        embedded = self.tok_embeddings(tokens)
-        h = embedded
+        """The tokens are shifted, not their embeddings: one embedding call for every
+        depth, whose output tp may hold sequence-sharded (a shift would cross shards)."""
+        depths = len(self.mtp)
+        # at depth d position i sees token i+d; the last d see token 0, which only
+        # later positions attend to and no loss reads
+        shifted = [F.pad(tokens[:, d:], (0, d)) for d in range(1, depths + 1)]
+        h, *embedded = self.tok_embeddings(torch.cat([tokens, *shifted])).chunk(1 + depths)
         for layer in self.layers.values():
             h = layer(h, self.rope)
         hidden, prev = [self.norm(h)], h
-        for depth, module in enumerate(self.mtp.values(), start=1):
-            # position i sees token i+depth; the last `depth` positions have none: padded
-            shifted = F.pad(embedded[:, depth:], (0, 0, 0, depth))
-            prev, normed = module(prev, shifted, self.rope)
+        for module, shifted_embedded in zip(self.mtp.values(), embedded, strict=True):
+            prev, normed = module(prev, shifted_embedded, self.rope)
             hidden.append(normed)
         logits = self.output(torch.cat(hidden, dim=0))  # one head call: (B * (1 + D), T, V)
         main, *extra = logits.chunk(len(hidden), dim=0)
