@@ -1,5 +1,5 @@
 """The phases that may hold a rank's peak, and the largest of them. Above `plan.memory`
-(one traced step, extrapolated in depth) and `plan.pipeline` (each stage's phases, built
+(one traced step, extrapolated in depth) and `plan.pipeline_memory` (each stage's phases, built
 on it): the choice between the two needs both."""
 
 from __future__ import annotations
