@@ -109,8 +109,6 @@ def check_supported(cfg: JobConfig) -> None:
     if m.runs_transformers:
         raise ConfigError(f"loom plan traces native families, not transformers' module of "
                           f"{m.model}")
-    if p.data_parallel != "fsdp2":
-        raise ConfigError("loom plan traces --data-parallel fsdp2 only")
     if moe_flags(m).n_experts and p.pp > 1:
         raise ConfigError("loom plan cannot model --pp with a mixture-of-experts model yet")
     if moe_flags(m).n_experts and p.dtype == "fp32":
@@ -194,6 +192,10 @@ def plan_main(argv: Sequence[str]) -> int:
         if moe_flags(cfg.model).n_experts:
             print("warning: loom plan's MoE memory figures are validated on moe-debug only "
                   "(docs/planning.md)", file=sys.stderr, flush=True)
+        if cfg.parallel.data_parallel == "simple-fsdp":
+            print("note: loom plan traces --data-parallel simple-fsdp as FSDP2 (the same "
+                  "shards; its gathers taken as FSDP2's per-block unshard)", file=sys.stderr,
+                  flush=True)
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
             default_cache_dir()
         if options.search:

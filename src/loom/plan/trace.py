@@ -117,12 +117,15 @@ def layer_settings(cfg: JobConfig, n_layers: int) -> dict[str, int]:
             "n_dense_layers": min(moe_flags(cfg.model).n_dense_layers, n_layers)}
 
 
-TRACEABLE = {"compile": False, "single_device": "fsdp2"}
+TRACEABLE = {"compile": False, "single_device": "fsdp2", "data_parallel": "fsdp2"}
 """The settings a traced step runs under (`settled`). Dynamo cannot compile under the
 tracker's dispatch modes, so the trace runs eager blocks (`loom.plan.memory` applies what
 compile saves) and `traced_criterion`. The tracker follows FSDP2 units, so a one-process
 plan traces FSDP2 at one rank: the same parameters, gradients and optimizer state as the
-unwrapped model training runs, plus FSDP2's unshard buffers (the plan errs high by those)."""
+unwrapped model training runs, plus FSDP2's unshard buffers (the plan errs high by those).
+SimpleFSDP is traced as FSDP2 for the same reason: the same parameter, gradient and
+optimizer shards; its own gathers (per parameter on access, or compile's buckets) are
+taken to hold what FSDP2's per-block unshard holds."""
 
 
 def traced_criterion(cfg: JobConfig, head: torch.nn.Module | None, tp: int,
