@@ -75,10 +75,10 @@ def load(mode: str, folder: str) -> None:
 
     from loom.config import parse_args
     from loom.config.resolved import settled
+    from loom.hf import load as hf_load
     from loom.hf.model_config import hf_model_shape
     from loom.models.resolve import plain_model
     from loom.models.transformers.model import load_hf_model
-    from loom.hf import load as hf_load
     from loom.parallel.init import load_weights
     from loom.parallel.mesh import ParallelDims
     from loom.parallel.parallelize import parallelize
