@@ -132,9 +132,11 @@ def param_count(model_cfg: ModelConfig) -> tuple[int, int]:
 
 
 def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
-                 share: float = 1.0) -> tuple[float, float]:
+                 share: float = 1.0, stretch: float = 1.0) -> tuple[float, float]:
     """(overlappable FSDP seconds, exposed tp/cp/ep/pp seconds) of one step on one rank
-    holding `share` of the parameters (pipeline: its stages')."""
+    holding `share` of the parameters and layers (pipeline: its stages'). The per-layer
+    collectives run inside each stage's micro-batch, so the schedule's bubble `stretch`
+    lengthens them as it does the compute; the pipeline's sends count their own slots."""
     p, m = cfg.parallel, cfg.model
     total, experts = param_count(cfg.model)
     param_bytes = 4 if p.dtype == "fp32" else 2
@@ -153,6 +155,20 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
     if dims.dp_replicate > 1:  # HSDP: all-reduce of the shard's gradients across replicas
         fsdp_s += reduced * 2 * (dense / shard) * grad_bytes / bandwidth(device, dims.world_size)
     act = cfg.train.batch_size * cfg.data.seq_len // dims.cp * m.dim * param_bytes
+    exposed = _layer_collectives(cfg, dims, device, act) * share * stretch
+    if dims.pp_enabled:  # each micro-batch's activation forward, its gradient back, on the
+        # critical path once per schedule slot (M + pp - 1)
+        m_count = choose_microbatches(p, cfg.train.batch_size)
+        exposed += ((m_count + dims.pp - 1) * 2 * act / m_count / dims.tp
+                    / bandwidth(device, dims.world_size))
+    return fsdp_s, exposed * accum  # the exposed terms are one micro-batch's
+
+
+def _layer_collectives(cfg: JobConfig, dims: ParallelDims, device: str, act: int) -> float:
+    """Seconds of the tp, ep and cp collectives every layer of the model waits on, for one
+    micro-batch of `act` activation bytes (a pipeline rank runs its share of them)."""
+    p, m = cfg.parallel, cfg.model
+    param_bytes = 4 if p.dtype == "fp32" else 2
     exposed = 0.0
     if dims.tp > 1:  # sequence parallel: all-gathers and reduce-scatters of every block
         exposed += (m.n_layers * tp_collective_units(cfg) * act * (dims.tp - 1) / dims.tp
@@ -170,12 +186,7 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
         kv = cfg.train.batch_size * cfg.data.seq_len * m.n_kv_heads * (m.dim // m.n_heads)
         exposed += (m.n_layers * passes * 2 * kv / dims.tp * param_bytes * (dims.cp - 1)
                     / dims.cp / bandwidth(device, dims.cp * dims.tp))
-    if dims.pp_enabled:  # each micro-batch's activation forward, its gradient back, on the
-        # critical path once per schedule slot (M + pp - 1)
-        m_count = choose_microbatches(p, cfg.train.batch_size)
-        exposed += ((m_count + dims.pp - 1) * 2 * act / m_count / dims.tp
-                    / bandwidth(device, dims.world_size))
-    return fsdp_s, exposed * accum  # the exposed terms are one micro-batch's
+    return exposed
 
 
 def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path) -> StepTime:
@@ -206,6 +217,6 @@ def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path)
     if muon:
         ns_peak, _ = device_peak(device, torch_dtype(cfg.optim.muon_ns_dtype), cache)
         compute += muon / (ns_peak * EFFICIENCY)
-    fsdp_s, exposed = comm_seconds(cfg, dims, device, share)
+    fsdp_s, exposed = comm_seconds(cfg, dims, device, share, stretch)
     exposed += max(0.0, fsdp_s - compute)
     return StepTime(compute + exposed, compute, exposed, source)
