@@ -6,7 +6,8 @@ tensors) at reduced depth, extrapolated per block like memory. Every rank does 1
 (dp splits the batch, tp the matmuls, cp the sequence, pp the layers, see
 `predict_step_time` for the pipeline's bubble); activation checkpointing adds the
 recomputed forward; --float8's linears run at the float8 peak, their casts cost memory
-traffic (`loom.plan.float8`). Communication volume is derived from the layout: FSDP
+traffic (`loom.plan.float8`); without --compile the pointwise ops inductor would fuse cost
+their own traffic (`loom.plan.fusion`). Communication volume is derived from the layout: FSDP
 all-gathers (forward and, when resharding, backward again) and reduce-scatters overlap with
 compute; tensor and expert parallel collectives, cp's K/V all-gathers and pp's sends sit on
 the critical path.
@@ -36,6 +37,7 @@ from loom.plan.float8 import (
     gathered_weight_bytes,
     tp_collective_units,
 )
+from loom.plan.fusion import unfused_seconds
 from loom.plan.memory import traced_depths
 from loom.plan.muon import muon_flops_per_rank
 from loom.plan.pipeline_memory import compute_share
@@ -212,7 +214,8 @@ def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path)
     fast = float8_flops(cfg) * per_rank if float8_peak(device) else 0.0  # --float8 linears
     compute = ((flops - fast) / peak + fast / (float8_peak(device) or peak)) / EFFICIENCY
     tokens = cfg.train.batch_size * cfg.data.seq_len / dims.cp * share * cfg.train.grad_accum_steps
-    compute = (compute + cast_seconds(cfg, tokens, dims.tp, extra_forward, device)) * stretch
+    compute += cast_seconds(cfg, tokens, dims.tp, extra_forward, device)
+    compute = (compute + unfused_seconds(cfg, tokens, dims.tp, device)) * stretch
     muon = muon_flops_per_rank(cfg, world_size)  # after the pipeline drains: no bubble
     if muon:
         ns_peak, _ = device_peak(device, torch_dtype(cfg.optim.muon_ns_dtype), cache)
