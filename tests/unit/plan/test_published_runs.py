@@ -5,11 +5,12 @@ Source: torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md` (December 202
 is the caching allocator's reserved peak. Table 1: Llama 3.1 8B, 8 GPUs, FSDP, local batch
 2, selective (per-op) activation checkpointing; seq 8192 is torchtitan 9dec370's
 `train_configs/llama3_8b.toml`; Table 3: the same on 128 GPUs. Table 4: 70B, 256 GPUs,
-FSDP 32 x TP 8, local batch 16, full AC, torch.compile, Float8 (the "2D" row; "2D + AsyncTP" is 876 tok/s, 67.6 GiB); seq
-8192 from its `llama3_70b.toml`; loss parallel is torchtitan's default under tp. Table 5:
-405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, 1F1B against interleaved 1F1B (TABLE_5); Table 6:
-the same model at TP 8 x PP 8 x CP 1-8, 1F1B, seq 32768-262144. The rows,
-planned values and the reasons for the misses are in docs/planning.md.
+FSDP 32 x TP 8, local batch 16, full AC, torch.compile, Float8 (the "2D" row; "2D +
+AsyncTP" is 876 tok/s, 67.6 GiB); seq 8192 from its `llama3_70b.toml`; loss parallel is
+torchtitan's default under tp. Table 5: 405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, 1F1B against
+interleaved 1F1B (TABLE_5); Table 6: the same model at TP 8 x PP 8 x CP 1-8, 1F1B, seq
+32768-262144. The rows, planned values and the reasons for the misses are in
+docs/planning.md.
 """
 
 from __future__ import annotations
