@@ -48,7 +48,8 @@ def saved_bytes_per_token(cfg: JobConfig) -> dict[str, float]:
     head_dim = m.dim // m.n_heads
     return {"norm": 2 * m.dim * SAVED_BYTES["norm"],
             "rope": (m.n_heads + m.n_kv_heads) * head_dim * SAVED_BYTES["rope"],
-            "swiglu": args.ffn_hidden_dim * SAVED_BYTES["swiglu"]}
+            # a family without a SwiGLU hidden dim (a custom one) counts no SwiGLU
+            "swiglu": getattr(args, "ffn_hidden_dim", 0) * SAVED_BYTES["swiglu"]}
 
 
 def unfused_seconds(cfg: JobConfig, tokens: float, tp: int, device: str) -> float:
