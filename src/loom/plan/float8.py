@@ -77,13 +77,13 @@ def float8_linears(model: ModelConfig) -> Float8Linears:
                          sum(m.out_features for m in swapped))
 
 
-def _lookup(table: dict[str, float], device: str) -> float | None:
+def device_figure(table: dict[str, float], device: str) -> float | None:
     return next((v for k, v in table.items() if k.lower() in device.lower()), None)
 
 
 def float8_peak(device: str) -> float | None:
     """FLOP/s of the device's float8 tensor cores, None without them (CPU: emulated)."""
-    peak = _lookup(FLOAT8_TFLOPS, device)
+    peak = device_figure(FLOAT8_TFLOPS, device)
     return None if peak is None else peak * 1e12
 
 
@@ -100,7 +100,7 @@ def cast_seconds(cfg: JobConfig, tokens: float, tp: int, extra_forward: float,
                  device: str) -> float:
     """Seconds of float8 casts for `tokens` of one rank (each linear's tp shard);
     `extra_forward`: the forward passes recomputed under --ac (the input cast again)."""
-    bandwidth = _lookup(HBM_TBS, device)
+    bandwidth = device_figure(HBM_TBS, device)
     if cfg.parallel.float8 == "off" or bandwidth is None or float8_peak(device) is None:
         return 0.0
     linears = float8_linears(cfg.model)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from loom.config import JobConfig
 from loom.models.registry import for_config
 from loom.models.resolve import model_args
-from loom.plan.float8 import BANDWIDTH_EFFICIENCY, HBM_TBS, _lookup
+from loom.plan.float8 import BANDWIDTH_EFFICIENCY, HBM_TBS, device_figure
 
 SAVED_BYTES = {"norm": 14, "rope": 44, "swiglu": 4}
 """Bytes fusion saves per element of each chain's input (module doc), bf16 activations."""
@@ -58,7 +58,7 @@ def unfused_seconds(cfg: JobConfig, tokens: float, tp: int, device: str) -> floa
     share, as `loom.plan.float8.cast_seconds`), each tp rank moving 1/tp of it (sequence
     parallel splits the norms' tokens, tp the heads and the hidden dim)."""
     p = cfg.parallel
-    bandwidth = _lookup(HBM_TBS, device)
+    bandwidth = device_figure(HBM_TBS, device)
     if (p.compile or bandwidth is None or p.dtype != "bf16"
             or for_config(cfg.model).active_params is not None):
         return 0.0
