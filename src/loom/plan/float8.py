@@ -78,6 +78,8 @@ def float8_linears(model: ModelConfig) -> Float8Linears:
 
 
 def device_figure(table: dict[str, float], device: str) -> float | None:
+    """The figure of the first key named in `device` ("NVIDIA H200" finds "H200"); None
+    for a device the table does not know."""
     return next((v for k, v in table.items() if k.lower() in device.lower()), None)
 
 
