@@ -67,7 +67,6 @@ def refuse_mtp(model: nn.Module, layout: str, why: str) -> None:
 
 
 CP_WHY = "cp splits each sequence, and a depth reads the tokens after each position"
-PP_WHY = "its modules read the embedding, on the first stage, and the head, on the last"
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
@@ -113,10 +112,8 @@ def deepseek_v3_plan(model: nn.Module) -> ModelPlan:
         refuse_mtp(model, "--cp", CP_WHY)
         complete_sequences(model, summed)
 
-    mtp = getattr(model, "mtp", None)
+    mtp = getattr(model, "mtp", None)  # under pp, the last stage's (with the head)
     if mtp is not None:
-        if model.tok_embeddings is None or model.norm is None:
-            refuse_mtp(model, "--pp", PP_WHY)
         plan.after = [*mtp.values(), *plan.after]
     plan.tensor_parallel = tensor_parallel
     plan.context_parallel = context_parallel
