@@ -142,7 +142,6 @@ def test_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_mtp_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> None:
     """The MTP module on the last stage, with the head: the first stage sends each depth's
     embedded shifted tokens below the hidden states (their gradient comes back to its
