@@ -40,6 +40,7 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "mtp_single": (1, 1, MTP),
     "mtp_ep2": (2, 2, [*MTP, "--ep", "2"]),
     "mtp_tp2": (2, 1, [*MTP, "--tp", "2"]),
+    "mtp_cp2": (2, 1, [*MTP, "--cp", "2"]),
     "lora_single": (1, 1, LORA),
     "lora_dp2": (2, 2, LORA),
 }

@@ -118,13 +118,16 @@ def test_arguments_out_of_range_are_refused(change: dict, message: str) -> None:
         replace(TINY, **change)
 
 
-def test_context_parallel_refuses_mtp_in_one_line() -> None:
+def test_context_parallel_with_pipeline_stages_refuses_mtp_in_one_line() -> None:
+    """cp hands MTP the whole sequences' ids gathered from token ids, which a later stage
+    does not have: each stage refuses, the first (without the MTP modules) too."""
     with torch.device("meta"):
         model = DeepseekV3(TINY)
     plan = deepseek_v3_plan(model)
     assert plan.after[0] is model.mtp["0"]  # an FSDP2 unit of its own
-    with pytest.raises(ConfigError, match="under --cp"):
-        plan.context_parallel(lambda t: t)
+    for layers in (range(0, 2), range(2, 5)):
+        with pytest.raises(ConfigError, match="--cp with --pp"):
+            deepseek_v3_plan(stage_module(model, layers)).context_parallel(lambda t: t)
     deepseek_v3_plan(DeepseekV3(replace(TINY, mtp_layers=0)))  # without MTP: no refusal
 
 
