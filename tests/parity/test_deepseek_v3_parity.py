@@ -54,6 +54,7 @@ SLOW_LAYOUTS = {
                               "aot_eager"]),
     "hsdp2x2": (4, 4, ["--dp-replicate", "2", "--dp-shard", "2"]),
     "mtp_tp2_ep2": (4, 2, [*MTP, "--tp", "2", "--ep", "2"]),
+    "mtp_cp2_dp2": (4, 2, [*MTP, "--cp", "2"]),
 }
 
 

@@ -244,6 +244,8 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "MTP + tp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process[mtp_tp2_ep2]",
         "MTP + pp-1f1b": f"{_DEEPSEEK}test_mtp_pp2_matches_single_process",
         "MTP + cp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_cp2]",
+        "MTP + cp + dp_shard": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
+                               "[mtp_cp2_dp2]",
         "dp_replicate + dp_shard": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
                                    "[hsdp2x2]",
         "LoRA + dp_shard": f"{_DEEPSEEK}test_layout_matches_single_process[lora_dp2]",

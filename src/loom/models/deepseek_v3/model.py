@@ -207,15 +207,17 @@ def mtp_loss(logits: list[torch.Tensor], tokens: torch.Tensor,
     i + d + 1 (positions whose target lies past the sequence are left out). Under cp the
     logits are a shard's (at `positions` of the whole `tokens`): its sum over the whole
     sequences' count, times the cp ranks, whose gradient average then counts it once."""
-    length = tokens.shape[1]
-    if positions is None:
-        positions = torch.arange(length, device=tokens.device)
-    losses = []
+    length, losses = tokens.shape[1], []
     for depth, depth_logits in enumerate(logits, start=1):
+        if positions is None:  # static shapes: a whole-model compile traces it whole
+            valid = length - depth - 1
+            losses.append(F.cross_entropy(depth_logits[:, :valid].flatten(0, 1).float(),
+                                          tokens[:, depth + 1:].flatten()))
+            continue
         index = positions + depth + 1
-        valid = index < length
-        total = F.cross_entropy(depth_logits[:, valid].flatten(0, 1).float(),
-                                tokens[:, index[valid]].flatten(), reduction="sum")
+        inside = index < length
+        total = F.cross_entropy(depth_logits[:, inside].flatten(0, 1).float(),
+                                tokens[:, index[inside]].flatten(), reduction="sum")
         count = tokens.shape[0] * (length - depth - 1)
         losses.append(total * (length / positions.numel()) / count)
     return torch.stack(losses).mean()
