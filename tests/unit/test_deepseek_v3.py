@@ -159,6 +159,10 @@ def test_two_pipeline_stages_give_mtp_the_whole_models_gradients() -> None:
             torch.testing.assert_close(p.grad, ref, rtol=1e-5, msg=name,
                                        atol=1e-6 * ref.abs().max().item())
     torch.testing.assert_close(metrics[-1], model.mtp_loss, rtol=1e-6, atol=0)
+    with torch.no_grad():  # evaluating, the stages keep their packing and run no MTP
+        whole = model.eval()(tokens)
+        torch.testing.assert_close(stages[1].eval()(stages[0].eval()(tokens)), whole,
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_the_family_flags_override_the_preset_and_show_in_the_config() -> None:
