@@ -122,11 +122,12 @@ def test_slow_layout_matches_single_process(deepseek_runs: Path, tmp_path: Path,
     assert_matches_reference(tmp_path / layout, deepseek_runs / reference_of(layout))
 
 
-def assert_pp2_matches(tmp_path: Path, reference: Path, flags: list[str]) -> None:
+def assert_pp2_matches(tmp_path: Path, reference: Path, flags: list[str],
+                       world: int = 2) -> None:
     """Two stages at `flags`: losses, gradient norms and final parameters. Routing is not
     replayed (a stage's routers see micro-batches, which the recorded whole-batch picks do
     not index), as in the MoE family's pp2 x ep2 test."""
-    job = run_ranks(2, ["tests/workers/parity_worker.py", json.dumps(
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(
         [[*COMMON, *flags, "--pp", "2", "--batch-size", str(GLOBAL_BATCH), "--outdir",
           str(tmp_path / "pp2")]])], timeout=1200)
     assert job.ok, job.describe()
@@ -150,6 +151,14 @@ def test_mtp_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> 
     embedding, a wrong one moves the norms), every stage is handed the micro-batch's ids,
     and each of the micro-batches weighs its MTP loss by its share of the batch."""
     assert_pp2_matches(tmp_path, deepseek_runs / "mtp_single", MTP)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_slow_mtp_pp2_tp2_matches_single_process(deepseek_runs: Path, tmp_path: Path,
+                                                 ) -> None:
+    """As at pp 2, each stage's activations and MTP embeddings sequence-sharded over tp."""
+    assert_pp2_matches(tmp_path, deepseek_runs / "mtp_single", [*MTP, "--tp", "2"], world=4)
 
 
 @pytest.mark.multirank

@@ -243,6 +243,7 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "MTP + tp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_tp2]",
         "MTP + tp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process[mtp_tp2_ep2]",
         "MTP + pp-1f1b": f"{_DEEPSEEK}test_mtp_pp2_matches_single_process",
+        "MTP + pp-1f1b + tp": f"{_DEEPSEEK}test_slow_mtp_pp2_tp2_matches_single_process",
         "MTP + cp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_cp2]",
         "MTP + cp + dp_shard": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
                                "[mtp_cp2_dp2]",
