@@ -40,6 +40,7 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "mtp_single": (1, 1, MTP),
     "mtp_ep2": (2, 2, [*MTP, "--ep", "2"]),
     "mtp_tp2": (2, 1, [*MTP, "--tp", "2"]),
+    "mtp_cp2": (2, 1, [*MTP, "--cp", "2"]),
     "lora_single": (1, 1, LORA),
     "lora_dp2": (2, 2, LORA),
 }
@@ -53,6 +54,7 @@ SLOW_LAYOUTS = {
                               "aot_eager"]),
     "hsdp2x2": (4, 4, ["--dp-replicate", "2", "--dp-shard", "2"]),
     "mtp_tp2_ep2": (4, 2, [*MTP, "--tp", "2", "--ep", "2"]),
+    "mtp_cp2_dp2": (4, 2, [*MTP, "--cp", "2"]),
 }
 
 
@@ -120,21 +122,43 @@ def test_slow_layout_matches_single_process(deepseek_runs: Path, tmp_path: Path,
     assert_matches_reference(tmp_path / layout, deepseek_runs / reference_of(layout))
 
 
-@pytest.mark.multirank
-def test_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> None:
-    """Two stages (the dense block and the first MoE block on one, the rest and the head on
-    the other): losses, gradient norms and final parameters. Routing is not replayed (a
-    stage's routers see micro-batches, which the recorded whole-batch picks do not index),
-    as in the MoE family's pp2 x ep2 test."""
-    job = run_ranks(2, ["tests/workers/parity_worker.py", json.dumps(
-        [[*COMMON, "--pp", "2", "--batch-size", str(GLOBAL_BATCH), "--outdir",
+def assert_pp2_matches(tmp_path: Path, reference: Path, flags: list[str],
+                       world: int = 2) -> None:
+    """Two stages at `flags`: losses, gradient norms and final parameters. Routing is not
+    replayed (a stage's routers see micro-batches, which the recorded whole-batch picks do
+    not index), as in the MoE family's pp2 x ep2 test."""
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(
+        [[*COMMON, *flags, "--pp", "2", "--batch-size", str(GLOBAL_BATCH), "--outdir",
           str(tmp_path / "pp2")]])], timeout=1200)
     assert job.ok, job.describe()
-    single = deepseek_runs / "single"
-    assert_losses_and_grad_norms_close(tmp_path / "pp2", single)
+    assert_losses_and_grad_norms_close(tmp_path / "pp2", reference)
     assert_norms_close(torch.load(tmp_path / "pp2" / "params.pt"),
-                       torch.load(single / "params.pt"), rtol=PARAM_NORM_RTOL,
+                       torch.load(reference / "params.pt"), rtol=PARAM_NORM_RTOL,
                        what="parameters after 5 AdamW steps")
+
+
+@pytest.mark.multirank
+def test_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> None:
+    """The dense block and the first MoE block on one stage, the rest and the head on the
+    other."""
+    assert_pp2_matches(tmp_path, deepseek_runs / "single", [])
+
+
+@pytest.mark.multirank
+def test_mtp_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> None:
+    """The MTP module on the last stage, with the head: the first stage sends each depth's
+    embedded shifted tokens below the hidden states (their gradient comes back to its
+    embedding, a wrong one moves the norms), every stage is handed the micro-batch's ids,
+    and each of the micro-batches weighs its MTP loss by its share of the batch."""
+    assert_pp2_matches(tmp_path, deepseek_runs / "mtp_single", MTP)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_slow_mtp_pp2_tp2_matches_single_process(deepseek_runs: Path, tmp_path: Path,
+                                                 ) -> None:
+    """As at pp 2, each stage's activations and MTP embeddings sequence-sharded over tp."""
+    assert_pp2_matches(tmp_path, deepseek_runs / "mtp_single", [*MTP, "--tp", "2"], world=4)
 
 
 @pytest.mark.multirank

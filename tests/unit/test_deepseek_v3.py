@@ -19,6 +19,7 @@ from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
+from loom.parallel.pipeline_stages import stage_module
 from loom.plan.command import Plan, parameter_counts, report
 from tests.deepseek_folders import save_deepseek
 from tests.harness import run_process
@@ -117,17 +118,51 @@ def test_arguments_out_of_range_are_refused(change: dict, message: str) -> None:
         replace(TINY, **change)
 
 
-def test_layouts_that_split_sequences_or_stages_refuse_mtp_in_one_line() -> None:
+def test_context_parallel_with_pipeline_stages_refuses_mtp_in_one_line() -> None:
+    """cp hands MTP the whole sequences' ids gathered from token ids, which a later stage
+    does not have: each stage refuses, the first (without the MTP modules) too."""
     with torch.device("meta"):
         model = DeepseekV3(TINY)
     plan = deepseek_v3_plan(model)
     assert plan.after[0] is model.mtp["0"]  # an FSDP2 unit of its own
-    with pytest.raises(ConfigError, match="under --cp"):
-        plan.context_parallel(lambda t: t)
-    model.tok_embeddings = None  # a later pipeline stage
-    with pytest.raises(ConfigError, match="under --pp"):
-        deepseek_v3_plan(model)
+    for layers in (range(0, 2), range(2, 5)):
+        with pytest.raises(ConfigError, match="--cp with --pp"):
+            deepseek_v3_plan(stage_module(model, layers)).context_parallel(lambda t: t)
     deepseek_v3_plan(DeepseekV3(replace(TINY, mtp_layers=0)))  # without MTP: no refusal
+
+
+def test_two_pipeline_stages_give_mtp_the_whole_models_gradients() -> None:
+    """The first stage sends each depth's embedded shifted tokens below its hidden states;
+    the last holds the MTP modules with the head. Run by hand as a schedule would, two
+    micro-batches each weighing half the MTP loss: every gradient, the first stage's
+    embedding's (which MTP reaches only through what it was sent) included, and the MTP
+    metric are the whole model's."""
+    model = built(TINY).train()
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
+    model(tokens).sum().div(tokens.numel()).backward()  # the main loss's share: small
+    stages = [stage_module(model, range(0, 2)), stage_module(model, range(2, 5))]
+    assert stages[0].mtp is None and stages[1].mtp is not None
+    for stage in stages:
+        stage.zero_grad()
+        stage.microbatches = 2
+    metrics = []
+    for micro in tokens.chunk(2):
+        sent = stages[0](micro)
+        assert sent.shape == (2 * (1 + TINY.mtp_layers), 16, TINY.dim)
+        received = sent.detach().requires_grad_()
+        stages[1](received, token_ids=micro).sum().div(tokens.numel()).backward()
+        sent.backward(received.grad)
+        metrics.append(stages[1].mtp_loss.clone())
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            ref = model.get_parameter(name).grad
+            torch.testing.assert_close(p.grad, ref, rtol=1e-5, msg=name,
+                                       atol=1e-6 * ref.abs().max().item())
+    torch.testing.assert_close(metrics[-1], model.mtp_loss, rtol=1e-6, atol=0)
+    with torch.no_grad():  # evaluating, the stages keep their packing and run no MTP
+        whole = model.eval()(tokens)
+        torch.testing.assert_close(stages[1].eval()(stages[0].eval()(tokens)), whole,
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_the_family_flags_override_the_preset_and_show_in_the_config() -> None:

@@ -242,6 +242,11 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "MTP + ep": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_ep2]",
         "MTP + tp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_tp2]",
         "MTP + tp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process[mtp_tp2_ep2]",
+        "MTP + pp-1f1b": f"{_DEEPSEEK}test_mtp_pp2_matches_single_process",
+        "MTP + pp-1f1b + tp": f"{_DEEPSEEK}test_slow_mtp_pp2_tp2_matches_single_process",
+        "MTP + cp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_cp2]",
+        "MTP + cp + dp_shard": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
+                               "[mtp_cp2_dp2]",
         "dp_replicate + dp_shard": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
                                    "[hsdp2x2]",
         "LoRA + dp_shard": f"{_DEEPSEEK}test_layout_matches_single_process[lora_dp2]",
@@ -255,10 +260,9 @@ names its layouts here)."""
 
 FAMILY_REFUSALS: dict[str, tuple[str, ...]] = {
     "deepseek-v3": (
-        "multi-token prediction (`--mtp-layers` > 0) with `--cp` or `--pp` "
-        "(`loom.parallel.deepseek_v3_plan.refuse_mtp`): a depth reads the tokens after each "
-        "position, which cp puts on other ranks, and the shared embedding and head, which pp "
-        "puts on different stages",
+        "multi-token prediction (`--mtp-layers` > 0) with `--cp` and `--pp` together "
+        "(`loom.parallel.deepseek_v3_plan`): a stage past the first has no token ids to "
+        "gather across cp",
         "multi-token prediction with `--loss-impl fused-linear`, `--loss-impl loss-parallel` "
         "at tp > 1 or `--doc-mask` (`DeepseekV3Flags.check`): its loss runs on the plain "
         "head's full logits over whole sequences",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -27,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 from loom.errors import ConfigError
 from loom.models.moe.balance import moe_layers
 from loom.models.spec import ModelPlan
+from loom.parallel.context import gather_sequence
 from loom.parallel.expert import sum_grad_over
 from loom.parallel.llama_plan import dense_plan
 from loom.parallel.mesh import ParallelDims
@@ -59,15 +61,25 @@ def block_tp_plan(block: nn.Module, styles: Styles) -> dict:
     return plan
 
 
-def refuse_mtp(model: nn.Module, layout: str, why: str) -> None:
-    """A layout multi-token prediction cannot run under yet refuses in one line."""
-    if getattr(model, "mtp", None) is not None:
-        raise ConfigError(f"deepseek-v3 multi-token prediction does not run under {layout} "
-                          f"yet ({why}); use a model without MTP modules (--mtp-layers 0)")
+CP_PP_WHY = "a stage past the first has no token ids to gather across cp"
 
 
-CP_WHY = "cp splits each sequence, and a depth reads the tokens after each position"
-PP_WHY = "its modules read the embedding, on the first stage, and the head, on the last"
+def mtp_under_cp(model: nn.Module) -> None:
+    """The MTP blocks attend across cp like the main blocks (the cp core `apply_cp` put
+    in those, which holds no parameters, is shared), and each training forward is handed
+    the whole sequences' ids (`token_ids`), gathered over cp, from which the model picks
+    every depth's shifted ids and targets at this shard's positions."""
+    core = next(iter(model.layers.values())).attention.core
+    for module in model.mtp.values():
+        module.block.attention.core = core
+    model.register_forward_pre_hook(partial(_gather_ids, core.mesh), with_kwargs=True)
+
+
+def _gather_ids(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict,
+                ) -> tuple[tuple, dict]:
+    if module.training and torch.is_grad_enabled():  # evaluation runs no MTP
+        kwargs["token_ids"] = gather_sequence(args[0] if args else kwargs["tokens"], mesh)
+    return args, kwargs
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
@@ -110,13 +122,16 @@ def deepseek_v3_plan(model: nn.Module) -> ModelPlan:
         apply_moe_parallel(model, dims)
 
     def context_parallel(summed) -> None:
-        refuse_mtp(model, "--cp", CP_WHY)
+        if getattr(model, "mtp", None) is not None or model.args.mtp_layers:
+            if model.tok_embeddings is None or model.output is None:  # every stage refuses
+                raise ConfigError("deepseek-v3 multi-token prediction does not run under "
+                                  f"--cp with --pp yet ({CP_PP_WHY}); drop one, or use a "
+                                  "model without MTP modules (--mtp-layers 0)")
+            mtp_under_cp(model)
         complete_sequences(model, summed)
 
-    mtp = getattr(model, "mtp", None)
+    mtp = getattr(model, "mtp", None)  # under pp, the last stage's (with the head)
     if mtp is not None:
-        if model.tok_embeddings is None or model.norm is None:
-            refuse_mtp(model, "--pp", PP_WHY)
         plan.after = [*mtp.values(), *plan.after]
     plan.tensor_parallel = tensor_parallel
     plan.context_parallel = context_parallel

@@ -110,10 +110,13 @@ def stage_io(part: nn.Module, cfg: JobConfig, tp: int, microbatch: int, hidden: 
     (it would run each stage once more, on uninitialised inputs). Between stages the
     activations are sequence-sharded across tp and in the compute dtype. Under context
     parallel every stage sees this cp rank's shard of each sequence (the trainer shards the
-    batch before the schedule), so the lengths are seq_len / cp."""
+    batch before the schedule), so the lengths are seq_len / cp. A model may pack more
+    than the hidden states between stages as further row blocks (`pipeline_rows`: the
+    DeepSeek-V3 family's MTP embeddings)."""
     seq = cfg.data.seq_len // cfg.parallel.cp
     dim, dtype = cfg.model.dim, torch_dtype(cfg.parallel.dtype)
-    act = torch.empty(microbatch, seq // tp, dim, dtype=dtype, device="meta",
+    rows = microbatch * getattr(part, "pipeline_rows", 1)
+    act = torch.empty(rows, seq // tp, dim, dtype=dtype, device="meta",
                       requires_grad=True)  # its gradient goes back to the previous stage
     if has_embedding(part):
         inputs = torch.empty(microbatch, seq, dtype=torch.long, device="meta")

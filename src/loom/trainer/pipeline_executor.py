@@ -53,6 +53,10 @@ class PipelineExecutor(StepExecutor):
                   for part, i in zip(parts, self.stage_ids, strict=True)]
         if criterion.hidden:
             parts[-1].hidden_output = True  # the criterion projects through the head
+        for part in parts:  # a loss the model adds in forward weighs each slice's share
+            if hasattr(part, "microbatches"):
+                part.microbatches = self.microbatches
+        self.token_ids = getattr(parts[0], "stage_token_ids", False)
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.owns_loss = self.has_last and dims.tp_rank == 0
         self.bubble = bubble_fraction(dims.pp, per_rank, self.microbatches, p.pp_schedule)
@@ -99,9 +103,11 @@ class PipelineExecutor(StepExecutor):
         inputs, labels = self.to_device(batch)
         self.sums = []
         documents = self.documents(inputs)  # a keyword: the schedule hands it to every stage
+        keywords = {} if documents is None else {"documents": documents}
+        if self.token_ids:  # the last stage's MTP scores the ids (every rank loads them)
+            keywords["token_ids"] = inputs
         schedule(*([inputs] if self.has_first else []),
-                 target=labels if self.has_last else None, return_outputs=False,
-                 **({} if documents is None else {"documents": documents}))
+                 target=labels if self.has_last else None, return_outputs=False, **keywords)
         return self.owned(torch.stack(self.sums).sum() if self.sums
                           else torch.zeros((), device=self.device))
 

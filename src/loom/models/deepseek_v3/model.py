@@ -100,59 +100,124 @@ class DeepseekV3(MoETransformer):
         self.mtp = nn.ModuleDict({str(i): MTPModule(args, args.n_layers + i)
                                   for i in range(args.mtp_layers)}) if args.mtp_layers else None
         self.register_buffer("mtp_loss", torch.zeros(()), persistent=False)
+        self.mtp_seen = 0  # micro-batches of this batch recorded in mtp_loss
 
     def build_block(self, layer_id: int) -> nn.Module:
         return LatentBlock(self.args, layer_id)
+
+    microbatches = 1
+    """How many slices of each batch the step's forwards see (a pipeline sets it): each
+    slice's MTP loss is weighted 1 / microbatches, so the whole batch weighs it once."""
+
+    @property
+    def pipeline_rows(self) -> int:
+        """Row blocks a pipeline stage hands the next per micro-batch row: the hidden
+        states, then each MTP depth's embedded shifted tokens."""
+        return 1 + self.args.mtp_layers
+
+    @property
+    def stage_token_ids(self) -> bool:
+        """Whether every pipeline stage is handed the micro-batch's ids (`token_ids`): the
+        last one scores the MTP depths against them."""
+        return self.args.mtp_layers > 0
 
     def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
                 positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None,
                 head_apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                ) -> torch.Tensor:
-        """As the Llama Transformer's; MTP runs only where this is one whole model given
-        token ids, training, with plain logits out."""
-        if not (self.mtp is not None and self.training and torch.is_grad_enabled()):
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """As the Llama Transformer's; MTP runs only training, with plain logits out, where
+        this is one whole model given token ids or a pipeline stage (`token_ids`: the
+        micro-batch's ids, which every stage is handed), or this cp rank's shard given
+        its `positions` and `token_ids`, the whole sequences (the plan's cp hook)."""
+        whole = self.tok_embeddings is not None and self.output is not None
+        training = self.training and torch.is_grad_enabled()
+        if not self.args.mtp_layers or (whole and not training):
             return super().forward(tokens, return_hidden, positions, documents, mask,
                                    head_apply)
         # refused before a model is built: DeepseekV3Flags.check and the parallel plan
-        assert (positions is None and documents is None and head_apply is None
-                and not (return_hidden or self.hidden_output)
-                and self.tok_embeddings is not None), "MTP needs whole sequences, plain logits"
-        return self.forward_with_mtp(tokens)
+        assert (documents is None and head_apply is None and (positions is None or (
+                whole and token_ids is not None and positions.dim() == 1))
+                and not (return_hidden or self.hidden_output)), \
+            "MTP needs whole sequences, plain logits"
+        return self.forward_with_mtp(tokens, tokens if token_ids is None else token_ids,
+                                     positions)
 
-    def forward_with_mtp(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward_with_mtp(self, x: torch.Tensor, tokens: torch.Tensor | None,
+                         positions: torch.Tensor | None = None) -> torch.Tensor:
         """The tokens are shifted, not their embeddings: one embedding call for every
-        depth, whose output tp may hold sequence-sharded (a shift would cross shards)."""
-        depths = len(self.mtp)
-        # at depth d position i sees token i+d; the last d see token 0, which only
-        # later positions attend to and no loss reads
-        shifted = [F.pad(tokens[:, d:], (0, d)) for d in range(1, depths + 1)]
-        h, *embedded = self.tok_embeddings(torch.cat([tokens, *shifted])).chunk(1 + depths)
+        depth, whose output tp may hold sequence-sharded (a shift would cross shards).
+        Between pipeline stages the depths' embeddings travel below the hidden states, as
+        rows (1 + depths) * B of one tensor, so their gradient flows back to the first
+        stage's embedding like the hidden states'. Under cp `tokens` are the whole
+        sequences, `positions` this shard's: each depth's ids are picked from them."""
+        depths = self.args.mtp_layers  # a stage without the MTP modules still packs
+        if self.tok_embeddings is not None:
+            # at depth d position i sees token i+d; the last d see token 0, which only
+            # later positions attend to and no loss reads
+            shifted = [F.pad(x[:, d:], (0, d)) if positions is None else
+                       ahead(tokens, positions + d) for d in range(1, depths + 1)]
+            x = self.tok_embeddings(torch.cat([x, *shifted]))
+        h, embedded = x.tensor_split([x.shape[0] // (1 + depths)])
+        rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
+        if self.output is None:
+            return torch.cat([h, embedded])
+        if not (self.training and torch.is_grad_enabled()):  # a last stage evaluating
+            return self.output(self.norm(h))
+        assert tokens is not None, "a pipeline's last stage needs the micro-batch's ids"
         hidden, prev = [self.norm(h)], h
-        for module, shifted_embedded in zip(self.mtp.values(), embedded, strict=True):
-            prev, normed = module(prev, shifted_embedded, self.rope)
+        for module, shifted_embedded in zip(self.mtp.values(), embedded.chunk(depths),
+                                            strict=True):
+            prev, normed = module(prev, shifted_embedded, rope)
             hidden.append(normed)
         logits = self.output(torch.cat(hidden, dim=0))  # one head call: (B * (1 + D), T, V)
         main, *extra = logits.chunk(len(hidden), dim=0)
-        loss = mtp_loss(extra, tokens) * self.args.mtp_loss_weight
+        loss = mtp_loss(extra, tokens, positions) * (self.args.mtp_loss_weight
+                                                     / self.microbatches)
         with torch.no_grad():
-            self.mtp_loss.copy_(loss.detach() / max(self.args.mtp_loss_weight, 1e-30))
+            self.record_mtp_loss(loss.detach() / max(self.args.mtp_loss_weight, 1e-30))
         return _AddAuxLoss.apply(main, loss)
+
+    def record_mtp_loss(self, share: torch.Tensor) -> None:
+        """The metric: the batch's MTP loss, summed over its micro-batches' shares."""
+        if self.mtp_seen == 0:
+            self.mtp_loss.copy_(share)
+        else:
+            self.mtp_loss.add_(share)
+        self.mtp_seen = (self.mtp_seen + 1) % self.microbatches
 
     def init_buffers(self, device: torch.device) -> None:
         super().init_buffers(device)
         self.rope = yarn_rope_table(self.args).to(device)
         self.mtp_loss.zero_()
+        self.mtp_seen = 0
 
 
-def mtp_loss(logits: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+def ahead(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The ids (B, len(index)) of `tokens` (B, T) at `index`; 0 past the end."""
+    inside = index < tokens.shape[1]
+    return tokens[:, index.clamp(max=tokens.shape[1] - 1)] * inside
+
+
+def mtp_loss(logits: list[torch.Tensor], tokens: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over depths of each depth's cross-entropy: at depth d, position i predicts token
-    i + d + 1 (positions whose target lies past the sequence are left out)."""
-    losses = []
+    i + d + 1 (positions whose target lies past the sequence are left out). Under cp the
+    logits are a shard's (at `positions` of the whole `tokens`): its sum over the whole
+    sequences' count, times the cp ranks, whose gradient average then counts it once."""
+    length, losses = tokens.shape[1], []
     for depth, depth_logits in enumerate(logits, start=1):
-        valid = tokens.shape[1] - depth - 1
-        losses.append(F.cross_entropy(depth_logits[:, :valid].flatten(0, 1).float(),
-                                      tokens[:, depth + 1:].flatten()))
+        if positions is None:  # static shapes: a whole-model compile traces it whole
+            valid = length - depth - 1
+            losses.append(F.cross_entropy(depth_logits[:, :valid].flatten(0, 1).float(),
+                                          tokens[:, depth + 1:].flatten()))
+            continue
+        index = positions + depth + 1
+        inside = index < length
+        total = F.cross_entropy(depth_logits[:, inside].flatten(0, 1).float(),
+                                tokens[:, index[inside]].flatten(), reduction="sum")
+        count = tokens.shape[0] * (length - depth - 1)
+        losses.append(total * (length / positions.numel()) / count)
     return torch.stack(losses).mean()

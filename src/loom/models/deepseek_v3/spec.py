@@ -84,7 +84,7 @@ SwiGLU; routed experts are stacked weights, not linears."""
 
 DEEPSEEK_V3 = ModelSpec(
     name="deepseek-v3", model_cls=DeepseekV3, args_from_config=deepseek_v3_args,
-    build=DeepseekV3, args_cls=DeepseekV3Args, parts=ModelParts(),
+    build=DeepseekV3, args_cls=DeepseekV3Args, parts=ModelParts(head=("norm", "output", "mtp")),
     block_cost=moe_block_cost, block_inputs=rope_input, routers=router_gates,
     active_params=active_params, hf=(DeepseekV3Adapter(),), lora_targets=LORA_TARGETS,
     hooks=(EXPERT_BIAS, SpecHook("deepseek-v3-mtp", mtp_metrics)),
