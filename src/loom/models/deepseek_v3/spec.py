@@ -18,6 +18,7 @@ from loom.models.deepseek_v3.model import DeepseekV3
 from loom.models.hf_folder import CONFIG, read_config
 from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.spec import rope_input
+from loom.models.moe.counts import per_token_param_count
 from loom.models.moe.flags import MoEFlags
 from loom.models.moe.spec import EXPERT_BIAS, moe_block_cost, router_gates
 from loom.models.qwen3.flags import Qwen3Flags
@@ -57,13 +58,11 @@ def deepseek_v3_args(m: ModelConfig) -> DeepseekV3Args:
 
 
 def active_params(args: DeepseekV3Args) -> int:
-    """Parameters one token uses, without the MTP modules (DeepSeek's 37B counts none):
-    every routed expert by top-k / E, the rest whole (the MoE family's count)."""
+    """Parameters one token multiplies through, without the MTP modules (DeepSeek's 37B
+    counts none; `per_token_param_count` says what else it counts)."""
     with torch.device("meta"):
         model = DeepseekV3(DeepseekV3Args(**{**vars(args), "mtp_layers": 0}))
-    routed = sum(p.numel() for p in model.parameters() if p.dim() == 3)
-    dense = sum(p.numel() for p in model.parameters() if p.dim() != 3)
-    return int(dense + routed * args.top_k / max(args.n_experts, 1))
+    return per_token_param_count(model, args.top_k, args.n_experts)
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from loom.models.llama import model as llama
 from loom.models.llama.model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
 from loom.models.moe.aux_loss import SequenceSum, sequence_balance_loss
+from loom.models.moe.counts import per_token_param_count
 
 SCORE_FUNCS = ("sigmoid", "softmax")
 
@@ -332,8 +333,7 @@ class MoETransformer(Transformer):
 
     @property
     def active_param_count(self) -> int:
-        """Parameters one token uses: all but the (E - k) routed experts it skips per layer
-        (the figure FLOPs and MFU count)."""
+        """Parameters one token multiplies through (the figure `loom plan`'s FLOPs count)."""
         return active_param_count(self.args)
 
 
@@ -344,6 +344,4 @@ def expert_param_count(args: MoEArgs) -> int:
 
 def active_param_count(args: MoEArgs) -> int:
     with torch.device("meta"):
-        total = sum(p.numel() for p in MoETransformer(args).parameters())
-    skipped = (args.n_experts - args.top_k) / args.n_experts * expert_param_count(args)
-    return total - int(skipped) * args.n_moe_layers
+        return per_token_param_count(MoETransformer(args), args.top_k, args.n_experts)
