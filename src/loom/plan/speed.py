@@ -25,8 +25,7 @@ from loom.config import DataConfig, JobConfig, ModelConfig
 from loom.config.pipeline_layout import bubble_fraction, choose_microbatches, stages_per_rank
 from loom.config.resolved import settled
 from loom.models.moe.flags import moe_flags
-from loom.models.registry import for_config
-from loom.models.resolve import model_args, plain_model
+from loom.models.resolve import plain_model
 from loom.numerics.precision import torch_dtype
 from loom.observability.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
 from loom.parallel.mesh import ParallelDims
@@ -75,15 +74,6 @@ class StepTime:
     peak_source: str
 
 
-def _moe_flops(cfg: JobConfig) -> float:
-    """MoE routing makes token splits data-dependent, which fake tensors cannot follow:
-    6 x active parameters x tokens, plus attention's 12 x layers x dim x seq per token
-    (full T x T, as `count_step_flops` counts it)."""
-    m, tokens = cfg.model, cfg.train.batch_size * cfg.data.seq_len
-    active = for_config(m).active_params(model_args(cfg))
-    return tokens * (6 * active + 12 * m.n_layers * m.dim * cfg.data.seq_len)
-
-
 def _flops(cfg: JobConfig) -> float:
     """Forward + backward FLOPs of the whole model for one rank's micro-batch."""
     return cfg.train.batch_size * _flops_per_sample(cfg.model, cfg.data.seq_len)
@@ -91,10 +81,9 @@ def _flops(cfg: JobConfig) -> float:
 
 @cache
 def _flops_per_sample(model: ModelConfig, seq_len: int) -> float:
-    """FLOPs grow linearly with the batch: counted once per model and sequence length."""
+    """FLOPs grow linearly with the batch: counted once per model and sequence length, routed
+    experts too (their grouped matmuls count top-k rows per token)."""
     cfg = JobConfig(model=model, data=DataConfig(seq_len=seq_len))
-    if for_config(cfg.model).active_params is not None:  # routed experts
-        return _moe_flops(cfg)
 
     def count(c: JobConfig) -> float:
         return count_step_flops(lambda: plain_model(c), c.train.batch_size, c.data.seq_len).flops

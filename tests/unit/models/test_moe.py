@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from loom.config import parse_args
 from loom.models.moe.aux_loss import balance_loss_from_sums, sequence_balance_loss, sequence_sums
 from loom.models.moe.balance import moe_metrics
 from loom.models.moe.model import (
@@ -17,6 +18,8 @@ from loom.models.moe.model import (
     expert_param_count,
     weighted_combine,
 )
+from loom.models.resolve import model_args, plain_model
+from loom.observability import flops
 from loom.parallel.context import shard_sequence
 from loom.parallel.expert import expert_order, window_counts
 from loom.parallel.fsdp import expert_placement
@@ -252,3 +255,15 @@ def test_expert_weights_are_sharded_off_dim_0_only_where_it_would_pad():
     assert on_16(experts.w1).dim == 1 and on_16(experts.w2).dim == 2, "40 % 16, so dim 2"
     assert on_8(other) is None, "only the experts' weights"
     assert expert_placement([experts], 7)(experts.w1) is None, "no dim splits evenly: pad dim 0"
+
+
+def test_six_times_the_active_count_is_the_steps_matmul_flops_per_token() -> None:
+    """What `per_token_param_count` claims: 6 x it x tokens, plus attention's 12 x layers x
+    dim x seq per token, is the traced count (the lookup counted as one row; the whole
+    32,000-row table would make it 1.83x)."""
+    cfg = parse_args(["--model", "moe-debug", "--seq-len", "64"])
+    m = cfg.model
+    traced = flops.count_step_flops(lambda: plain_model(cfg), 1, 64)
+    active = active_param_count(model_args(cfg))
+    assert 64 * (6 * active + 12 * m.n_layers * m.dim * 64) == pytest.approx(traced.flops,
+                                                                              rel=1e-3)

@@ -10,7 +10,7 @@ from loom.observability.flops import count_step_flops
 from loom.parallel.mesh import ParallelDims
 from loom.plan.command import planned_doc_mask
 from loom.plan.compiled import compiled_block_fraction
-from loom.plan.memory import extrapolate, held_in_phase
+from loom.plan.memory import extrapolate, held_in_phase, traced_depths
 from loom.plan.pipeline_memory import others_alive, schedule_actions
 from loom.plan.search import candidates, launch_line, unsearched
 from loom.plan.speed import _flops_per_sample, comm_seconds
@@ -184,14 +184,14 @@ def test_a_compiled_doc_mask_run_on_an_accelerator_is_traced_without_the_dense_m
     assert not planned_doc_mask(parse_args(argv[:-2]), "cpu")  # no --doc-mask: none traced
 
 
-@pytest.mark.parametrize(("model", "rel"), [("moe-debug", 1e-3), ("deepseek-v3-debug", 0.02)])
-def test_routed_models_flops_match_the_traced_count(model: str, rel: float) -> None:
-    """The plan's MoE FLOPs (6 x active parameters x tokens + attention) against the exact
-    traced count: the embedding lookup multiplies nothing (moe-debug's 32,000-row table at
-    dim 128, counted whole, made it 1.83x); MLA's attention widths differ from dim, the 1 %
-    left for deepseek-v3-debug."""
-    cfg = parse_args(["--model", model, "--seq-len", "64"])
-    planned = _flops_per_sample(cfg.model, 64)
-    traced = count_step_flops(lambda: plain_model(cfg), 1, 64)
-    assert traced.exact
-    assert planned == pytest.approx(traced.flops, rel=rel)
+@pytest.mark.parametrize("model", ["moe-debug", "deepseek-v3-debug"])
+def test_routed_models_flops_extrapolate_to_the_whole_models_count(model: str) -> None:
+    """The plan counts two shallow copies and extrapolates per block; for routed models the
+    grouped matmuls' top-k rows and the dense leading blocks must come out as the whole
+    model's count (it used 6 x active parameters + attention: deepseek-v3 17.8 % low, its
+    latent attention wider than dim)."""
+    cfg = parse_args(["--model", model, "--seq-len", "64", "--n-layers", "7"])
+    assert traced_depths(cfg)[1] < 7
+    whole = count_step_flops(lambda: plain_model(cfg), 1, 64)
+    assert whole.exact
+    assert _flops_per_sample(cfg.model, 64) == pytest.approx(whole.flops, rel=1e-9)
