@@ -61,30 +61,48 @@ class MuonWithAdamW(torch.optim.Optimizer):
                      ns_dtype=ns_dtype)
         groups = [*(adamw.param_groups if adamw else ()), group]
         super().__init__(groups, {})
+        # "fused" as fused AdamW means it: the step takes `found_inf` and skips on the device;
+        # set after the groups are made, so they (and checkpoints) keep Muon's keys only
+        self.defaults["fused"] = adamw is None or bool(adamw.defaults.get("fused"))
         self.adamw = adamw
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
+        """One update; where the trainer set `found_inf` (a device scalar, 1 skips), both
+        parts skip a non-finite step on the device, so no step reads the device."""
+        found_inf = getattr(self, "found_inf", None)
         if self.adamw is not None:  # load_state_dict replaces groups and state: share them
             self.adamw.param_groups = [g for g in self.param_groups if g.get("kind") != MUON]
             self.adamw.state = self.state
-        if self.adamw is not None:
-            self.adamw.step()
+            if found_inf is not None:
+                self.adamw.found_inf = found_inf
+            try:
+                self.adamw.step()
+            finally:
+                self.adamw.__dict__.pop("found_inf", None)
+        keep = None if found_inf is None else found_inf == 0
         for group in self.param_groups:
             if group.get("kind") == MUON:
-                self._muon_step(group)
+                self._muon_step(group, keep)
 
-    def _muon_step(self, group: dict) -> None:
+    def _muon_step(self, group: dict, keep: torch.Tensor | None) -> None:
+        """`keep` (a device bool, or None: always) masks every write: a skipped step leaves
+        weights, momentum and the update count as they were, whatever its gradients hold."""
         params = [p for p in group["params"] if p.grad is not None]
         momentum, updates = group["momentum"], []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
-                state["step"] = torch.tensor(0.0)
-            state["step"] += 1
+                state["step"] = torch.zeros((), device=p.device)  # where `keep` is
+            if state["step"].device != p.device:  # a checkpoint's host count: moved once
+                state["step"] = state["step"].to(p.device)
+            state["step"] += 1 if keep is None else keep.float()
             grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-            buf.lerp_(grad, 1 - momentum)  # as torch.optim.Muon, on this rank's shard
+            if keep is None:
+                buf.lerp_(grad, 1 - momentum)  # as torch.optim.Muon, on this rank's shard
+            else:
+                buf.copy_(torch.where(keep, buf.lerp(grad, 1 - momentum), buf))
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             if isinstance(p.grad, DTensor):
                 update = DTensor.from_local(update, p.grad.device_mesh, p.grad.placements,
@@ -97,5 +115,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         lr, decay = group["lr"], group["weight_decay"]
         for p, update in zip(params, orthogonalize(updates, ns), strict=True):
             local = _local(p)
-            local.mul_(1 - lr * decay)
+            if keep is not None:  # a skipped step's update may be NaN: zero, not scaled
+                update = torch.where(keep, update, 0.0)
+                decay_now = torch.where(keep, lr * decay, 0.0)
+                local.mul_(1 - decay_now)
+            else:
+                local.mul_(1 - lr * decay)
             local.add_(update, alpha=-muon_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))

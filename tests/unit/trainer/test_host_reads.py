@@ -137,12 +137,15 @@ def test_the_counter_sees_a_nonzero(tmp_path, monkeypatch, process_group):
     assert reads.get(2, {}).get("nonzero") == 1, reads
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_skipped_steps_are_read_and_warned_at_the_logging_step(tmp_path, monkeypatch,
-                                                               process_group, caplog):
+                                                               process_group, caplog,
+                                                               optimizer):
     """lr 1e30 overflows from step 2 on: every later step is skipped on the device, and
-    the host learns of each (in order, by its step number) only at the logging step."""
+    the host learns of each (in order, by its step number) only at the logging step (Muon
+    too: its matrices' step masks itself with the same device flag as its fused AdamW)."""
     flags = ["--max-steps", "8", "--log-every", "4", "--lr", "1e30", "--warmup-steps", "0",
-             "--skip-nonfinite", "--max-skipped-steps", "100"]
+             "--skip-nonfinite", "--max-skipped-steps", "100", "--optimizer", optimizer]
     with caplog.at_level("WARNING", logger="loom"):
         reads, trainer = counted_run(tmp_path, monkeypatch, flags)
     quiet = {step: dict(reads.get(step, {})) for step in range(1, 9) if step not in LOGGING}
@@ -156,7 +159,7 @@ def test_skipped_steps_are_read_and_warned_at_the_logging_step(tmp_path, monkeyp
     assert all(not math.isfinite(r["train/loss"] * r["grad/norm_preclip"]) for r in rows[1:])
     assert len({r["opt/lr"] for r in rows}) == 1, "a skipped step shows the applied one's lr"
     states = list(trainer.optimizer.state.values())
-    assert states and all(float(s["step"]) == 1 for s in states), "AdamW counted one update"
+    assert states and all(float(s["step"]) == 1 for s in states), "one update counted"
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 

@@ -172,3 +172,42 @@ def test_a_checkpoints_muon_group_is_checked(change: dict, message: str | None) 
         return
     with pytest.raises(SchemaError, match=message):
         _param_group(group, "param_groups[1]")
+
+
+def stepped(found_inf: float | None, grads: dict[str, torch.Tensor]):
+    """Muon + AdamW over a fresh tiny model, one step at `grads` (found_inf as the trainer
+    sets it: None unmasked, 0 apply, 1 skip); its parameters and state after."""
+    torch.manual_seed(0)
+    model = moe_model()
+    optimizer = build_optimizer(model, MUON)
+    for name, p in model.named_parameters():
+        p.grad = grads[name].clone()
+    if found_inf is not None:
+        optimizer.found_inf = torch.tensor(found_inf)
+    optimizer.step()
+    return ({n: p.detach().clone() for n, p in model.named_parameters()},
+            {n: {k: v.clone() for k, v in optimizer.state[p].items()}
+             for n, p in model.named_parameters()})
+
+
+def test_a_masked_step_skips_on_the_device_and_an_applied_one_is_the_plain_step() -> None:
+    """The trainer's masked update (no host read of finiteness each step): found_inf 1 with
+    NaN gradients leaves every weight as it was and creates state with no update counted;
+    found_inf 0 is exactly the unmasked step."""
+    torch.manual_seed(1)
+    grads = {n: torch.randn_like(p) for n, p in moe_model().named_parameters()}
+    assert build_optimizer(moe_model(), MUON).defaults["fused"], "the trainer masks it"
+    plain_params, plain_state = stepped(None, grads)
+    applied_params, applied_state = stepped(0.0, grads)
+    for name in plain_params:
+        assert torch.equal(applied_params[name], plain_params[name]), name
+        for key, value in plain_state[name].items():
+            assert torch.equal(applied_state[name][key], value), (name, key)
+    nan = {n: torch.full_like(g, float("nan")) for n, g in grads.items()}
+    skipped_params, skipped_state = stepped(1.0, nan)
+    torch.manual_seed(0)
+    before = dict(moe_model().named_parameters())
+    for name, value in skipped_params.items():
+        assert torch.equal(value, before[name].detach()), name
+        assert float(skipped_state[name]["step"]) == 0, name
+    assert torch.equal(skipped_state[WQ]["momentum_buffer"], torch.zeros_like(grads[WQ]))
