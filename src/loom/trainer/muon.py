@@ -87,9 +87,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict, keep: torch.Tensor | None) -> None:
         """`keep` (a device bool, or None: always) masks every write: a skipped step leaves
-        weights, momentum and the update count as they were, whatever its gradients hold."""
+        weights, momentum and the update count as they were, whatever its gradients hold.
+        Masked, a parameter costs one operator more (the gradient's `where`: the skipped
+        step's momentum moves towards itself), the group one (its updates scaled by 0)."""
         params = [p for p in group["params"] if p.grad is not None]
         momentum, updates = group["momentum"], []
+        lr, decay = group["lr"], group["weight_decay"]
+        counted, decayed = 1.0, 1 - lr * decay
+        if keep is not None:  # once per group: device scalars
+            counted = keep.float()
+            decayed = torch.where(keep, 1 - lr * decay, 1.0)  # the plain step's one rounding
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -97,12 +104,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), device=p.device)  # where `keep` is
             if state["step"].device != p.device:  # a checkpoint's host count: moved once
                 state["step"] = state["step"].to(p.device)
-            state["step"] += 1 if keep is None else keep.float()
+            state["step"] += counted
             grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-            if keep is None:
-                buf.lerp_(grad, 1 - momentum)  # as torch.optim.Muon, on this rank's shard
-            else:
-                buf.copy_(torch.where(keep, buf.lerp(grad, 1 - momentum), buf))
+            if keep is not None:  # a skipped step's gradient may be NaN: never read
+                grad = torch.where(keep, grad, buf)
+            buf.lerp_(grad, 1 - momentum)  # as torch.optim.Muon, on this rank's shard
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             if isinstance(p.grad, DTensor):
                 update = DTensor.from_local(update, p.grad.device_mesh, p.grad.placements,
@@ -112,13 +118,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         iteration = newton_schulz if group["ns_dtype"] == "bf16" else newton_schulz_fp32
         ns = partial(iteration, ns_coefficients=group["ns_coefficients"],
                      ns_steps=group["ns_steps"], eps=group["eps"])
-        lr, decay = group["lr"], group["weight_decay"]
-        for p, update in zip(params, orthogonalize(updates, ns), strict=True):
+        orthogonal = list(orthogonalize(updates, ns))
+        if keep is not None:  # a skipped step's update is 0: one operator for the group
+            torch._foreach_mul_(orthogonal, counted)
+        for p, update in zip(params, orthogonal, strict=True):
             local = _local(p)
-            if keep is not None:  # a skipped step's update may be NaN: zero, not scaled
-                update = torch.where(keep, update, 0.0)
-                decay_now = torch.where(keep, lr * decay, 0.0)
-                local.mul_(1 - decay_now)
-            else:
-                local.mul_(1 - lr * decay)
+            local.mul_(decayed)
             local.add_(update, alpha=-muon_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
