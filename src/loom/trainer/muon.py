@@ -120,7 +120,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                      ns_steps=group["ns_steps"], eps=group["eps"])
         orthogonal = list(orthogonalize(updates, ns))
         if keep is not None:  # a skipped step's update is 0: one operator for the group
-            torch._foreach_mul_(orthogonal, counted)
+            torch._foreach_mul_(orthogonal, counted)  # private, as optimizers use it: 2.11-2.15
         for p, update in zip(params, orthogonal, strict=True):
             local = _local(p)
             local.mul_(decayed)
