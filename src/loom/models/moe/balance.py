@@ -26,7 +26,7 @@ def update_expert_bias(model: nn.Module, summed: Callable[[torch.Tensor], torch.
     """After an optimizer step: sum each MoE layer's token counts over the `ranks` ranks
     holding different tokens (dp x cp) with `summed` (the trainer's collective: the model
     itself does no communication), move the expert bias by coeff * sign(mean - count),
-    reset the counts; returns the MoE metrics, on the device.
+    reset the counts and the balance loss's sum; returns the MoE metrics, on the device.
 
     `applied` (a device scalar, 1.0 or 0.0; None: 1.0) masks the step: after a skipped
     update the bias stays and the counts carry into the next step, as if the hook had not
@@ -45,6 +45,7 @@ def update_expert_bias(model: nn.Module, summed: Callable[[torch.Tensor], torch.
             moe.expert_bias.add_(keep * moe.load_balance_coeff
                                  * torch.sign(layer_counts.mean() - layer_counts))
         moe.tokens_per_expert.mul_(1.0 - keep)  # zeroed after an applied update
+        moe.aux_loss.zero_()  # a metric only: each step's row reports its own
     return moe_metrics(counts, aux if layers[0].aux_loss_coeff > 0 else None)
 
 

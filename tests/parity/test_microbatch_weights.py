@@ -1,0 +1,73 @@
+"""Losses a model adds in its own forward (the MoE sequence-wise balance loss, DeepSeek-V3's
+multi-token prediction) weigh each forward of a step by its share of the step, like the
+main loss: N micro-batches of B/N sequences train as one batch of B, under gradient
+accumulation, under a pipeline's micro-batches and under both.
+
+Both losses are means over a micro-batch's sequences (the balance loss per sequence, MTP
+per token of equally long sequences), so with equal micro-batches the mean of the N
+micro-batch means is the whole batch's: the reference is one process, one forward of the
+whole batch. Measured with each forward's loss weighted 1 (the bug this guards): MoE at
+--aux-loss-coeff 0.1 under 2 accumulation steps, step 1's gradient norm off by 8e-2
+relative; DeepSeek-V3's MTP, 5e-2; at pp 2 with 2 accumulation steps (4 forwards), off
+by ...
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.compare import assert_norms_close, assert_series_close, column
+from tests.harness import run_ranks
+from tests.parity.test_moe_parity import (
+    PARAM_NORM_RTOL,
+    RTOL,
+    assert_losses_and_grad_norms_close,
+)
+
+COMMON = ["--dataset", "random", "--vocab-size", "512", "--seq-len", "64", "--fp32",
+          "--max-steps", "3", "--seed", "7", "--lr", "1e-3", "--warmup-steps", "0"]
+AUX = ["--model", "moe-debug", "--aux-loss-coeff", "0.1"]
+"""A coefficient large enough that a doubled balance-loss gradient moves the norm by
+percent (at 0.01 it still moves it 1e-2 relative)."""
+MTP = ["--model", "deepseek-v3-mtp-debug"]
+WHOLE = ["--batch-size", "4"]
+ACCUM = ["--batch-size", "2", "--grad-accum-steps", "2"]
+
+
+def train(world: int, runs: dict[str, list[str]], root: Path) -> None:
+    argvs = [[*COMMON, *flags, "--outdir", str(root / name)] for name, flags in runs.items()]
+    job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(argvs)],
+                    timeout=600)
+    assert job.ok, job.describe()
+
+
+def assert_same_training(candidate: Path, reference: Path, metric: str) -> None:
+    """Losses, gradient norms, the added loss's own metric and the final parameters."""
+    assert_losses_and_grad_norms_close(candidate, reference)
+    assert_series_close(column(candidate, metric), column(reference, metric), rtol=RTOL,
+                        what=metric)
+    assert_norms_close(torch.load(candidate / "params.pt"), torch.load(reference / "params.pt"),
+                       rtol=PARAM_NORM_RTOL, what="parameters after 3 AdamW steps")
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("microbatch_weights")
+    train(1, {"aux": [*AUX, *WHOLE], "aux_accum": [*AUX, *ACCUM],
+              "mtp": [*MTP, *WHOLE], "mtp_accum": [*MTP, *ACCUM]}, root)
+    return root
+
+
+@pytest.mark.multirank
+def test_balance_loss_under_accumulation_weighs_like_one_batch(one_process_runs: Path) -> None:
+    assert_same_training(one_process_runs / "aux_accum", one_process_runs / "aux",
+                         "moe/aux_loss")
+
+
+@pytest.mark.multirank
+def test_mtp_loss_under_accumulation_weighs_like_one_batch(one_process_runs: Path) -> None:
+    assert_same_training(one_process_runs / "mtp_accum", one_process_runs / "mtp", "mtp/loss")
