@@ -30,9 +30,10 @@ from tests.parity.test_moe_parity import (
 
 COMMON = ["--dataset", "random", "--vocab-size", "512", "--seq-len", "64", "--fp32",
           "--max-steps", "3", "--seed", "7", "--lr", "1e-3", "--warmup-steps", "0"]
-AUX = ["--model", "moe-debug", "--aux-loss-coeff", "0.1"]
+AUX_COEFF = ["--aux-loss-coeff", "0.1"]
 """A coefficient large enough that a doubled balance-loss gradient moves the norm by
-percent (at 0.01 it still moves it 1e-2 relative)."""
+percent."""
+AUX = ["--model", "moe-debug", *AUX_COEFF]
 MTP = ["--model", "deepseek-v3-mtp-debug"]
 WHOLE = ["--batch-size", "4"]
 ACCUM = ["--batch-size", "2", "--grad-accum-steps", "2"]
@@ -71,3 +72,15 @@ def test_balance_loss_under_accumulation_weighs_like_one_batch(one_process_runs:
 @pytest.mark.multirank
 def test_mtp_loss_under_accumulation_weighs_like_one_batch(one_process_runs: Path) -> None:
     assert_same_training(one_process_runs / "mtp_accum", one_process_runs / "mtp", "mtp/loss")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_pipeline_micro_batches_and_accumulation_weigh_like_one_batch(tmp_path: Path) -> None:
+    """DeepSeek-V3 with MTP and the balance loss at pp 2: 2 accumulation steps of 2
+    micro-batches each, 4 forwards of one sequence. The MTP modules sit on the last stage,
+    rank 0 holds the first: its row reports the step's MTP loss all the same."""
+    flags = [*MTP, *AUX_COEFF]
+    train(1, {"single": [*flags, *WHOLE]}, tmp_path)
+    train(2, {"pp2_accum": [*flags, *ACCUM, "--pp", "2", "--pp-microbatches", "2"]}, tmp_path)
+    assert_same_training(tmp_path / "pp2_accum", tmp_path / "single", "mtp/loss")
