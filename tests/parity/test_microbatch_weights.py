@@ -46,11 +46,13 @@ def train(world: int, runs: dict[str, list[str]], root: Path) -> None:
     assert job.ok, job.describe()
 
 
-def assert_same_training(candidate: Path, reference: Path, metric: str) -> None:
-    """Losses, gradient norms, the added loss's own metric and the final parameters."""
+def assert_same_training(candidate: Path, reference: Path, *metrics: str) -> None:
+    """Losses, gradient norms, the added losses' own metrics (in rank 0's row) and the
+    final parameters."""
     assert_losses_and_grad_norms_close(candidate, reference)
-    assert_series_close(column(candidate, metric), column(reference, metric), rtol=RTOL,
-                        what=metric)
+    for metric in metrics:
+        assert_series_close(column(candidate, metric), column(reference, metric), rtol=RTOL,
+                            what=metric)
     assert_norms_close(torch.load(candidate / "params.pt"), torch.load(reference / "params.pt"),
                        rtol=PARAM_NORM_RTOL, what="parameters after 3 AdamW steps")
 
@@ -79,8 +81,10 @@ def test_mtp_loss_under_accumulation_weighs_like_one_batch(one_process_runs: Pat
 def test_pipeline_micro_batches_and_accumulation_weigh_like_one_batch(tmp_path: Path) -> None:
     """DeepSeek-V3 with MTP and the balance loss at pp 2: 2 accumulation steps of 2
     micro-batches each, 4 forwards of one sequence. The MTP modules sit on the last stage,
-    rank 0 holds the first: its row reports the step's MTP loss all the same."""
+    rank 0 holds the first: its row reports the step's MTP loss all the same, and the
+    balance loss of every stage's MoE layers."""
     flags = [*MTP, *AUX_COEFF]
     train(1, {"single": [*flags, *WHOLE]}, tmp_path)
     train(2, {"pp2_accum": [*flags, *ACCUM, "--pp", "2", "--pp-microbatches", "2"]}, tmp_path)
-    assert_same_training(tmp_path / "pp2_accum", tmp_path / "single", "mtp/loss")
+    assert_same_training(tmp_path / "pp2_accum", tmp_path / "single", "mtp/loss",
+                         "moe/aux_loss")

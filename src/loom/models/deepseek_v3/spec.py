@@ -19,7 +19,7 @@ from loom.models.hf_folder import CONFIG, read_config
 from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.spec import rope_input
 from loom.models.moe.flags import MoEFlags
-from loom.models.moe.spec import EXPERT_BIAS, moe_block_cost, router_gates
+from loom.models.moe.spec import BALANCE_LOSS, EXPERT_BIAS, moe_block_cost, router_gates
 from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.spec import ModelParts, ModelSpec, SpecHook
 from loom.models.transformers.model import hf_source
@@ -91,7 +91,7 @@ DEEPSEEK_V3 = ModelSpec(
     build=DeepseekV3, args_cls=DeepseekV3Args, parts=ModelParts(head=("norm", "output", "mtp")),
     block_cost=moe_block_cost, block_inputs=rope_input, routers=router_gates,
     active_params=active_params, hf=(DeepseekV3Adapter(),), lora_targets=LORA_TARGETS,
-    hooks=(EXPERT_BIAS, SpecHook("deepseek-v3-mtp", mtp_metrics, stages=True)),
+    hooks=(EXPERT_BIAS, BALANCE_LOSS, SpecHook("deepseek-v3-mtp", mtp_metrics, stages=True)),
     flags=(LlamaFlags, Qwen3Flags, MoEFlags, DeepseekV3Flags),
     description="multi-head latent attention, group-limited sigmoid routing with shared "
                 "experts and expert bias, YaRN, multi-token prediction")
