@@ -240,7 +240,7 @@ class MoE(nn.Module):
     """Forwards per optimizer step (the executor sets it: accumulation steps times a
     pipeline's micro-batches). Each forward's balance loss weighs 1 / microbatches, as the
     main loss's token mean weighs each micro-batch by its share of the step; `aux_loss`
-    sums the shares (the step's balance loss), zeroed by the expert-bias hook."""
+    sums the shares (the step's balance loss), zeroed by the balance-loss metric hook."""
 
     def __init__(self, args: MoEArgs):
         super().__init__()
