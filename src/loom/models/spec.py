@@ -25,6 +25,9 @@ The model protocol a spec promises (written down because the recipe relies on it
   `init_buffers(device)`: recompute non-persistent buffers after `to_empty`. Parameters are
   drawn from (seed, name), so every layout starts from the same weights.
 - `hidden_output`: a class attribute a pipeline's last stage sets to return hidden states.
+- `microbatches`: only on a module that adds a loss of its own in forward (MoE's balance
+  loss, MTP): the executor sets it to the forwards of one optimizer step (accumulation
+  steps times a pipeline's micro-batches), and each forward weighs its loss 1 / microbatches.
 """
 
 from __future__ import annotations
@@ -157,6 +160,11 @@ class SpecHook:
     from the trainer so that models do no communication of their own; the hook runs after
     every step and masks its own update with `applied`, so that the trainer never reads
     whether a step was finite between logging steps."""
+    stages: bool = False
+    """Whether its metrics are of modules only some pipeline stages hold (DeepSeek-V3's MTP,
+    with the head): the trainer's sum then also adds over the stages, so every rank's row
+    (rank 0's holds the first stage) reports them. Such a hook returns the same metrics on
+    every rank, zeros where its stage holds none of the modules."""
 
 
 def _none(model: nn.Module) -> list[nn.Module]:

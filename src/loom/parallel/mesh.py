@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from loom.config import ConfigError, ParallelConfig, check_expert_layout
@@ -201,3 +202,9 @@ class ParallelDims:
     @property
     def pp_rank(self) -> int:
         return self.get_mesh("pp").get_local_rank()
+
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The pipeline's stages: the ranks holding other layers of the same tokens (what a
+        step hook sums per-stage metrics over); None without pp."""
+        return self.get_mesh("pp").get_group() if self.pp_enabled else None

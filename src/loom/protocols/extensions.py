@@ -46,6 +46,9 @@ class StepContext:
     applied: torch.Tensor | None = None
     """1.0 where the optimizer applied this step's update, 0.0 where it skipped a
     non-finite one, on the device; None: the host already knows it was applied."""
+    stage_group: dist.ProcessGroup | None = None
+    """The pipeline's stages (the ranks holding other layers of the same tokens); None
+    without pp. Where a family hook's metrics are per stage (`SpecHook.stages`)."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,13 @@ def _family_hook(hook: SpecHook) -> StepHook:
         applied = context.applied
         if applied is None:
             applied = torch.ones((), device=next(context.model.parameters()).device)
-        return hook.run(context.model, lambda t: summed(t, context.token_group),
-                        dist.get_world_size(context.token_group), applied)
+        stages = context.stage_group if hook.stages else None
+
+        def total(t: torch.Tensor) -> torch.Tensor:
+            t = summed(t, context.token_group)
+            return t if stages is None else summed(t, stages)
+        return hook.run(context.model, total, dist.get_world_size(context.token_group),
+                        applied)
     return StepHook(hook.name, enabled=lambda cfg: True, run=run)
 
 

@@ -16,7 +16,7 @@ from loom.parallel.compile import compile_kwargs
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.single import runs_plain, step_autocast, within
 from loom.trainer.pipeline_executor import PipelineExecutor
-from loom.trainer.step import AccumulationExecutor, StepExecutor
+from loom.trainer.step import AccumulationExecutor, StepExecutor, weigh_added_losses
 
 
 def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
@@ -31,6 +31,7 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
     else:
         executor = AccumulationExecutor(parts, criterion, dims, device,
                                         defer_reduction=cfg.train.accum_reduce == "step")
+    weigh_added_losses(parts, cfg.train.grad_accum_steps * executor.forwards_per_batch)
     if cfg.data.doc_mask:
         check_takes_documents(parts)
     executor.eot_id = eot_id if cfg.data.doc_mask else None

@@ -47,15 +47,13 @@ class PipelineExecutor(StepExecutor):
         pp_group = dims.get_mesh("pp").get_group()
         self.norm_group = pp_group  # each stage's gradient norm joins the others
         self.microbatches = choose_microbatches(p, cfg.train.batch_size)
+        self.forwards_per_batch = self.microbatches
         microbatch = cfg.train.batch_size // self.microbatches
         stages = [PipelineStage(part, i, n_stages, device, *stage_io(
                       part, cfg, dims.tp, microbatch, criterion.hidden), group=pp_group)
                   for part, i in zip(parts, self.stage_ids, strict=True)]
         if criterion.hidden:
             parts[-1].hidden_output = True  # the criterion projects through the head
-        for part in parts:  # a loss the model adds in forward weighs each slice's share
-            if hasattr(part, "microbatches"):
-                part.microbatches = self.microbatches
         self.token_ids = getattr(parts[0], "stage_token_ids", False)
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.owns_loss = self.has_last and dims.tp_rank == 0

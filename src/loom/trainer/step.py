@@ -81,6 +81,10 @@ class StepExecutor(ABC):
     eot_id: int | None = None
     """--doc-mask: the end-of-text id that separates packed documents (None: no mask)."""
 
+    forwards_per_batch: int = 1
+    """Forwards each loader batch takes (a pipeline's micro-batches); times the
+    accumulation steps, the forwards of one optimizer step (`weigh_added_losses`)."""
+
     marks_steps: bool = False
     """Compiled in reduce-overhead mode (--cuda-graphs): each step begins with
     `torch.compiler.cudagraph_mark_step_begin()`, telling CUDA graph trees that the last
@@ -170,6 +174,18 @@ class AccumulationExecutor(StepExecutor):
         inputs, labels = self.to_device(batch)
         return self.owned(self.micro_loss(self.parts[0], inputs, labels,
                                           self.documents(inputs))[0])
+
+
+def weigh_added_losses(parts: list[nn.Module], forwards: int) -> None:
+    """Tell every module that adds a loss in its own forward (one with a `microbatches`
+    attribute: the MoE balance loss, DeepSeek-V3's MTP) how many forwards one optimizer
+    step takes. The main loss is a mean over the step's tokens, each forward weighing its
+    share; such a module weighs its own loss 1 / forwards for the same reason, whether the
+    forwards are accumulation steps, a pipeline's micro-batches or both."""
+    for part in parts:
+        for module in part.modules():
+            if hasattr(module, "microbatches"):
+                module.microbatches = forwards
 
 
 def parts_module(parts: list[nn.Module]) -> nn.Module:

@@ -225,7 +225,7 @@ def test_window_counts_clip_groups_to_the_window():
 
 def test_moe_metrics_report_spread_and_imbalance():
     counts = torch.tensor([[4.0, 4.0, 4.0, 4.0], [8.0, 0.0, 4.0, 4.0]])
-    row = moe_metrics(counts, aux=None)
+    row = moe_metrics(counts)
     assert row["moe/tokens_per_expert_min"] == 0 and row["moe/tokens_per_expert_max"] == 8
     assert row["moe/load_imbalance"] == 1.5 and row["moe/load_imbalance_max"] == 2.0
     assert "moe/aux_loss" not in row

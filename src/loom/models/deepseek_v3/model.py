@@ -18,7 +18,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from loom.models.deepseek_v3.args import DeepseekV3Args
 from loom.models.deepseek_v3.attention import LatentAttention, yarn_rope_table
 from loom.models.llama.model import FeedForward, RMSNorm
-from loom.models.moe.model import MoE, MoETransformer, TokenChoiceRouter, _AddAuxLoss
+from loom.models.moe.aux_loss import add_loss
+from loom.models.moe.model import MoE, MoETransformer, TokenChoiceRouter
 
 
 class GroupLimitedRouter(TokenChoiceRouter):
@@ -100,14 +101,15 @@ class DeepseekV3(MoETransformer):
         self.mtp = nn.ModuleDict({str(i): MTPModule(args, args.n_layers + i)
                                   for i in range(args.mtp_layers)}) if args.mtp_layers else None
         self.register_buffer("mtp_loss", torch.zeros(()), persistent=False)
-        self.mtp_seen = 0  # micro-batches of this batch recorded in mtp_loss
+        self.mtp_seen = 0  # forwards of this step recorded in mtp_loss
 
     def build_block(self, layer_id: int) -> nn.Module:
         return LatentBlock(self.args, layer_id)
 
     microbatches = 1
-    """How many slices of each batch the step's forwards see (a pipeline sets it): each
-    slice's MTP loss is weighted 1 / microbatches, so the whole batch weighs it once."""
+    """Forwards per optimizer step (the executor sets it: accumulation steps times a
+    pipeline's micro-batches): each forward's MTP loss is weighted 1 / microbatches, so
+    the step's batch weighs it once, as the main loss's token mean does."""
 
     @property
     def pipeline_rows(self) -> int:
@@ -178,10 +180,10 @@ class DeepseekV3(MoETransformer):
                                                      / self.microbatches)
         with torch.no_grad():
             self.record_mtp_loss(loss.detach() / max(self.args.mtp_loss_weight, 1e-30))
-        return _AddAuxLoss.apply(main, loss)
+        return add_loss(main, loss)
 
     def record_mtp_loss(self, share: torch.Tensor) -> None:
-        """The metric: the batch's MTP loss, summed over its micro-batches' shares."""
+        """The metric: the step's MTP loss, summed over its forwards' shares."""
         if self.mtp_seen == 0:
             self.mtp_loss.copy_(share)
         else:

@@ -20,7 +20,7 @@ from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.spec import rope_input
 from loom.models.moe.counts import per_token_param_count
 from loom.models.moe.flags import MoEFlags
-from loom.models.moe.spec import EXPERT_BIAS, moe_block_cost, router_gates
+from loom.models.moe.spec import BALANCE_LOSS, EXPERT_BIAS, moe_block_cost, router_gates
 from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.spec import ModelParts, ModelSpec, SpecHook
 from loom.models.transformers.model import hf_source
@@ -68,12 +68,16 @@ def active_params(args: DeepseekV3Args) -> int:
 @torch.no_grad()
 def mtp_metrics(model: nn.Module, summed: Any, ranks: int,
                 applied: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The MTP loss of the last micro-batch, averaged over the ranks holding different
-    tokens (its own metric: the step's loss is the main head's), left on the device for
-    the row; a metric only, so a skipped update (`applied` 0) changes nothing."""
-    if getattr(model, "mtp", None) is None:
+    """The step's MTP loss, averaged over the ranks holding different tokens (its own
+    metric: the step's loss is the main head's), left on the device for the row; a metric
+    only, so a skipped update (`applied` 0) changes nothing. Every rank of a run with MTP
+    reports it: a pipeline stage without the MTP modules adds zeros to the sum, which the
+    hook's `stages` extends over the stages (rank 0 holds the first)."""
+    parts = [m for m in model.modules() if isinstance(m, DeepseekV3)]  # a rank's stages
+    if not any(part.args.mtp_layers for part in parts):
         return {}
-    return {"mtp/loss": summed(model.mtp_loss.detach().float().clone()) / ranks}
+    held = torch.stack([part.mtp_loss.detach().float() for part in parts]).sum()
+    return {"mtp/loss": summed(held) / ranks}
 
 
 LORA_TARGETS = ("attention.wq", "attention.wq_b", "attention.wkv_b", "attention.wo",
@@ -86,7 +90,7 @@ DEEPSEEK_V3 = ModelSpec(
     build=DeepseekV3, args_cls=DeepseekV3Args, parts=ModelParts(head=("norm", "output", "mtp")),
     block_cost=moe_block_cost, block_inputs=rope_input, routers=router_gates,
     active_params=active_params, hf=(DeepseekV3Adapter(),), lora_targets=LORA_TARGETS,
-    hooks=(EXPERT_BIAS, SpecHook("deepseek-v3-mtp", mtp_metrics)),
+    hooks=(EXPERT_BIAS, BALANCE_LOSS, SpecHook("deepseek-v3-mtp", mtp_metrics, stages=True)),
     flags=(LlamaFlags, Qwen3Flags, MoEFlags, DeepseekV3Flags),
     description="multi-head latent attention, group-limited sigmoid routing with shared "
                 "experts and expert bias, YaRN, multi-token prediction")

@@ -1,4 +1,5 @@
-"""DeepSeek-V3's sequence-wise balance loss, formed from per-sequence sums.
+"""DeepSeek-V3's sequence-wise balance loss, formed from per-sequence sums, and how a
+model adds a loss of its own to the step's backward (`add_loss`).
 
 The loss is a function of sums over each sequence's tokens (picks per expert, normalised
 router scores per expert, the token count). Under context parallel every rank holds part
@@ -46,3 +47,29 @@ def sequence_balance_loss(scores: torch.Tensor, expert_idx: torch.Tensor, bsz: i
     if sequence_sum is not None:
         sums = sequence_sum(sums)
     return balance_loss_from_sums(sums, expert_idx.shape[-1])
+
+
+class _AddLoss(torch.autograd.Function):
+    """Identity on x whose backward also sends gradient 1 into `loss`, so a loss the model
+    adds trains without changing what the model returns. Its backward adds the loss's value
+    to `total` (None: nothing), once per trained forward, as the MoE's pick counts are: the
+    metric sums each micro-batch's share, also when activation checkpointing recomputes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor,
+                total: torch.Tensor | None) -> torch.Tensor:
+        ctx.loss_dtype, ctx.value, ctx.total = loss.dtype, loss.detach(), total
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        if ctx.total is not None:
+            ctx.total.add_(ctx.value)
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=grad.device), None
+
+
+def add_loss(x: torch.Tensor, loss: torch.Tensor,
+             total: torch.Tensor | None = None) -> torch.Tensor:
+    """x, whose backward also trains `loss` (a scalar, gradient 1) and adds its value to
+    `total` (a metric buffer) once per trained forward."""
+    return _AddLoss.apply(x, loss, total)

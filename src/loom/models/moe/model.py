@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from loom.models.llama import model as llama
 from loom.models.llama.model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
-from loom.models.moe.aux_loss import SequenceSum, sequence_balance_loss
+from loom.models.moe.aux_loss import SequenceSum, add_loss, sequence_balance_loss
 from loom.models.moe.counts import per_token_param_count
 
 SCORE_FUNCS = ("sigmoid", "softmax")
@@ -227,20 +227,6 @@ def weighted_combine(rows: torch.Tensor, weights: torch.Tensor, token_ids: torch
     return _WeightedCombine.apply(rows, weights, token_ids, like)
 
 
-class _AddAuxLoss(torch.autograd.Function):
-    """Identity on x whose backward also sends gradient 1 into `aux`, so a balance loss
-    trains the router without changing what the model returns."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.aux_dtype = aux.dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device)
-
-
 class MoE(nn.Module):
     """Routed experts (top-k of E, weighted by router scores) plus always-on shared experts.
 
@@ -251,6 +237,11 @@ class MoE(nn.Module):
     """
 
     sequence_sum: SequenceSum | None = None
+    microbatches = 1
+    """Forwards per optimizer step (the executor sets it: accumulation steps times a
+    pipeline's micro-batches). Each forward's balance loss weighs 1 / microbatches, as the
+    main loss's token mean weighs each micro-batch by its share of the step; `aux_loss`
+    sums the shares (the step's balance loss), zeroed by the balance-loss metric hook."""
 
     def __init__(self, args: MoEArgs):
         super().__init__()
@@ -280,11 +271,8 @@ class MoE(nn.Module):
         if out.requires_grad:
             out = _CountInBackward.apply(out, counts, self.tokens_per_expert)
         if self.aux_loss_coeff > 0 and self.training:
-            aux = self.aux_loss_coeff * sequence_balance_loss(scores, expert_idx, bsz,
-                                                              self.sequence_sum)
-            with torch.no_grad():
-                self.aux_loss.copy_(aux)
-            out = _AddAuxLoss.apply(out, aux)
+            aux = sequence_balance_loss(scores, expert_idx, bsz, self.sequence_sum)
+            out = add_loss(out, aux * (self.aux_loss_coeff / self.microbatches), self.aux_loss)
         return out.view(bsz, seqlen, dim)
 
     @torch.no_grad()

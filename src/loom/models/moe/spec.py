@@ -10,7 +10,7 @@ from torch import nn
 from loom.config import ModelConfig
 from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.spec import rope_input
-from loom.models.moe.balance import moe_layers, update_expert_bias
+from loom.models.moe.balance import balance_loss_metric, moe_layers, update_expert_bias
 from loom.models.moe.flags import MoEFlags
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
 from loom.models.qwen3.flags import Qwen3Flags
@@ -40,10 +40,14 @@ def router_gates(model: nn.Module) -> list[nn.Module]:
 
 
 EXPERT_BIAS = SpecHook("moe-expert-bias", update_expert_bias)
+BALANCE_LOSS = SpecHook("moe-balance-loss", balance_loss_metric, stages=True)
+"""Apart from the expert-bias hook, whose counts are per layer (their shapes differ between
+pipeline stages): the balance loss is one number, summed over the stages too."""
 
 MOE = ModelSpec(
     name="moe", model_cls=MoETransformer, args_from_config=moe_args, build=MoETransformer,
     args_cls=MoEArgs, block_cost=moe_block_cost, block_inputs=rope_input,
-    routers=router_gates, active_params=active_param_count, hooks=(EXPERT_BIAS,),
+    routers=router_gates, active_params=active_param_count,
+    hooks=(EXPERT_BIAS, BALANCE_LOSS),
     flags=(LlamaFlags, Qwen3Flags, MoEFlags),
     description="top-k routed experts (sigmoid or softmax), shared experts, expert bias")
