@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loom.compat import v_schedules_send_to_own_rank
 from tests.compare import assert_norms_close, assert_series_close, column
 from tests.deepseek_folders import bias_routing, save_deepseek
 from tests.harness import run_ranks
@@ -166,14 +167,30 @@ def test_slow_pp2_ep2_matches_single_process(deepseek_runs: Path, tmp_path: Path
     assert_pp2_matches(tmp_path, deepseek_runs / "single", ["--ep", "2"], world=4, dp=2)
 
 
+V_REFUSED = pytest.mark.skipif(v_schedules_send_to_own_rank(), reason="refused on this "
+                               "torch (loom.config.compose.REFUSALS, tested there)")
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_slow_pp2_interleaved_matches_single_process(deepseek_runs: Path, tmp_path: Path,
-                                                    ) -> None:
-    """The looped schedule: the embedding, three blocks and the head cut into four stages,
-    two per rank, each rank running its two in turn."""
-    assert_pp2_matches(tmp_path, deepseek_runs / "single",
-                       ["--pp-schedule", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b",
+                                      pytest.param("zero-bubble", marks=V_REFUSED),
+                                      pytest.param("dualpipev", marks=V_REFUSED)])
+def test_slow_pp2_schedule_matches_single_process(deepseek_runs: Path, tmp_path: Path,
+                                                  schedule: str) -> None:
+    """The looped schedules: the embedding, three blocks and the head cut into four stages,
+    two per rank (V-shaped for the split-backward ones, whose weight gradients come in a
+    later pass: one FSDP2 unit per stage, the routed experts inside it)."""
+    assert_pp2_matches(tmp_path, deepseek_runs / "single", ["--pp-schedule", schedule])
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_slow_mtp_pp2_interleaved_matches_single_process(deepseek_runs: Path, tmp_path: Path,
+                                                        ) -> None:
+    """The MTP module on the last of the four stages, with the head, on the first rank."""
+    assert_pp2_matches(tmp_path, deepseek_runs / "mtp_single",
+                       [*MTP, "--pp-schedule", "interleaved-1f1b"])
 
 
 @pytest.mark.multirank

@@ -239,7 +239,11 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "tp + ep + etp": f"{_DEEPSEEK}test_slow_layout_matches_single_process[tp2_ep2_etp2]",
         "dp_shard": f"{_DEEPSEEK}test_layout_matches_single_process[dp2]",
         "pp-1f1b + ep": f"{_DEEPSEEK}test_slow_pp2_ep2_matches_single_process",
-        "pp-interleaved-1f1b": f"{_DEEPSEEK}test_slow_pp2_interleaved_matches_single_process",
+        "pp-interleaved-1f1b": f"{_DEEPSEEK}test_slow_pp2_schedule_matches_single_process"
+                               "[interleaved-1f1b]",
+        "pp-zero-bubble": f"{_DEEPSEEK}test_slow_pp2_schedule_matches_single_process"
+                          "[zero-bubble]",
+        "pp-dualpipev": f"{_DEEPSEEK}test_slow_pp2_schedule_matches_single_process[dualpipev]",
         "cp": f"{_DEEPSEEK}test_slow_layout_matches_single_process[cp2]",
         "simple-fsdp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
                             "[simple_fsdp_ep2]",
@@ -255,6 +259,8 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "MTP + tp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_tp2]",
         "MTP + tp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process[mtp_tp2_ep2]",
         "MTP + pp-1f1b": f"{_DEEPSEEK}test_mtp_pp2_matches_single_process",
+        "MTP + pp-interleaved-1f1b": f"{_DEEPSEEK}test_slow_mtp_pp2_interleaved_matches_"
+                                     "single_process",
         "MTP + pp-1f1b + tp": f"{_DEEPSEEK}test_slow_mtp_pp2_tp2_matches_single_process",
         "MTP + cp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_cp2]",
         "MTP + cp + dp_shard": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
