@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loom.compat import v_schedules_send_to_own_rank
 from tests.compare import assert_norms_close, assert_series_close, column
 from tests.deepseek_folders import bias_routing, save_deepseek
 from tests.harness import run_ranks
@@ -30,6 +31,7 @@ COMMON = ["--model", "deepseek-v3-debug", "--dataset", "random", "--vocab-size",
 MTP = ["--model", "deepseek-v3-mtp-debug"]
 """One multi-token prediction module: its loss joins the backward (a wrong scale of it under
 data parallel moves the gradient norms) and is compared as its own metric."""
+COMPILE = ["--compile", "--compile-backend", "aot_eager"]
 LORA = ["--lora-rank", "4"]
 """Adapters on latent attention's per-head projections and the dense SwiGLU (the family's
 targets), the base frozen: a wrong scale or a missed sync moves the losses and norms."""
@@ -37,6 +39,7 @@ LAYOUTS = {  # name: (world size, dp degree, flags)
     "single": (1, 1, []),
     "ep2": (2, 2, ["--ep", "2"]),
     "tp2": (2, 1, ["--tp", "2"]),
+    "dp2": (2, 2, ["--dp-shard", "2"]),
     "mtp_single": (1, 1, MTP),
     "mtp_ep2": (2, 2, [*MTP, "--ep", "2"]),
     "mtp_tp2": (2, 1, [*MTP, "--tp", "2"]),
@@ -50,8 +53,11 @@ SLOW_LAYOUTS = {
     "tp2_ep2": (4, 2, ["--tp", "2", "--ep", "2"]),
     "cp2": (4, 2, ["--cp", "2"]),
     "simple_fsdp_ep2": (4, 4, ["--data-parallel", "simple-fsdp", "--ep", "2"]),
-    "ep2_ac_compile": (2, 2, ["--ep", "2", "--ac", "block", "--compile", "--compile-backend",
-                              "aot_eager"]),
+    "tp2_ep2_etp2": (4, 2, ["--tp", "2", "--ep", "2", "--etp", "2"]),
+    "ep2_ac_compile": (2, 2, ["--ep", "2", "--ac", "block", *COMPILE]),
+    "tp2_ep2_op_ac_compile": (2, 1, ["--tp", "2", "--ep", "2", "--ac", "op", *COMPILE]),
+    "tp2_ep2_etp2_ac_compile": (4, 2, ["--tp", "2", "--ep", "2", "--etp", "2", "--ac",
+                                       "block", *COMPILE]),
     "hsdp2x2": (4, 4, ["--dp-replicate", "2", "--dp-shard", "2"]),
     "mtp_tp2_ep2": (4, 2, [*MTP, "--tp", "2", "--ep", "2"]),
     "mtp_cp2_dp2": (4, 2, [*MTP, "--cp", "2"]),
@@ -123,12 +129,12 @@ def test_slow_layout_matches_single_process(deepseek_runs: Path, tmp_path: Path,
 
 
 def assert_pp2_matches(tmp_path: Path, reference: Path, flags: list[str],
-                       world: int = 2) -> None:
+                       world: int = 2, dp: int = 1) -> None:
     """Two stages at `flags`: losses, gradient norms and final parameters. Routing is not
     replayed (a stage's routers see micro-batches, which the recorded whole-batch picks do
     not index), as in the MoE family's pp2 x ep2 test."""
     job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps(
-        [[*COMMON, *flags, "--pp", "2", "--batch-size", str(GLOBAL_BATCH), "--outdir",
+        [[*COMMON, *flags, "--pp", "2", "--batch-size", str(GLOBAL_BATCH // dp), "--outdir",
           str(tmp_path / "pp2")]])], timeout=1200)
     assert job.ok, job.describe()
     assert_losses_and_grad_norms_close(tmp_path / "pp2", reference)
@@ -151,6 +157,40 @@ def test_mtp_pp2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> 
     embedding, a wrong one moves the norms), every stage is handed the micro-batch's ids,
     and each of the micro-batches weighs its MTP loss by its share of the batch."""
     assert_pp2_matches(tmp_path, deepseek_runs / "mtp_single", MTP)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_slow_pp2_ep2_matches_single_process(deepseek_runs: Path, tmp_path: Path) -> None:
+    """Two stages over dp_shard 2, each stage's routed experts split over its 2 ranks: each
+    stage's micro-batches dispatched across ep."""
+    assert_pp2_matches(tmp_path, deepseek_runs / "single", ["--ep", "2"], world=4, dp=2)
+
+
+V_REFUSED = pytest.mark.skipif(v_schedules_send_to_own_rank(), reason="refused on this "
+                               "torch (loom.config.compose.REFUSALS, tested there)")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b",
+                                      pytest.param("zero-bubble", marks=V_REFUSED),
+                                      pytest.param("dualpipev", marks=V_REFUSED)])
+def test_slow_pp2_schedule_matches_single_process(deepseek_runs: Path, tmp_path: Path,
+                                                  schedule: str) -> None:
+    """The looped schedules: the embedding, three blocks and the head cut into four stages,
+    two per rank (V-shaped for the split-backward ones, whose weight gradients come in a
+    later pass: one FSDP2 unit per stage, the routed experts inside it)."""
+    assert_pp2_matches(tmp_path, deepseek_runs / "single", ["--pp-schedule", schedule])
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_slow_mtp_pp2_interleaved_matches_single_process(deepseek_runs: Path, tmp_path: Path,
+                                                        ) -> None:
+    """The MTP module on the last of the four stages, with the head, on the first rank."""
+    assert_pp2_matches(tmp_path, deepseek_runs / "mtp_single",
+                       [*MTP, "--pp-schedule", "interleaved-1f1b"])
 
 
 @pytest.mark.multirank

@@ -227,6 +227,8 @@ moves its pair to `TESTED`)."""
 
 
 _DEEPSEEK = "tests/parity/test_deepseek_v3_parity.py::"
+_DEEPSEEK_FLOAT8 = ("tests/parity/test_deepseek_v3_float8.py::"
+                    "test_float8_layout_matches_float8_single_process")
 FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
     "deepseek-v3": {
         "ep": f"{_DEEPSEEK}test_layout_matches_single_process[ep2]",
@@ -234,15 +236,31 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "pp-1f1b": f"{_DEEPSEEK}test_pp2_matches_single_process",
         "ep (4 ranks)": f"{_DEEPSEEK}test_slow_layout_matches_single_process[ep4]",
         "tp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process[tp2_ep2]",
+        "tp + ep + etp": f"{_DEEPSEEK}test_slow_layout_matches_single_process[tp2_ep2_etp2]",
+        "dp_shard": f"{_DEEPSEEK}test_layout_matches_single_process[dp2]",
+        "pp-1f1b + ep": f"{_DEEPSEEK}test_slow_pp2_ep2_matches_single_process",
+        "pp-interleaved-1f1b": f"{_DEEPSEEK}test_slow_pp2_schedule_matches_single_process"
+                               "[interleaved-1f1b]",
+        "pp-zero-bubble": f"{_DEEPSEEK}test_slow_pp2_schedule_matches_single_process"
+                          "[zero-bubble]",
+        "pp-dualpipev": f"{_DEEPSEEK}test_slow_pp2_schedule_matches_single_process[dualpipev]",
         "cp": f"{_DEEPSEEK}test_slow_layout_matches_single_process[cp2]",
         "simple-fsdp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
                             "[simple_fsdp_ep2]",
-        "ep + ac + compile": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
-                             "[ep2_ac_compile]",
+        "ep + block ac + compile": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
+                                   "[ep2_ac_compile]",
+        "tp + ep + op ac + compile": f"{_DEEPSEEK}test_slow_layout_matches_single_process"
+                                     "[tp2_ep2_op_ac_compile]",
+        "tp + ep + etp + block ac + compile": f"{_DEEPSEEK}test_slow_layout_matches_single_"
+                                              "process[tp2_ep2_etp2_ac_compile]",
+        "float8 + ep": f"{_DEEPSEEK_FLOAT8}[float8_ep2]",
+        "float8 + dp_shard + tp": f"{_DEEPSEEK_FLOAT8}[float8_dp2_tp2]",
         "MTP + ep": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_ep2]",
         "MTP + tp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_tp2]",
         "MTP + tp + ep": f"{_DEEPSEEK}test_slow_layout_matches_single_process[mtp_tp2_ep2]",
         "MTP + pp-1f1b": f"{_DEEPSEEK}test_mtp_pp2_matches_single_process",
+        "MTP + pp-interleaved-1f1b": f"{_DEEPSEEK}test_slow_mtp_pp2_interleaved_matches_"
+                                     "single_process",
         "MTP + pp-1f1b + tp": f"{_DEEPSEEK}test_slow_mtp_pp2_tp2_matches_single_process",
         "MTP + cp": f"{_DEEPSEEK}test_layout_matches_single_process[mtp_cp2]",
         "MTP + cp + dp_shard": f"{_DEEPSEEK}test_slow_layout_matches_single_process"

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loom.config import JobConfig
 from loom.errors import ConfigError
@@ -116,12 +117,25 @@ def convert_to_float8(part: nn.Module, cfg: JobConfig) -> None:
 
 
 def precompute_scales(context: StepContext) -> dict[str, float]:
-    """Tensorwise under FSDP2: every float8 weight's scale in one all-reduce after the
-    update, instead of one per weight at each all-gather."""
+    """Tensorwise under FSDP2: every float8 weight's scale in one all-reduce per weight
+    mesh after the update, instead of one per weight at each all-gather."""
     # torchao is an optional dependency: this hook is active only with --float8 tensorwise.
     torchao_float8 = importlib.import_module("torchao.float8")
-    torchao_float8.precompute_float8_dynamic_scale_for_fsdp(context.model)
+    for group in by_weight_mesh(context.model, torchao_float8.float8_linear.Float8Linear):
+        torchao_float8.precompute_float8_dynamic_scale_for_fsdp(group)
     return {}
+
+
+def by_weight_mesh(model: nn.Module, float8_linear: type) -> list[nn.ModuleList]:
+    """The model's sharded float8 linears grouped by their weight's mesh. torchao stacks
+    every weight's amax into one DTensor, which takes a single mesh, and a plan may leave
+    some linears whole on the tp ranks (DeepSeek-V3's low-rank down-projections are on the
+    dp_shard mesh alone, the head-split ones on dp_shard x tp)."""
+    groups: dict[Any, list[nn.Module]] = {}
+    for module in model.modules():
+        if isinstance(module, float8_linear) and isinstance(module.weight, DTensor):
+            groups.setdefault(module.weight.device_mesh, []).append(module)
+    return [nn.ModuleList(group) for group in groups.values()]
 
 
 register_converter(ModelConverter(

@@ -9,6 +9,7 @@ The wrapper strips its `_checkpoint_wrapped_module.` prefix from state-dict keys
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,36 @@ ALWAYS_SAVED = _ops("_scaled_dot_product_flash_attention",
 parallel's reduce-scatter (a collective: recomputing it would repeat the communication)."""
 
 
+ANNOTATIONS = _ops("_record_function_enter", "_record_function_enter_new",
+                   "_record_function_exit", "_record_function_exit._RecordFunction",
+                   namespace=torch.ops.profiler)
+"""Profiler ranges (`record_function`): not computation, so never saved or replayed. FSDP2
+opens one more in a nested unit's recompute than in its forward (the routed experts' unit
+under EP takes itself for the forward's root once the step's forward is over), which
+selective checkpointing's op count took for a changed region and raised on."""
+
+
+@functools.cache
+def _passing(base: type) -> type:
+    """`base` (one of selective checkpointing's dispatch modes) running profiler ranges
+    as they come, before its op count sees them."""
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if func in ANNOTATIONS:
+            return func(*args, **(kwargs or {}))
+        return base.__torch_dispatch__(self, func, types, args, kwargs)
+    return type(f"Passing{base.__name__}", (base,), {"__torch_dispatch__": dispatch})
+
+
+def _passing_annotations(forward: Any, recompute: Any) -> tuple[Any, Any]:
+    """torch's two selective-checkpointing modes, rebuilt as `_passing` ones over the same
+    policy and storage (both constructors take (policy_fn, storage, ...) on torch
+    2.11-2.15; the recompute mode's policy is unused from 2.13)."""
+    caching, cached = _passing(type(forward)), _passing(type(recompute))
+    return (caching(forward.policy_fn, forward.storage),
+            cached(getattr(recompute, "policy_fn", None), recompute.storage,
+                   recompute.allow_cache_entry_mutation))
+
+
 def op_policy_contexts() -> Any:
     """`--ac op`'s contexts for one checkpointed block call: attention and reduce-scatter
     outputs are saved, and every other matmul's (the 1st, 3rd, ... in the block's order:
@@ -74,7 +105,7 @@ def op_policy_contexts() -> Any:
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return _passing_annotations(*create_selective_checkpoint_contexts(policy))
 
 
 def apply_ac(plan: ModelPlan, mode: str) -> int:

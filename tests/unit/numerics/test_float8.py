@@ -6,13 +6,21 @@ from dataclasses import replace
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    parallelize_module,
+)
 
 from loom.config import ConfigError, parse_args
 from loom.config.validate import validate
 from loom.models.resolve import plain_model
 from loom.numerics import float8
 from loom.parallel.tp_styles import Styles
+from loom.plan.trace import fake_world
+from loom.protocols.extensions import StepContext
 
 float8_linear = pytest.importorskip(
     "torchao.float8.float8_linear",
@@ -98,3 +106,45 @@ def test_converter_swaps_block_linears_but_not_head_gates_or_odd_dims(recipe):
     config = next(m for m in model.modules() if isinstance(m, float8_linear.Float8Linear)).config
     assert config.emulate  # CPU
     assert config.enable_fsdp_float8_all_gather == (recipe == "tensorwise")
+
+
+def test_deepseek_v3_debug_shapes_take_float8_but_its_routers_and_mtp_do_not():
+    """Every latent-attention projection (the low-rank ones too: 32 and 48 wide), the dense
+    SwiGLU and the shared experts are float8-sized at the debug preset; the family's router
+    gates (its spec's `routers`) and the MTP module (a head part, like the output) stay in
+    high precision."""
+    cfg = parse_args(["--model", "deepseek-v3-mtp-debug", "--float8", "tensorwise"])
+    with torch.device("meta"):
+        model = plain_model(cfg)
+    float8.convert_to_float8(model, cfg)
+    plain = {n for n, m in model.named_modules() if type(m) is nn.Linear}
+    gates = {n for n, m in model.named_modules() if n.endswith("router.gate")}
+    assert len(gates) == 3 and gates <= plain, gates  # two MoE blocks and the MTP block
+    assert {n for n in plain - gates if not n.startswith("mtp.")} == set(), plain
+    f8 = {n for n, m in model.named_modules() if isinstance(m, float8_linear.Float8Linear)}
+    for layer in range(3):
+        for linear in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo"):
+            assert f"layers.{layer}.attention.{linear}" in f8, (layer, linear)
+    assert {"layers.0.feed_forward.w1", "layers.1.moe.shared_experts.w2"} <= f8
+    assert type(model.output) is not float8_linear.Float8Linear
+
+
+def test_tensorwise_scales_are_precomputed_for_weights_on_two_meshes():
+    """Under dp_shard x tp a plan may leave a linear whole on the tp ranks (DeepSeek-V3's
+    low-rank down-projections): its FSDP2-sharded weight lives on the dp_shard mesh, a
+    head-split one's on dp_shard x tp. torchao's one stacked amax took a single mesh and
+    the step hook raised after the first update; each mesh now reduces its own weights."""
+    block = nn.ModuleDict({"w1": nn.Linear(64, 64), "w2": nn.Linear(64, 64)})
+    config = torchao_float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    torchao_float8.convert_to_float8_training(block, config=config)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        parallelize_module(block["w1"], mesh["tp"], ColwiseParallel())
+        for name in ("w1", "w2"):
+            fully_shard(block[name], mesh=mesh["dp_shard"])
+        meshes = {block[name].weight.device_mesh.mesh_dim_names for name in ("w1", "w2")}
+        assert meshes == {("dp_shard", "tp"), ("dp_shard",)}
+        float8.precompute_scales(StepContext(model=block, token_group=None, cfg=None))
+    for name in ("w1", "w2"):
+        scale = block[name].weight._local_tensor._precomputed_scale
+        assert scale is not None and torch.isfinite(scale) and scale > 0, (name, scale)

@@ -12,17 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.compat import checkpoint_inside_compile_saves_mesh, torch_release
 from loom.config import ConfigError, ParallelConfig, config_from_flags
 from loom.models.llama.model import ModelArgs
 from loom.models.spec import ModelPlan
-from loom.parallel.checkpointing import apply_ac
+from loom.parallel.checkpointing import apply_ac, checkpointed, op_policy_contexts
 from loom.parallel.compile import apply_compile, compiler_settings
 from loom.parallel.init import clean_name
 from loom.parallel.llama_plan import dense_plan as loom_plan
 from loom.runtime.scope import applied
+from tests.one_rank import one_rank_group
 from tests.tiny import tiny_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
@@ -269,3 +272,26 @@ def test_op_checkpointing_recomputes_every_other_matmul_and_no_attention():
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_op_checkpointing_recomputes_a_block_holding_a_nested_fsdp2_unit():
+    """EP's routed experts are an FSDP2 unit of their own inside each checkpointed block.
+    In the recompute FSDP2 opens one more profiler range than in the forward (the nested
+    unit, the step's forward being over, takes itself for its root), and `--ac op` raised
+    on that count ("invocation index 2 ... not found in storage") in every family's first
+    backward at --ep > 1. The gradients are the unwrapped block's."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 16)), nn.Tanh(),
+                          nn.Linear(16, 16))
+    reference = copy.deepcopy(block)
+    x = torch.randn(4, 16)
+    with one_rank_group():
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(block[1], mesh=mesh)  # the nested unit, as EP's experts
+        model = nn.Sequential(checkpointed(block, op_policy_contexts))
+        fully_shard(model, mesh=mesh)
+        model(x).square().sum().backward()
+        grads = {clean_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}
+    reference(x).square().sum().backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[f"0.{name}"], p.grad, rtol=1e-6, atol=1e-7)
