@@ -15,15 +15,17 @@ from loom.parallel.init import clean_name, load_weights
 from loom.trainer.resolve import resolve_model
 
 
-def imported(folder: Path):
-    """(resolved config, loom's model of `folder` with its weights, in eval mode)."""
-    cfg = resolve_model(parse_args(["--model", str(folder), "--seq-len", "32", "--fp32"]))
+def imported(folder: Path, *argv: str):
+    """(resolved config, loom's model of `folder` with its weights, in eval mode); `argv`:
+    more flags."""
+    cfg = resolve_model(parse_args(["--model", str(folder), "--seq-len", "32", "--fp32",
+                                    *argv]))
     with torch.device("meta"):
         model = plain_model(cfg)
     spec = for_config(cfg.model)
     checkpoint = HFCheckpoint(folder, spec.hf[0], spec.args_from_config(cfg.model))
     checkpoint.check(model, clean_name)
-    load_weights(model, torch.device("cpu"), checkpoint.read)
+    load_weights(model, torch.device("cpu"), checkpoint.read, fresh=checkpoint.fresh)
     return cfg, model.eval()
 
 

@@ -82,18 +82,21 @@ def loom(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_trained_run_exports_to_a_folder_transformers_loads(tmp_path: Path,
                                                             source: str) -> None:
     """The export checks itself (transformers' logits within 1e-4 of loom's); MTP modules
-    are written as the layers after the last, under DeepSeek's names."""
+    are written as the layers after the last, under DeepSeek's names. The folder holds no
+    MTP module (transformers writes none): `--mtp-layers 1` starts one fresh, said once."""
     if source == "hf_folder":
         model = str(save_deepseek(tmp_path / "ds"))
         bias_routing(tmp_path / "ds")
         (tmp_path / "text.txt").write_text(corpus_sample(20_000))
-        data = ["--dataset", str(tmp_path / "text.txt")]
+        data = ["--dataset", str(tmp_path / "text.txt"), "--mtp-layers", "1"]
     else:
         model, data = "deepseek-v3-mtp-debug", ["--dataset", "random"]
     run = loom("train", "--model", model, *data, "--seq-len", "32", "--fp32", "--max-steps",
                "2", "--checkpoint-interval", "2", "--outdir", str(tmp_path / "run"),
                cwd=tmp_path)
     assert run.returncode == 0, run.stderr
+    said = run.stdout + run.stderr  # rank 0 logs to stdout (loom.runtime.logs)
+    assert said.count("initialised fresh") == (source == "hf_folder"), said
     out = tmp_path / "out"
     proc = loom("export", str(tmp_path / "run" / "checkpoints" / "step-2"), str(out),
                 cwd=tmp_path)
@@ -104,10 +107,72 @@ def test_trained_run_exports_to_a_folder_transformers_loads(tmp_path: Path,
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     mtp = {n for n in names if n.startswith("model.layers.3.")}
-    if source == "mtp_preset":
-        assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
-                "model.layers.3.embed_tokens.weight", "model.layers.3.enorm.weight",
-                "model.layers.3.mlp.experts.7.up_proj.weight"} <= mtp
-        assert '"mtp/loss"' in (tmp_path / "run" / "metrics-0.jsonl").read_text()
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
+            "model.layers.3.embed_tokens.weight", "model.layers.3.enorm.weight",
+            "model.layers.3.mlp.experts.7.up_proj.weight"} <= mtp
+    assert '"mtp/loss"' in (tmp_path / "run" / "metrics-0.jsonl").read_text()
+
+
+def mtp_folder(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A transformers-built folder plus an MTP module's tensors under DeepSeek's names
+    (`model.layers.3.*`, as its checkpoints and loom's export hold them), drawn away from
+    the init; -> (folder, loom's MTP tensors written)."""
+    from safetensors.torch import load_file, save_file
+
+    from loom.models.deepseek_v3.hf import DeepseekV3Adapter
+
+    folder = save_deepseek(tmp_path / "ds", tokenizer=False)
+    _, model = imported(folder, "--mtp-layers", "1")
+    gen = torch.Generator().manual_seed(3)
+    state = {name: torch.randn(t.shape, generator=gen) if name.startswith("mtp.") else t
+             for name, t in model.state_dict().items()}
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({name: t.contiguous() for name, t in DeepseekV3Adapter().hf_tensors(
+        model.args, state.__getitem__) if name.startswith("model.layers.3.")})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder, {name: t for name, t in state.items() if name.startswith("mtp.")}
+
+
+def test_mtp_weights_of_a_folder_load_and_a_missing_module_starts_fresh(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`--mtp-layers 1` reads the folder's MTP module; a folder with none (transformers
+    writes none) gets the module a fresh run draws, said in one line; without the flag a
+    held module is left out, said too."""
+    from loom.parallel.init import seeded_value
+
+    bare = save_deepseek(tmp_path / "bare", tokenizer=False)
+    with caplog.at_level("WARNING", logger="loom"):
+        _, fresh = imported(bare, "--mtp-layers", "1")
+    assert "no weights for MTP module 0 (model.layers.3.*): initialised fresh" in caplog.text
+    for name, param in fresh.mtp.named_parameters():
+        name = f"mtp.{name}"
+        assert torch.equal(param, seeded_value(param.shape, fresh.init_std(name), 0, name))
+    folder, written = mtp_folder(tmp_path)
+    _, model = imported(folder, "--mtp-layers", "1")
+    state = model.state_dict()
+    assert written.keys() == {n for n in state if n.startswith("mtp.")}
+    for name, tensor in written.items():
+        assert torch.equal(state[name], tensor), name
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="loom"):
+        _, plain = imported(folder)
+    assert plain.mtp is None and "holds 1 MTP module(s); this run trains 0" in caplog.text
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("drop", "tensor model.layers.3.enorm.weight is missing"),
+    ("reshape", "tensor model.layers.3.eh_proj.weight has shape [32, 10]")])
+def test_a_partial_or_misshapen_mtp_module_is_refused_in_one_line(
+        tmp_path: Path, change: str, message: str) -> None:
+    """Never half loaded: one tensor of the module absent, or of the wrong shape."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = mtp_folder(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    if change == "drop":
+        del tensors["model.layers.3.enorm.weight"]
     else:
-        assert not mtp
+        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(32, 10)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        imported(folder, "--mtp-layers", "1")

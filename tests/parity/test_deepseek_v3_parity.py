@@ -221,3 +221,43 @@ def test_imported_folder_trains_at_tp2_ep2_like_one_process(tmp_path: Path) -> N
     config = json.loads((tmp_path / "tp2_ep2" / "config.json").read_text())
     assert config["model"]["family"] == "deepseek-v3", config["model"]
     assert_same_run(tmp_path / "tp2_ep2", tmp_path / "single")
+
+
+def train_imported(tmp_path: Path, layouts: list[tuple[int, str, list[str], bool]]) -> None:
+    """Train the biased-routing transformers-built folder at each (world, name, flags,
+    replay the single process's routing) layout, from the same text."""
+    folder = save_deepseek(tmp_path / "ds")
+    bias_routing(folder)
+    (tmp_path / "text.txt").write_text(corpus_sample(20_000))
+    common = ["--model", str(folder), "--dataset", str(tmp_path / "text.txt"), "--seq-len",
+              "32", "--fp32", "--max-steps", "5", "--seed", "5", "--lr", "1e-3",
+              "--batch-size", "4"]
+    for world, name, flags, replay in layouts:
+        run = {"argv": [*common, *flags, "--outdir", str(tmp_path / name)],
+               "routing": "record" if world == 1 else str(tmp_path / "single")}
+        job = run_ranks(world, ["tests/workers/parity_worker.py",
+                                json.dumps([run] if replay else [run["argv"]])],
+                        timeout=1200, env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
+        assert job.ok, job.describe()
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_slow_imported_folder_trains_at_pp2_like_one_process(tmp_path: Path) -> None:
+    """The imported folder's dense block and first MoE block on one stage, the rest and
+    the head on the other: losses, gradient norms and parameters (routing not replayed:
+    stages see micro-batches)."""
+    train_imported(tmp_path, [(1, "single", [], True), (2, "pp2", ["--pp", "2"], False)])
+    assert_losses_and_grad_norms_close(tmp_path / "pp2", tmp_path / "single")
+    assert_norms_close(torch.load(tmp_path / "pp2" / "params.pt"),
+                       torch.load(tmp_path / "single" / "params.pt"), rtol=PARAM_NORM_RTOL,
+                       what="parameters after 5 AdamW steps")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_slow_imported_folder_trains_at_cp2_like_one_process(tmp_path: Path) -> None:
+    """The imported folder (YaRN, latent keys' RoPE part) with each sequence split over two
+    ranks: the single process's losses, gradient norms, routing counts and parameters."""
+    train_imported(tmp_path, [(1, "single", [], True), (2, "cp2", ["--cp", "2"], True)])
+    assert_same_run(tmp_path / "cp2", tmp_path / "single")

@@ -9,6 +9,7 @@ size cap).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,20 +21,34 @@ from loom.config import ConfigError
 from loom.models.hf_folder import read_weights
 from loom.models.spec import HFAdapter
 
+logger = logging.getLogger("loom")
+
 
 class HFCheckpoint:
     """Reads loom's tensors, by loom name, from a Hugging Face folder."""
 
     def __init__(self, folder: Path, adapter: HFAdapter, args: Any):
-        self.folder, self.sources = folder, adapter.sources(args)
-        self.tensors = read_weights(folder)
+        self.folder, self.tensors = folder, read_weights(folder)
+        # optional adapter parts: modules a folder may lack wholly, and lines about them
+        absent = getattr(adapter, "absent_modules", None)
+        notes = getattr(adapter, "notes", None)
+        self.fresh: tuple[str, ...] = absent(args, self.tensors) if absent else ()
+        """loom prefixes of the modules the folder holds nothing of: initialised, not read."""
+        self.notes: list[str] = notes(args, self.tensors) if notes else []
+        self.sources = {name: source for name, source in adapter.sources(args).items()
+                        if not name.startswith(self.fresh)}
 
     def check(self, model: nn.Module, clean: Callable[[str], str]) -> None:
         """Every parameter of `model` (meta is fine) has its source tensors, shaped so that
         the conversion gives the parameter's shape; else one ConfigError naming the first
-        that does not."""
+        that does not. The adapter's notes (a module initialised fresh, one left out) are
+        logged, once per job: only global rank 0 checks."""
+        for note in self.notes:
+            logger.warning("%s: %s", self.folder, note)
         for raw, param in model.named_parameters():
             name = clean(raw)
+            if name.startswith(self.fresh):
+                continue
             if name not in self.sources:
                 raise ConfigError(f"{self.folder}: nothing in the adapter fills {name}")
             theirs, convert = self.sources[name]

@@ -107,7 +107,10 @@ class ModelPlan:
 
 
 class HFAdapter(Protocol):
-    """How a family's weights and shape map to and from one Hugging Face architecture."""
+    """How a family's weights and shape map to and from one Hugging Face architecture.
+    An adapter may also define `absent_modules(args, names)` (loom prefixes of modules a
+    folder holding those tensor names lacks wholly, initialised instead of read) and
+    `notes(args, names)` (lines logged about them); `loom.hf.checkpoint` asks for both."""
 
     architectures: tuple[str, ...]
     """The `architectures` entries of a config.json this adapter reads."""

@@ -78,18 +78,20 @@ def is_source(tensor: DTensor) -> bool:
 @torch.no_grad()
 def load_weights(model: nn.Module, device: torch.device,
                  read: Callable[[str], torch.Tensor], seed: int = 0,
-                 added: Added = _no_added) -> None:
+                 added: Added = _no_added, fresh: tuple[str, ...] = ()) -> None:
     """Materialise a meta-built, parallelized model on `device` and fill every parameter
     with `read(name)`, the full tensor, which only the first rank of each parameter's mesh
     calls; `distribute_tensor` scatters the shards from it. Host memory per reader: its
     shards plus one full tensor at a time. Parameters a converter added (`added`) are in
-    no source: drawn from `seed` as `init_weights` draws them."""
+    no source: drawn from `seed` as `init_weights` draws them, as are the modules under
+    the prefixes `fresh` (ones a source may lack wholly: DeepSeek-V3's MTP modules)."""
     model.to_empty(device=device)
     for name, param in model.named_parameters():
         name = clean_name(name)
         std = added(name)
-        if std is not None:
-            _fill(param, seeded_value(param.shape, std, seed, name))
+        if std is not None or name.startswith(fresh):
+            _fill(param, seeded_value(param.shape, model.init_std(name) if std is None
+                                      else std, seed, name))
             continue
         if not isinstance(param, DTensor):
             param.copy_(read(name))

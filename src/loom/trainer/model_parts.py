@@ -36,9 +36,9 @@ def build_model_parts(cfg: JobConfig, dims: ParallelDims, device: torch.device,
         whole = plain_model(cfg)
         parts = split_stages(whole, cfg.parallel, dims)
     if cfg.model.from_hub_format:
-        read = open_native_checkpoint(cfg, whole).read
-        fill = partial(load_weights, device=device, read=read, seed=seed,
-                       added=added_parameter_std(cfg))
+        checkpoint = open_native_checkpoint(cfg, whole)
+        fill = partial(load_weights, device=device, read=checkpoint.read, seed=seed,
+                       added=added_parameter_std(cfg), fresh=checkpoint.fresh)
     else:
         fill = partial(init_weights, seed=seed, device=device,
                        added=added_parameter_std(cfg))

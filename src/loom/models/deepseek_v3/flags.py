@@ -42,7 +42,8 @@ class DeepseekV3Flags:
     topk_group: int | None = flag(None, "deepseek-v3: groups each token may route to",
                                   type=int, ge=1, le=COUNT_MAX)
     mtp_layers: int | None = flag(None, "deepseek-v3: multi-token prediction modules "
-                                  "(trained, never exported; DeepSeek-V3 has 1)", type=int,
+                                  "(training only; DeepSeek-V3 has 1; a Hugging Face "
+                                  "folder's are read when set, else 0)", type=int,
                                   ge=0, le=COUNT_MAX)
     mtp_loss_weight: float | None = flag(None, "deepseek-v3: weight of the mean MTP loss "
                                          "added to the main loss (unset: 0.3)", type=float,

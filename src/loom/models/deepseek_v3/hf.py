@@ -10,7 +10,7 @@ copy of the embedding and head: export writes them so; transformers ignores them
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -142,6 +142,11 @@ def all_sources(args: DeepseekV3Args) -> dict[str, Source]:
     return out
 
 
+def held_mtp(layer: int, held: Collection[str]) -> bool:
+    """Whether the folder holds any tensor of the MTP module stored as layer `layer`."""
+    return any(name.startswith(f"model.layers.{layer}.") for name in held)
+
+
 class DeepseekV3Adapter:
     """`DeepseekV3ForCausalLM`; imported without its MTP modules (transformers has none)."""
 
@@ -149,6 +154,29 @@ class DeepseekV3Adapter:
 
     def fields_from_hf(self, c: dict[str, Any]) -> dict[str, Any]:
         return config_fields(c)
+
+    def absent_modules(self, args: DeepseekV3Args, held: Collection[str]) -> tuple[str, ...]:
+        """The MTP modules (loom prefixes) of which the folder holds no tensor at all:
+        initialised as a fresh run's (`--mtp-layers` asked for them; transformers'
+        `save_pretrained` writes none). One that holds some is read, and a missing tensor
+        refused: never half loaded."""
+        return tuple(f"mtp.{i}." for i in range(args.mtp_layers)
+                     if not held_mtp(args.n_layers + i, held))
+
+    def notes(self, args: DeepseekV3Args, held: Collection[str]) -> list[str]:
+        """One stderr line each for the MTP modules initialised fresh and those the folder
+        holds that this run leaves out (`--mtp-layers` sets how many train)."""
+        out = [f"no weights for MTP module {i} (model.layers.{args.n_layers + i}.*): "
+               "initialised fresh" for i in range(args.mtp_layers)
+               if not held_mtp(args.n_layers + i, held)]
+        unused = 0
+        while held_mtp(args.n_layers + args.mtp_layers + unused, held):
+            unused += 1
+        if unused:
+            out.append(f"holds {args.mtp_layers + unused} MTP module(s); this run trains "
+                       f"{args.mtp_layers} (--mtp-layers {args.mtp_layers + unused} trains "
+                       "them all)")
+        return out
 
     def sources(self, args: DeepseekV3Args) -> dict[str, Source]:
         return all_sources(args)
