@@ -241,23 +241,46 @@ def train_imported(tmp_path: Path, layouts: list[tuple[int, str, list[str], bool
         assert job.ok, job.describe()
 
 
+IMPORTED_MTP = {"plain": [], "fresh_mtp": ["--mtp-layers", "1"]}
+"""The folder as it is, and with an MTP module it holds no weights of (transformers writes
+none): drawn as a fresh run draws it, on the last stage under pp."""
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_slow_imported_folder_trains_at_pp2_like_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mtp", list(IMPORTED_MTP))
+def test_slow_imported_folder_trains_at_pp2_like_one_process(tmp_path: Path, mtp: str) -> None:
     """The imported folder's dense block and first MoE block on one stage, the rest and
     the head on the other: losses, gradient norms and parameters (routing not replayed:
-    stages see micro-batches)."""
-    train_imported(tmp_path, [(1, "single", [], True), (2, "pp2", ["--pp", "2"], False)])
+    stages see micro-batches), and `mtp/loss`."""
+    flags = IMPORTED_MTP[mtp]
+    train_imported(tmp_path, [(1, "single", flags, True),
+                              (2, "pp2", [*flags, "--pp", "2"], False)])
     assert_losses_and_grad_norms_close(tmp_path / "pp2", tmp_path / "single")
     assert_norms_close(torch.load(tmp_path / "pp2" / "params.pt"),
                        torch.load(tmp_path / "single" / "params.pt"), rtol=PARAM_NORM_RTOL,
                        what="parameters after 5 AdamW steps")
+    assert_mtp_loss_matches(tmp_path / "pp2", tmp_path / "single", mtp)
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_slow_imported_folder_trains_at_cp2_like_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mtp", list(IMPORTED_MTP))
+def test_slow_imported_folder_trains_at_cp2_like_one_process(tmp_path: Path, mtp: str) -> None:
     """The imported folder (YaRN, latent keys' RoPE part) with each sequence split over two
-    ranks: the single process's losses, gradient norms, routing counts and parameters."""
-    train_imported(tmp_path, [(1, "single", [], True), (2, "cp2", ["--cp", "2"], True)])
+    ranks: the single process's losses, gradient norms, routing counts and parameters, and
+    `mtp/loss`."""
+    flags = IMPORTED_MTP[mtp]
+    train_imported(tmp_path, [(1, "single", flags, True), (2, "cp2", [*flags, "--cp", "2"],
+                                                           True)])
     assert_same_run(tmp_path / "cp2", tmp_path / "single")
+    assert_mtp_loss_matches(tmp_path / "cp2", tmp_path / "single", mtp)
+
+
+def assert_mtp_loss_matches(run: Path, reference: Path, mtp: str) -> None:
+    """An MTP run's own metric within 1e-5 of the single process's; none without one."""
+    if mtp == "plain":
+        assert '"mtp/loss"' not in (run / "metrics-0.jsonl").read_text()
+        return
+    assert_series_close(column(run, "mtp/loss"), column(reference, "mtp/loss"), rtol=1e-5,
+                        what="mtp/loss")
