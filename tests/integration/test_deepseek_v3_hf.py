@@ -176,3 +176,23 @@ def test_a_partial_or_misshapen_mtp_module_is_refused_in_one_line(
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         imported(folder, "--mtp-layers", "1")
+
+
+def test_a_lora_runs_base_draws_the_mtp_module_its_folder_lacked(tmp_path: Path) -> None:
+    """Exporting or merging a LoRA run reads its frozen base again: from the folder, and
+    the fresh MTP module from the seed, as the run drew it (not a KeyError)."""
+    from loom.hf.peft import base_reader
+    from loom.models.registry import for_config
+    from loom.parallel.init import seeded_value
+
+    folder = save_deepseek(tmp_path / "bare", tokenizer=False)
+    cfg = resolve_model(parse_args(["--model", str(folder), "--seq-len", "32", "--fp32",
+                                    "--mtp-layers", "1"]))
+    spec = for_config(cfg.model)
+    read = base_reader(spec, spec.args_from_config(cfg.model), str(folder), seed=5)
+    _, model = imported(folder, "--mtp-layers", "1")
+    assert torch.equal(read("layers.1.attention.wkv_b.weight"),
+                       model.layers["1"].attention.wkv_b.weight)
+    name = "mtp.0.eh_proj.weight"
+    drawn = seeded_value(model.mtp["0"].eh_proj.weight.shape, model.init_std(name), 5, name)
+    assert torch.equal(read(name), drawn)

@@ -38,23 +38,25 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 def base_reader(spec: ModelSpec, args: Any, source: str | None, seed: int) -> Read:
     """The frozen base of a LoRA run by loom name, from where the run took it: its Hugging
     Face folder (read through the family's adapter, checked against the model first), or
-    drawn from the seed as the run's init drew it."""
+    drawn from the seed as the run's init drew it (as are the modules the folder lacks
+    wholly, DeepSeek-V3's MTP: `HFCheckpoint.fresh`)."""
     with torch.device("meta"):
         plain = spec.new(args)
-    if source is not None and ModelConfig(model=source).from_hub_format:
-        try:
-            folder = local_folder(ModelConfig(model=source))
-            checkpoint = HFCheckpoint(folder, spec.hf[0], args)
-            checkpoint.check(plain, clean_name)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"the base of this LoRA run, {source}, cannot be read: "
-                              f"{e}") from None
-        return checkpoint.read
     shapes = {name: p.shape for name, p in plain.named_parameters()}
 
     def draw(name: str) -> torch.Tensor:
         return seeded_value(shapes[name], plain.init_std(name), seed, name)
-    return draw
+    if source is None or not ModelConfig(model=source).from_hub_format:
+        return draw
+    try:
+        folder = local_folder(ModelConfig(model=source))
+        checkpoint = HFCheckpoint(folder, spec.hf[0], args)
+        checkpoint.check(plain, clean_name)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the base of this LoRA run, {source}, cannot be read: "
+                          f"{e}") from None
+    return lambda name: draw(name) if name.startswith(checkpoint.fresh) else checkpoint.read(
+        name)
 
 
 def merging(read: Read, lora: LoraSettings, names: list[str]) -> Read:
