@@ -25,10 +25,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from loom.errors import ConfigError
 from loom.models.moe.balance import moe_layers
 from loom.models.spec import ModelPlan
-from loom.parallel.context import gather_sequence
+from loom.parallel.context import ContextParallelAttention, gather_sequence
 from loom.parallel.expert import sum_grad_over
 from loom.parallel.llama_plan import dense_plan
 from loom.parallel.mesh import ParallelDims
@@ -61,24 +60,26 @@ def block_tp_plan(block: nn.Module, styles: Styles) -> dict:
     return plan
 
 
-CP_PP_WHY = "a stage past the first has no token ids to gather across cp"
-
-
-def mtp_under_cp(model: nn.Module) -> None:
-    """The MTP blocks attend across cp like the main blocks (the cp core `apply_cp` put
-    in those, which holds no parameters, is shared), and each training forward is handed
+def mtp_under_cp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The MTP blocks attend across cp like the main blocks (with a cp core as `apply_cp`
+    put in those: it holds no parameters; a pipeline's last stage may hold no block to
+    take it from), and each training forward is handed
     the whole sequences' ids (`token_ids`), gathered over cp, from which the model picks
-    every depth's shifted ids and targets at this shard's positions."""
-    core = next(iter(model.layers.values())).attention.core
-    for module in model.mtp.values():
-        module.block.attention.core = core
-    model.register_forward_pre_hook(partial(_gather_ids, core.mesh), with_kwargs=True)
+    every depth's shifted ids and targets at this shard's positions. A pipeline stage
+    gathers the ids the schedule hands every stage (`token_ids`, this cp rank's shard):
+    a stage past the first is given hidden states, not ids, as its input."""
+    for module in model.mtp.values() if model.mtp is not None else ():
+        module.block.attention.core = ContextParallelAttention(mesh)
+    model.register_forward_pre_hook(partial(_gather_ids, mesh), with_kwargs=True)
 
 
 def _gather_ids(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict,
                 ) -> tuple[tuple, dict]:
     if module.training and torch.is_grad_enabled():  # evaluation runs no MTP
-        kwargs["token_ids"] = gather_sequence(args[0] if args else kwargs["tokens"], mesh)
+        shard = kwargs.get("token_ids")  # a pipeline stage's: the schedule hands it over
+        if shard is None:
+            shard = args[0] if args else kwargs["tokens"]
+        kwargs["token_ids"] = gather_sequence(shard, mesh)
     return args, kwargs
 
 
@@ -115,19 +116,18 @@ def deepseek_v3_plan(model: nn.Module) -> ModelPlan:
     """The dense plan's units (MTP modules as units of their own), this TP plan, then the
     MoE family's EP/ETP; routed experts on their own dp mesh under EP."""
     plan = dense_plan(model)
+    meshes: dict[str, DeviceMesh] = {}  # the cp mesh, for the MTP blocks' attention
 
     def tensor_parallel(dims: ParallelDims, loss_parallel: bool) -> None:
+        if dims.cp_enabled:  # `parallelize` calls this first, always, then cp's wiring
+            meshes["cp"] = dims.get_mesh("cp")
         if dims.tp_enabled:
             apply_tp(model, dims.get_mesh("tp"), loss_parallel)
         apply_moe_parallel(model, dims)
 
     def context_parallel(summed) -> None:
         if getattr(model, "mtp", None) is not None or model.args.mtp_layers:
-            if model.tok_embeddings is None or model.output is None:  # every stage refuses
-                raise ConfigError("deepseek-v3 multi-token prediction does not run under "
-                                  f"--cp with --pp yet ({CP_PP_WHY}); drop one, or use a "
-                                  "model without MTP modules (--mtp-layers 0)")
-            mtp_under_cp(model)
+            mtp_under_cp(model, meshes["cp"])
         complete_sequences(model, summed)
 
     mtp = getattr(model, "mtp", None)  # under pp, the last stage's (with the head)

@@ -139,7 +139,7 @@ class DeepseekV3(MoETransformer):
                                    head_apply)
         # refused before a model is built: DeepseekV3Flags.check and the parallel plan
         assert (documents is None and head_apply is None and (positions is None or (
-                whole and token_ids is not None and positions.dim() == 1))
+                token_ids is not None and positions.dim() == 1))
                 and not (return_hidden or self.hidden_output)), \
             "MTP needs whole sequences, plain logits"
         return self.forward_with_mtp(tokens, tokens if token_ids is None else token_ids,

@@ -1,0 +1,72 @@
+"""DeepSeek-V3 multi-token prediction under the pipeline layouts the 1F1B tests in
+test_deepseek_v3_parity.py leave out: pp with cp, and the multi-stage schedules (looped
+1F1B, the V-shaped zero-bubble and DualPipeV), each against one process of the same depth
+(losses, gradient norms, final parameters; fp32). Their own single-process references run
+here, so none of these starts the family's whole two-rank sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loom.compat import v_schedules_send_to_own_rank
+from tests.harness import run_ranks
+from tests.parity.test_deepseek_v3_parity import COMMON, GLOBAL_BATCH, MTP, assert_pp2_matches
+
+DEEP = ["--n-layers", "4"]
+"""Four blocks (one dense, three MoE): two stages per rank over two ranks hold one each,
+the MTP module with the head on the last."""
+V_SCHEDULES = ("zero-bubble", "dualpipev")
+
+
+def single_process(root: Path, name: str, flags: list[str]) -> Path:
+    """One process's MTP run at `flags`: the reference."""
+    job = run_ranks(1, ["tests/workers/parity_worker.py", json.dumps(
+        [[*COMMON, *MTP, *flags, "--batch-size", str(GLOBAL_BATCH), "--outdir",
+          str(root / name)]])], timeout=1200)
+    assert job.ok, job.describe()
+    return root / name
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(tmp_path_factory) -> Path:
+    return single_process(tmp_path_factory.mktemp("mtp_pipeline"), "mtp_single", [])
+
+
+@pytest.fixture(scope="module")
+def deep_reference(tmp_path_factory) -> Path:
+    return single_process(tmp_path_factory.mktemp("mtp_pipeline_deep"), "mtp_deep", DEEP)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_slow_mtp_pp2_cp2_matches_single_process(mtp_reference: Path, tmp_path: Path,
+                                                 ) -> None:
+    """pp 2 x cp 2: every stage gathers the micro-batch's ids the schedule hands it (this cp
+    rank's shard) over cp, the first to embed each depth's shifted ids at its positions,
+    the last to score the MTP depths at its positions against the whole sequences."""
+    assert_pp2_matches(tmp_path, mtp_reference, [*MTP, "--cp", "2"], world=4)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_slow_mtp_pp2_interleaved_matches_single_process(deep_reference: Path,
+                                                         tmp_path: Path) -> None:
+    """Looped 1F1B: two stages per rank, the embedding on rank 0's first, the MTP module
+    and the head on rank 1's second; the shifted tokens' embeddings ride every hop."""
+    assert_pp2_matches(tmp_path, deep_reference,
+                       [*MTP, *DEEP, "--pp-schedule", "interleaved-1f1b"])
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.skipif(v_schedules_send_to_own_rank(),
+                    reason="V schedules are refused on this torch (loom.compat)")
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+def test_slow_mtp_pp2_v_schedule_matches_single_process(deep_reference: Path,
+                                                        tmp_path: Path, schedule: str) -> None:
+    """The V: rank 0 holds the first and the last stage (the embedding, and the MTP module
+    with the head), the split backward defers the weight gradients of every stage."""
+    assert_pp2_matches(tmp_path, deep_reference, [*MTP, *DEEP, "--pp-schedule", schedule])
