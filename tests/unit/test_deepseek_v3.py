@@ -15,7 +15,7 @@ from loom.config import parse_args
 from loom.errors import ConfigError
 from loom.lora.converter import checked_targets
 from loom.models.deepseek_v3.args import SHAPES, DeepseekV3Args
-from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter
+from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter, MTPModule
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
@@ -144,17 +144,17 @@ def test_arguments_out_of_range_are_refused(change: dict, message: str) -> None:
         replace(TINY, **change)
 
 
-def test_context_parallel_with_pipeline_stages_refuses_mtp_in_one_line() -> None:
-    """cp hands MTP the whole sequences' ids gathered from token ids, which a later stage
-    does not have: each stage refuses, the first (without the MTP modules) too."""
+def test_the_plan_makes_each_mtp_module_a_unit_on_the_stage_with_the_head() -> None:
+    """Each MTP module is an FSDP2 unit of its own, on the stage holding the head; a stage
+    without the head holds none (pp x cp with MTP: tests/parity/
+    test_deepseek_v3_mtp_pipeline.py)."""
     with torch.device("meta"):
         model = DeepseekV3(TINY)
-    plan = deepseek_v3_plan(model)
-    assert plan.after[0] is model.mtp["0"]  # an FSDP2 unit of its own
-    for layers in (range(0, 2), range(2, 5)):
-        with pytest.raises(ConfigError, match="--cp with --pp"):
-            deepseek_v3_plan(stage_module(model, layers)).context_parallel(lambda t: t)
-    deepseek_v3_plan(DeepseekV3(replace(TINY, mtp_layers=0)))  # without MTP: no refusal
+    assert deepseek_v3_plan(model).after[0] is model.mtp["0"]
+    first, last = stage_module(model, range(0, 2)), stage_module(model, range(2, 5))
+    assert deepseek_v3_plan(last).after[0] is last.mtp["0"]
+    assert first.mtp is None and not any(
+        isinstance(unit, MTPModule) for unit in deepseek_v3_plan(first).after)
 
 
 def test_two_pipeline_stages_give_mtp_the_whole_models_gradients() -> None:

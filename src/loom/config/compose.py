@@ -229,6 +229,7 @@ moves its pair to `TESTED`)."""
 _DEEPSEEK = "tests/parity/test_deepseek_v3_parity.py::"
 _DEEPSEEK_FLOAT8 = ("tests/parity/test_deepseek_v3_float8.py::"
                     "test_float8_layout_matches_float8_single_process")
+_MTP_PP = "tests/parity/test_deepseek_v3_mtp_pipeline.py::"
 FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
     "deepseek-v3": {
         "ep": f"{_DEEPSEEK}test_layout_matches_single_process[ep2]",
@@ -270,6 +271,13 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "LoRA + dp_shard": f"{_DEEPSEEK}test_layout_matches_single_process[lora_dp2]",
         "Hugging Face folder, tp + ep": f"{_DEEPSEEK}test_imported_folder_trains_at_tp2_ep2_"
                                         "like_one_process",
+        "MTP + pp-1f1b + cp": f"{_MTP_PP}test_slow_mtp_pp2_cp2_matches_single_process",
+        "MTP + pp-interleaved": f"{_MTP_PP}test_slow_mtp_pp2_interleaved_matches_"
+                                "single_process",
+        "MTP + pp-zero-bubble": f"{_MTP_PP}test_slow_mtp_pp2_v_schedule_matches_single_"
+                                "process[zero-bubble]",
+        "MTP + pp-dualpipev": f"{_MTP_PP}test_slow_mtp_pp2_v_schedule_matches_single_"
+                              "process[dualpipev]",
     },
 }
 """Family -> layout -> the parity test that runs it on that family's own modules (the
@@ -278,9 +286,6 @@ names its layouts here)."""
 
 FAMILY_REFUSALS: dict[str, tuple[str, ...]] = {
     "deepseek-v3": (
-        "multi-token prediction (`--mtp-layers` > 0) with `--cp` and `--pp` together "
-        "(`loom.parallel.deepseek_v3_plan`): a stage past the first has no token ids to "
-        "gather across cp",
         "multi-token prediction with `--loss-impl fused-linear`, `--loss-impl loss-parallel` "
         "at tp > 1 or `--doc-mask` (`DeepseekV3Flags.check`): its loss runs on the plain "
         "head's full logits over whole sequences",
