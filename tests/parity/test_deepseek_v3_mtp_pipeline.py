@@ -21,7 +21,12 @@ from tests.parity.test_deepseek_v3_parity import COMMON, GLOBAL_BATCH, MTP, asse
 DEEP = ["--n-layers", "4"]
 """Four blocks (one dense, three MoE): two stages per rank over two ranks hold one each,
 the MTP module with the head on the last."""
-V_SCHEDULES = ("zero-bubble", "dualpipev")
+V_LAYOUTS = {  # name: (world size, flags)
+    "zero-bubble": (2, ["--pp-schedule", "zero-bubble"]),
+    "dualpipev": (2, ["--pp-schedule", "dualpipev"]),
+    "dualpipev_cp2": (4, ["--pp-schedule", "dualpipev", "--cp", "2"]),
+}
+"""The V schedules at pp 2, and DualPipeV with cp 2 (the ids gathered on every stage)."""
 
 
 def single_process(root: Path, name: str, flags: list[str]) -> Path:
@@ -73,16 +78,16 @@ def test_slow_mtp_pp2_interleaved_matches_single_process(deep_reference: Path,
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", V_SCHEDULES)
+@pytest.mark.parametrize("layout", list(V_LAYOUTS))
 def test_slow_mtp_pp2_v_schedule_matches_single_process(request: pytest.FixtureRequest,
-                                                        tmp_path: Path, schedule: str) -> None:
+                                                        tmp_path: Path, layout: str) -> None:
     """The V: rank 0 holds the first and the last stage (the embedding, and the MTP module
     with the head), the split backward defers the weight gradients of every stage. Where
     torch cannot run a V over gloo (2.11-2.12) the configuration is refused in one line."""
-    flags = [*COMMON, *MTP, *DEEP, "--pp", "2", "--pp-schedule", schedule]
+    world, flags = V_LAYOUTS[layout]
     if v_schedules_send_to_own_rank():
         with pytest.raises(ConfigError, match="needs torch 2.13 or newer"):
-            parse_args(flags)
+            parse_args([*COMMON, *MTP, *DEEP, "--pp", "2", *flags])
         return
     deep_reference = request.getfixturevalue("deep_reference")  # not built if refused
-    assert_mtp_pp2_matches(tmp_path, deep_reference, [*DEEP, "--pp-schedule", schedule])
+    assert_mtp_pp2_matches(tmp_path, deep_reference, [*DEEP, *flags], world=world)

@@ -278,6 +278,8 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
                                 "process[zero-bubble]",
         "MTP + pp-dualpipev": f"{_MTP_PP}test_slow_mtp_pp2_v_schedule_matches_single_"
                               "process[dualpipev]",
+        "MTP + pp-dualpipev + cp": f"{_MTP_PP}test_slow_mtp_pp2_v_schedule_matches_single_"
+                                   "process[dualpipev_cp2]",
     },
 }
 """Family -> layout -> the parity test that runs it on that family's own modules (the
