@@ -272,8 +272,6 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "Hugging Face folder, tp + ep": f"{_DEEPSEEK}test_imported_folder_trains_at_tp2_ep2_"
                                         "like_one_process",
         "MTP + pp-1f1b + cp": f"{_MTP_PP}test_slow_mtp_pp2_cp2_matches_single_process",
-        "MTP + pp-interleaved": f"{_MTP_PP}test_slow_mtp_pp2_interleaved_matches_"
-                                "single_process",
         "MTP + pp-zero-bubble": f"{_MTP_PP}test_slow_mtp_pp2_v_schedule_matches_single_"
                                 "process[zero-bubble]",
         "MTP + pp-dualpipev": f"{_MTP_PP}test_slow_mtp_pp2_v_schedule_matches_single_"
