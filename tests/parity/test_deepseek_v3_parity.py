@@ -206,18 +206,8 @@ def test_imported_folder_trains_at_tp2_ep2_like_one_process(tmp_path: Path) -> N
     """A transformers-built DeepseekV3ForCausalLM folder (biased routing, YaRN, a query
     bottleneck) trained natively at --tp 2 --ep 2 (the experts over the tp ranks) gives the
     single process's losses, gradient norms, routing counts and parameters."""
-    folder = save_deepseek(tmp_path / "ds")
-    bias_routing(folder)
-    (tmp_path / "text.txt").write_text(corpus_sample(20_000))
-    common = ["--model", str(folder), "--dataset", str(tmp_path / "text.txt"), "--seq-len",
-              "32", "--fp32", "--max-steps", "5", "--seed", "5", "--lr", "1e-3",
-              "--batch-size", "4"]
-    for world, name, flags in ((1, "single", []), (2, "tp2_ep2", ["--tp", "2", "--ep", "2"])):
-        run = {"argv": [*common, *flags, "--outdir", str(tmp_path / name)],
-               "routing": "record" if world == 1 else str(tmp_path / "single")}
-        job = run_ranks(world, ["tests/workers/parity_worker.py", json.dumps([run])],
-                        timeout=1200, env={"LOOM_CACHE_DIR": str(tmp_path / "cache")})
-        assert job.ok, job.describe()
+    train_imported(tmp_path, [(1, "single", [], True),
+                              (2, "tp2_ep2", ["--tp", "2", "--ep", "2"], True)])
     config = json.loads((tmp_path / "tp2_ep2" / "config.json").read_text())
     assert config["model"]["family"] == "deepseek-v3", config["model"]
     assert_same_run(tmp_path / "tp2_ep2", tmp_path / "single")
