@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import loom.parallel.families  # noqa: F401  (loom's families register, flags too, first)
+import loom.families  # noqa: F401  (loom's families register, flags too, first)
 from tests.one_rank import one_rank_group
 
 # Inductor's compiled kernels persist across sessions: a warm cache turns a 25-40 s cold

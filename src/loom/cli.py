@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import version
 
 import loom
-import loom.parallel.families  # registers loom's families: their flags parse
+import loom.families  # registers loom's families: their flags parse
 from loom.config import SECTIONS, JobConfig, parse_args
 from loom.config.file import to_toml
 from loom.config.job import section_values

@@ -16,9 +16,9 @@ from loom.errors import ConfigError
 from loom.lora.converter import checked_targets
 from loom.models.deepseek_v3.args import SHAPES, DeepseekV3Args
 from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter, MTPModule
+from loom.models.deepseek_v3.plan import deepseek_v3_plan
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
-from loom.parallel.deepseek_v3_plan import deepseek_v3_plan
 from loom.parallel.pipeline_stages import stage_module
 from loom.plan.command import Plan, parameter_counts, report
 from tests.deepseek_folders import save_deepseek

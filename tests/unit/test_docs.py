@@ -1,6 +1,6 @@
 """Docs that cannot rot: every `loom ...` command in the README and docs/ is run in a cheap
 form, every relative link resolves, and docs/flags.md matches the schema it is generated
-from (and docs/parallelism.md's composition matrix the refusal table, loom.config.matrix). A
+from (and docs/parallelism.md's composition matrix the refusal table, loom.commands.matrix). A
 renamed flag, subcommand, page or heading fails here, not for a user.
 
 The cheap form of each command, by subcommand:
@@ -37,7 +37,8 @@ import pytest
 
 from loom.cli import COMMANDS
 from loom.cli import main as loom_main
-from loom.config import build_parser, matrix, parse_args
+from loom.commands import matrix
+from loom.config import build_parser, parse_args
 from loom.config.families import flag_groups
 from loom.config.reference import render
 from loom.observability import flops
@@ -258,7 +259,7 @@ def test_composition_matrix_is_current():
     page = (REPO / "docs" / "parallelism.md").read_text()
     stale = matrix.with_matrix(page) != page
     assert not stale, ("docs/parallelism.md's composition matrix is stale: python -m "
-                       "loom.config.matrix --write docs/parallelism.md")
+                       "loom.commands.matrix --write docs/parallelism.md")
 
 
 def test_flag_reference_names_every_flag():

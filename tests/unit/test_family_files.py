@@ -1,5 +1,6 @@
-"""A family is one unit (issue #56): the files its one registration names are its folder and
-its parallel plan, so adding a family touches those and one `register` line."""
+"""A family is one unit (issues #56, #67): the files its one registration names are its own
+folder (model, arguments, flags, presets, plan, adapters), so adding a family touches that
+folder and one `register` line."""
 
 from __future__ import annotations
 
@@ -25,19 +26,17 @@ def named_files(spec: ModelSpec) -> set[str]:
             for t in things if t is not None}
 
 
-def test_each_family_names_its_folder_and_its_plan():
-    """loom's families name files of their own folder (a family built on another's blocks,
-    qwen3 on llama, names that family's too), `parallel/<family>_plan.py` and nothing
-    else; the test family names its one file."""
-    allowed = {"llama": {"models/llama", "models/qwen3", "parallel/llama_plan.py"},
-               "qwen3": {"models/llama", "models/qwen3", "parallel/llama_plan.py"},
-               "moe": {"models/llama", "models/qwen3", "models/moe", "parallel/moe_plan.py"},
-               "qwen3-moe": {"models/llama", "models/qwen3", "models/moe",
-                             "parallel/moe_plan.py"},
+def test_each_family_names_its_folder():
+    """loom's families name files of their own folder, their plan included (a family built
+    on another's blocks, qwen3 on llama, names that family's too) and nothing else; the test
+    family names its one file."""
+    allowed = {"llama": {"models/llama", "models/qwen3"},
+               "qwen3": {"models/llama", "models/qwen3"},
+               "moe": {"models/llama", "models/qwen3", "models/moe"},
+               "qwen3-moe": {"models/llama", "models/qwen3", "models/moe"},
                "deepseek-v3": {"models/llama", "models/qwen3", "models/moe",
-                               "models/transformers", "models/deepseek_v3",
-                               "parallel/deepseek_v3_plan.py"},
-               "transformers": {"models/transformers", "parallel/transformers_plan.py"},
+                               "models/transformers", "models/deepseek_v3"},
+               "transformers": {"models/transformers"},
                "gpt2-test": {"tests/families/gpt2.py"}}
     found = {spec.name: named_files(spec) for spec in families()}
     assert set(found) == set(allowed)
@@ -47,13 +46,13 @@ def test_each_family_names_its_folder_and_its_plan():
         assert not outside, (name, outside)
     assert found["gpt2-test"] == {"tests/families/gpt2.py"}
     assert "src/loom/models/moe/flags.py" in found["moe"]
-    assert "src/loom/parallel/moe_plan.py" in found["moe"]
+    assert "src/loom/models/moe/plan.py" in found["moe"]
 
 
 def test_loom_registers_its_families_in_one_place():
-    """One `register(...)` line per family, in `loom/parallel/families.py`, and no other
+    """One `register(...)` line per family, in `loom/families.py`, and no other
     module of src/ registers one."""
-    text = (SRC / "parallel" / "families.py").read_text()
+    text = (SRC / "families.py").read_text()
     lines = [line for line in text.splitlines() if line.startswith("register(")]
     assert len(lines) == len([s for s in families() if s.name != "gpt2-test"]), lines
     others = [p for p in SRC.rglob("*.py") if p.name != "families.py"

@@ -35,9 +35,19 @@ def loom_imports(tree: ast.AST) -> list[tuple[ast.AST, str]]:
     return out
 
 
+def is_family_plan(module: str) -> bool:
+    """A family's parallel plan (`loom.models.<family>.plan`): the one module of a family's
+    folder that applies parallelism, so it sits above `loom.parallel`, not with the models."""
+    parts = module.split(".")
+    return len(parts) == 4 and parts[1] == "models" and parts[3] == "plan"
+
+
 def package(module: str) -> str:
     """The package a module belongs to: `loom.trainer.step` -> `trainer`; a root module is its
-    own node (`loom.errors` -> `errors`), since `cli` sits above everything and `errors` below."""
+    own node (`loom.errors` -> `errors`), since `cli` sits above everything and `errors` below;
+    the families' plans are one node above `parallel` (`plans`)."""
+    if is_family_plan(module):
+        return "plans"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "loom"
 
@@ -178,21 +188,26 @@ def imported_modules(tree: ast.AST) -> list[str]:
 
 
 def parallel_imports(found: dict[str, ast.Module]) -> list[str]:
-    """`module: import` for each module of `loom.models` that reaches parallelism."""
+    """`module: import` for each module of `loom.models` that reaches parallelism, a family's
+    plan (`models/<family>/plan.py`) aside."""
     return [f"{name}: {target}" for name, tree in found.items()
-            if name.startswith("loom.models") for target in imported_modules(tree)
-            if target.startswith(PARALLEL_MODULES)]
+            if name.startswith("loom.models") and not is_family_plan(name)
+            for target in imported_modules(tree) if target.startswith(PARALLEL_MODULES)]
 
 
 def test_the_parallel_import_finder_sees_one():
     tree = ast.parse("import torch.distributed as dist\nfrom loom.parallel.mesh import x\n")
-    assert parallel_imports({"loom.models.x": tree}) == [
-        "loom.models.x: torch.distributed", "loom.models.x: loom.parallel.mesh"]
+    assert parallel_imports({"loom.models.x": tree, "loom.models.x.plan": tree,
+                             "loom.models.x.planning": tree}) == [
+        "loom.models.x: torch.distributed", "loom.models.x: loom.parallel.mesh",
+        "loom.models.x.planning: torch.distributed",
+        "loom.models.x.planning: loom.parallel.mesh"]
 
 
 def test_models_know_nothing_of_parallelism():
     """A model family is plain torch: sharding, collectives and meshes are applied to it from
-    outside (`loom.parallel`), and a family hook gets its sums from the trainer."""
+    outside (`loom.parallel`, through the family's `plan.py`), and a family hook gets its sums
+    from the trainer."""
     assert not parallel_imports(modules())
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import sys
 
+import loom.families  # noqa: F401  (registers loom's families)
 from loom.config.reference import render
 from loom.models.registry import families
-from loom.parallel import families as _loom_families  # noqa: F401  (registers them)
 
 if __name__ == "__main__":
     assert families(), "importing the registry registers loom's families"

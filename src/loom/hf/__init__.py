@@ -4,3 +4,5 @@ family's adapter: `checkpoint`), and export (`export*`, PEFT adapters in `peft`)
 readers the lower layers need stay below them (`models/hf_folder.py`, the one reader of a
 Hub folder; `data/hub.py`, Hub reachability), since `data` and `models` cannot import a
 package that imports them; each family's own adapter stays in its folder."""
+
+import loom.families  # noqa: F401  (loom's families register: every command here builds models)

@@ -1,7 +1,7 @@
 """Model families by name (a built model carries its own) and by Hugging Face architecture.
 
 The registry is filled by `register`, once per family: loom's own in
-`loom/parallel/families.py` (above both the models and their parallel plans), a family
+`loom/families.py` (above both the models and their parallel plans), a family
 defined elsewhere (a test, a user's package imported before training) by its own module.
 """
 
@@ -15,6 +15,7 @@ from torch import nn
 
 from loom.config import ConfigError, ModelConfig
 from loom.config.families import register_flags
+from loom.config.presets import register_presets
 from loom.models.moe.flags import moe_flags
 from loom.models.spec import FAMILY_ATTR, HFAdapter, ModelPlan, ModelSpec
 
@@ -25,18 +26,19 @@ def register(spec: ModelSpec, plan: Callable[[nn.Module], ModelPlan] | None = No
              ) -> ModelSpec:
     """Add a family, one record (replacing one of the same name): its spec with its parallel
     plan, and its flags with `loom.config`. loom's own register in
-    `loom/parallel/families.py`; a family of yours from any module imported before the run
+    `loom/families.py`; a family of yours from any module imported before the run
     (`tests/families/gpt2.py`)."""
     if plan is not None:
         spec = replace(spec, plan=plan)
     for group in spec.flags:
         register_flags(group)
+    register_presets(spec.name, spec.presets, spec.aliases)
     _FAMILIES[spec.name] = spec
     return spec
 
 
 def family(name: str) -> ModelSpec:
-    if not _FAMILIES:  # loom's own register in loom.parallel.families (above models/)
+    if not _FAMILIES:  # loom's own register in loom.families (above models/)
         raise ConfigError(f"--family {name}: no model family is registered yet; import "
                           "loom.parallel (which registers loom's families) before building "
                           "a model")

@@ -8,7 +8,7 @@ export) asks the spec, so a new family touches no module outside its folder. A b
 carries its family's name (`FAMILY_ATTR`), so the spec is found by name, never by class.
 A family registers once, as one record: this spec, which holds its flags and Hugging Face
 adapters and is given its parallel plan at registration (models never import the parallel
-code; loom's own families register in `loom/parallel/families.py`, one line each).
+code; loom's own families register in `loom/families.py`, one line each).
 
 The model protocol a spec promises (written down because the recipe relies on it):
 - `forward(tokens, positions=None, return_hidden=False)`: ids (B, T) -> logits (B, T, V);
@@ -32,7 +32,7 @@ The model protocol a spec promises (written down because the recipe relies on it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -213,8 +213,20 @@ class ModelSpec:
     plan: Callable[[nn.Module], ModelPlan] | None = None
     """The family's parallel plan (built model or stage -> `ModelPlan`). Models never import
     the parallel code, so it is given when the family registers
-    (`loom.models.registry.register(spec, plan=...)`, in `loom/parallel/families.py` for
+    (`loom.models.registry.register(spec, plan=...)`, in `loom/families.py` for
     loom's own); None: the family cannot be parallelized."""
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """The family's presets (`--model NAME`): name -> every flag the preset sets; added to
+    `loom.config.presets` when the family registers."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """Other names users type for those presets -> the preset's name."""
+    layouts: tuple[str, ...] = ()
+    """Layouts run on this family's own modules beyond the shared composition matrix (a family
+    with its own attention or heads names them), each matching one process in a parity test
+    (the tests map each name to its test); listed in docs/parallelism.md."""
+    refusals: tuple[str, ...] = ()
+    """What the family refuses in one line (its flags' `check`), and why: listed in
+    docs/parallelism.md."""
     flags: tuple[type, ...] = ()
     """The family's own flag dataclasses (`loom.config.families`: `flag()` fields, their
     defaults and a `check(cfg)`), registered with the family; its arguments are filled from

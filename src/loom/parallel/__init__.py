@@ -1,6 +1,5 @@
 """Parallelism applied to a model from outside: TP/SP, activation checkpointing, compile, FSDP2.
 
-Loading the package registers loom's model families with their plans (`families`): every
-process that parallelizes a model, and the CLI, reach it."""
-
-from loom.parallel import families  # noqa: F401
+The families' own plans live in their folders (`loom/models/<family>/plan.py`) and are
+registered with their specs by `loom.families`, which sits above this package: the entry
+points (the CLI, `loom.fit`, `loom plan`, export) import it."""

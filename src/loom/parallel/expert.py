@@ -1,6 +1,6 @@
 """Expert parallel (EP) and expert tensor parallel (ETP): placements and the token dispatch.
 
-The MoE family's plan (parallel/moe_plan.py) applies them to its blocks; this module
+The MoE family's plan (models/moe/plan.py) applies them to its blocks; this module
 names no module of any family.
 
 EP shards the routed experts on dim 0 over the `ep` dim of the expert mesh (`ParallelDims`:

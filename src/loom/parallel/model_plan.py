@@ -1,7 +1,7 @@
 """What each parallelism acts on in one model, so the recipe never looks inside a model.
 
 A family's parallel plan is part of its one registered record (`ModelSpec.plan`, given at
-`loom.models.registry.register`; loom's own families in `loom.parallel.families`). A built
+`loom.models.registry.register`; loom's own families in `loom.families`). A built
 model's family is the one its spec recorded on it (`loom.models.registry.for_model`).
 """
 

@@ -14,7 +14,6 @@ import pytest
 from loom.compat import checkpoint_inside_compile_saves_mesh, v_schedules_send_to_own_rank
 from loom.config import ConfigError, config_from_flags
 from loom.config.compose import (
-    FAMILY_LAYOUTS,
     FEATURES,
     REFUSALS,
     SAME_FLAG,
@@ -24,7 +23,9 @@ from loom.config.compose import (
     pairs,
     refusal_for,
 )
+from loom.models.registry import families
 from tests.harness import REPO
+from tests.parity.family_layouts import FAMILY_LAYOUT_TESTS
 
 validate_module = importlib.import_module("loom.config.validate")  # loom.config.validate
 # is also the name of the function the package exports
@@ -100,10 +101,18 @@ def test_cp_takes_the_moe_balance_loss() -> None:
 
 
 def test_each_tested_cell_names_a_collected_test() -> None:
-    tests = [*TESTED.values(), *(t for family in FAMILY_LAYOUTS.values() for t in family.values())]
+    tests = [*TESTED.values(),
+             *(t for family in FAMILY_LAYOUT_TESTS.values() for t in family.values())]
     ids = collected({test.split("::")[0] for test in tests})
     missing = sorted(test for test in tests if test not in ids)
     assert not missing, missing
+
+
+def test_each_family_layout_has_its_parity_test() -> None:
+    """A layout a family's spec declares is run by a test the tests name, and each named test
+    belongs to a declared layout (the spec holds the layouts, the tests the node ids)."""
+    declared = {spec.name: set(spec.layouts) for spec in families() if spec.layouts}
+    assert declared == {name: set(tests) for name, tests in FAMILY_LAYOUT_TESTS.items()}
 
 
 def test_the_refusals_off_the_matrix_still_refuse() -> None:

@@ -25,8 +25,8 @@ from loom.models.transformers.model import (
     load_hf_config,
     load_hf_model,
 )
+from loom.models.transformers.plan import apply_hf_ac, decoder_blocks
 from loom.observability import flops
-from loom.parallel.transformers_plan import apply_hf_ac, decoder_blocks
 from tests.hf_models import ARCHITECTURES, MODEL_VOCAB, SHAPE, save_tiny_model
 
 

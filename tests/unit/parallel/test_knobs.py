@@ -19,11 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from loom.compat import checkpoint_inside_compile_saves_mesh, torch_release
 from loom.config import ConfigError, ParallelConfig, config_from_flags
 from loom.models.llama.model import ModelArgs
+from loom.models.llama.plan import dense_plan as loom_plan
 from loom.models.spec import ModelPlan
 from loom.parallel.checkpointing import apply_ac, checkpointed, op_policy_contexts
 from loom.parallel.compile import apply_compile, compiler_settings
 from loom.parallel.init import clean_name
-from loom.parallel.llama_plan import dense_plan as loom_plan
 from loom.runtime.scope import applied
 from tests.one_rank import one_rank_group
 from tests.tiny import tiny_model

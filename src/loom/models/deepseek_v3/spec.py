@@ -15,6 +15,7 @@ from loom.models.deepseek_v3.args import MLA_FIELDS, SHAPES, DeepseekV3Args, der
 from loom.models.deepseek_v3.flags import DeepseekV3Flags
 from loom.models.deepseek_v3.hf import DeepseekV3Adapter, mla_fields
 from loom.models.deepseek_v3.model import DeepseekV3
+from loom.models.deepseek_v3.presets import PRESETS
 from loom.models.hf_folder import CONFIG, read_config
 from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.spec import rope_input
@@ -85,12 +86,33 @@ LORA_TARGETS = ("attention.wq", "attention.wq_b", "attention.wkv_b", "attention.
 """The per-head projections (the low-rank down-projections stay whole) and the dense
 SwiGLU; routed experts are stacked weights, not linears."""
 
+LAYOUTS = (
+    "ep", "tp", "pp-1f1b", "ep (4 ranks)", "tp + ep", "tp + ep + etp", "dp_shard",
+    "pp-1f1b + ep", "pp-interleaved-1f1b", "pp-zero-bubble", "pp-dualpipev", "cp",
+    "simple-fsdp + ep", "ep + block ac + compile", "tp + ep + op ac + compile",
+    "tp + ep + etp + block ac + compile", "float8 + ep", "float8 + dp_shard + tp", "MTP + ep",
+    "MTP + tp", "MTP + tp + ep", "MTP + pp-1f1b", "MTP + pp-interleaved-1f1b",
+    "MTP + pp-1f1b + tp", "MTP + cp", "MTP + cp + dp_shard", "dp_replicate + dp_shard",
+    "LoRA + dp_shard", "Hugging Face folder, tp + ep", "MTP + pp-1f1b + cp",
+    "MTP + pp-zero-bubble", "MTP + pp-dualpipev", "MTP + pp-dualpipev + cp",
+)
+"""The layouts run on DeepSeek-V3's own modules (latent attention, grouped routing, MTP), each
+matching one process."""
+
+REFUSALS = (
+    "multi-token prediction with `--loss-impl fused-linear`, `--loss-impl loss-parallel` "
+    "at tp > 1 or `--doc-mask` (`DeepseekV3Flags.check`): its loss runs on the plain "
+    "head's full logits over whole sequences",
+)
+"""What the family refuses in one line, and why."""
+
 DEEPSEEK_V3 = ModelSpec(
     name="deepseek-v3", model_cls=DeepseekV3, args_from_config=deepseek_v3_args,
     build=DeepseekV3, args_cls=DeepseekV3Args, parts=ModelParts(head=("norm", "output", "mtp")),
     block_cost=moe_block_cost, block_inputs=rope_input, routers=router_gates,
     active_params=active_params, hf=(DeepseekV3Adapter(),), lora_targets=LORA_TARGETS,
     hooks=(EXPERT_BIAS, BALANCE_LOSS, SpecHook("deepseek-v3-mtp", mtp_metrics, stages=True)),
-    flags=(LlamaFlags, Qwen3Flags, MoEFlags, DeepseekV3Flags),
+    flags=(LlamaFlags, Qwen3Flags, MoEFlags, DeepseekV3Flags), presets=PRESETS,
+    layouts=LAYOUTS, refusals=REFUSALS,
     description="multi-head latent attention, group-limited sigmoid routing with shared "
                 "experts and expert bias, YaRN, multi-token prediction")

@@ -13,6 +13,7 @@ from loom.models.llama.spec import rope_input
 from loom.models.moe.balance import balance_loss_metric, moe_layers, update_expert_bias
 from loom.models.moe.flags import MoEFlags
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
+from loom.models.moe.presets import PRESETS
 from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.spec import ModelSpec, SpecHook
 
@@ -49,5 +50,5 @@ MOE = ModelSpec(
     args_cls=MoEArgs, block_cost=moe_block_cost, block_inputs=rope_input,
     routers=router_gates, active_params=active_param_count,
     hooks=(EXPERT_BIAS, BALANCE_LOSS),
-    flags=(LlamaFlags, Qwen3Flags, MoEFlags),
+    flags=(LlamaFlags, Qwen3Flags, MoEFlags), presets=PRESETS,
     description="top-k routed experts (sigmoid or softmax), shared experts, expert bias")

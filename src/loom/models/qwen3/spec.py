@@ -14,6 +14,7 @@ from loom.models.moe.model import MoEArgs
 from loom.models.moe.spec import MOE
 from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.qwen3.hf import Qwen3Adapter, Qwen3MoeAdapter
+from loom.models.qwen3.presets import QWEN3_MOE_PRESETS, QWEN3_PRESETS
 from loom.models.spec import ModelSpec
 
 
@@ -28,9 +29,10 @@ def qwen3_moe_args(m: ModelConfig) -> MoEArgs:
 QWEN3 = ModelSpec(
     name="qwen3", model_cls=Transformer, args_from_config=qwen3_args, build=Transformer,
     args_cls=ModelArgs, block_inputs=rope_input, hf=(Qwen3Adapter(),), lora_targets=LORA_TARGETS,
-    flags=(LlamaFlags, Qwen3Flags),
+    flags=(LlamaFlags, Qwen3Flags), presets=QWEN3_PRESETS,
     description="Llama with per-head q/k RMSNorm and an explicit head width")
 
 QWEN3_MOE = replace(
     MOE, name="qwen3-moe", args_from_config=qwen3_moe_args, hf=(Qwen3MoeAdapter(),),
+    presets=QWEN3_MOE_PRESETS,
     description="loom's MoE with softmax top-k routing, q/k norm, no shared experts")

@@ -1,7 +1,7 @@
 """The MoE family's parallel plan: the dense (Llama) plan, then EP/ETP and the MoE TP plan
 on every MoE block, routed experts on their own dp mesh under EP.
 
-A family plan: it names the MoE model's modules, as parallel/llama_plan.py names Llama's;
+A family plan: it names the MoE model's modules, as models/llama/plan.py names Llama's;
 the generic EP machinery (placements, token dispatch) is parallel/expert.py's.
 """
 
@@ -28,12 +28,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from loom.models.llama.plan import dense_plan
 from loom.models.moe.aux_loss import SequenceSum
 from loom.models.moe.balance import moe_layers
 from loom.models.moe.model import ExpertWeights, MoE, MoETransformer
 from loom.models.spec import ModelPlan
 from loom.parallel.expert import WEIGHTS, TokenDispatcher, expert_placements, sum_grad_over
-from loom.parallel.llama_plan import dense_plan
 from loom.parallel.mesh import ParallelDims
 
 logger = logging.getLogger("loom")

@@ -1,7 +1,7 @@
-"""docs/parallelism.md's composition matrix, rendered from `loom.config.compose`'s table:
-`python -m loom.config.matrix --write docs/parallelism.md` regenerates the section between
-its markers (tests/unit/test_docs.py fails when it is stale). A module of its own, so that
-running it does not re-import what the `loom.config` package already imported."""
+"""docs/parallelism.md's composition matrix, rendered from `loom.config.compose`'s table and
+the registered families' specs (their own layouts and refusals):
+`python -m loom.commands.matrix --write docs/parallelism.md` regenerates the section between
+its markers (tests/unit/test_docs.py fails when it is stale)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ import sys
 from pathlib import Path
 
 from loom.config.compose import (
-    FAMILY_LAYOUTS,
-    FAMILY_REFUSALS,
     FEATURES,
     REFUSALS,
     TORCH_CHECKED,
     cell,
     pairs,
 )
+from loom.models.registry import families
 
 BEGIN, END = "<!-- composition-matrix:begin -->", "<!-- composition-matrix:end -->"
 _MARK = {"composes": "✓", "refused": "✗", "untested": "?", "same flag": "—"}
@@ -26,7 +25,7 @@ def render() -> str:
     """The matrix section of docs/parallelism.md, between its markers."""
     names = list(FEATURES)
     lines = [BEGIN, "", "Generated from `src/loom/config/compose.py` by `python -m "
-             "loom.config.matrix --write docs/parallelism.md`; ✓ composes (the test below "
+             "loom.commands.matrix --write docs/parallelism.md`; ✓ composes (the test below "
              "runs it), ✗ refused (why below), ? accepted but no parity test yet, — two "
              "values of one flag.", "",
              "| | " + " | ".join(f"`{n}`" for n in names) + " |",
@@ -46,14 +45,18 @@ def render() -> str:
 
 
 def family_lines() -> list[str]:
-    """Each family with its own modules: the layouts its parity tests run, its refusals."""
+    """Each of loom's families with its own modules: the layouts its parity tests run (the
+    tests map each to its test: tests/parity/family_layouts.py), its refusals."""
     lines = []
-    for family, layouts in FAMILY_LAYOUTS.items():
-        lines += ["", f"The `{family}` family's layouts, each matching one process:", "",
-                  *(f"- {layout}: `{test}`" for layout, test in layouts.items())]
-        refused = FAMILY_REFUSALS.get(family, ())
-        lines += ["", f"Refused in the `{family}` family:", "", *(f"- {why}" for why in refused)] \
-            if refused else []
+    for spec in families():
+        if not spec.model_cls.__module__.startswith("loom."):
+            continue  # a family registered from outside loom (a test's) is not loom's docs
+        if spec.layouts:
+            lines += ["", f"The `{spec.name}` family's layouts, each matching one process:",
+                      "", *(f"- {layout}" for layout in spec.layouts)]
+        if spec.refusals:
+            lines += ["", f"Refused in the `{spec.name}` family:", "",
+                      *(f"- {why}" for why in spec.refusals)]
     return lines
 
 

@@ -1,6 +1,6 @@
 """The transformers family's parallel plan: a Hugging Face model sharded by the one recipe.
 
-Its plan (`transformers_plan`, registered in parallel/families.py) has no TP (config
+Its plan (`transformers_plan`, registered in loom/families.py) has no TP (config
 resolution forced tp to 1), the model's own gradient-checkpointing switch for --ac,
 per-block compile, one FSDP2 unit per decoder block, then the root (which keeps tied
 embedding and output weights together).

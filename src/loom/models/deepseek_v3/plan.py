@@ -25,13 +25,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from loom.models.llama.plan import dense_plan
 from loom.models.moe.balance import moe_layers
+from loom.models.moe.plan import apply_moe_parallel, complete_sequences
 from loom.models.spec import ModelPlan
 from loom.parallel.context import ContextParallelAttention, gather_sequence
 from loom.parallel.expert import sum_grad_over
-from loom.parallel.llama_plan import dense_plan
 from loom.parallel.mesh import ParallelDims
-from loom.parallel.moe_plan import apply_moe_parallel, complete_sequences
 from loom.parallel.tp_styles import Styles, carries_float8
 
 
