@@ -4,9 +4,10 @@ Nothing under src/ knows it; it trains under dp, tp and pp through its spec alon
 (tests/integration/test_custom_family.py).
 
 Importing this module registers the family as `gpt2-test`: one record, its spec with its
-parallel plan (`loom.models.registry.register`), and its flag with `loom.config` (so
-`loom train --help`, a `[model]` TOML table and `--print-config` hold it). Its checkpoints
-record its own six arguments and nothing else.
+parallel plan (`loom.models.registry.register`), its preset (`--model gpt2-test-tiny`), the
+layouts it runs and refuses, and its flag with `loom.config` (so `loom train --help`, a
+`[model]` TOML table and `--print-config` hold it). Its checkpoints record its own six
+arguments and nothing else.
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ class GPT2Flags:
                                 choices=tuple(ACTIVATIONS))
 
     def check(self, cfg: Any) -> None:
-        """Also for a config built in Python, which no parser's `choices` saw."""
+        """Also for a config built in Python, which no parser's `choices` saw; context
+        parallel has no attention core to replace here (`REFUSALS`)."""
+        if cfg.model.family != "gpt2-test":
+            return
+        if cfg.parallel.cp > 1:
+            raise ConfigError(f"--cp {cfg.parallel.cp}: the gpt2-test family's attention has "
+                              "no core context parallel can replace; use --cp 1")
         if self.gpt2_activation not in ACTIVATIONS:
             raise ConfigError(f"--gpt2-activation {self.gpt2_activation!r}: choose "
                               f"{' or '.join(ACTIVATIONS)}")
@@ -181,9 +188,19 @@ def gpt2_plan(model: GPT2) -> ModelPlan:
                      before=before, after=after, tensor_parallel=tensor_parallel)
 
 
+PRESETS = {"gpt2-test-tiny": dict(family="gpt2-test", dim=64, n_layers=2, n_heads=4,
+                                 vocab_size=256, seq_len=32, batch_size=4)}
+"""The family's own preset: one complete row."""
+
+LAYOUTS = ("dp_shard", "tp", "pp-1f1b", "dp_shard checkpoint resumed at tp")
+"""What tests/integration/test_custom_family.py runs against one process."""
+
+REFUSALS = ("context parallel (`--cp`): its attention has no core to replace "
+            "(`GPT2Flags.check`)",)
+
 GPT2_SPEC = register(ModelSpec(
     name="gpt2-test", model_cls=GPT2, args_from_config=gpt2_args, build=GPT2,
-    args_cls=GPT2Args,
+    args_cls=GPT2Args, presets=PRESETS, layouts=LAYOUTS, refusals=REFUSALS,
     parts=ModelParts(embedding="embed", blocks="blocks", head=("ln_f", "head"), output="head",
                      attention="attn", attention_core=None, feed_forward=("mlp",)),
     flags=(GPT2Flags,)), plan=gpt2_plan)

@@ -26,9 +26,9 @@ ARGS = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len"
         "gpt2_activation": "gelu"}
 """The family's own arguments (max_seq_len, gpt2_activation: the flags' defaults), all a
 checkpoint records."""
-FAMILY = ["--family", "gpt2-test", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
-          "--dataset", "random", "--vocab-size", "256", "--seq-len", "32", "--fp32",
-          "--seed", "3", "--lr", "3e-3"]
+FAMILY = ["--model", "gpt2-test-tiny", "--dataset", "random", "--fp32", "--seed", "3",
+          "--lr", "3e-3"]
+"""The family's own preset (dim 64, 2 blocks, 4 heads, vocabulary 256, seq 32)."""
 LAYOUTS = {"single": (1, []), "dp2": (2, ["--dp-shard", "2"]), "tp2": (2, ["--tp", "2"]),
            "pp2": (2, ["--pp", "2"]),
            "saved-dp2": (2, ["--dp-shard", "2", "--max-steps", "2", "--checkpoint-interval",

@@ -8,7 +8,15 @@ _DEEPSEEK = "tests/parity/test_deepseek_v3_parity.py::"
 _DEEPSEEK_FLOAT8 = ("tests/parity/test_deepseek_v3_float8.py::"
                     "test_float8_layout_matches_float8_single_process")
 _MTP_PP = "tests/parity/test_deepseek_v3_mtp_pipeline.py::"
+_GPT2 = "tests/integration/test_custom_family.py::"
 FAMILY_LAYOUT_TESTS: dict[str, dict[str, str]] = {
+    "gpt2-test": {
+        "dp_shard": f"{_GPT2}test_test_family_trains_like_one_process[dp2]",
+        "tp": f"{_GPT2}test_test_family_trains_like_one_process[tp2]",
+        "pp-1f1b": f"{_GPT2}test_test_family_trains_like_one_process[pp2]",
+        "dp_shard checkpoint resumed at tp": f"{_GPT2}test_test_family_checkpoints_its_own_"
+                                              "arguments_and_resumes_at_another_layout",
+    },
     "deepseek-v3": {
         "ep": f"{_DEEPSEEK}test_layout_matches_single_process[ep2]",
         "tp": f"{_DEEPSEEK}test_layout_matches_single_process[tp2]",

@@ -14,9 +14,10 @@ from loom.cli import config_toml
 from loom.config import parse_args
 from loom.errors import ConfigError
 from loom.lora.converter import checked_targets
-from loom.models.deepseek_v3.args import SHAPES, DeepseekV3Args
+from loom.models.deepseek_v3.args import MLA_FIELDS, DeepseekV3Args
 from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter, MTPModule
 from loom.models.deepseek_v3.plan import deepseek_v3_plan
+from loom.models.deepseek_v3.presets import PRESETS
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.parallel.pipeline_stages import stage_module
@@ -26,7 +27,8 @@ from tests.harness import run_process
 
 TINY = DeepseekV3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64,
                       hidden_dim=48, n_experts=8, top_k=2, moe_hidden_dim=16,
-                      max_seq_len=64, **SHAPES["deepseek-v3-mtp-debug"])
+                      max_seq_len=64, **{k: v for k, v in PRESETS["deepseek-v3-mtp-debug"].items()
+                                         if k in MLA_FIELDS})
 
 
 def built(args: DeepseekV3Args) -> DeepseekV3:
@@ -195,7 +197,7 @@ def test_the_family_flags_override_the_preset_and_show_in_the_config() -> None:
     """The family's own flags (issue #56's contract): unset, a width is the preset's; set,
     it wins, and `--print-config`'s [model] table carries it; out of range is refused."""
     preset = model_args(parse_args(["--model", "deepseek-v3-debug", "--dataset", "random"]))
-    assert preset.kv_lora_rank == SHAPES["deepseek-v3-debug"]["kv_lora_rank"]
+    assert preset.kv_lora_rank == PRESETS["deepseek-v3-debug"]["kv_lora_rank"]
     cfg = parse_args(["--model", "deepseek-v3-debug", "--dataset", "random",
                       "--kv-lora-rank", "24", "--mtp-layers", "1", "--mtp-loss-weight", "0.5"])
     args = model_args(cfg)

@@ -6,6 +6,7 @@ checkpoint's model record is checked against the family's own arguments dataclas
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,41 +24,63 @@ from loom.models.resolve import model_args, plain_model
 from loom.protocols import extensions
 
 SRC = Path(loom.__file__).parent
-FAMILY_PLANS = ("models/llama/plan.py", "models/moe/plan.py",
-                "models/transformers/plan.py", "models/deepseek_v3/plan.py")
-"""Where a family's modules may be named outside its folder: its parallel plan."""
+FAMILIES = sorted(p.name for p in (SRC / "models").iterdir()
+                  if p.is_dir() and (p / "spec.py").exists())
+"""loom's family folders (`models/<family>/`, each with its spec)."""
+HUB_LOADER = "transformers"
+"""transformers' module is a family and also the Hub loading the Hugging Face interop
+(`loom.hf`, `generate`, the model resolver) builds on: importing it is allowed."""
+REGISTRATION = "families.py"
+"""The one module outside the folders that names them: loom's registration list."""
 SUBMODULES = {"tok_embeddings", "layers", "output", "attention", "moe", "feed_forward",
               "attention_norm", "ffn_norm"}
 """Attribute names of loom's families' parts (Llama's and MoE's)."""
 NOT_A_MODEL = {("output", "cfg"), ("output", "flags"), ("output", "self.cfg"),
-               ("layers", "plan"), ("attention", "plan"), ("attention", "parts"),
-               ("feed_forward", "parts"),
-               ("moe", "result")}
+               ("attention", "plan"), ("attention", "parts"), ("feed_forward", "parts"),
+               ("output", "self.parts")}
 """(attribute, receiver) pairs that are no model: the output flags (`cfg.output`), the
-spec's own ModelPlan and ModelParts fields, the step's hook metrics (`StepResult.moe`)."""
+spec's own ModelPlan and ModelParts fields."""
+INTERNAL_PATHS = re.compile(r"tok_embeddings|(^|\.)layers\.|\.(attention|moe)\.|^moe\.")
+"""A string naming a family's module path (`layers.3.moe.router`, `tok_embeddings`)."""
 
 
 def outside_families() -> list[Path]:
+    """Every module but those of a family's own folder and the registration list."""
     return [p for p in sorted(SRC.rglob("*.py"))
-            if p.relative_to(SRC).parts[0] != "models"
-            and str(p.relative_to(SRC)) not in FAMILY_PLANS]
+            if p.relative_to(SRC).parts[:2] not in {("models", f) for f in FAMILIES}
+            and p.relative_to(SRC).as_posix() != REGISTRATION]
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring nodes (prose may name anything)."""
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
 
 
 def reach_ins(path: Path, root: Path = SRC) -> list[str]:
-    """Each place the module names a family's submodule (an attribute, not a string or a
-    comment: the AST has neither) or imports a family's model module."""
+    """Each place the module names a family's submodule (an attribute, or a string that is a
+    module path; not prose: docstrings and comments are left alone) or imports anything from
+    a family's folder."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    prose = docstrings(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in SUBMODULES:
             receiver = ast.unparse(node.value)
             if (node.attr, receiver) not in NOT_A_MODEL and receiver != "spec":
                 found.append(f"{path.relative_to(root)}:{node.lineno} {receiver}.{node.attr}")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in prose and INTERNAL_PATHS.search(node.value):
+            found.append(f"{path.relative_to(root)}:{node.lineno} {node.value!r}")
         names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
             [a.name for a in node.names] if isinstance(node, ast.Import) else []
         for name in names:
             parts = name.split(".")
-            if parts[:2] == ["loom", "models"] and len(parts) == 4 and parts[3] == "model" \
-                    and parts[2] != "transformers":  # transformers' module: the HF interop
+            if parts[:2] == ["loom", "models"] and len(parts) >= 3 and parts[2] in FAMILIES \
+                    and parts[2] != HUB_LOADER:
                 found.append(f"{path.relative_to(root)}:{node.lineno} import {name}")
     return found
 
@@ -70,12 +93,14 @@ def test_no_module_outside_the_families_names_their_submodules() -> None:
 def test_the_scan_finds_a_reach_in(tmp_path: Path) -> None:
     """The scan is not blind: each kind of reach-in it forbids is found."""
     probe = tmp_path / "probe.py"
-    probe.write_text("from loom.models.moe.model import MoE\n"
-                     "def f(model, block):\n    return model.tok_embeddings, block.moe.router,"
-                     " model.output, cfg.output  # model.layers\n")
+    probe.write_text("from loom.models.moe.flags import moe_flags\n"
+                     "def f(model, block):\n    '''model.layers.0 in prose'''\n"
+                     "    return model.tok_embeddings, block.moe.router, model.output,"
+                     " cfg.output, 'layers.1.moe.router', plan.container  # model.layers\n")
     found = reach_ins(probe, tmp_path)
     assert sorted(f.split(" ", 1)[1] for f in found) == [
-        "block.moe", "import loom.models.moe.model", "model.output", "model.tok_embeddings"]
+        "'layers.1.moe.router'", "block.moe", "import loom.models.moe.flags", "model.output",
+        "model.tok_embeddings"]
 
 
 def test_models_never_import_the_parallel_code() -> None:

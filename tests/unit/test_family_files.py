@@ -4,10 +4,14 @@ folder and one `register` line."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 from pathlib import Path
 
-import tests.families.gpt2  # noqa: F401  (registers gpt2-test)
+import pytest
+
+import tests.families.gpt2
+from loom.config import ConfigError, parse_args
 from loom.models.registry import families
 from loom.models.spec import ModelSpec
 
@@ -58,3 +62,35 @@ def test_loom_registers_its_families_in_one_place():
     others = [p for p in SRC.rglob("*.py") if p.name != "families.py"
               and "\nregister(" in p.read_text()]
     assert not others, others
+
+
+def test_the_test_family_is_named_nowhere_in_src() -> None:
+    """The test family lives in its file alone: src/ names neither the family nor any of its
+    parts (its embedding, blocks, head, attention, MLP), as code or as a string."""
+    spec = tests.families.gpt2.GPT2_SPEC
+    parts = spec.parts
+    names = {spec.name, "GPT2", parts.embedding, parts.blocks, *parts.head, parts.attention,
+             *parts.feed_forward} - {None}
+    hits = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = node.attr if isinstance(node, ast.Attribute) else \
+                node.value if isinstance(node, ast.Constant) else \
+                node.id if isinstance(node, ast.Name) else None
+            if isinstance(named, str) and named in names - GENERIC:
+                hits.append(f"{path.relative_to(REPO)}:{node.lineno} {named}")
+    assert not hits, hits
+
+
+GENERIC = {"blocks", "head", "attn"}
+"""Words loom's own API uses for every family (`ModelPlan.blocks()`, `ModelSpec.blocks`,
+`ModelParts.head`, `--hist attn`'s kind): not the test family's."""
+
+
+def test_the_test_family_brings_its_presets_and_refusals() -> None:
+    """Its preset selects it with every size; the layout it refuses is one line."""
+    cfg = parse_args(["--model", "gpt2-test-tiny", "--dataset", "random"])
+    assert cfg.model.family == "gpt2-test" and (cfg.model.dim, cfg.data.seq_len) == (64, 32)
+    with pytest.raises(ConfigError, match="--cp 2: the gpt2-test family"):
+        parse_args(["--model", "gpt2-test-tiny", "--dataset", "random", "--cp", "2",
+                    "--dp-shard", "1"])

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from loom.config import ConfigError, JobConfig, parse_args
 from loom.errors import BAD_INPUT_EXIT, FAILURE_EXIT
-from loom.models.moe.flags import moe_flags
+from loom.models.registry import routing_of
 from loom.observability.metrics import read_rows
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, process_group, rank_info
@@ -258,7 +258,7 @@ def notes_for(cfg: JobConfig, options: argparse.Namespace) -> list[str]:
     if cfg.parallel.dtype != "fp32":
         notes.append("not --fp32: mixed precision rounds differently per layout; expect "
                      "~1e-2 and compare under --fp32")
-    if moe_flags(cfg.model).n_experts:
+    if routing_of(cfg.model):
         notes.append(MOE_NOTE)
     return notes
 

@@ -14,10 +14,9 @@ from typing import Any
 from torch import nn
 
 from loom.config import ConfigError, ModelConfig
-from loom.config.families import register_flags
+from loom.config.families import flag_groups, register_flags
 from loom.config.presets import register_presets
-from loom.models.moe.flags import moe_flags
-from loom.models.spec import FAMILY_ATTR, HFAdapter, ModelPlan, ModelSpec
+from loom.models.spec import FAMILY_ATTR, HFAdapter, ModelPlan, ModelSpec, Routing
 
 _FAMILIES: dict[str, ModelSpec] = {}
 
@@ -48,11 +47,30 @@ def family(name: str) -> ModelSpec:
     return _FAMILIES[name]
 
 
+DEFAULT_FAMILY = "llama"
+"""What --family is when unset and no family's flags imply another."""
+
+
 def family_name(m: ModelConfig) -> str:
-    """The family a resolved model config builds."""
+    """The family a resolved model config builds: --family, else the family a flag group's
+    `implied_family` names (MoE's: --n-experts > 0), else the default."""
     if m.runs_transformers:
         return "transformers"  # transformers' own module (loom.models.transformers)
-    return m.family or ("moe" if moe_flags(m).n_experts else "llama")
+    if m.family:
+        return m.family
+    for group in flag_groups():
+        implied = getattr(group, "implied_family", None)
+        name = None if implied is None else implied(m.flags_of(group))
+        if name is not None:
+            return name
+    return DEFAULT_FAMILY
+
+
+def routing_of(m: ModelConfig) -> Routing | None:
+    """The routed experts' shape of the model a config builds (None: dense), from its
+    family's spec."""
+    spec = for_config(m)
+    return spec.routing(spec.args_from_config(m))
 
 
 def for_config(m: ModelConfig) -> ModelSpec:

@@ -11,12 +11,12 @@ from typing import Any
 from torch import nn
 
 from loom.config import ConfigError, JobConfig
+from loom.config.families import group_fields
 from loom.data.hub import first_line
 from loom.models.hf_folder import CONFIG, open_folder, read_config
-from loom.models.llama.spec import dense_args
 from loom.models.registry import families, for_architectures, for_config
 from loom.models.transformers.model import LOCAL_MODEL_HINT, hf_source
-from loom.models.transformers.spec import LIMITS
+from loom.models.transformers.spec import LIMITS, recorded_args
 
 logger = logging.getLogger("loom")
 
@@ -24,11 +24,18 @@ BEHAVIOUR_FIELDS = ("load_balance_coeff", "aux_loss_coeff")
 """Fields an import fills (the checkpoint has no such setting) but an explicit flag keeps."""
 
 
+def from_source_flags() -> tuple[str, ...]:
+    """Family flags whose unset value (None) means "the model's source says": a folder
+    fills them, but one the user set wins (DeepSeek-V3's widths; a shape that then differs
+    from the folder's weights is refused when they are read)."""
+    return tuple(name for name, (_, f) in group_fields().items() if f.default is None)
+
+
 def model_args(cfg: JobConfig) -> Any:
     """The arguments of the config's family (a frozen dataclass), as checkpoints record them;
     transformers' module records loom's dense fields filled from its config (its shape)."""
     if cfg.model.runs_transformers:
-        return dense_args(cfg.model)
+        return recorded_args(cfg.model)
     return for_config(cfg.model).args_from_config(cfg.model)
 
 
@@ -107,7 +114,7 @@ def model_choice(cfg: JobConfig) -> dict[str, Any]:
             raise ConfigError(f"--model {m.model}: {shown} with {e} has no native "
                               "equivalent; pass --model-impl transformers or auto") from None
         return fall_back(cfg, f"loom's {spec.name} family has no {e} ({shown})")
-    for name in BEHAVIOUR_FIELDS:
+    for name in (*BEHAVIOUR_FIELDS, *from_source_flags()):
         if name in cfg.explicit:
             fields.pop(name, None)
     if cfg.data.seq_len > fields["max_seq_len"]:

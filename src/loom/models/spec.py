@@ -42,21 +42,23 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ModelParts:
-    """Attribute names of a family's parts, as the generic code reaches them."""
+    """Attribute names of a family's parts, as the generic code reaches them: each family
+    names its own (loom's in `models/llama/spec.py`'s `PARTS`), so nothing outside its folder
+    spells them."""
 
-    embedding: str | None = "tok_embeddings"
+    embedding: str | None
     """The token embedding (a lookup: no weight gradient needs it gathered for backward)."""
-    blocks: str = "layers"
+    blocks: str
     """The block container, a ModuleDict keyed by layer index."""
-    head: tuple[str, ...] = ("norm", "output")
+    head: tuple[str, ...]
     """The modules after the blocks, in order; a pipeline's last stage holds them together."""
-    output: str | None = "output"
+    output: str | None
     """The output projection (logit histograms, fused-linear losses reach its weight)."""
-    attention: str | None = "attention"
+    attention: str | None = None
     """Each block's attention child: what `--ac selective` recomputes."""
-    attention_core: str | None = "attention.core"
+    attention_core: str | None = None
     """Within a block, the (q, k, v) -> out module that context parallel replaces."""
-    feed_forward: tuple[str, ...] = ("feed_forward", "moe")
+    feed_forward: tuple[str, ...] = ()
     """Each block's feed-forward child (dense or routed): what `--hist ffn` records."""
 
 
@@ -65,8 +67,9 @@ class ModelPlan:
     """What each parallelism acts on in one built model (or pipeline stage)."""
 
     model: nn.Module
-    layers: nn.ModuleDict | nn.ModuleList
-    """The blocks; activation checkpointing replaces its entries with wrapped ones."""
+    container: nn.ModuleDict | nn.ModuleList
+    """The blocks' container; activation checkpointing replaces its entries with wrapped
+    ones."""
     name: str = ""
     """What the log calls the model."""
     attention: str | None = "attention"
@@ -97,9 +100,9 @@ class ModelPlan:
 
     def blocks(self) -> list[nn.Module]:
         """The container's current entries (wrapped ones once AC has run)."""
-        if isinstance(self.layers, nn.ModuleDict):
-            return list(self.layers.values())
-        return list(self.layers)
+        if isinstance(self.container, nn.ModuleDict):
+            return list(self.container.values())
+        return list(self.container)
 
     def fsdp_units(self) -> list[nn.Module | list[nn.Module]]:
         """FSDP2 units in forward order; the root comes last, added by the wrapper."""
@@ -175,6 +178,23 @@ def _none(model: nn.Module) -> list[nn.Module]:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """What the planner and `verify` need of a routed family's shape, asked of its spec
+    rather than read from its flags."""
+
+    experts: int
+    """Routed experts per routed block."""
+    top_k: int
+    """Experts each token is routed to."""
+    dense_layers: int
+    """Leading blocks with a dense feed-forward instead."""
+
+
+def _dense(args: Any) -> Routing | None:
+    return None
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family: how to build it and what every parallelism acts on."""
 
@@ -188,7 +208,7 @@ class ModelSpec:
     args_cls: type | None = None
     """The arguments dataclass: a checkpoint's `model_args` must hold exactly its fields,
     each of its type; None: the family records no arguments of its own."""
-    parts: ModelParts | None = ModelParts()
+    parts: ModelParts | None = None
     """Attribute names of the parts; None: the model cannot be cut or context-parallel."""
     block_cost: Callable[[nn.Module], float] | None = None
     """A block's FLOP-bearing parameters per token (routed experts count by top-k / E);
@@ -208,6 +228,8 @@ class ModelSpec:
     active_params: Callable[[Any], int] | None = None
     """Arguments -> the parameters one token multiplies (routed experts by top-k / E);
     None: all of them."""
+    routing: Callable[[Any], Routing | None] = _dense
+    """Arguments -> the routed experts' shape (None: a dense model)."""
     hooks: tuple[SpecHook, ...] = ()
     """Step hooks every run of this family uses (the MoE expert-bias update)."""
     plan: Callable[[nn.Module], ModelPlan] | None = None

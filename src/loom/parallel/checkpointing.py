@@ -123,11 +123,11 @@ def apply_ac(plan: ModelPlan, mode: str) -> int:
                     len(plan.blocks()))
         return len(plan.blocks())
     wrapped = 0
-    for name, block in list(plan.layers.named_children()):
+    for name, block in list(plan.container.named_children()):
         if mode == "block":
-            plan.layers.register_module(name, checkpointed(block))
+            plan.container.register_module(name, checkpointed(block))
         elif mode == "op":
-            plan.layers.register_module(name, checkpointed(block, op_policy_contexts))
+            plan.container.register_module(name, checkpointed(block, op_policy_contexts))
         elif plan.attention and isinstance(getattr(block, plan.attention, None), nn.Module):
             block.register_module(plan.attention, checkpointed(getattr(block, plan.attention)))
         else:

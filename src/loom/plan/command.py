@@ -19,8 +19,7 @@ from loom.config.resolved import settled
 from loom.data.cache import default_cache_dir
 from loom.lora.converter import lora_targets_for
 from loom.losses import loss_impl_for
-from loom.models.moe.flags import moe_flags
-from loom.models.registry import for_config
+from loom.models.registry import for_config, routing_of
 from loom.models.resolve import model_args, plain_model
 from loom.numerics.precision import resolve_precision
 from loom.parallel.mesh import ParallelDims
@@ -109,9 +108,9 @@ def check_supported(cfg: JobConfig) -> None:
     if m.runs_transformers:
         raise ConfigError(f"loom plan traces native families, not transformers' module of "
                           f"{m.model}")
-    if moe_flags(m).n_experts and p.pp > 1:
+    if routing_of(m) and p.pp > 1:
         raise ConfigError("loom plan cannot model --pp with a mixture-of-experts model yet")
-    if moe_flags(m).n_experts and p.dtype == "fp32":
+    if routing_of(m) and p.dtype == "fp32":
         raise ConfigError("loom plan cannot trace fp32 experts yet (their per-expert loop "
                           "splits rows by data-dependent counts); use --dtype bf16")
 
@@ -189,7 +188,7 @@ def plan_main(argv: Sequence[str]) -> int:
         check_supported(cfg)
         cfg = settled(cfg, loss_impl=loss_impl_for(cfg))
         cfg = settled(cfg, doc_mask=planned_doc_mask(cfg, options.device))
-        if moe_flags(cfg.model).n_experts:
+        if routing_of(cfg.model):
             print("warning: loom plan's MoE memory figures are validated on moe-debug only "
                   "(docs/planning.md)", file=sys.stderr, flush=True)
         if cfg.parallel.data_parallel == "simple-fsdp":

@@ -34,8 +34,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from loom.config import JobConfig, ModelConfig
 from loom.config.pipeline_layout import choose_microbatches
-from loom.models.moe.flags import moe_flags
-from loom.models.registry import for_model
+from loom.models.registry import for_model, routing_of
 from loom.models.resolve import plain_model
 from loom.numerics.precision import default_dtype, torch_dtype
 
@@ -52,7 +51,7 @@ def compiled_block_fraction(cfg: JobConfig) -> float:
     here; an upper bound). Measured at the rank's micro-batch and sequence shard: the partitioner's
     choice under a budget depends on how activations weigh against the weights' views."""
     p = cfg.parallel
-    if not p.compile or p.activation_checkpoint != "none" or moe_flags(cfg.model).n_experts:
+    if not p.compile or p.activation_checkpoint != "none" or routing_of(cfg.model):
         return 1.0
     batch = cfg.train.batch_size
     if p.pp > 1:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from loom.config import JobConfig
 from loom.config.resolved import settled
-from loom.models.moe.flags import moe_flags
+from loom.models.registry import routing_of
 from loom.plan.compiled import compiled_block_fraction
 from loom.plan.trace import (
     HELD,
@@ -75,8 +75,8 @@ class MemoryPrediction:
 
 
 def traced_depths(cfg: JobConfig) -> tuple[int, int]:
-    moe = moe_flags(cfg.model)
-    first = min(moe.n_dense_layers, cfg.model.n_layers) + 1 if moe.n_experts else 1
+    routed = routing_of(cfg.model)
+    first = routed.dense_layers + 1 if routed else 1
     return first, first + 1
 
 

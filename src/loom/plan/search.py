@@ -31,7 +31,7 @@ from typing import Any
 
 from loom.config import ConfigError, JobConfig, validate
 from loom.config.resolved import settled
-from loom.models.moe.flags import moe_flags
+from loom.models.registry import routing_of
 from loom.parallel.mesh import ParallelDims
 from loom.plan.memory import GiB, finish, in_gib
 from loom.plan.peaks import traced_phases
@@ -54,7 +54,7 @@ def pipeline_degrees(cfg: JobConfig, rest: int) -> list[int]:
     """pp degrees worth searching: dividing the ranks left and the blocks, >= 2 blocks a
     stage (MoE: none, see `check_supported`)."""
     n = cfg.model.n_layers
-    if moe_flags(cfg.model).n_experts:
+    if routing_of(cfg.model):
         return [1]
     return [pp for pp in (1, 2, 4, 8) if rest % pp == 0 and n % pp == 0 and n >= 2 * pp]
 
@@ -62,7 +62,8 @@ def pipeline_degrees(cfg: JobConfig, rest: int) -> list[int]:
 def expert_degrees(cfg: JobConfig, region: int) -> list[int]:
     """ep degrees worth searching: dividing the ranks it spans at --etp 1 (dp_shard x cp x
     tp) and the experts."""
-    n = moe_flags(cfg.model).n_experts
+    routed = routing_of(cfg.model)
+    n = routed.experts if routed else 0
     return [ep for ep in (1, 2, 4, 8, 16, 32, 64) if region % ep == 0 and n % ep == 0] \
         if n else [1]
 

@@ -24,7 +24,7 @@ import torch
 from loom.config import DataConfig, JobConfig, ModelConfig
 from loom.config.pipeline_layout import bubble_fraction, choose_microbatches, stages_per_rank
 from loom.config.resolved import settled
-from loom.models.moe.flags import moe_flags
+from loom.models.registry import routing_of
 from loom.models.resolve import plain_model
 from loom.numerics.precision import torch_dtype
 from loom.observability.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
@@ -167,8 +167,9 @@ def _layer_collectives(cfg: JobConfig, dims: ParallelDims, device: str, act: int
     if dims.ep > 1:  # dispatch + combine, forward and backward, top_k copies of each token;
         # at etp 1 each tp rank sends its share of the slots over ep consecutive ranks, at
         # etp = tp every tp rank sends all of them over ep ranks tp apart
-        moe_layers = m.n_layers - moe_flags(m).n_dense_layers
-        sent = act * moe_flags(m).top_k / (dims.tp if not dims.etp_enabled else 1)
+        routed = routing_of(m)
+        moe_layers = m.n_layers - routed.dense_layers if routed else 0
+        sent = act * (routed.top_k if routed else 0) / (dims.tp if not dims.etp_enabled else 1)
         span = dims.ep * (dims.tp if dims.etp_enabled else 1)
         exposed += moe_layers * 4 * sent * (dims.ep - 1) / dims.ep / bandwidth(device, span)
     if dims.cp_enabled:  # every block all-gathers K and V (and recomputes them under

@@ -28,8 +28,7 @@ from loom.config.resolved import settled
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.losses import Criterion, build_criterion
 from loom.losses.cross_entropy import localise
-from loom.models.moe.flags import moe_flags
-from loom.models.registry import for_config, output_of
+from loom.models.registry import for_config, output_of, routing_of
 from loom.models.resolve import plain_model
 from loom.models.spec import ModelParts
 from loom.numerics import float8 as _float8  # noqa: F401  (registers the --float8 converter)
@@ -113,8 +112,9 @@ class WorstCaseNonzero(TorchDispatchMode):
 def layer_settings(cfg: JobConfig, n_layers: int) -> dict[str, int]:
     """The model settings of `cfg`'s model cut to `n_layers` blocks (the same block shapes),
     for `settled`."""
+    routed = routing_of(cfg.model)
     return {"n_layers": n_layers,
-            "n_dense_layers": min(moe_flags(cfg.model).n_dense_layers, n_layers)}
+            **({"n_dense_layers": min(routed.dense_layers, n_layers)} if routed else {})}
 
 
 TRACEABLE = {"compile": False, "single_device": "fsdp2", "data_parallel": "fsdp2"}

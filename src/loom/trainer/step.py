@@ -56,7 +56,7 @@ class StepResult:
     loss: torch.Tensor
     grad_norm: torch.Tensor
     valid_tokens: torch.Tensor
-    moe: dict[str, torch.Tensor | float] = field(default_factory=dict)
+    hook_metrics: dict[str, torch.Tensor | float] = field(default_factory=dict)
     applied: torch.Tensor | None = None
     """1.0 where the optimizer applied the update, 0.0 where a non-finite step was skipped
     (on the device: read with the metrics)."""

@@ -275,7 +275,7 @@ class Trainer:
                         self.settle()
                     val = self.maybe_evaluate(final=step == total)
                     self.metrics.log_step(step, epoch, bidx, result.loss,
-                                          result.grad_norm, {**result.moe, **val},
+                                          result.grad_norm, {**result.hook_metrics, **val},
                                           valid_tokens=result.valid_tokens, batches=micro,
                                           applied=result.applied)
                     profiler.step()

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import tests.families.gpt2  # noqa: F401  (registers gpt2-test: its layouts are declared too)
 from loom.compat import checkpoint_inside_compile_saves_mesh, v_schedules_send_to_own_rank
 from loom.config import ConfigError, config_from_flags
 from loom.config.compose import (

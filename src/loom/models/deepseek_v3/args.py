@@ -1,10 +1,10 @@
 """DeepSeek-V3's arguments: loom's MoE settings plus multi-head latent attention, grouped
 routing, YaRN and multi-token prediction.
 
-The settings only this family has come from where the model's shape comes from (a
-preset's `SHAPES` row by its name, a Hugging Face folder's config.json through
-`hf.mla_fields`, any other model's from `derived`), overridden by the family's own flags
-a user set (`flags.DeepseekV3Flags`), so every run of a config builds the same arguments.
+The settings only this family has are its flags (`flags.DeepseekV3Flags`): a preset's row
+sets them, a Hugging Face folder's config.json fills them when the run is resolved
+(`hf.mla_fields`), a user may set them; a width still unset takes DeepSeek-V3's proportions
+of --dim and --n-heads (`derived`). So the arguments are a function of the config alone.
 """
 
 from __future__ import annotations
@@ -91,23 +91,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 MLA_FIELDS = tuple(f.name for f in fields(DeepseekV3Args)
                    if f.name not in {g.name for g in fields(MoEArgs)})
-"""The fields `ModelConfig` does not carry: filled from `SHAPES`, a folder, or `derived`."""
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "deepseek-v3-debug": dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                              qk_rope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1),
-    "deepseek-v3-mtp-debug": dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                                  qk_rope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1,
-                                  mtp_layers=1),
-    "deepseek-v3": dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                        qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4,
-                        yarn_factor=40.0, yarn_original_max_seq_len=4096,
-                        yarn_mscale=1.0, yarn_mscale_all_dim=1.0),
-    "moonlight-16b": dict(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
-                          qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1),
-}
-"""The MLA, routing-group, YaRN and MTP settings of each preset, by preset name."""
-
+"""The family's own fields, each a flag of `DeepseekV3Flags` (unset widths: `derived`)."""
 
 def derived(dim: int, n_heads: int) -> dict[str, Any]:
     """MLA widths for a model given only its width and heads (a --family deepseek-v3 run

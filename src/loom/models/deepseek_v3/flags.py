@@ -3,9 +3,9 @@ routing and multi-token prediction. Declared here and gathered by `loom.config` 
 registered families (issue #56's contract), so `--kv-lora-rank` reaches `--help`, a
 `[model]` table, `--print-config` and a checkpoint's model record like any other flag.
 
-A width left unset (None) comes from where the model's shape comes from: a preset's
-`SHAPES` row, a Hugging Face folder's config.json, or DeepSeek-V3's proportions of --dim
-and --n-heads (`args.derived`); a set one overrides that source.
+A preset's row sets them, a Hugging Face folder's config.json fills them when the run is
+resolved, a user may set them; a width still unset (None) takes DeepSeek-V3's proportions of
+--dim and --n-heads (`args.derived`), every other field its `DeepseekV3Args` default.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from typing import Any
 
 from loom.config.declare import COUNT_MAX, SIZE_MAX, flag
 from loom.errors import ConfigError
-from loom.models.deepseek_v3.args import SHAPES
 
 
 @dataclass(frozen=True)
 class DeepseekV3Flags:
     """DeepSeek-V3
 
-    The deepseek-v3 family (multi-head latent attention, grouped routing, MTP); unset
+    The deepseek-v3 family (multi-head latent attention, grouped routing, YaRN, MTP); unset
     widths come from the preset, the Hugging Face folder or --dim / --n-heads."""
 
     q_lora_rank: int | None = flag(None, "deepseek-v3: width of the query's low-rank "
@@ -41,6 +40,21 @@ class DeepseekV3Flags:
                                "its --topk-group best groups", type=int, ge=1, le=COUNT_MAX)
     topk_group: int | None = flag(None, "deepseek-v3: groups each token may route to",
                                   type=int, ge=1, le=COUNT_MAX)
+    yarn_factor: float | None = flag(None, "deepseek-v3: YaRN context extension factor (unset: "
+                                     "1, plain RoPE)", type=float, ge=1, le=1e4)
+    yarn_original_max_seq_len: int | None = flag(None, "deepseek-v3: the context YaRN extends "
+                                                 "(unset: 4096)", type=int, ge=1, le=SIZE_MAX)
+    yarn_beta_fast: float | None = flag(None, "deepseek-v3: YaRN's rotation count above which "
+                                        "a channel keeps its frequency (unset: 32)",
+                                        type=float, gt=0, le=1e4)
+    yarn_beta_slow: float | None = flag(None, "deepseek-v3: YaRN's rotation count below which "
+                                        "a channel is fully interpolated (unset: 1)",
+                                        type=float, gt=0, le=1e4)
+    yarn_mscale: float | None = flag(None, "deepseek-v3: YaRN's attention temperature "
+                                     "coefficient (unset: 1)", type=float, ge=0, le=1e3)
+    yarn_mscale_all_dim: float | None = flag(None, "deepseek-v3: YaRN's softmax-scale "
+                                             "coefficient (unset: 0, none)", type=float, ge=0,
+                                             le=1e3)
     mtp_layers: int | None = flag(None, "deepseek-v3: multi-token prediction modules "
                                   "(training only; DeepSeek-V3 has 1; a Hugging Face "
                                   "folder's are read when set, else 0)", type=int,
@@ -57,8 +71,7 @@ class DeepseekV3Flags:
         ignores these flags."""
         if cfg.model.family != "deepseek-v3":  # a Hub folder's: known once it is read
             return
-        mtp = self.mtp_layers if self.mtp_layers is not None else \
-            SHAPES.get(cfg.model.model, {}).get("mtp_layers", 0)
+        mtp = self.mtp_layers or 0  # a preset's row sets it like a user would
         clash = [name for name, on in (("--loss-impl fused-linear",
                                         cfg.loss.loss_impl == "fused-linear"),
                                        ("--loss-impl loss-parallel",

@@ -70,14 +70,15 @@ def yarn_fields(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def mla_fields(c: dict[str, Any]) -> dict[str, Any]:
-    """The family's own fields (`args.MLA_FIELDS`) of a config.json, each checked."""
+    """The family's own shape fields of a config.json, each checked (its MTP settings are
+    training choices: --mtp-layers asks for the folder's MTP modules)."""
     for name in WIDTHS:
         _int(c, name, 1)
     q_rank = c.get("q_lora_rank")
     return {"q_lora_rank": 0 if q_rank is None else _int(c, "q_lora_rank", 1),
             "kv_lora_rank": c["kv_lora_rank"], "qk_rope_head_dim": c["qk_rope_head_dim"],
             "qk_nope_head_dim": _int(c, "qk_nope_head_dim", 0), "v_head_dim": c["v_head_dim"],
-            "n_group": c["n_group"], "topk_group": c["topk_group"], "mtp_layers": 0,
+            "n_group": c["n_group"], "topk_group": c["topk_group"],
             **{k: v for k, v in yarn_fields(c).items() if k != "rope_theta"}}
 
 
@@ -87,7 +88,6 @@ def config_fields(c: dict[str, Any]) -> dict[str, Any]:
                "scoring_func": "sigmoid", "topk_method": "noaux_tc", "pretraining_tp": 1})
     if c.get("quantization_config") is not None:  # DeepSeek's own FP8 block-scaled release
         raise ValueError("quantization_config (quantized weights: dequantize to bf16 first)")
-    mla_fields(c)  # checked here, so a bad folder fails while its fields are resolved
     heads = _int(c, "num_attention_heads", 1)
     return {"dim": _int(c, "hidden_size", 1), "n_layers": _int(c, "num_hidden_layers", 1),
             "n_heads": heads, "n_kv_heads": heads, "head_dim": 0,
@@ -102,7 +102,8 @@ def config_fields(c: dict[str, Any]) -> dict[str, Any]:
             "n_shared_experts": _int(c, "n_shared_experts", 0, 1),
             "n_dense_layers": _int(c, "first_k_dense_replace", 0, 0), "score_func": "sigmoid",
             "route_norm": bool(c.get("norm_topk_prob", True)),
-            "route_scale": _float(c, "routed_scaling_factor", 1.0), "aux_loss_coeff": 0.0}
+            "route_scale": _float(c, "routed_scaling_factor", 1.0), "aux_loss_coeff": 0.0,
+            **mla_fields(c)}
 
 
 def block_sources(src: str, dst: str, args: DeepseekV3Args, layer_id: int,

@@ -3,48 +3,32 @@ shared flags; the MoE family's expert accounting and bias-balancing hook; an MTP
 
 from __future__ import annotations
 
-from dataclasses import fields
-from pathlib import Path
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from loom.config import ConfigError, ModelConfig
-from loom.models.deepseek_v3.args import MLA_FIELDS, SHAPES, DeepseekV3Args, derived
+from loom.models.deepseek_v3.args import MLA_FIELDS, DeepseekV3Args, derived
 from loom.models.deepseek_v3.flags import DeepseekV3Flags
-from loom.models.deepseek_v3.hf import DeepseekV3Adapter, mla_fields
+from loom.models.deepseek_v3.hf import DeepseekV3Adapter
 from loom.models.deepseek_v3.model import DeepseekV3
 from loom.models.deepseek_v3.presets import PRESETS
-from loom.models.hf_folder import CONFIG, read_config
 from loom.models.llama.flags import LlamaFlags
-from loom.models.llama.spec import rope_input
+from loom.models.llama.spec import PARTS, rope_input
 from loom.models.moe.counts import per_token_param_count
 from loom.models.moe.flags import MoEFlags
-from loom.models.moe.spec import BALANCE_LOSS, EXPERT_BIAS, moe_block_cost, router_gates
+from loom.models.moe.spec import BALANCE_LOSS, EXPERT_BIAS, moe_block_cost, router_gates, routing
 from loom.models.qwen3.flags import Qwen3Flags
-from loom.models.spec import ModelParts, ModelSpec, SpecHook
-from loom.models.transformers.model import hf_source
-
-
-def source_fields(m: ModelConfig) -> dict[str, Any]:
-    """The family's own fields where the model's shape comes from: a Hugging Face folder,
-    a preset's `SHAPES` row, or DeepSeek-V3's proportions of --dim and --n-heads."""
-    if m.from_hub_format:
-        source = Path(hf_source(m.model, probe=False))
-        if not source.is_dir():  # a hub id: resolving it fetched its config.json
-            from huggingface_hub import hf_hub_download  # optional: only hub ids reach here
-
-            return mla_fields(read_config(Path(hf_hub_download(str(source), CONFIG))))
-        return mla_fields(read_config(source / CONFIG))
-    if m.model in SHAPES:
-        return SHAPES[m.model]
-    return derived(m.dim, m.n_heads)
+from loom.models.spec import ModelSpec, SpecHook
 
 
 def own_fields(m: ModelConfig) -> dict[str, Any]:
-    """The family's own fields: its source's, overridden by the flags a user set."""
-    return {**source_fields(m), **m.flags_of(DeepseekV3Flags).set_values()}
+    """The family's own fields: DeepSeek-V3's proportions of --dim and --n-heads, overridden
+    by every flag set (by the preset's row, a Hugging Face folder's config.json when the run
+    was resolved, or the user). No file is read: the config holds every fact."""
+    return {**derived(m.dim, m.n_heads), **m.flags_of(DeepseekV3Flags).set_values()}
 
 
 def deepseek_v3_args(m: ModelConfig) -> DeepseekV3Args:
@@ -108,9 +92,10 @@ REFUSALS = (
 
 DEEPSEEK_V3 = ModelSpec(
     name="deepseek-v3", model_cls=DeepseekV3, args_from_config=deepseek_v3_args,
-    build=DeepseekV3, args_cls=DeepseekV3Args, parts=ModelParts(head=("norm", "output", "mtp")),
+    build=DeepseekV3, args_cls=DeepseekV3Args, parts=replace(PARTS, head=(*PARTS.head, "mtp")),
     block_cost=moe_block_cost, block_inputs=rope_input, routers=router_gates,
-    active_params=active_params, hf=(DeepseekV3Adapter(),), lora_targets=LORA_TARGETS,
+    active_params=active_params, routing=routing, hf=(DeepseekV3Adapter(),),
+    lora_targets=LORA_TARGETS,
     hooks=(EXPERT_BIAS, BALANCE_LOSS, SpecHook("deepseek-v3-mtp", mtp_metrics, stages=True)),
     flags=(LlamaFlags, Qwen3Flags, MoEFlags, DeepseekV3Flags), presets=PRESETS,
     layouts=LAYOUTS, refusals=REFUSALS,

@@ -32,6 +32,10 @@ class MoEFlags:
                                      "(aux-loss-free balancing; 0 disables)")
     aux_loss_coeff: float = flag(0.0, "MoE: weight of the sequence-wise balance loss (0 = off)")
 
+    def implied_family(self) -> str | None:
+        """The family these flags pick when --family is unset (`registry.family_name`)."""
+        return "moe" if self.n_experts else None
+
     def check(self, cfg: Any) -> None:
         """Expert counts and the expert-parallel degrees they allow (a dense model takes
         neither --ep nor --etp)."""
@@ -54,5 +58,5 @@ class MoEFlags:
 
 
 def moe_flags(m: Any) -> MoEFlags:
-    """A ModelConfig's MoE flags (read by `loom plan` and the family's choice)."""
+    """A ModelConfig's MoE flags (the families built on MoE read them)."""
     return m.flags_of(MoEFlags)

@@ -9,13 +9,13 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.llama.flags import LlamaFlags
-from loom.models.llama.spec import rope_input
+from loom.models.llama.spec import PARTS, rope_input
 from loom.models.moe.balance import balance_loss_metric, moe_layers, update_expert_bias
 from loom.models.moe.flags import MoEFlags
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
 from loom.models.moe.presets import PRESETS
 from loom.models.qwen3.flags import Qwen3Flags
-from loom.models.spec import ModelSpec, SpecHook
+from loom.models.spec import ModelSpec, Routing, SpecHook
 
 
 def moe_args(m: ModelConfig) -> MoEArgs:
@@ -45,10 +45,17 @@ BALANCE_LOSS = SpecHook("moe-balance-loss", balance_loss_metric, stages=True)
 """Apart from the expert-bias hook, whose counts are per layer (their shapes differ between
 pipeline stages): the balance loss is one number, summed over the stages too."""
 
+def routing(args: MoEArgs) -> Routing | None:
+    """The routed shape (None where --n-experts 0 leaves every block dense)."""
+    if not args.n_experts:
+        return None
+    return Routing(args.n_experts, args.top_k, min(args.n_dense_layers, args.n_layers))
+
+
 MOE = ModelSpec(
     name="moe", model_cls=MoETransformer, args_from_config=moe_args, build=MoETransformer,
-    args_cls=MoEArgs, block_cost=moe_block_cost, block_inputs=rope_input,
+    args_cls=MoEArgs, parts=PARTS, block_cost=moe_block_cost, block_inputs=rope_input,
     routers=router_gates, active_params=active_param_count,
-    hooks=(EXPERT_BIAS, BALANCE_LOSS),
+    routing=routing, hooks=(EXPERT_BIAS, BALANCE_LOSS),
     flags=(LlamaFlags, Qwen3Flags, MoEFlags), presets=PRESETS,
     description="top-k routed experts (sigmoid or softmax), shared experts, expert bias")

@@ -9,7 +9,7 @@ from dataclasses import replace
 from loom.config import ModelConfig
 from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.model import ModelArgs, Transformer
-from loom.models.llama.spec import LORA_TARGETS, dense_args, rope_input
+from loom.models.llama.spec import LORA_TARGETS, PARTS, dense_args, rope_input
 from loom.models.moe.model import MoEArgs
 from loom.models.moe.spec import MOE
 from loom.models.qwen3.flags import Qwen3Flags
@@ -28,7 +28,8 @@ def qwen3_moe_args(m: ModelConfig) -> MoEArgs:
 
 QWEN3 = ModelSpec(
     name="qwen3", model_cls=Transformer, args_from_config=qwen3_args, build=Transformer,
-    args_cls=ModelArgs, block_inputs=rope_input, hf=(Qwen3Adapter(),), lora_targets=LORA_TARGETS,
+    args_cls=ModelArgs, parts=PARTS, block_inputs=rope_input, hf=(Qwen3Adapter(),),
+    lora_targets=LORA_TARGETS,
     flags=(LlamaFlags, Qwen3Flags), presets=QWEN3_PRESETS,
     description="Llama with per-head q/k RMSNorm and an explicit head width")
 

@@ -5,12 +5,20 @@ expert parallelism (their plans name a native family's modules)."""
 from __future__ import annotations
 
 from loom.config import ModelConfig
+from loom.models.llama.model import ModelArgs
+from loom.models.llama.spec import dense_args
 from loom.models.spec import ModelSpec
 from loom.models.transformers.model import HFCausalLM, hf_model_from_config
 
 
 def same_config(m: ModelConfig) -> ModelConfig:
     return m
+
+
+def recorded_args(m: ModelConfig) -> ModelArgs:
+    """What a checkpoint records of a transformers-path model: loom's dense fields, filled
+    from its config (its shape)."""
+    return dense_args(m)
 
 
 TRANSFORMERS = ModelSpec(
