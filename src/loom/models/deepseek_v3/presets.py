@@ -12,14 +12,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                               load_balance_coeff=1e-2, warmup_steps=20,
                               q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                               qk_rope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1),
-    "deepseek-v3-mtp-debug": dict(family="deepseek-v3", dim=64, n_layers=3, n_heads=4,
-                                  n_kv_heads=4, hidden_dim=128, n_experts=8, top_k=2,
-                                  n_shared_experts=1, moe_hidden_dim=32, n_dense_layers=1,
-                                  route_scale=2.5, seq_len=128, batch_size=1,
-                                  load_balance_coeff=1e-2, warmup_steps=20,
-                                  q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                                  qk_rope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1,
-                                  mtp_layers=1),
     "deepseek-v3": dict(family="deepseek-v3", dim=7168, n_layers=61, n_heads=128,
                         n_kv_heads=128, vocab_size=129280, hidden_dim=18432, n_experts=256,
                         top_k=8, n_shared_experts=1, moe_hidden_dim=2048, n_dense_layers=3,
@@ -38,3 +30,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 """Preset name -> every flag it sets, the MLA widths, routing groups, YaRN and MTP settings
 included: one complete row each."""
+
+PRESETS["deepseek-v3-mtp-debug"] = {**PRESETS["deepseek-v3-debug"], "mtp_layers": 1}
+"""The debug model with one multi-token prediction module."""
