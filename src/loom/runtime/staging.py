@@ -13,7 +13,8 @@ The steps, for a target `out`:
 4. When the export checked itself, loom's marker is written into the staging folder.
 5. The swap, with Ctrl-C and SIGTERM held until it ends: `out` is renamed to
    `.out.old-<pid>-<hex>`, the staging folder to `out`, and the old folder is removed.
-   A failed second rename puts the old folder back.
+   A failed second rename puts the old folder back. A rename refused by the filesystem
+   (a mount point: EBUSY; EXDEV) is one line, with `out` as it was.
 
 So a kill at any point leaves `out` holding the previous export or the new one, complete,
 or (between the renames only) missing with the previous one beside it, which step 2 of the
@@ -116,8 +117,9 @@ def lock_target(target: Path, flag: str) -> IO[str]:
 
 def tidy(target: Path, flag: str) -> None:
     """Steps 1-2 alone, before a command checks `target`: what it checks is what an earlier
-    writer meant to leave. Nothing is created when there is nothing to recover."""
-    if not any(leftovers(target).values()):
+    writer meant to leave (a killed one's lock file goes too). Nothing is created when
+    there is nothing to recover."""
+    if not any(leftovers(target).values()) and not lock_path(target).exists():
         return
     lock = lock_target(target, flag)
     try:
@@ -186,7 +188,7 @@ def swap_in(staging: Path, target: Path, overwrite: bool, flag: str) -> None:
         except BaseException:
             os.rename(old, target)
             raise
-    remove_entry(old)
+        remove_entry(old)  # unlinks only: quick even for a large export
 
 
 @contextmanager
