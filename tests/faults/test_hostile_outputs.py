@@ -209,6 +209,20 @@ def test_a_run_entry_that_is_a_link_or_file_is_refused_before_training(
     assert snapshot(tmp_path) == before
 
 
+def test_save_hf_over_a_folder_loom_did_not_export_is_refused_before_training(
+        tmp_path: Path, capsys) -> None:
+    """`--save-hf` replaces `<run>/hf` whole after training: a folder of someone else's
+    there is one line before the first step, not a loss after the last."""
+    (tmp_path / "run" / "hf").mkdir(parents=True)
+    (tmp_path / "run" / "hf" / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    code = run_train([*TINY, "--max-steps", "1", "--checkpoint-interval", "1", "--save-hf",
+                      "--outdir", str(tmp_path / "run")])
+    one_error_line(code, capsys.readouterr().err, "--save-hf folder",
+                   "is not a loom export (no .loom-export; it holds notes.txt)")
+    assert snapshot(tmp_path) == before
+
+
 EVAL_CASES: dict[str, Setup] = {
     "copied-step-folder": lambda tmp, run: ([], "is not inside a run folder"),
     "outdir-the-run": lambda tmp, run: (["--outdir", str(run)], "which this command reads"),
