@@ -269,3 +269,13 @@ def test_a_name_of_255_bytes_is_replaced_and_an_older_export_without_marker_too(
     assert digest(out) == digest(exports["new"])
     assert entries(tmp_path) == [out.name]
     assert not lock_path(out).exists()
+
+
+def test_a_failed_export_leaves_no_folder_it_made(run: Path, tmp_path: Path, capsys) -> None:
+    """The checkpoint is read under the lock, after the folders above the target are made:
+    a refusal then (here `--peft` of a run that trained every weight) removes them."""
+    before = snapshot(tmp_path)
+    code = export([str(run / "checkpoints" / "step-2"), str(tmp_path / "new" / "deeper" /
+                                                             "out"), "--peft"])
+    one_error_line(code, capsys.readouterr().err, "--peft needs a LoRA run's checkpoint")
+    assert snapshot(tmp_path) == before

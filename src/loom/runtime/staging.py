@@ -77,7 +77,7 @@ def leftovers(target: Path) -> dict[str, list[Path]]:
     found: dict[str, list[Path]] = {"partial": [], "old": []}
     try:
         names = sorted(os.listdir(target.parent))
-    except OSError:
+    except (OSError, ValueError):  # no such folder (nothing to recover), a NUL in the path
         return found
     for name in names:
         match = pattern.fullmatch(name)
@@ -119,7 +119,7 @@ def tidy(target: Path, flag: str) -> None:
     """Steps 1-2 alone, before a command checks `target`: what it checks is what an earlier
     writer meant to leave (a killed one's lock file goes too). Nothing is created when
     there is nothing to recover."""
-    if not any(leftovers(target).values()) and not lock_path(target).exists():
+    if not any(leftovers(target).values()) and not os.path.lexists(lock_path(target)):
         return
     lock = lock_target(target, flag)
     try:
@@ -191,17 +191,29 @@ def swap_in(staging: Path, target: Path, overwrite: bool, flag: str) -> None:
         remove_entry(old)  # unlinks only: quick even for a large export
 
 
+def remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a failed writer made above its target, innermost first; one that
+    another process filled meanwhile stays, with those above it."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
 @contextmanager
 def staged(target: Path, overwrite: bool = False, flag: str = "OUTDIR") -> Iterator[Path]:
     """Steps 1-5: a staging folder of this writer's own that replaces `target` when the
-    block succeeds; on any failure (Ctrl-C included) it is removed and `target` is as it
-    was. The lock is held from before the block to after the swap."""
+    block succeeds; on any failure (Ctrl-C included) it is removed, with the folders above
+    `target` this writer made, and `target` is as it was. The lock is held from before the
+    block to after the swap."""
+    made = [p for p in target.parents if not p.exists()]
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"{flag} {target}: cannot create {target.parent} ({e.strerror})") \
             from None
-    lock = lock_target(target, flag)
+    lock, done = lock_target(target, flag), False
     try:
         recover(target, flag)
         ready(target, overwrite, flag)
@@ -211,7 +223,10 @@ def staged(target: Path, overwrite: bool = False, flag: str = "OUTDIR") -> Itera
             yield staging
             write_text_atomic(staging / MARKER, MARKER_TEXT)
             swap_in(staging, target, overwrite, flag)
+            done = True
         finally:
             remove_entry(staging)
     finally:
         release(lock, lock_path(target))
+        if not done:
+            remove_empty(made)
