@@ -340,6 +340,26 @@ def test_tokenize_refuses_a_bad_out_folder_in_one_line(tmp_path: Path, capsys, s
     assert snapshot(tmp_path) == before
 
 
+def test_tokenize_into_a_folder_another_tokenize_writes_is_refused(tmp_path: Path,
+                                                                   capsys) -> None:
+    """Two tokenizations into one OUT would interleave their parts: the second is refused
+    in one line naming the first (here a lock held by this process, as `loom export`'s
+    writer holds it), and nothing is written."""
+    from loom.commands.tokenize import main as tokenize_main
+    from loom.runtime.staging import lock_target
+
+    (tmp_path / "corpus.txt").write_text("a few words to tokenize\n" * 20)
+    lock = lock_target(tmp_path / "out", "loom tokenize OUT")
+    before = snapshot(tmp_path)
+    try:
+        code = tokenize_main([str(tmp_path / "corpus.txt"), str(tmp_path / "out"), "-j", "1"])
+    finally:
+        lock.close()
+    one_error_line(code, capsys.readouterr().err, "loom tokenize OUT",
+                   f"is being written by another loom command (pid {os.getpid()} on ")
+    assert snapshot(tmp_path) == before
+
+
 def test_a_failed_start_leaves_no_outputs_folder(tmp_path: Path, capsys, monkeypatch) -> None:
     """Without --outdir the run folder is outputs/<time>; a start that fails (here a
     --resume with no checkpoint) removes it and the outputs/ it made."""

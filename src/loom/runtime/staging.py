@@ -201,6 +201,26 @@ def remove_empty(folders: list[Path]) -> None:
             break
 
 
+def make_parent(target: Path, flag: str) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {target}: cannot create {target.parent} ({e.strerror})") \
+            from None
+
+
+@contextmanager
+def one_writer(target: Path, flag: str) -> Iterator[None]:
+    """Step 1 alone, for a folder written into rather than replaced (`loom tokenize`'s
+    OUT, which an interrupted run resumes): the lock beside it, held for the block."""
+    make_parent(target, flag)
+    lock = lock_target(target, flag)
+    try:
+        yield
+    finally:
+        release(lock, lock_path(target))
+
+
 @contextmanager
 def staged(target: Path, overwrite: bool = False, flag: str = "OUTDIR") -> Iterator[Path]:
     """Steps 1-5: a staging folder of this writer's own that replaces `target` when the
@@ -208,11 +228,7 @@ def staged(target: Path, overwrite: bool = False, flag: str = "OUTDIR") -> Itera
     `target` this writer made, and `target` is as it was. The lock is held from before the
     block to after the swap."""
     made = [p for p in target.parents if not p.exists()]
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{flag} {target}: cannot create {target.parent} ({e.strerror})") \
-            from None
+    make_parent(target, flag)
     lock, done = lock_target(target, flag), False
     try:
         recover(target, flag)
