@@ -2,7 +2,8 @@
 any step leaves the old export or the new one (`loom.runtime.staging`): a real export is
 killed at each step of its swap and the next command recovers; a second writer is refused
 in one line; a folder loom did not export, a mount point, a rename the filesystem refuses
-and Ctrl-C are one line each with nothing changed."""
+and Ctrl-C are one line each with nothing changed. `--save-hf` and `loom tokenize` follow
+the same rules."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from loom.cli import run_train
+from loom.commands.tokenize import main as tokenize_main
 from loom.runtime.outputs import MARKER
 from loom.runtime.staging import lock_path, lock_target
 from tests.faults.procs import digest, finish, start, wait_for
@@ -278,4 +281,35 @@ def test_a_failed_export_leaves_no_folder_it_made(run: Path, tmp_path: Path, cap
     code = export([str(run / "checkpoints" / "step-2"), str(tmp_path / "new" / "deeper" /
                                                              "out"), "--peft"])
     one_error_line(code, capsys.readouterr().err, "--peft needs a LoRA run's checkpoint")
+    assert snapshot(tmp_path) == before
+
+
+def test_save_hf_over_a_folder_loom_did_not_export_is_refused_before_training(
+        tmp_path: Path, capsys) -> None:
+    """`--save-hf` replaces `<run>/hf` whole after training: a folder of someone else's
+    there is one line before the first step, not a loss after the last."""
+    (tmp_path / "run" / "hf").mkdir(parents=True)
+    (tmp_path / "run" / "hf" / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    code = run_train([*TINY, "--max-steps", "1", "--checkpoint-interval", "1", "--save-hf",
+                      "--outdir", str(tmp_path / "run")])
+    one_error_line(code, capsys.readouterr().err, "--save-hf folder",
+                   "is not a loom export (no .loom-export; it holds notes.txt)")
+    assert snapshot(tmp_path) == before
+
+
+def test_tokenize_into_a_folder_another_tokenize_writes_is_refused(tmp_path: Path,
+                                                                   capsys) -> None:
+    """Two tokenizations into one OUT would interleave their parts: the second is refused
+    in one line naming the first (here a lock held by this process, as `loom export`'s
+    writer holds it), and nothing is written."""
+    (tmp_path / "corpus.txt").write_text("a few words to tokenize\n" * 20)
+    lock = lock_target(tmp_path / "out", "loom tokenize OUT")
+    before = snapshot(tmp_path)
+    try:
+        code = tokenize_main([str(tmp_path / "corpus.txt"), str(tmp_path / "out"), "-j", "1"])
+    finally:
+        lock.close()
+    one_error_line(code, capsys.readouterr().err, "loom tokenize OUT",
+                   f"is being written by another loom command (pid {os.getpid()} on ")
     assert snapshot(tmp_path) == before

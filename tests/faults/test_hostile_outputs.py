@@ -209,20 +209,6 @@ def test_a_run_entry_that_is_a_link_or_file_is_refused_before_training(
     assert snapshot(tmp_path) == before
 
 
-def test_save_hf_over_a_folder_loom_did_not_export_is_refused_before_training(
-        tmp_path: Path, capsys) -> None:
-    """`--save-hf` replaces `<run>/hf` whole after training: a folder of someone else's
-    there is one line before the first step, not a loss after the last."""
-    (tmp_path / "run" / "hf").mkdir(parents=True)
-    (tmp_path / "run" / "hf" / "notes.txt").write_text("mine")
-    before = snapshot(tmp_path)
-    code = run_train([*TINY, "--max-steps", "1", "--checkpoint-interval", "1", "--save-hf",
-                      "--outdir", str(tmp_path / "run")])
-    one_error_line(code, capsys.readouterr().err, "--save-hf folder",
-                   "is not a loom export (no .loom-export; it holds notes.txt)")
-    assert snapshot(tmp_path) == before
-
-
 EVAL_CASES: dict[str, Setup] = {
     "copied-step-folder": lambda tmp, run: ([], "is not inside a run folder"),
     "outdir-the-run": lambda tmp, run: (["--outdir", str(run)], "which this command reads"),
@@ -337,26 +323,6 @@ def test_tokenize_refuses_a_bad_out_folder_in_one_line(tmp_path: Path, capsys, s
     before = snapshot(tmp_path)
     code = tokenize_main([str(tmp_path / "corpus.txt"), str(tmp_path / "out"), "-j", "1"])
     one_error_line(code, capsys.readouterr().err, "loom tokenize OUT", message)
-    assert snapshot(tmp_path) == before
-
-
-def test_tokenize_into_a_folder_another_tokenize_writes_is_refused(tmp_path: Path,
-                                                                   capsys) -> None:
-    """Two tokenizations into one OUT would interleave their parts: the second is refused
-    in one line naming the first (here a lock held by this process, as `loom export`'s
-    writer holds it), and nothing is written."""
-    from loom.commands.tokenize import main as tokenize_main
-    from loom.runtime.staging import lock_target
-
-    (tmp_path / "corpus.txt").write_text("a few words to tokenize\n" * 20)
-    lock = lock_target(tmp_path / "out", "loom tokenize OUT")
-    before = snapshot(tmp_path)
-    try:
-        code = tokenize_main([str(tmp_path / "corpus.txt"), str(tmp_path / "out"), "-j", "1"])
-    finally:
-        lock.close()
-    one_error_line(code, capsys.readouterr().err, "loom tokenize OUT",
-                   f"is being written by another loom command (pid {os.getpid()} on ")
     assert snapshot(tmp_path) == before
 
 
