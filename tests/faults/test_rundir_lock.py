@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -52,6 +54,40 @@ def test_a_held_lock_refuses_a_second_claim_and_dies_with_its_holder(tmp_path: P
         claim(tmp_path / "run", resume=True, overwrite=False)
     lock.close()  # what the kernel does when the holder dies, however it dies
     claim(tmp_path / "run", resume=True, overwrite=False)[0].close()
+
+
+def test_overwrite_of_a_run_with_a_255_byte_name_moves_it_to_a_shortened_name(
+        tmp_path: Path) -> None:
+    """`<name>.old-<time>` is longer than the name: the move keeps it under 255 bytes."""
+    run = tmp_path / ("r" * 255)
+    fake_run(run)
+    before = digest(run)
+    lock, note = claim(run, resume=False, overwrite=True)
+    lock.close()
+    (aside,) = (p for p in tmp_path.iterdir() if p != run)
+    assert ".old-" in aside.name and len(os.fsencode(aside.name)) <= 255, aside.name
+    assert digest(aside) == before and f"moved to {aside}" in note
+
+
+def test_overwrite_that_cannot_move_the_run_aside_moves_nothing(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """A run folder that is a mount point: its entries cannot be renamed into a sibling
+    (EXDEV). The first entries moved go back; one line, no empty `.old-` folder."""
+    run = tmp_path / "run"
+    fake_run(run)
+    before = digest(run)
+    real, calls = Path.rename, []
+
+    def rename(self: Path, target: Path) -> Path:
+        calls.append(self)
+        if len(calls) == 2:  # the first entry moved, the second refused
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        return real(self, target)
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(ConfigError, match=r"--overwrite cannot move the previous run to "
+                       r"run\.old-.*; nothing was moved \(it is a mount point"):
+        claim(run, resume=False, overwrite=True)
+    assert digest(run) == before and os.listdir(tmp_path) == ["run"]
 
 
 def test_resumed_rows_replace_the_steps_they_repeat() -> None:

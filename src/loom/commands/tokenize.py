@@ -31,8 +31,9 @@ from loom.data.shards import MANIFEST, SHARD_FORMAT, shard_name
 from loom.data.text import resolve_source
 from loom.data.tokenizers import TextTokenizer, load_tokenizer, tokenizer_identity
 from loom.data.workers import BLOCK_CHARS, ENCODE_BATCH, Parts, WorkerDied, tokenize_local
-from loom.runtime.outputs import output_folder
+from loom.runtime.outputs import absolute_target, output_folder
 from loom.runtime.rundir import first_link
+from loom.runtime.staging import one_writer
 
 HUB_DOCS_PER_PART = 20_000
 """A streamed hub dataset is cut into parts of this many documents."""
@@ -159,11 +160,18 @@ def check_out(out: Path) -> None:
                           "choose a new or empty folder")
 
 
-def tokenize(src: str, out: Path, *, tokenizer_name: str | None = None, jobs: int = 1,
-             shard_tokens: int = 100_000_000, split: str = "train", column: str = "text",
-             block_chars: int = BLOCK_CHARS) -> dict[str, Any]:
-    """Tokenize `src` into `out` (resuming an interrupted run); returns the manifest."""
+def tokenize(src: str, out: Path, **options: Any) -> dict[str, Any]:
+    """Tokenize `src` into `out` (resuming an interrupted run), one tokenization into it at
+    a time (the lock beside it); returns the manifest. `options`: `write_corpus`'s."""
     check_out(out)
+    with one_writer(absolute_target(out), "loom tokenize OUT"):
+        return write_corpus(src, out, **options)
+
+
+def write_corpus(src: str, out: Path, *, tokenizer_name: str | None = None, jobs: int = 1,
+                 shard_tokens: int = 100_000_000, split: str = "train", column: str = "text",
+                 block_chars: int = BLOCK_CHARS) -> dict[str, Any]:
+    """`tokenize` in a checked, locked `out`."""
     if (out / MANIFEST).is_file():
         raise ConfigError(f"{out} already holds tokenized shards ({MANIFEST}); delete it "
                           "or pick another OUT")

@@ -32,14 +32,21 @@ from loom.data.tokenizers import (
     save_tokenizer,
     tokenizer_name,
 )
+from loom.errors import SIGINT_EXIT
 from loom.hf.export_check import check_peft, verify_export
 from loom.hf.export_files import DTYPES, MAX_SHARD_BYTES, write_weights
 from loom.hf.export_plan import export_plan
 from loom.hf.peft import CONFIG_FILE, WEIGHTS_FILE
 from loom.hf.run_checkpoint import run_config, run_model, run_reader, run_tokenizer
 from loom.runtime.logs import logging_scope
-from loom.runtime.outputs import output_folder, staged
+from loom.runtime.outputs import (
+    absolute_target,
+    check_not_mount,
+    check_replaceable,
+    output_folder,
+)
 from loom.runtime.rundir import is_run_folder
+from loom.runtime.staging import staged, tidy
 from loom.safe_io import write_text_atomic
 
 logger = logging.getLogger("loom")
@@ -61,7 +68,11 @@ def export_folder(checkpoint: Path, outdir: Path, overwrite: bool,
                   flag: str = "export folder") -> Path:
     """The checked folder an export of `checkpoint` replaces, before anything is read:
     never the checkpoint, its run folder or the local model the run trained from (a LoRA
-    run's base), nor a folder inside them but the run's own `hf/`, nor another run."""
+    run's base), nor a folder inside them but the run's own `hf/`, nor another run, nor
+    (with `overwrite`) a folder loom did not export, nor a mount point. An earlier export
+    killed mid-swap is recovered first (`loom.runtime.staging`)."""
+    if str(outdir):
+        tidy(absolute_target(outdir), flag)
     checkpoint = checkpoint.resolve()
     keep, inside = [checkpoint], [checkpoint]
     if checkpoint.parent.name == "checkpoints":
@@ -75,6 +86,8 @@ def export_folder(checkpoint: Path, outdir: Path, overwrite: bool,
     if is_run_folder(target) or (target / "checkpoints").exists():
         raise ConfigError(f"{flag} {outdir} holds a loom run; an export never replaces one: "
                           "choose another folder")
+    check_replaceable(target, flag, str(outdir))
+    check_not_mount(target, flag, str(outdir))
     return target
 
 
@@ -82,12 +95,12 @@ def export_peft(checkpoint: Path, outdir: Path, dtype: str, verify: bool,
                 overwrite: bool = False) -> str:
     """Write a LoRA run's adapters as a PEFT folder (`loom.hf.peft`), checked by peft."""
     outdir = export_folder(checkpoint, outdir, overwrite)
-    held = run_model(checkpoint)
-    if held.lora is None:
-        raise ConfigError(f"--peft needs a LoRA run's checkpoint; {checkpoint} trained every "
-                          "weight (export the model without --peft)")
-    config, tensors, shapes = export_plan(held, dtype, peft=True)
     with staged(outdir, overwrite, "export folder") as staging:
+        held = run_model(checkpoint)
+        if held.lora is None:
+            raise ConfigError(f"--peft needs a LoRA run's checkpoint; {checkpoint} trained "
+                              "every weight (export the model without --peft)")
+        config, tensors, shapes = export_plan(held, dtype, peft=True)
         write_weights(staging, tensors, run_reader(held, shapes), shapes, DTYPES[dtype],
                       sys.maxsize, single=WEIGHTS_FILE)
         write_text_atomic(staging / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
@@ -137,11 +150,12 @@ def export(checkpoint: Path, outdir: Path, dtype: str = "fp32",
     first; replaced whole with `overwrite`); returns what was written, for the one line
     `loom export` prints."""
     outdir = export_folder(checkpoint, outdir, overwrite, flag)
-    held = run_model(checkpoint)
-    config, tensors, shapes = export_plan(held, dtype)
-    tokenizer_id, text_tokenizer = export_tokenizer(checkpoint, tokenizer, trust_remote_code)
-    vocab = config.get("vocab_size", 0)
-    with staged(outdir, overwrite, flag) as staging:
+    with staged(outdir, overwrite, flag) as staging:  # one writer from here to the swap
+        held = run_model(checkpoint)
+        config, tensors, shapes = export_plan(held, dtype)
+        tokenizer_id, text_tokenizer = export_tokenizer(checkpoint, tokenizer,
+                                                        trust_remote_code)
+        vocab = config.get("vocab_size", 0)
         n_files = write_weights(staging, tensors, run_reader(held, shapes), shapes,
                                 DTYPES[dtype], max_shard_bytes)
         write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
@@ -215,5 +229,9 @@ def export_main(opts: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the staging folder is gone; the swap is never cut apart
+        print(f"loom export: interrupted by Ctrl-C; {opts.outdir} holds no partial export",
+              file=sys.stderr)
+        return SIGINT_EXIT
     print(f"exported {opts.checkpoint} -> {opts.outdir} ({written})")
     return 0

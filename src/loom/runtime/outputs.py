@@ -1,25 +1,32 @@
 """The folders a command writes its results into (`loom export`, `--save-hf`, `loom eval`,
-`loom tokenize`): checked before any work, and replaced whole.
+`loom tokenize`): checked before any work.
 
 A folder given on the command line may be a link (a write would land where it points), a
 file, a folder holding an earlier export (whose files would survive beside the new ones:
-an old `model.safetensors` beside new shards is what `from_pretrained` then loads), or the
-very run, checkpoint or base model the command reads. Each is one line before anything is
-loaded. A folder that is replaced (`--overwrite`) is written beside it and swapped in, so
-no file of the old one survives and a failed run leaves the old one as it was.
+an old `model.safetensors` beside new shards is what `from_pretrained` then loads), the
+very run, checkpoint or base model the command reads, or someone's project that
+`--overwrite` would delete. Each is one line before anything is loaded. How a folder is
+replaced whole (one writer, staged beside it, swapped in) is `loom.runtime.staging`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from loom.errors import ConfigError
-from loom.safe_io import describe_kind
+from loom.safe_io import describe_kind, read_json_capped
+
+MARKER = ".loom-export"
+"""Written into every folder `loom export` (and `--save-hf`) writes: only a folder holding
+it, or nothing, is replaced by `--overwrite`."""
+MARKER_TEXT = "written by loom export: loom export --overwrite replaces this folder whole\n"
+NAME_MAX = 255
+"""The longest file name, in bytes, of the filesystems loom writes on."""
 
 
 def absolute_target(path: Path) -> Path:
@@ -80,15 +87,61 @@ def output_folder(path: Path | str, flag: str, *, overwrite: bool = False,
     for folder in inside:
         if within(target, folder.resolve()):
             raise ConfigError(f"{flag} {shown} is inside {folder}; choose a folder outside it")
-    if exists and not (overwrite or nonempty_ok):
-        entries = sorted(os.listdir(target))
-        if entries:
-            raise ConfigError(f"{flag} {shown} is not empty (it holds {entries[0]}"
-                              f"{f' and {len(entries) - 1} more' if len(entries) > 1 else ''}"
-                              "); pass --overwrite to replace it whole, or choose another "
-                              "folder")
+    if exists and not (overwrite or nonempty_ok) and os.listdir(target):
+        raise ConfigError(f"{flag} {shown} is not empty (it holds {holds(target)}); pass "
+                          "--overwrite to replace it whole, or choose another folder")
     check_writable_parent(target, flag, shown)
     return target
+
+
+def short_name(name: str, room: int) -> str:
+    """`name`, or when its UTF-8 is longer than `room` bytes its start and a digest of the
+    whole (`<start>~<8 hex>`): a name derived from a long one (`.<name>.partial-...`,
+    `<name>.old-...`) still fits NAME_MAX, and two long names never share one."""
+    raw = os.fsencode(name)
+    if len(raw) <= room:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:8]
+    head = raw[:max(room - 9, 0)].decode("utf-8", errors="ignore")
+    return f"{head}~{digest}"
+
+
+def holds(target: Path) -> str:
+    """'model.safetensors and 3 more': what a non-empty folder holds, for a refusal."""
+    entries = sorted(os.listdir(target))
+    more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
+    return f"{entries[0]}{more}"
+
+
+def made_by_export(folder: Path) -> bool:
+    """Whether `loom export` wrote `folder`: its marker is a regular file, or (an export of
+    a loom older than the marker) its generation_config.json says transformers_version
+    "loom"."""
+    if (folder / MARKER).is_file() and not (folder / MARKER).is_symlink():
+        return True
+    try:
+        config = read_json_capped(folder / "generation_config.json", 1 << 16)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("transformers_version") == "loom"
+
+
+def check_replaceable(target: Path, flag: str, shown: str) -> None:
+    """`--overwrite` replaces an empty folder or an export, never anything else (a project
+    with `.git/` and `src/`, a model folder from elsewhere): one line naming it."""
+    if not target.is_dir() or not os.listdir(target) or made_by_export(target):
+        return
+    raise ConfigError(f"{flag} {shown} is not a loom export (no {MARKER}; it holds "
+                      f"{holds(target)}): --overwrite replaces only a folder loom exported; "
+                      "choose another folder, or remove it yourself")
+
+
+def check_not_mount(target: Path, flag: str, shown: str) -> None:
+    """A mount point cannot be renamed (EBUSY), nor a folder moved out of it to a sibling
+    (EXDEV): a folder replaced whole is never one."""
+    if target.is_dir() and os.path.ismount(target):
+        raise ConfigError(f"{flag} {shown} is a mount point, which loom cannot replace whole "
+                          "(it writes beside the folder and renames); use a folder inside it")
 
 
 def remove_entry(path: Path) -> None:
@@ -97,35 +150,3 @@ def remove_entry(path: Path) -> None:
         path.unlink()
     elif path.exists():
         shutil.rmtree(path)
-
-
-def swap_in(staging: Path, target: Path, overwrite: bool, flag: str) -> None:
-    """Put the finished `staging` folder at `target`: an existing folder (an empty one, or
-    any with `overwrite`) is moved aside first and removed after, so none of its files
-    survives; what changed since the check (a link, a file, new files) is refused."""
-    old = None
-    if check_kind(target, flag, str(target)):
-        if any(target.iterdir()) and not overwrite:
-            raise ConfigError(f"{flag} {target} was filled while loom wrote; nothing was "
-                              "replaced (pass --overwrite to replace it whole)")
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        remove_entry(old)
-        target.rename(old)
-    staging.rename(target)
-    if old is not None:
-        shutil.rmtree(old)
-
-
-@contextmanager
-def staged(target: Path, overwrite: bool = False, flag: str = "OUTDIR") -> Iterator[Path]:
-    """A staging folder beside `target` that replaces it only when the block succeeds (it
-    is removed when the block fails): no half-written output, and no stale file."""
-    staging = target.with_name(f".{target.name}.partial")
-    remove_entry(staging)  # a killed run's, or a planted link (removed, never followed)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-        swap_in(staging, target, overwrite, flag)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

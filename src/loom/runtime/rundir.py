@@ -16,7 +16,7 @@ among their entries (which a write would follow outside the folder) is refused o
 from __future__ import annotations
 
 import atexit
-import fcntl
+import errno
 import logging
 import os
 from datetime import datetime
@@ -26,7 +26,10 @@ from typing import IO
 import torch.distributed as dist
 
 from loom.config import ConfigError
-from loom.safe_io import open_lock_file, write_text_atomic
+from loom.runtime.locks import sign, take_lock
+from loom.runtime.outputs import NAME_MAX, short_name
+from loom.runtime.staging import signals_held
+from loom.safe_io import write_text_atomic
 
 logger = logging.getLogger("loom")
 
@@ -96,44 +99,49 @@ def check_is_ours(outdir: Path, overwrite: bool, adopt: bool) -> None:
                           "older than the marker)")
 
 
-def take_lock(outdir: Path) -> IO[str]:
+def take_run_lock(outdir: Path) -> IO[str]:
     """The open lock file, held until it is closed or the process ends."""
     try:
         outdir.mkdir(parents=True, exist_ok=True)
-        lock = open_lock_file(outdir / LOCK_NAME)
+        return take_lock(outdir / LOCK_NAME, lambda owner: (
+            f"--outdir {outdir} is in use by a running job ({owner}); wait for it or "
+            "choose another --outdir"))
     except OSError as e:
         raise ConfigError(f"--outdir {outdir}: cannot create the run folder ({e.strerror})") \
             from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        owner = lock.read().strip() or "another process"
-        lock.close()
-        raise ConfigError(f"--outdir {outdir} is in use by a running job ({owner}); "
-                          "wait for it or choose another --outdir") from None
-    except OSError as e:  # e.g. a shared filesystem mounted without flock support
-        logger.warning("cannot lock %s (%s): two runs into it would not be stopped",
-                       outdir / LOCK_NAME, e.strerror)
-    return lock
 
 
-def sign(lock: IO[str]) -> None:
-    """Name the owner in the lock file, for the message a second run prints."""
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-    lock.flush()
+def aside_name(outdir: Path) -> Path:
+    """`<name>.old-<time>` beside the run folder (a long name shortened to fit)."""
+    suffix = f".old-{datetime.now():%Y%m%d-%H%M%S-%f}"
+    return outdir.with_name(short_name(outdir.name, NAME_MAX - len(suffix)) + suffix)
 
 
 def move_aside(outdir: Path) -> Path:
     """Move everything but the lock into a sibling folder named after the time (the marker
-    goes with it: the old folder stays a run folder; `claim` marks the new one)."""
-    aside = outdir.with_name(f"{outdir.name}.old-{datetime.now():%Y%m%d-%H%M%S-%f}")
-    aside.mkdir()
-    for entry in outdir.iterdir():
-        if entry.name != LOCK_NAME:
-            entry.rename(aside / entry.name)
+    goes with it, last: a kill midway leaves a folder still marked, which the next
+    --overwrite moves on; `claim` marks the new one). A move that fails (the run folder is
+    a mount point: EXDEV) is undone: one line, nothing moved."""
+    aside = aside_name(outdir)
+    entries = sorted((e for e in outdir.iterdir() if e.name != LOCK_NAME),
+                     key=lambda e: (e.name == MARKER, e.name))
+    moved: list[Path] = []
+    with signals_held():  # Ctrl-C never leaves the run split between two folders
+        try:
+            aside.mkdir()
+            for entry in entries:
+                entry.rename(aside / entry.name)
+                moved.append(entry)
+        except OSError as e:
+            for entry in moved:
+                (aside / entry.name).rename(entry)
+            if aside.is_dir():
+                aside.rmdir()
+            hint = " (it is a mount point: move its run yourself, or choose another " \
+                "--outdir)" if e.errno == errno.EXDEV else ""
+            raise ConfigError(f"--outdir {outdir}: --overwrite cannot move the previous run "
+                              f"to {aside.name} ({e.strerror}); nothing was moved{hint}") \
+                from None
     return aside
 
 
@@ -144,7 +152,7 @@ def claim(outdir: Path, resume: bool, overwrite: bool, adopt: bool = False
         check_no_links(outdir)
     check_is_ours(outdir, overwrite, adopt)  # first: a stranger's big folder is not walked
     check_no_links(outdir)
-    lock = take_lock(outdir)
+    lock = take_run_lock(outdir)
     note = ""
     if holds_run(outdir) and not resume:
         if not overwrite:
@@ -152,7 +160,12 @@ def claim(outdir: Path, resume: bool, overwrite: bool, adopt: bool = False
             raise ConfigError(f"--outdir {outdir} already holds a run; pass --resume to "
                               "continue it, --overwrite to move it aside, or choose another "
                               "--outdir")
-        note = f"--overwrite: the previous run in {outdir} was moved to {move_aside(outdir)}"
+        try:
+            aside = move_aside(outdir)
+        except ConfigError:
+            lock.close()
+            raise
+        note = f"--overwrite: the previous run in {outdir} was moved to {aside}"
     sign(lock)
     try:
         if not is_run_folder(outdir):

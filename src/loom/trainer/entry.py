@@ -28,7 +28,7 @@ from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import RankInfo, in_current_group, process_group, rank_info
 from loom.runtime.host_memory import retain_freed_memory
 from loom.runtime.logs import log_output
-from loom.runtime.outputs import output_folder
+from loom.runtime.outputs import check_not_mount, check_replaceable, output_folder
 from loom.runtime.preflight import check_outdir
 from loom.runtime.watchdog import collective_timeout_s
 from loom.trainer.resolve import resolve_model, restarted
@@ -51,8 +51,12 @@ def check_run_entries(cfg: JobConfig) -> None:
                "--profile folder": ("profile", cfg.output.profile),
                "--tensorboard folder": (TENSORBOARD_DIR, cfg.output.tensorboard)}
     for flag, (name, used) in entries.items():
-        if used:
-            output_folder(Path(cfg.output.outdir) / name, flag, overwrite=True)
+        if used:  # hf/ is replaced whole: it must be an export; the others are written into
+            target = output_folder(Path(cfg.output.outdir) / name, flag,
+                                   overwrite=flag == SAVE_HF, nonempty_ok=flag != SAVE_HF)
+            if flag == SAVE_HF:
+                check_replaceable(target, flag, str(target))
+                check_not_mount(target, flag, str(target))
 
 
 def save_hf(checkpointer: Checkpointer, step: int, cfg: JobConfig, rank: int) -> None:
