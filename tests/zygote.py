@@ -203,7 +203,10 @@ class Zygote:
     def __init__(self, env: dict[str, str]) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="loom-zygote-"))
         self.path = str(self.folder / "sock")
-        env = {**env, "PYTHONPATH": str(REPO)}  # a child's own path is set when it starts
+        # this checkout's src first: the zygote pre-imports loom, and an installed copy
+        # elsewhere (another worktree's editable install) must not be the one it serves;
+        # a child's own path is set when it starts
+        env = {**env, "PYTHONPATH": os.pathsep.join((str(REPO / "src"), str(REPO)))}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", self.path],
                                      cwd=REPO, env=env, stdin=subprocess.DEVNULL)
         atexit.register(self.stop)
