@@ -49,10 +49,12 @@ reference forward does): losses 4.2e-5 / 1.5e-4 (0.28), gradient norms 1.3e-3 / 
 that differ by a reduction order round to other float8 values. dp 2 x tp 2 is a float8 of
 its own (tp ranks scale their shards, FSDP's float8 all-gather scales over dp shards:
 `SHARDED_FLOAT8_STEP1_RTOL`), as far from the reference as not quantizing: losses 1.6e-4
-(1.10), gradient norms 4.0e-3 (0.65), updates 2.9e-1 (1.06). A shard that loses its
-gradient leaves its part of a tensor where it started, ~0.7 of the update's norm for half
-a tensor: a failure at either bound, where a final-parameter check at 2e-1 of a norm
-passed it (the weights move by 0.003-0.36 of their norm in 5 steps)."""
+(1.10), gradient norms 4.0e-3 (0.65), updates 2.9e-1 (1.06). Planted faults, each failing
+both layouts here: half of layers.1.attention.wkv_b's gradient zeroed before each step (a
+lost shard: its update 0.73 off, losses 5x fp32's); layers.1.ffn_norm left untrained (its
+update 1.05 off). The previous test (routing free, final parameters within 2e-2 of a norm
+at ep 2, 2e-1 at tp 2) passed the second at both layouts (parameters 1.1e-2, 4.5e-2 off)
+and caught the first at tp 2 only by its loss bound (7.0e-4 against 5e-4)."""
 LAYOUTS = {  # name: (world size, dp degree, flags)
     "float8_ep2": (2, 2, [*FLOAT8, "--ep", "2"]),
     "float8_dp2_tp2": (4, 2, [*FLOAT8, "--dp-shard", "2", "--tp", "2"]),
