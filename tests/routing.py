@@ -122,6 +122,17 @@ class RoutingHooks:
             (outdir / FLIPS_FILE.format(rank=rank)).write_text(json.dumps(self.flips))
 
 
+def merged_forwards(picks: dict[int, dict[str, torch.Tensor]], n: int,
+                    ) -> dict[int, dict[str, torch.Tensor]]:
+    """A reference's picks recorded over `n` accumulated forwards per step, as one forward of
+    the whole batch: forward f's rows are forwards n(f-1)+1 .. nf's in order. Micro-batch m
+    of a step holds the samples dp rank m of a layout with dp degree n holds
+    (`GlobalOrderSampler`), so a layout replays them as if the reference had run one forward."""
+    return {f: {name: torch.cat([picks[n * (f - 1) + 1 + i][name] for i in range(n)])
+                for name in picks[n * (f - 1) + 1]}
+            for f in range(1, len(picks) // n + 1)}
+
+
 def load_flips(outdir: Path) -> list[dict]:
     """Every rank's flip records of a replaying run."""
     return [r for path in sorted(outdir.glob(FLIPS_FILE.format(rank="*")))

@@ -1,5 +1,6 @@
-"""The deepseek-v3 family: group-limited routing, the published shapes' parameter counts,
-multi-token prediction's loss and gradients, and the arguments' ranges."""
+"""The deepseek-v3 family: group-limited routing against transformers', the published
+shapes' parameter counts, multi-token prediction's loss and gradients, and the arguments'
+ranges."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from loom.config import parse_args
 from loom.errors import ConfigError
 from loom.lora.converter import checked_targets
 from loom.models.deepseek_v3.args import MLA_FIELDS, DeepseekV3Args
+from loom.models.deepseek_v3.hf import config_fields
 from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter, MTPModule
 from loom.models.deepseek_v3.plan import deepseek_v3_plan
 from loom.models.deepseek_v3.presets import PRESETS
@@ -22,8 +24,9 @@ from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.parallel.pipeline_stages import stage_module
 from loom.plan.command import Plan, parameter_counts, report
-from tests.deepseek_folders import save_deepseek
+from tests.deepseek_folders import SHAPE, save_deepseek
 from tests.harness import run_process
+from tests.routing import tie_margin
 
 TINY = DeepseekV3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64,
                       hidden_dim=48, n_experts=8, top_k=2, moe_hidden_dim=16,
@@ -41,18 +44,61 @@ def built(args: DeepseekV3Args) -> DeepseekV3:
     return model
 
 
-def test_router_picks_only_within_the_best_groups() -> None:
-    args = replace(TINY, n_experts=8, n_group=4, topk_group=2, top_k=3)
+ROUTING_SHAPES = [  # experts, groups, groups kept, experts per token, norm, scale, tokens
+    (8, 4, 2, 3, True, 2.5, (4, 16)), (16, 4, 2, 4, False, 1.0, (64,)),
+    (32, 8, 3, 6, True, 16.0, (2, 3, 40)), (64, 8, 4, 8, False, 2.5, (128,)),
+    (8, 1, 1, 2, True, 1.0, (3, 7))]
+"""DeepSeek-V3 itself routes 256 experts in 8 groups, keeping 4, 8 per token (norm, 2.5);
+V2 160 in 8, keeping 3, 6 per token; groups of 2 experts (the first row) score a group by
+both its experts, so a group score taken as the best expert alone shows there too."""
+
+
+@pytest.mark.parametrize(("experts", "groups", "kept", "top_k", "norm", "scale", "lead"),
+                         ROUTING_SHAPES)
+def test_router_matches_transformers_deepseek_v3_routing(experts: int, groups: int,
+                                                         kept: int, top_k: int, norm: bool,
+                                                         scale: float, lead: tuple) -> None:
+    """The group-limited router against DeepSeek's published routing as transformers
+    implements it (`DeepseekV3TopkRouter`: sigmoid scores, each group scored by the sum of
+    its two best biased scores, top-k within the best groups, weights from the unbiased
+    scores, normalised when `norm_topk_prob`, times `routed_scaling_factor`), built from the
+    same config.json fields loom imports (`loom.models.deepseek_v3.hf`), with the same gate
+    and correction bias. The bias is as large as a trained checkpoint's, so it moves both
+    groups and experts. No choice of group or expert is within 1e-6 of a tie (checked: scores
+    near 1 are rounded to ~1e-7 in fp32, so another summation order could not flip it), so
+    the ids must be the same, and the weights equal to fp32 rounding."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = transformers.DeepseekV3Config(**{
+        **SHAPE, "n_routed_experts": experts, "n_group": groups, "topk_group": kept,
+        "num_experts_per_tok": top_k, "norm_topk_prob": norm, "routed_scaling_factor": scale})
+    fields = config.to_dict()
+    args = DeepseekV3Args(**config_fields(fields))  # the shared fields and the MLA ones
+    gen = torch.Generator().manual_seed(experts * 100 + groups)
+    reference = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(experts, args.dim, generator=gen) * 0.2)
+        reference.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.2)
     router = GroupLimitedRouter(args)
-    torch.nn.init.normal_(router.gate.weight)
-    x = torch.randn(64, args.dim)
-    bias = torch.randn(8) * 0.1
-    weights, idx, scores = router(x, bias)
-    biased = (scores + bias).view(64, 4, 2)
-    best = biased.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices  # (N, 2) groups
-    assert all(set((idx[n] // 2).tolist()) <= set(best[n].tolist()) for n in range(64))
-    chosen = scores.gather(1, idx)
-    assert torch.allclose(weights, chosen / chosen.sum(-1, keepdim=True) * args.route_scale)
+    router.gate.weight.data.copy_(reference.weight.data)
+    x = torch.randn(*lead, args.dim, generator=gen)
+
+    with torch.no_grad():
+        _, want_weights, want_idx = reference(x)
+        weights, idx, scores = router(x.view(-1, args.dim), reference.e_score_correction_bias)
+
+    biased = (scores + reference.e_score_correction_bias).view(-1, groups, experts // groups)
+    by_group = biased.topk(2, dim=-1).values.sum(-1)
+    if kept < groups:
+        assert tie_margin(by_group, kept).min() > 1e-6, "a group choice is a near tie"
+    keep = by_group >= by_group.topk(kept, dim=-1).values[:, -1:]
+    candidates = biased.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+    assert tie_margin(candidates, top_k).min() > 1e-6, "an expert choice is a near tie"
+    mine, theirs = idx.sort(dim=-1), want_idx.sort(dim=-1)
+    assert torch.equal(mine.values, theirs.values)
+    torch.testing.assert_close(weights.gather(1, mine.indices),
+                               want_weights.gather(1, theirs.indices), rtol=1e-6, atol=0)
 
 
 V2_SHAPE = dict(dim=5120, n_layers=60, vocab_size=102400, hidden_dim=12288, n_experts=160,
