@@ -43,9 +43,7 @@ GiB = 2**30
 
 
 def planned(argv: list[str], compile_: bool = False) -> JobConfig:
-    """The run's config; --compile is set after validation, which refuses it with block AC
-    at tp > 1 on torch 2.13 (a training refusal, issue 55 items 1-2: the plan itself can
-    model the run)."""
+    """The run's config, --compile set on it as the published run had it."""
     cfg = parse_args(argv)
     cfg = replace(cfg, parallel=replace(cfg.parallel, compile=compile_))
     return settled(cfg, loss_impl=loss_impl_for(cfg))
@@ -114,8 +112,7 @@ tests/unit/plan/test_device_runs.py)."""
 
 @pytest.mark.slow
 def test_table_4_peak_is_the_recorded_difference_and_fits(tmp_path):
-    """Through the planner's function: `loom plan` refuses --compile with --ac at --tp 8 on
-    torch 2.13 (a training refusal). ~1 min: the float8 blocks traced at 256 fake ranks."""
+    """Through the planner's function. ~1 min: the float8 blocks traced at 256 fake ranks."""
     cfg = planned(TABLE_4, compile_=True)
     with fake_world(256):
         plan = make_plan(cfg, 256, 96 * GiB, "H100", tmp_path)
