@@ -131,3 +131,16 @@ def test_figures_that_cannot_apply_are_refused(flags, says, capsys):
     argv = ["--model", "debug", "--world-size", "2", "--device-memory", "1GiB", *flags]
     assert command.main(argv) == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--model", "debug", "--device-memory", "1GiB"], "required: --world-size"),
+    (["--model", "debug", "--world-size", "0", "--device-memory", "1GiB"],
+     "--world-size must be >= 1"),
+    (["--world-size", "2", "--device-memory", "1GiB", "--device-memory-bandwidth", "nan"],
+     "--device-memory-bandwidth must be"),
+])
+def test_plan_flags_are_checked_against_their_declared_ranges(argv, says, capsys):
+    assert command.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and err.count("\n") == 0, err
