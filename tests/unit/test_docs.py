@@ -40,6 +40,7 @@ from loom.cli import main as loom_main
 from loom.commands import matrix
 from loom.config import build_parser, parse_args
 from loom.config.families import flag_groups
+from loom.config.plan_flags import parse_plan_flags
 from loom.config.reference import render
 from loom.observability import flops
 from loom.parallel.mesh import ParallelDims
@@ -111,7 +112,7 @@ def check_launch(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture)
 
 
 def check_plan(argv: list[str], capsys: pytest.CaptureFixture) -> None:
-    options, train_argv = plan_command.plan_parser().parse_known_args(argv)
+    options, train_argv = parse_plan_flags(argv)
     cfg = parse_args(train_argv)
     if cfg.model.model != "debug":
         plan_command.check_supported(cfg)

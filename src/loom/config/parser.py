@@ -50,7 +50,7 @@ def _presets_epilog() -> str:
             + "; a Hugging Face repo id or local folder also works")
 
 
-def _add_flags(group: Any, flags: list[Field]) -> None:
+def add_flags(group: Any, flags: list[Field]) -> None:
     """One argparse option per declared flag, its kind from the declaration."""
     for f in flags:
         meta = f.metadata
@@ -70,17 +70,22 @@ def _add_flags(group: Any, flags: list[Field]) -> None:
         group.add_argument(*_flag_names(f.name, meta["aliases"]), **kwargs)
 
 
+def strict_parser(prog: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A parser that raises ConfigError on bad input and keeps only the flags given."""
+    return _Parser(prog=prog, argument_default=argparse.SUPPRESS, add_help=False, **kwargs)
+
+
 def build_parser(prog: str = "loom train") -> argparse.ArgumentParser:
     """One argparse parser generated from the dataclass declarations (defaults suppressed,
     so the parsed namespace holds exactly the flags the user gave)."""
     parser = _Parser(prog=prog, usage="%(prog)s [FLAGS]", argument_default=argparse.SUPPRESS,
                      epilog=_presets_epilog())
     for section, title in HELP_GROUPS.items():
-        _add_flags(parser.add_argument_group(title),
+        add_flags(parser.add_argument_group(title),
                    [f for f in fields(SECTIONS[section]) if "help" in f.metadata])
         if section == "model":  # each family's own flags, in a group of their own
             for family in flag_groups():
-                _add_flags(parser.add_argument_group(f"model: {group_title(family)}"),
+                add_flags(parser.add_argument_group(f"model: {group_title(family)}"),
                            list(fields(family)))
     parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                         action="store_const", const="never",

@@ -17,6 +17,7 @@ from typing import Any
 from loom.config.families import flag_groups, group_title
 from loom.config.job import SECTIONS
 from loom.config.parser import HELP_GROUPS
+from loom.config.plan_flags import PlanFlags
 
 HEADER = """# Flag reference
 
@@ -101,6 +102,9 @@ def render() -> str:
     for name, title in HELP_GROUPS.items():
         lines += section(name, title)
         lines += family_sections() if name == "model" else []
+    lines += ["## loom plan", "", "`loom plan` takes every flag above and its own "
+              "(`src/loom/config/plan_flags.py`; docs/planning.md):", "", *TABLE,
+              *rows(list(dataclasses.fields(PlanFlags))), ""]
     lines += ["## Parser shortcuts", "", "| flag | what it does |", "| --- | --- |"]
     lines += [f"| `{name}` | {cell(text)} |" for name, text in PARSER_ONLY]
     return "\n".join(lines) + "\n"

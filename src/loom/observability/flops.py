@@ -39,29 +39,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
 from loom.numerics.precision import default_dtype
+from loom.observability.devices import known_device
 
 logger = logging.getLogger("loom")
 
 PROBE_TOKENS = 32
 """Sequence length of the real fallback probe (batch 1); its count is scaled by tokens."""
-
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    # device-name fragment -> dense TFLOP/s per device as torch sees it; first match wins.
-    # fp32 is plain fp32 (torch's default matmul precision, no TF32).
-    "H100 NVL": {"bf16": 835.0, "fp32": 60.0},
-    "H100 PCIe": {"bf16": 756.0, "fp32": 51.0},
-    "H100": {"bf16": 989.4, "fp32": 66.9},
-    "GH200": {"bf16": 989.4, "fp32": 66.9},  # its H100 GPU; before "H200", a substring
-    "H200": {"bf16": 989.4, "fp32": 66.9},
-    "B200": {"bf16": 2250.0, "fp32": 80.0},
-    "A100": {"bf16": 312.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.1, "fp32": 91.6},
-    "MI355X": {"bf16": 2500.0, "fp32": 157.3},
-    "MI325X": {"bf16": 1307.4, "fp32": 163.4},
-    "MI300X": {"bf16": 1307.4, "fp32": 163.4},
-    "MI250X": {"bf16": 191.5, "fp32": 47.9},  # per GCD (one torch device)
-    "Max 1550": {"bf16": 298.2, "fp32": 22.9},  # Intel PVC, per tile: 448 EUs x 512 x 1.3 GHz
-}
 
 
 @dataclass(frozen=True)
@@ -133,11 +116,10 @@ def dtype_key(dtype: torch.dtype) -> str:
 
 
 def table_peak(device_name: str, dtype: torch.dtype) -> float | None:
-    """Datasheet peak FLOP/s of a known accelerator, else None."""
-    for fragment, peaks in PEAK_TFLOPS.items():
-        if fragment.lower() in device_name.lower():
-            return peaks[dtype_key(dtype)] * 1e12
-    return None
+    """Datasheet peak FLOP/s of a known accelerator (`loom.observability.devices`), else
+    None (the CPU's is measured)."""
+    known = known_device(device_name)
+    return None if known is None else known.peak(dtype)
 
 
 def device_name(device: torch.device) -> str:

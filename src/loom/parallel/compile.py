@@ -23,8 +23,9 @@ breaks:
   and one for the residual. Every other block stays fullgraph.
 - FSDP2 with EP and activation checkpointing: the routed experts (and their all-to-all)
   stay eager and the run says so in one line: the graph break above would fall inside the
-  checkpointed region, which Dynamo takes only whole. (SimpleFSDP with `--ac` under compile
-  fails upstream for every model, MoE or not; validation refuses it.)
+  checkpointed region, which Dynamo takes only whole. (SimpleFSDP with `--ac selective`
+  under compile fails upstream on torch 2.12-2.14 for every model, MoE or not; validation
+  refuses it. `--ac block` and `op` run: each compiled block is checkpointed whole.)
 """
 
 from __future__ import annotations

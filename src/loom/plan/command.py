@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from loom.config import ConfigError, JobConfig, parse_args, validate
+from loom.config.plan_flags import parse_plan_flags
 from loom.config.resolved import settled
 from loom.data.cache import default_cache_dir
 from loom.lora.converter import lora_targets_for
@@ -22,7 +22,9 @@ from loom.losses import loss_impl_for
 from loom.models.registry import for_config, routing_of
 from loom.models.resolve import model_args, plain_model
 from loom.numerics.precision import resolve_precision
+from loom.observability.devices import known_device
 from loom.parallel.mesh import ParallelDims
+from loom.plan.device import PlanDevice, plan_device
 from loom.plan.peaks import predict_memory
 from loom.plan.search import search
 from loom.plan.speed import param_count, predict_step_time
@@ -47,23 +49,6 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise ConfigError(f"--device-memory must be > 0, got {text!r}")
     return int(size)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
-
-
-def plan_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="loom plan", add_help=False)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--device-memory", required=True)
-    parser.add_argument("--device", default="cpu",
-                        help="cpu (measured peak) or a name in "
-                        "loom.observability.flops.PEAK_TFLOPS, e.g. H100")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--search", action="store_true")
-    return parser
 
 
 @dataclass(frozen=True)
@@ -115,6 +100,14 @@ def check_supported(cfg: JobConfig) -> None:
                           "splits rows by data-dependent counts); use --dtype bf16")
 
 
+def check_device(cfg: JobConfig, name: str) -> None:
+    """--float8 on a device loom's table does not hold: its float8 peak is not among the
+    figures a user gives, and the plan does not guess it."""
+    if cfg.parallel.float8 != "off" and known_device(name) is None:
+        raise ConfigError(f"--float8 on --device {name!r}: loom's device table has no float8 "
+                          "peak for it; plan it without --float8")
+
+
 def planned_doc_mask(cfg: JobConfig, device: str) -> bool:
     """--doc-mask as the trace should see it for `cfg` on `device`. On an accelerator,
     a --compile run of a family whose attention takes FlexAttention's block mask builds
@@ -128,7 +121,7 @@ def planned_doc_mask(cfg: JobConfig, device: str) -> bool:
         return not hasattr(plain_model(cfg), "flex_doc_mask")
 
 
-def make_plan(cfg: JobConfig, world_size: int, device_memory: int, device: str,
+def make_plan(cfg: JobConfig, world_size: int, device_memory: int, device: PlanDevice,
               cache: Path) -> Plan:
     """Predict one configuration (validated, effective --loss-impl); needs `fake_world`."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
@@ -173,10 +166,10 @@ def main(argv: Sequence[str]) -> int:
 
 def plan_main(argv: Sequence[str]) -> int:
     try:
-        options, train_argv = plan_parser().parse_known_args(list(argv))
-        if options.world_size < 1:
-            raise ConfigError(f"--world-size must be >= 1, got {options.world_size}")
+        options, train_argv = parse_plan_flags(list(argv))
         device_memory = parse_size(options.device_memory)
+        device = plan_device(options.device, options.device_peak_tflops,
+                             options.device_bandwidth, options.device_memory_bandwidth)
         cfg = resolve_model(parse_args(train_argv))
         cfg = settled(cfg, lora_targets=lora_targets_for(cfg))
         validate(cfg)  # the model a Hugging Face folder filled in, checked as train checks it
@@ -186,6 +179,7 @@ def plan_main(argv: Sequence[str]) -> int:
             gloo_collectives=planned_collectives(p.gloo_collectives, options.device)))
         ParallelDims.from_config(cfg.parallel, options.world_size)
         check_supported(cfg)
+        check_device(cfg, options.device)
         cfg = settled(cfg, loss_impl=loss_impl_for(cfg))
         cfg = settled(cfg, doc_mask=planned_doc_mask(cfg, options.device))
         if routing_of(cfg.model):
@@ -198,11 +192,10 @@ def plan_main(argv: Sequence[str]) -> int:
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
             default_cache_dir()
         if options.search:
-            return search(cfg, options.world_size, device_memory, options.device,
+            return search(cfg, options.world_size, device_memory, device,
                           cache, train_argv, as_json=options.json)
         with fake_world(options.world_size):
-            plan = make_plan(cfg, options.world_size, device_memory, options.device,
-                             cache)
+            plan = make_plan(cfg, options.world_size, device_memory, device, cache)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -23,7 +23,8 @@ the head), from torchao's tensorwise recipe (`torchao/float8/float8_linear.py`):
   torchao's float8 styles cast each all-gathered activation (forward input, backward
   output gradient) before the gather, so the sequence-parallel all-gathers move 1 byte an
   element while the reduce-scatters stay in --dtype.
-A device without float8 tensor cores (CPU: emulated) keeps its bf16 time: no entry below.
+A device without float8 matmul units (CPU: emulated; its record in
+`loom.observability.devices` has no float8 peak) keeps its bf16 time.
 """
 
 from __future__ import annotations
@@ -36,19 +37,8 @@ import torch
 from loom.config import JobConfig, ModelConfig
 from loom.models.resolve import plain_model
 from loom.numerics.float8 import linear_filter
+from loom.plan.device import PlanDevice, figures
 
-FLOAT8_TFLOPS: dict[str, float] = {
-    # device-name fragment -> dense float8 TFLOP/s (datasheet, without sparsity); first match
-    # wins, as in loom.observability.flops.PEAK_TFLOPS
-    "H100 NVL": 1670.5, "H100 PCIe": 1513.0, "H100": 1978.9, "GH200": 1978.9,
-    "H200": 1978.9, "B200": 4500.0, "L40S": 733.0, "MI355X": 5000.0, "MI325X": 2614.9,
-    "MI300X": 2614.9,
-}
-HBM_TBS: dict[str, float] = {
-    # device-name fragment -> memory bandwidth TB/s (datasheet)
-    "H100 NVL": 3.9, "H100 PCIe": 2.0, "H100": 3.35, "GH200": 4.0, "H200": 4.8, "B200": 8.0,
-    "L40S": 0.864, "MI355X": 8.0, "MI325X": 6.0, "MI300X": 5.3,
-}
 BANDWIDTH_EFFICIENCY = 0.7
 """Fraction of the datasheet HBM bandwidth a streaming (cast) kernel reaches (assumed)."""
 CAST_BYTES = {"eager": 33, "compiled": 5}
@@ -77,15 +67,9 @@ def float8_linears(model: ModelConfig) -> Float8Linears:
                          sum(m.out_features for m in swapped))
 
 
-def device_figure(table: dict[str, float], device: str) -> float | None:
-    """The figure of the first key named in `device` ("NVIDIA H200" finds "H200"); None
-    for a device the table does not know."""
-    return next((v for k, v in table.items() if k.lower() in device.lower()), None)
-
-
-def float8_peak(device: str) -> float | None:
-    """FLOP/s of the device's float8 tensor cores, None without them (CPU: emulated)."""
-    peak = device_figure(FLOAT8_TFLOPS, device)
+def float8_peak(device: PlanDevice) -> float | None:
+    """FLOP/s of the device's float8 matmul units, None without them (CPU: emulated)."""
+    peak = figures(device).float8_tflops
     return None if peak is None else peak * 1e12
 
 
@@ -99,10 +83,10 @@ def float8_flops(cfg: JobConfig) -> float:
 
 
 def cast_seconds(cfg: JobConfig, tokens: float, tp: int, extra_forward: float,
-                 device: str) -> float:
+                 device: PlanDevice) -> float:
     """Seconds of float8 casts for `tokens` of one rank (each linear's tp shard);
     `extra_forward`: the forward passes recomputed under --ac (the input cast again)."""
-    bandwidth = device_figure(HBM_TBS, device)
+    bandwidth = figures(device).hbm_tbs
     if cfg.parallel.float8 == "off" or bandwidth is None or float8_peak(device) is None:
         return 0.0
     linears = float8_linears(cfg.model)

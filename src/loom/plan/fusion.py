@@ -30,7 +30,8 @@ from __future__ import annotations
 from loom.config import JobConfig
 from loom.models.registry import for_config
 from loom.models.resolve import model_args
-from loom.plan.float8 import BANDWIDTH_EFFICIENCY, HBM_TBS, device_figure
+from loom.plan.device import PlanDevice, figures
+from loom.plan.float8 import BANDWIDTH_EFFICIENCY
 
 SAVED_BYTES = {"norm": 14, "rope": 44, "swiglu": 4}
 """Bytes fusion saves per element of each chain's input (module doc), bf16 activations."""
@@ -52,13 +53,13 @@ def saved_bytes_per_token(cfg: JobConfig) -> dict[str, float]:
             "swiglu": getattr(args, "ffn_hidden_dim", 0) * SAVED_BYTES["swiglu"]}
 
 
-def unfused_seconds(cfg: JobConfig, tokens: float, tp: int, device: str) -> float:
+def unfused_seconds(cfg: JobConfig, tokens: float, tp: int, device: PlanDevice) -> float:
     """Seconds an eager step spends on the pointwise traffic a compiled one fuses away, for
     `tokens` of one rank through the whole model (after cp; a pipeline rank's: times its
     share, as `loom.plan.float8.cast_seconds`), each tp rank moving 1/tp of it (sequence
     parallel splits the norms' tokens, tp the heads and the hidden dim)."""
     p = cfg.parallel
-    bandwidth = device_figure(HBM_TBS, device)
+    bandwidth = figures(device).hbm_tbs
     if (p.compile or bandwidth is None or p.dtype != "bf16"
             or for_config(cfg.model).active_params is not None):
         return 0.0

@@ -33,9 +33,10 @@ from loom.config import ConfigError, JobConfig, validate
 from loom.config.resolved import settled
 from loom.models.registry import routing_of
 from loom.parallel.mesh import ParallelDims
+from loom.plan.device import PlanDevice
 from loom.plan.memory import GiB, finish, in_gib
 from loom.plan.peaks import traced_phases
-from loom.plan.speed import NODE_SIZE, predict_step_time
+from loom.plan.speed import predict_step_time
 from loom.plan.trace import fake_world
 
 TIME_BUDGET_S = 90.0
@@ -69,9 +70,9 @@ def expert_degrees(cfg: JobConfig, region: int) -> list[int]:
 
 
 def layouts(cfg: JobConfig, world: int) -> list[tuple[int, int, int, int, int]]:
-    """(tp, dp_replicate, pp, cp, dp_shard) with tp up to a node."""
+    """(tp, dp_replicate, pp, cp, dp_shard) with tp up to 8 (an 8-GPU node's NVLink)."""
     out = []
-    tps = [t for t in (1, 2, 4, 8) if t <= min(NODE_SIZE, world) and world % t == 0]
+    tps = [t for t in (1, 2, 4, 8) if t <= world and world % t == 0]
     for tp, replicate, cp in itertools.product(tps, (1, 2), (1, 2, 4, 8)):
         if world % (tp * replicate * cp):
             continue
@@ -139,7 +140,7 @@ def ruled_out(c: JobConfig, oom_from: dict[tuple, int]) -> bool:
     return False
 
 
-def first_oom(phases: list[dict[str, float]], c: JobConfig, device: str,
+def first_oom(phases: list[dict[str, float]], c: JobConfig, device: PlanDevice,
               device_memory: int) -> int | None:
     """The smallest micro-batch at which `c`'s key runs out of memory even compiled at the
     lowest searched budget (None: every searched micro-batch fits that way)."""
@@ -170,7 +171,7 @@ def traced_batch(c: JobConfig) -> int:
     return max(1, c.parallel.pp_microbatches)
 
 
-def scaled_peak(phases: list[dict[str, float]], c: JobConfig, device: str) -> float:
+def scaled_peak(phases: list[dict[str, float]], c: JobConfig, device: PlanDevice) -> float:
     """Peak GiB of `c` from its key's eager phases at `traced_batch`: each phase's
     batch-proportional categories scaled, then the largest phase."""
     scale = c.train.batch_size / traced_batch(c)
@@ -225,7 +226,7 @@ def launch_line(c: JobConfig, world: int, base_argv: list[str]) -> str:
     return f"loom launch -n {world} loom train {shlex.join(flags)}"
 
 
-def search(cfg: JobConfig, world: int, device_memory: int, device: str, cache: Path,
+def search(cfg: JobConfig, world: int, device_memory: int, device: PlanDevice, cache: Path,
            base_argv: list[str], as_json: bool) -> int:
     start, cpu_start = time.monotonic(), time.process_time()
     with fake_world(world):

@@ -27,8 +27,10 @@ from loom.config.resolved import settled
 from loom.models.registry import routing_of
 from loom.models.resolve import plain_model
 from loom.numerics.precision import torch_dtype
-from loom.observability.flops import PEAK_TFLOPS, count_step_flops, measured_peak, table_peak
+from loom.observability.devices import CPU
+from loom.observability.flops import count_step_flops, measured_peak
 from loom.parallel.mesh import ParallelDims
+from loom.plan.device import PlanDevice, figures
 from loom.plan.float8 import (
     cast_seconds,
     float8_flops,
@@ -55,16 +57,6 @@ forward at seq 8192, counted from its shapes)."""
 BUDGET_RECOMPUTE = 0.2
 """Extra forward fraction per unit of budget below 1 under --compile: the partitioner
 recomputes the cheapest (pointwise) ops first (assumed)."""
-
-BANDWIDTH_GBS: dict[str, tuple[float, float]] = {
-    # device-name fragment -> (within a node, across nodes) GB/s per device, one direction
-    "H100": (450.0, 50.0), "H200": (450.0, 50.0), "B200": (900.0, 50.0),
-    "A100": (300.0, 25.0), "MI300X": (448.0, 50.0), "MI325X": (448.0, 50.0),
-    "cpu": (5.0, 1.0),  # gloo over loopback / TCP: assumed
-}
-NODE_SIZE = 8
-"""Devices per node: collectives over groups larger than this cross the network."""
-
 
 @dataclass(frozen=True)
 class StepTime:
@@ -94,22 +86,21 @@ def _flops_per_sample(model: ModelConfig, seq_len: int) -> float:
     return low + (cfg.model.n_layers - low_depth) * (high - low)
 
 
-def device_peak(device: str, dtype: torch.dtype, cache: Path) -> tuple[float, str]:
-    if device == "cpu":
+def device_peak(device: PlanDevice, dtype: torch.dtype, cache: Path) -> tuple[float, str]:
+    """The matmul peak in `dtype` of the device's own record (the CPU's measured)."""
+    record = figures(device)
+    if record is CPU:
         return measured_peak(torch.device("cpu"), dtype, cache), "measured on this CPU"
-    peak = table_peak(device, dtype)
-    if peak is None:
-        raise ValueError(f"unknown --device {device!r}; choose cpu or one of "
-                         f"{', '.join(PEAK_TFLOPS)}")
-    return peak, f"{device} datasheet"
+    peak = record.peak(dtype)
+    if peak is None:  # every record holds bf16 and fp32; a dtype without a figure is refused
+        raise ValueError(f"--device {record.name!r} has no {dtype} peak in loom's table")
+    return peak, f"{record.name}: {record.source}"
 
 
-def bandwidth(device: str, group: int) -> float:
-    """Bytes/s per device for a collective over `group` consecutive ranks."""
-    for fragment, (intra, inter) in BANDWIDTH_GBS.items():
-        if fragment.lower() in device.lower():
-            return (intra if group <= NODE_SIZE else inter) * 1e9
-    return BANDWIDTH_GBS["cpu"][1] * 1e9
+def bandwidth(device: PlanDevice, group: int) -> float:
+    """Bytes/s per device for a collective over `group` consecutive ranks: the device's
+    link within its node, its share of the network across nodes."""
+    return figures(device).bandwidth(group)
 
 
 @cache
@@ -122,7 +113,7 @@ def param_count(model_cfg: ModelConfig) -> tuple[int, int]:
     return total, experts
 
 
-def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
+def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: PlanDevice,
                  share: float = 1.0, stretch: float = 1.0) -> tuple[float, float]:
     """(overlappable FSDP seconds, exposed tp/cp/ep/pp seconds) of one step on one rank
     holding `share` of the parameters and layers (pipeline: its stages'). The per-layer
@@ -155,7 +146,8 @@ def comm_seconds(cfg: JobConfig, dims: ParallelDims, device: str,
     return fsdp_s, exposed * accum  # the exposed terms are one micro-batch's
 
 
-def _layer_collectives(cfg: JobConfig, dims: ParallelDims, device: str, act: int) -> float:
+def _layer_collectives(cfg: JobConfig, dims: ParallelDims, device: PlanDevice,
+                       act: int) -> float:
     """Seconds of the tp, ep and cp collectives every layer of the model waits on, for one
     micro-batch of `act` activation bytes (a pipeline rank runs its share of them)."""
     p, m = cfg.parallel, cfg.model
@@ -181,7 +173,8 @@ def _layer_collectives(cfg: JobConfig, dims: ParallelDims, device: str, act: int
     return exposed
 
 
-def predict_step_time(cfg: JobConfig, world_size: int, device: str, cache: Path) -> StepTime:
+def predict_step_time(cfg: JobConfig, world_size: int, device: PlanDevice,
+                      cache: Path) -> StepTime:
     """Compute: FLOPs / (tp x cp) per rank. Under --pp the busiest rank's share of them,
     stretched by the schedule's bubble: t = t_rank / (1 - (pp - 1) / (v M + pp - 1)),
     i.e. t_rank (M + pp - 1) / M with one stage per rank (v stages per rank, M micro-batches)."""
