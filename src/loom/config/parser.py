@@ -50,7 +50,7 @@ def _presets_epilog() -> str:
             + "; a Hugging Face repo id or local folder also works")
 
 
-def _add_flags(group: Any, flags: list[Field]) -> None:
+def add_flags(group: Any, flags: list[Field]) -> None:
     """One argparse option per declared flag, its kind from the declaration."""
     for f in flags:
         meta = f.metadata
@@ -76,11 +76,11 @@ def build_parser(prog: str = "loom train") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, usage="%(prog)s [FLAGS]", argument_default=argparse.SUPPRESS,
                      epilog=_presets_epilog())
     for section, title in HELP_GROUPS.items():
-        _add_flags(parser.add_argument_group(title),
+        add_flags(parser.add_argument_group(title),
                    [f for f in fields(SECTIONS[section]) if "help" in f.metadata])
         if section == "model":  # each family's own flags, in a group of their own
             for family in flag_groups():
-                _add_flags(parser.add_argument_group(f"model: {group_title(family)}"),
+                add_flags(parser.add_argument_group(f"model: {group_title(family)}"),
                            list(fields(family)))
     parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                         action="store_const", const="never",

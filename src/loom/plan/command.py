@@ -1,5 +1,6 @@
 """`loom plan [train flags] --world-size N --device-memory SIZE [--device D] [--json]
-[--search]`: will this job fit, and how fast will a step be? No accelerator, no peers."""
+[--search]`: will this job fit, and how fast will a step be? No accelerator, no peers.
+`loom plan --failures --world-size N [...]`: what failures cost it (`loom.plan.failures`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.numerics.precision import resolve_precision
 from loom.parallel.mesh import ParallelDims
+from loom.plan.failures import failures_main
 from loom.plan.peaks import predict_memory
 from loom.plan.search import search
 from loom.plan.speed import param_count, predict_step_time
@@ -167,6 +169,8 @@ def report(plan: Plan, cfg: JobConfig, device: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """Exit 0 when the plan was made (fitting or not), 2 on bad input."""
+    if "--failures" in argv:  # a model of the job's failures: no train flags, no trace
+        return failures_main(argv)
     with logging_scope(0, stream=sys.stderr), \
             logger_levels({"loom": logging.WARNING}):  # not each traced build's lines
         return plan_main(argv)  # stdout holds the plan alone
