@@ -57,7 +57,7 @@ class FailureModel:
 
     failure_rate: float = flag(
         LLAMA3_RATE, "failures per device-hour (default: Llama 3's 419 unexpected "
-        "interruptions in 54 days on 16,384 GPUs)", gt=0, le=1)
+        "interruptions in 54 days on 16,384 GPUs)", ge=1e-12, le=1)
     checkpoint_interval_s: float = flag(
         1800.0, "seconds of training between two checkpoint saves", gt=0, le=FOREVER_S)
     save_time_s: float = flag(30.0, "seconds a checkpoint save stops training", gt=0,
@@ -101,12 +101,16 @@ def goodput(interval: float, save: float, restart: float, mtbf: float) -> float:
 
 
 def best_interval(save: float, mtbf: float) -> float | None:
-    """The tau maximising `goodput`: the root u in (0, 1) of ln(1 - u) + u + save/M, which
-    falls from save/M > 0 to minus infinity, by bisection; None for an infinite M. A save
-    far longer than M puts the root closer to 1 than a float can hold: M is returned."""
+    """The tau maximising `goodput`: the root u in (0, 1) of g(u) = ln(1 - u) + u + save/M,
+    which falls from save/M to minus infinity, found by bisection; None for an infinite M.
+    Since ln(1 - u) + u <= -u^2/2, g is <= 0 at Young's u = sqrt(2 save/M) (so Young's
+    interval is an upper bound), and >= u^2 > 0 at half of it: the root is bracketed within
+    a factor of 2, and 200 halvings reach the float's last bit at any scale."""
     if math.isinf(mtbf):
         return None
-    lo, hi, d = 0.0, 1.0, save / mtbf
+    d = save / mtbf
+    hi = min(1.0, math.sqrt(2 * d))
+    lo = hi / 2
     for _ in range(200):
         mid = (lo + hi) / 2
         if mid in (lo, hi):  # converged to the float's last bit
@@ -135,12 +139,17 @@ def mtbf_s(rate_per_s: float) -> float:
     return math.inf if rate_per_s == 0 else 1 / rate_per_s
 
 
+def best_goodput(best: float | None, m: FailureModel, mtbf: float) -> float:
+    """Goodput at the best interval; 1 where no interval is best (saves ever rarer)."""
+    return 1.0 if best is None else goodput(best, m.save_time_s, m.restart_time_s, mtbf)
+
+
 def whole_job_restart(m: FailureModel, devices: int) -> Strategy:
     mtbf = mtbf_s(devices * m.failure_rate / 3600)
     best = best_interval(m.save_time_s, mtbf)
     return Strategy("whole-job restart",
                     goodput(m.checkpoint_interval_s, m.save_time_s, m.restart_time_s, mtbf),
-                    best, goodput(best, m.save_time_s, m.restart_time_s, mtbf))
+                    best, best_goodput(best, m, mtbf))
 
 
 def replica_groups(m: FailureModel, devices: int) -> Strategy:
@@ -153,10 +162,9 @@ def replica_groups(m: FailureModel, devices: int) -> Strategy:
     mtbf = mtbf_s(m.whole_job_share * rate)
     best = best_interval(m.save_time_s, mtbf)
     at = goodput(m.checkpoint_interval_s, m.save_time_s, m.restart_time_s, mtbf) * kept
-    top = kept if best is None else goodput(best, m.save_time_s, m.restart_time_s,
-                                             mtbf) * kept
     return Strategy(f"replica groups ({m.ft_replica_groups} x "
-                    f"{devices // m.ft_replica_groups})", at, best, top)
+                    f"{devices // m.ft_replica_groups})", at, best,
+                    best_goodput(best, m, mtbf) * kept)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -63,7 +63,7 @@ def test_small_rates_agree_with_the_first_order_loss():
 
 
 @pytest.mark.parametrize("save, mtbf", [(30.0, 11_135.0), (10.0, 1000.0), (600.0, 3600.0),
-                                        (1.0, 1e6)])
+                                        (1.0, 1e6), (5000.0, 3600.0)])
 def test_best_interval_is_the_maximum_a_search_finds(save, mtbf):
     best = best_interval(save, mtbf)
     grid = [mtbf * k / 20_000 for k in range(1, 20_000)]
@@ -75,11 +75,21 @@ def test_best_interval_is_the_maximum_a_search_finds(save, mtbf):
     assert top > goodput(best * 0.99, save, 300.0, mtbf)
 
 
+def test_best_interval_keeps_its_precision_far_below_young_scale():
+    """A save a trillion times shorter than M: u ~ 1e-6, still found to the last digits."""
+    save, mtbf = 1e-3, 1e9
+    best = best_interval(save, mtbf)
+    u = best / mtbf
+    assert math.log1p(-u) + u + save / mtbf == pytest.approx(0.0, abs=1e-18)
+    assert best == pytest.approx(young_interval(save, mtbf), rel=1e-5)
+
+
 def test_young_and_daly_approximate_the_optimum_when_saves_are_short():
     save, mtbf = 30.0, 11_135.0
     best = best_interval(save, mtbf)
     assert young_interval(save, mtbf) == pytest.approx(math.sqrt(2 * 30 * 11_135))
     assert young_interval(save, mtbf) == pytest.approx(best, rel=0.03)
+    assert best <= young_interval(save, mtbf)  # ln(1 - u) + u <= -u^2 / 2
     assert daly_interval(save, mtbf) == pytest.approx(best, rel=0.002)
 
 
@@ -122,7 +132,8 @@ def test_the_command_json_holds_the_inputs_and_both_strategies(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--save-time-s", "0"], "--save-time-s must be > 0, got 0.0"),
-    (["--failure-rate", "nan"], "--failure-rate must be in (0, 1], got nan"),
+    (["--failure-rate", "nan"], "--failure-rate must be in [1e-12, 1], got nan"),
+    (["--failure-rate", "1e-320"], "--failure-rate must be >= 1e-12, got 1e-320"),
     (["--whole-job-share", "1.5"], "--whole-job-share must be"),
     (["--ft-replica-groups", "1"], "--ft-replica-groups must be"),
     (["--ft-replica-groups", "3"], "must divide --world-size 16"),
