@@ -35,6 +35,7 @@ USAGE = """usage: loom COMMAND [FLAGS]  |  loom --version
   loom export CKPT OUTDIR     write a checkpoint as a Hugging Face Llama model
   loom plan [FLAGS] --world-size N --device-memory SIZE [--search] [--json]
                               predict per-rank peak memory and step time before launch
+  loom plan --failures --world-size N   goodput under failures, restart vs replica groups
   loom tokenize SRC OUT       tokenize a corpus into memory-mapped shards (--dataset OUT)
   loom eval CKPT --dataset D  validation loss of a checkpoint
   loom generate CKPT --prompt TEXT   sample text from a checkpoint or HF folder

@@ -11,9 +11,9 @@ The cheap form of each command, by subcommand:
   run once, in `test_the_readme_first_command_trains`, as `--max-steps 1 --dataset random`.
 - `loom launch OPTS CMD`: run for real with `--dry-run` (the command it would start), outside
   any Slurm/PBS job, then CMD in its own cheap form.
-- `loom plan ARGS`: run for real when the model is `debug` (seconds); otherwise its flags
-  are parsed and the train flags validated against `--world-size`, as `loom plan` does
-  before tracing.
+- `loom plan ARGS`: run for real when the model is `debug` (seconds) or with `--failures`
+  (arithmetic); otherwise its flags are parsed and the train flags validated against
+  `--world-size`, as `loom plan` does before tracing.
 - `loom export|generate|tokenize ARGS`: parsed by the command's own parser (the parse result
   is intercepted before the command would read a checkpoint or a corpus).
 - `loom eval CKPT ARGS`: ARGS parsed and validated as training flags, as `loom eval` does.
@@ -112,6 +112,12 @@ def check_launch(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture)
 
 
 def check_plan(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    if "--failures" in argv:
+        assert plan_command.main(argv) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        if "--json" in argv:
+            json.loads(out)
+        return
     options, train_argv = parse_plan_flags(argv)
     cfg = parse_args(train_argv)
     if cfg.model.model != "debug":

@@ -1,5 +1,6 @@
 """`loom plan [train flags] --world-size N --device-memory SIZE [--device D] [--json]
-[--search]`: will this job fit, and how fast will a step be? No accelerator, no peers."""
+[--search]`: will this job fit, and how fast will a step be? No accelerator, no peers.
+`loom plan --failures --world-size N [...]`: what failures cost it (`loom.plan.failures`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from loom.numerics.precision import resolve_precision
 from loom.observability.devices import known_device
 from loom.parallel.mesh import ParallelDims
 from loom.plan.device import PlanDevice, plan_device
+from loom.plan.failures import failures_main
 from loom.plan.peaks import predict_memory
 from loom.plan.search import search
 from loom.plan.speed import param_count, predict_step_time
@@ -159,6 +161,8 @@ def report(plan: Plan, cfg: JobConfig, device: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """Exit 0 when the plan was made (fitting or not), 2 on bad input."""
+    if "--failures" in argv:  # a model of the job's failures: no train flags, no trace
+        return failures_main(argv)
     with logging_scope(0, stream=sys.stderr), \
             logger_levels({"loom": logging.WARNING}):  # not each traced build's lines
         return plan_main(argv)  # stdout holds the plan alone
