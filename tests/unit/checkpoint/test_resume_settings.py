@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from loom.checkpoint.optimizer import set_optimizer
 from loom.checkpoint.resume import (
     architecture,
     check_architecture,
@@ -16,7 +17,6 @@ from loom.checkpoint.resume import (
     run_settings,
     saved_settings,
 )
-from loom.checkpoint.optimizer import set_optimizer
 from loom.config import ConfigError, OptimConfig, parse_args
 from loom.config.resolved import settled
 from loom.models.resolve import model_args
