@@ -152,8 +152,8 @@ def _validate_lora(cfg: JobConfig) -> None:
     checked against the model in `loom.trainer.resolve`)."""
     lo, p = cfg.lora, cfg.parallel
     if not lo.lora_rank:
-        if lo.lora_targets is not None or lo.lora_dropout:
-            raise ConfigError("--lora-targets and --lora-dropout need --lora-rank")
+        if lo.lora_targets is not None or lo.lora_dropout or lo.lora_base is not None:
+            raise ConfigError("--lora-targets, --lora-dropout and --lora-base need --lora-rank")
         return
     refusals = {
         "transformers' module (--model-impl native imports it where a family serves it)":
