@@ -11,6 +11,7 @@ changes what the model computes without --resume-change-model, a changed mixture
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,12 @@ def test_a_resume_refuses_in_one_line(muon_step2: Path, tmp_path: Path, flags: l
     assert not (tmp_path / "resumed" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("flag", ["--resume-change-model", "--resume-new-data"])
+def test_a_resume_only_flag_without_resume_is_refused(flag: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{flag} needs --resume$"):
+        parse_args([*TINY, flag])
+
+
 def arch(*flags: str) -> dict[str, Any]:
     cfg = parse_args(list(flags))
     return architecture(cfg, model_args(cfg))
@@ -177,6 +184,26 @@ def test_a_training_weight_of_the_model_changes_and_is_listed() -> None:
     saved = arch("--model", "moe-debug")
     current = arch("--model", "moe-debug", "--load-balance-coeff", "0.5")
     assert check_architecture(saved, current) == ["load_balance_coeff 0.01 -> 0.5"]
+
+
+@pytest.mark.parametrize(("saved", "now", "says"), [
+    ("init:3", "init:5", "trained on the base loom's init from seed 3, this run's base is "
+                         "loom's init from seed 5"),
+    ("init:3", "sha256:ab", "loom's init from seed 3, this run's base is sha256:ab"),
+    ("sha256:ab", "sha256:cd", "trained on the base sha256:ab, this run's base is sha256:cd"),
+    (None, "sha256:cd", None),  # written before bases were recorded: nothing to compare
+    ("sha256:ab", "sha256:ab", None),
+])
+def test_a_lora_base_is_the_checkpoint_s(saved: str | None, now: str, says: str | None
+                                         ) -> None:
+    lora = ["--model", "debug", "--lora-rank", "2"]
+    record = arch(*lora)
+    before = record if saved is None else {**record, "lora_base": saved}
+    if says is None:
+        assert check_architecture(before, {**record, "lora_base": now}) == []
+        return
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        check_architecture(before, {**record, "lora_base": now})
 
 
 @pytest.fixture(scope="module")
