@@ -196,9 +196,13 @@ def test_an_old_flat_record_reads_as_family_and_arguments(flags: list[str], kind
         check_architecture(new["architecture"], architecture(other, model_args(other)))
 
 
-def test_an_argument_that_shapes_nothing_may_change_on_resume() -> None:
-    """As before `{family, **args}`: the shapes decide (RoPE's base changes none)."""
+def test_an_argument_that_shapes_nothing_changes_on_resume_only_when_asked() -> None:
+    """RoPE's base changes no shape but what the model computes: refused on resume unless
+    --resume-change-model, which lists it."""
     cfg = parse_args(["--model", "debug"])
     saved = architecture(cfg, model_args(cfg))
     later = replace(cfg, model=replace(cfg.model, rope_theta=5e5))
-    check_architecture(saved, architecture(later, model_args(later)))
+    with pytest.raises(ConfigError, match="rope_theta .* pass --resume-change-model"):
+        check_architecture(saved, architecture(later, model_args(later)))
+    assert check_architecture(saved, architecture(later, model_args(later)), True) == [
+        "rope_theta 10000.0 -> 500000.0"]

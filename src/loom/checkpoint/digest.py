@@ -53,6 +53,15 @@ def listing(files: list[tuple[str, str]]) -> str:
     return "".join(f"{sha}  {name}\n" for sha, name in files)
 
 
+def files_digest(paths: list[Path]) -> str:
+    """The SHA-256 of the files' listing, as `checkpoint_digest` computes a checkpoint's,
+    for files no manifest lists (the base folder a LoRA run reads): equal to
+    `sha256sum NAMES | sha256sum` run in their folder, the names in byte order."""
+    files = [(file_record(p, secure=True)[SECURE_HASH], p.name)
+             for p in sorted(paths, key=lambda p: p.name.encode())]
+    return hashlib.sha256(listing(files).encode()).hexdigest()
+
+
 def checkpoint_digest(path: Path) -> tuple[str, list[tuple[str, str]]]:
     """The checkpoint's digest (SHA-256 of the listing) and the listing's entries."""
     files = file_digests(path)

@@ -28,8 +28,9 @@ class RecordError(ValueError):
     """One key of the model record out of its family's schema."""
 
 
-LORA_KEYS = ("lora_rank", "lora_alpha", "lora_targets")
-"""The adapters a LoRA run adds (checked by `loom.lora.converter.LoraSettings.recorded`)."""
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_targets", "lora_base")
+"""The adapters a LoRA run adds (checked by `loom.lora.converter.LoraSettings.recorded`) and
+the base they train on (`loom.hf.peft.base_record`)."""
 HF_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
 """What transformers' module records of its shape, as read from its config.json."""
 TRANSFORMERS = "transformers"

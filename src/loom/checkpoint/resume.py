@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from loom.checkpoint.layout import checkpoint_dir, complete_checkpoints, is_step_dir, step_of
 from loom.checkpoint.model_record import HF_SHAPE, LORA_KEYS, TRANSFORMERS, parameter_shapes
+from loom.checkpoint.optimizer import check_kind, same, saved_optimizer
 from loom.checkpoint.schema import (
+    OPTIMIZER_SETTINGS,
     READ_SETTINGS,
     RUN_SETTINGS,
     SchemaError,
@@ -24,6 +26,7 @@ from loom.checkpoint.schema import (
 )
 from loom.checkpoint.trust import UnusableCheckpoint, read_json, read_loop, verify_checkpoint
 from loom.config import ConfigError, JobConfig
+from loom.config.job import flag_fields
 from loom.models.registry import for_config
 
 logger = logging.getLogger("loom")
@@ -155,47 +158,39 @@ def set_aside_later(outdir: Path, resumed: Path, step: int) -> Path | None:
 def run_settings(cfg: JobConfig) -> dict[str, Any]:
     """What a checkpoint records: the run settings it restores, and what the run read."""
     return {name: getattr(getattr(cfg, section), name)
-            for group in (RUN_SETTINGS, READ_SETTINGS)
+            for group in (RUN_SETTINGS, OPTIMIZER_SETTINGS, READ_SETTINGS)
             for section, names in group.items() for name in names}
 
 
-def saved_settings(cfg: JobConfig, saved: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The checkpoint's run settings this run takes back, by flag name: all but those given
-    again; what the run reads must be what the command line says (`check_read_settings`).
-    One info line lists every restored setting and every difference; `loom.trainer.resolve`
-    settles and validates them with the other start-up facts."""
+def _shown(name: str, value: Any) -> str:
+    return "(--lr)" if name == "muon_lr" and value is None else str(value)
+
+
+def saved_settings(cfg: JobConfig, loop: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The checkpoint's run settings this run takes back, by flag name: its loop settings
+    and the optimizer's (`loom.checkpoint.optimizer`), all but those given again; what the
+    run reads must be what the command line says (`check_read_settings`), and the optimizer
+    this run's --optimizer. One info line lists every restored setting and every difference;
+    `loom.trainer.resolve` settles and validates them with the other start-up facts."""
+    saved = loop["settings"]
     changed = check_read_settings(saved, run_settings(cfg), path,
                                   cfg.checkpoint.resume_new_data)
+    check_kind(loop, cfg.optim.optimizer, path)
+    where = flag_fields()
+    restorable = {**{n: saved[n] for names in RUN_SETTINGS.values() for n in names
+                     if n in saved}, **saved_optimizer(loop)}
     kept: dict[str, Any] = {}
-    for section, names in RUN_SETTINGS.items():
-        for name in (n for n in names if n in saved):
-            now = getattr(getattr(cfg, section), name)
-            if name in cfg.explicit:
-                if now != saved[name]:
-                    changed.append(f"--{name.replace('_', '-')} {saved[name]} -> {now}")
-            else:
-                kept[name] = saved[name]
-    restored = ", ".join(f"{n} {v}" for n, v in kept.items()) or "none"
+    for name, value in restorable.items():
+        now = getattr(getattr(cfg, where[name][0]), name)
+        if name not in cfg.explicit:
+            kept[name] = value
+        elif not same(name, now, value):
+            changed.append(f"--{name.replace('_', '-')} {_shown(name, value)} -> "
+                           f"{_shown(name, now)}")
+    restored = ", ".join(f"{n} {_shown(n, v)}" for n, v in kept.items()) or "none"
     logger.info("resume: restored from %s: %s%s", path.name, restored,
                 f"; given again: {', '.join(changed)}" if changed else "")
     return kept
-
-
-def rescale_lr(optimizer: Any, scheduler: Any, saved_lr: float, lr: float) -> None:
-    """--lr given again on resume: the loaded optimizer and scheduler state carry the saved
-    peak lr, and every scheduled lr is proportional to it. The scheduler is changed through
-    its state dict (its public interface), never by writing its attributes."""
-    if saved_lr == 0:
-        raise ConfigError(f"--lr {lr}: the checkpoint was trained at --lr 0, whose schedule "
-                          "cannot be rescaled; start a new run from it instead")
-    scale = lr / saved_lr
-    state = scheduler.state_dict()
-    for key in ("base_lrs", "_last_lr"):
-        state[key] = [value * scale for value in state[key]]
-    scheduler.load_state_dict(state)
-    for group in optimizer.param_groups:
-        group["lr"] *= scale
-        group["initial_lr"] *= scale
 
 
 def architecture(cfg: JobConfig, args: Any) -> dict[str, Any]:
@@ -213,30 +208,69 @@ def architecture(cfg: JobConfig, args: Any) -> dict[str, Any]:
     if lo.lora_rank:  # the adapters' shapes, and the scale an export merges with
         arch.update(lora_rank=lo.lora_rank, lora_alpha=repr(float(lo.lora_alpha)),
                     lora_targets=lo.lora_targets)  # (alpha as text: its exact digits)
+        if lo.lora_base is not None:  # which base they train on (`loom.hf.peft.base_record`)
+            arch["lora_base"] = lo.lora_base
     return arch
 
 
-def check_architecture(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """One line naming the first field where the checkpoint's model and this run's differ
-    in what the parameters are: the family, the adapters and every argument that changes a
-    parameter's shape (both models rebuilt from their records on the meta device); an
-    argument that changes no shape (RoPE's base, the balancing step) may change on resume."""
-    fixed = ("family", *LORA_KEYS, "model")
+TRAINING_ARGS = frozenset({"max_seq_len", "load_balance_coeff", "aux_loss_coeff",
+                           "mtp_loss_weight"})
+"""Model arguments that weigh the training, not what the model computes (the RoPE table's
+length, the expert-bias step, auxiliary losses' weights): a resume may change them."""
+
+
+def check_architecture(saved: dict[str, Any], current: dict[str, Any],
+                       change_model: bool = False) -> list[str]:
+    """One line naming the first field where the checkpoint's model and this run's differ:
+    the family, the adapters and their base, and every argument that changes a parameter's
+    shape (both models rebuilt from their records on the meta device) are refused; an
+    argument that changes what the model computes but no shape (RoPE's base, the router's
+    top-k) only with `change_model` (--resume-change-model). Returns the differences the
+    run takes (`TRAINING_ARGS`, and those --resume-change-model allowed), which it logs."""
+    fixed = ("family", *(k for k in LORA_KEYS if k != "lora_base"), "model")
     if saved.get("family") == TRANSFORMERS:
-        fixed = tuple(dict.fromkeys([*saved, *current]))
+        fixed = tuple(k for k in dict.fromkeys([*saved, *current]) if k != "lora_base")
     for field in fixed:
         if saved.get(field) != current.get(field):
             _differ(field, saved, current)
+    _check_base(saved.get("lora_base"), current.get("lora_base"))
     if saved["family"] == TRANSFORMERS:
-        return
+        return []
     shapes = parameter_shapes(saved)
-    if shapes == parameter_shapes(current):
-        return
-    differ = [f for f in dict.fromkeys([*saved, *current]) if saved.get(f) != current.get(f)]
-    for field in differ:  # the first whose change alone reshapes a parameter
-        if parameter_shapes({**saved, field: current.get(field)}) != shapes:
-            _differ(field, saved, current)
-    _differ(differ[0], saved, current)
+    differ = [f for f in dict.fromkeys([*saved, *current])
+              if f != "lora_base" and saved.get(f) != current.get(f)]
+    if shapes != parameter_shapes(current):
+        for field in differ:  # the first whose change alone reshapes a parameter
+            if parameter_shapes({**saved, field: current.get(field)}) != shapes:
+                _differ(field, saved, current)
+        _differ(differ[0], saved, current)
+    meaning = [f for f in differ if f not in TRAINING_ARGS]
+    if meaning and not change_model:
+        f = meaning[0]
+        raise ConfigError(f"--resume: checkpoint has {f} {saved.get(f)}, this run "
+                          f"{current.get(f)}, which changes what the model computes; give "
+                          "the checkpoint's model flags, or pass --resume-change-model to "
+                          "train on with the change")
+    changes = [f"{f} {saved.get(f)} -> {current.get(f)}" for f in differ]
+    if changes:
+        logger.info("resume: the model's arguments given again: %s", ", ".join(changes))
+    return changes
+
+
+def describe_base(record: str | None) -> str:
+    """A LoRA base record (`loom.hf.peft.base_record`) as a message names it."""
+    if record is None:
+        return "an unrecorded base"
+    return f"loom's init from seed {record[5:]}" if record.startswith("init:") else record
+
+
+def _check_base(saved: str | None, current: str | None) -> None:
+    """The base a LoRA checkpoint's adapters were trained on is the one this run reads (a
+    checkpoint written before bases were recorded names none: nothing to compare)."""
+    if saved is not None and saved != current:
+        raise ConfigError(f"--resume: the checkpoint's adapters were trained on the base "
+                          f"{describe_base(saved)}, this run's base is "
+                          f"{describe_base(current)}; resume on the checkpoint's base")
 
 
 def _differ(field: str, saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -29,6 +29,9 @@ RUN_SETTINGS = {
     "data": ("seq_len", "hf_limit"),
 }
 """Kept from the checkpoint on resume unless the flag is given again."""
+OPTIMIZER_SETTINGS = {"optim": ("muon_lr",)}
+"""Recorded beside the optimizer's groups, which cannot say it: whether Muon's lr is its own
+or follows --lr (`loom.checkpoint.optimizer` reads the rest of Muon's from its group)."""
 READ_SETTINGS = {"data": ("dataset", "tokenizer_name", "hf_split", "hf_text_column"),
                  "model": ("trust_remote_code",)}
 """What the run reads (which file, which tokenizer, whether a folder's code runs): recorded
@@ -38,7 +41,8 @@ SETTING_RANGES: dict[str, tuple[float, float]] = {
     "decay_fraction": (0, 1), "epochs": (1, MAX_INT), "seed": (0, 2**32 - 1),
     "max_steps": (0, MAX_INT), "checkpoint_interval": (0, MAX_INT),
     "keep_checkpoints": (1, MAX_INT), "sigterm_grace_s": (0, 86400.0),
-    "seq_len": (1, 2**24), "hf_limit": (0, MAX_INT), "max_grad_norm": (-math.inf, math.inf)}
+    "seq_len": (1, 2**24), "hf_limit": (0, MAX_INT), "max_grad_norm": (-math.inf, math.inf),
+    "muon_lr": (0, math.inf)}
 """Inclusive bounds of the numeric settings (a float must also be finite)."""
 _LOOP_KEYS = {"step", "tokens_seen", "samples_seen", "scheduler", "param_groups", "settings",
               "architecture", "model_args"}
@@ -118,7 +122,8 @@ def check_setting(name: str, value: Any, where: str) -> None:
 
 def _settings(value: Any) -> None:
     required = {n for names in (*RUN_SETTINGS.values(), READ_SETTINGS["data"]) for n in names}
-    settings = _object(value, "settings", required, set(READ_SETTINGS["model"]))
+    settings = _object(value, "settings", required,
+                       {*READ_SETTINGS["model"], *OPTIMIZER_SETTINGS["optim"]})
     for name, v in settings.items():
         check_setting(name, v, f"settings.{name}")
 

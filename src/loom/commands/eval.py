@@ -50,7 +50,9 @@ def eval_settings(checkpoint: Path, flags: JobConfig) -> dict[str, Any]:
     given = flags.output.outdir if "outdir" in flags.explicit else None
     outdir = eval_folder(checkpoint, given, f"eval-{checkpoint.resolve().name}")
     steps = flags.eval.eval_steps if "eval_steps" in flags.explicit else 0  # 0: the whole set
+    muon = any(g.get("kind") == "muon" for g in loop["param_groups"])  # resumed, never stepped
     return {**shape, "metrics": False, "outdir": str(outdir), "eval_steps": steps,
+            "optimizer": "muon" if muon else "adamw",
             **lora_settings(checkpoint, loop["architecture"])}
 
 

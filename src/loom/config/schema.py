@@ -168,6 +168,10 @@ class LoraConfig:
         None, "LoRA: comma-separated linears within each block, by the family's module "
         "names; a name without a dot keeps the previous one's parent (attention.wq,wk,wv,wo); "
         "default: the family's (Llama: every attention and MLP projection)", type=str)
+    lora_base: str | None = flag(
+        None, "LoRA: the base the adapters train on, as loom records it: sha256:<digest> of "
+        "the --model folder's weight files, or init:<seed> (set by loom; given, the base must "
+        "be that one)", type=str, hidden=True)
 
 
 @dataclass(frozen=True)
@@ -271,9 +275,14 @@ class CheckpointConfig:
     resume: str | None = flag(None, "continue from the latest checkpoint in --outdir (bare "
                               "flag: there must be one; 'auto': if there is one) or from a "
                               "checkpoint folder", type=str, const="latest")
-    resume_new_data: bool = flag(False, "resume with a --dataset, --tokenizer-name, "
-                                 "--hf-split or --hf-text-column other than the checkpoint's "
-                                 "(without it a difference stops the run)")
+    resume_new_data: bool = flag(False, "resume with a --dataset (a mixture's sources or "
+                                 "weights too), --tokenizer-name, --hf-split or "
+                                 "--hf-text-column other than the checkpoint's (without it a "
+                                 "difference stops the run)")
+    resume_change_model: bool = flag(False, "resume with model flags that change what the "
+                                     "model computes but no weight's shape (--rope-theta, "
+                                     "--norm-eps, --top-k, ...; without it a difference stops "
+                                     "the run)")
     sigterm_grace_s: float = flag(25.0, "on SIGTERM, save a final checkpoint only if the last "
                                   "save took at most this long (schedulers kill ~30 s later)",
                                   le=FOREVER_S)

@@ -152,8 +152,8 @@ def _validate_lora(cfg: JobConfig) -> None:
     checked against the model in `loom.trainer.resolve`)."""
     lo, p = cfg.lora, cfg.parallel
     if not lo.lora_rank:
-        if lo.lora_targets is not None or lo.lora_dropout:
-            raise ConfigError("--lora-targets and --lora-dropout need --lora-rank")
+        if lo.lora_targets is not None or lo.lora_dropout or lo.lora_base is not None:
+            raise ConfigError("--lora-targets, --lora-dropout and --lora-base need --lora-rank")
         return
     refusals = {
         "transformers' module (--model-impl native imports it where a family serves it)":
@@ -197,6 +197,9 @@ def validate(cfg: JobConfig) -> None:
     if cfg.checkpoint.save_hf and not cfg.checkpoint.checkpoint_interval:
         raise ConfigError("--save-hf exports the final checkpoint: give --checkpoint-interval")
     _validate_output(cfg.output)
+    asked = [f for f in ("resume_new_data", "resume_change_model") if getattr(cfg.checkpoint, f)]
+    if asked and cfg.checkpoint.resume is None:  # else accepted and never used
+        raise ConfigError(f"--{asked[0].replace('_', '-')} needs --resume")
     _validate_eval(cfg.eval)
     if cfg.eval.eval_tasks and (p.pp > 1 or p.cp > 1):  # each rank runs the model whole
         raise ConfigError("--eval-tasks scores the tasks with the whole model on every rank: "

@@ -20,6 +20,7 @@ continue across epochs, so the sequence never skips a window.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -33,6 +34,8 @@ from loom.config.mixture import parse_mixture
 from loom.errors import ConfigError
 
 __all__ = ["Mixture", "check_mixture_state", "mixture_state", "parse_mixture"]
+
+logger = logging.getLogger("loom")
 
 POLICIES = ("restart", "stop", "drop")
 
@@ -198,10 +201,27 @@ def mixture_summary(dataset: Any, samples_seen: int, seq_len: int) -> dict[str, 
                              for name, w in zip(dataset.names, dataset.weights, strict=True)}}
 
 
-def check_mixture_state(dataset: Any, saved: dict[str, Any], samples_seen: int) -> None:
+def check_mixture_state(dataset: Any, saved: dict[str, Any], samples_seen: int,
+                        new_data: bool = False) -> None:
     """A resumed mixture must be the checkpoint's: same sources, weights and policy, so
-    the same position gives the same window (its sources' positions then agree)."""
+    the same position gives the same window (its sources' positions then agree). With
+    `new_data` (--resume-new-data) another mixture continues from the same position of its
+    own sequence: each source's windows are counted as the new weights would have taken
+    them, so a source may repeat or skip windows it had given; the log says so."""
     mine, theirs = mixture_state(dataset, samples_seen), saved.get("mixture")
-    if (mine.get("mixture") or None) != theirs:
+    if (mine.get("mixture") or None) == theirs:
+        return
+    if not new_data:
         raise ConfigError("resume: the --dataset mixture or --mixture-exhausted differs from "
-                          "the checkpoint's, whose window sequence it cannot continue")
+                          "the checkpoint's, whose window sequence it cannot continue; pass "
+                          "--resume-new-data to continue the new one from the same position")
+    logger.info("--resume-new-data: the data was %s, now %s, continued at window %d of "
+                "its sequence", _shown(theirs), _shown(mine.get("mixture")), samples_seen)
+
+
+def _shown(state: dict[str, Any] | None) -> str:
+    """A mixture's record as the log names it."""
+    if not state:
+        return "one dataset"
+    return f"a mixture ({state['policy']}) of " + ", ".join(
+        f"{s['name']}:{s['weight']}" for s in state["sources"])

@@ -24,7 +24,8 @@ from loom.checkpoint.model_record import rebuilt_args
 from loom.checkpoint.trust import UnusableCheckpoint, read_loop, verify_checkpoint
 from loom.config import ConfigError, ModelConfig
 from loom.data.tokenizers import tokenizer_name
-from loom.hf.peft import base_reader
+from loom.hf.lora_base import check_base
+from loom.hf.peft import Read, base_reader
 from loom.lora.converter import LoraSettings, apply_lora
 from loom.models.registry import family
 from loom.models.spec import ModelSpec
@@ -51,6 +52,8 @@ class RunModel:
     base: str | None = None
     seed: int = 0
     """A LoRA run's source (its --model) and seed: its checkpoint holds no frozen weight."""
+    base_record: str | None = None
+    """The base its adapters were trained on (`loom.hf.lora_base`; None: not recorded)."""
 
     def build(self) -> nn.Module:
         if self.spec.name == "transformers":
@@ -86,7 +89,7 @@ def run_model(checkpoint: Path) -> RunModel:
     lora = LoraSettings.recorded(arch)
     base = run_config(checkpoint).get("model", {}).get("model") if lora else None
     held = RunModel(spec, args, model_cfg, checkpoint, lora, base,
-                    loop["settings"].get("seed", 0))
+                    loop["settings"].get("seed", 0), arch.get("lora_base"))
     check_model_bytes(held, manifest, f"checkpoint {checkpoint} is unsafe: loop.json "
                                       "model_args")
     return held
@@ -133,7 +136,7 @@ def load_run_model(checkpoint: Path) -> tuple[nn.Module, RunModel]:
     frozen = frozen_names(model)
     read_state(checkpoint, {n: t for n, t in state.items() if n not in frozen})
     if frozen:
-        read_base = base_reader(held.spec, held.args, held.base, held.seed)
+        read_base = frozen_base(held)
         for name in frozen:
             state[name].copy_(read_base(name))
     model.load_state_dict(state)
@@ -153,8 +156,15 @@ def run_reader(held: RunModel, shapes: dict[str, Any]) -> Callable[[str], torch.
         return saved
     with torch.device("meta"):
         frozen = frozen_names(held.build())
-    base = base_reader(held.spec, held.args, held.base, held.seed)
+    base = frozen_base(held)
     return lambda name: base(name) if name in frozen else saved(name)
+
+
+def frozen_base(held: RunModel) -> Read:
+    """A LoRA run's frozen base by name, once its source is checked to hold the base the
+    adapters were trained on."""
+    check_base(held.base_record, held.base, held.seed, held.checkpoint)
+    return base_reader(held.spec, held.args, held.base, held.seed)
 
 
 def load_model_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Any]:

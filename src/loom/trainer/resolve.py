@@ -28,6 +28,7 @@ from loom.config import ConfigError, JobConfig, validate
 from loom.config.resolved import applied, settled
 from loom.config.sources import fit_transformers_model
 from loom.data.loaders import build_datasets
+from loom.hf.lora_base import lora_base_facts
 from loom.hf.model_config import hf_model_shape
 from loom.lora.converter import apply_lora, lora_targets_for, settings
 from loom.losses import loss_impl_for
@@ -98,7 +99,7 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     reads checkpoints and HF configs and shares them, each node tokenizes once)."""
     resume = find_resume(flags.checkpoint.resume, outdir)
     cfg = flags if resume is None else settled(
-        flags, **saved_settings(flags, resume.saved["settings"], resume.path))
+        flags, **saved_settings(flags, resume.saved, resume.path))
     seed_everything(cfg.train.seed)
     precision = resolve_precision(cfg.parallel.dtype, device)
     logger.info("precision: %s (%s)", precision.dtype, precision.reason)
@@ -107,7 +108,7 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
         raise ValueError("the mesh was built before the model was resolved; call "
                          "loom.trainer.resolve.resolve_model on the flags first")
     cfg = settled(cfg, **hf_model_shape(cfg, info.local_rank))
-    cfg = settled(cfg, lora_targets=lora_targets_for(cfg))
+    cfg = settled(cfg, lora_targets=lora_targets_for(cfg), **lora_base_facts(cfg))
     validate(cfg)  # the facts added below come from loom itself, not from the user
     check_fits(cfg, dims, device)
     if cfg.parallel.cuda_graphs:  # needs the device and the layout: refused here, not earlier
@@ -119,5 +120,6 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     cfg = applied(cfg, learned)
     cfg = settled(cfg, loss_impl=loss_impl_for(cfg))  # effective --loss-impl, before tp
     if resume is not None:  # before the model is built
-        check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)))
+        check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)),
+                           cfg.checkpoint.resume_change_model)
     return Resolved(cfg, precision, resume, dataset, val_datasets)

@@ -17,7 +17,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from loom.checkpoint.checkpointer import Checkpointer, LoopState
-from loom.checkpoint.resume import ResumePoint, rescale_lr, set_aside_later
+from loom.checkpoint.optimizer import set_optimizer
+from loom.checkpoint.resume import ResumePoint, set_aside_later
 from loom.config import ConfigError, JobConfig
 from loom.data.mixture import check_mixture_state
 from loom.data.streaming import StreamLoader, restore_data_state
@@ -72,12 +73,12 @@ def maybe_resume(resume: ResumePoint | None, cfg: JobConfig, model: nn.Module,
     path, saved = resume.path, resume.saved
     Checkpointer.load(path, model, optimizer, rank, saved)
     scheduler.load_state_dict(saved["scheduler"])
-    if cfg.optim.lr != saved["settings"]["lr"]:
-        rescale_lr(optimizer, scheduler, saved["settings"]["lr"], cfg.optim.lr)
+    set_optimizer(optimizer, scheduler, cfg.optim)  # what config.json records, given again or not
     loop = LoopState(step=saved["step"], tokens_seen=saved["tokens_seen"],
                      samples_seen=saved["samples_seen"])
     restore_data_state(loader, saved)
-    check_mixture_state(loader.dataset, saved, loop.samples_seen)
+    check_mixture_state(loader.dataset, saved, loop.samples_seen,
+                        cfg.checkpoint.resume_new_data)
     if loop.samples_seen % global_batch:
         logger.warning("resuming with global batch %d, which does not divide the %d "
                        "samples consumed: continuing from the last whole step",

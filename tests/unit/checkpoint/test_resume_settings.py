@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from loom.checkpoint.optimizer import set_optimizer
 from loom.checkpoint.resume import (
     architecture,
     check_architecture,
-    rescale_lr,
     resume_after_restart,
     run_settings,
     saved_settings,
 )
-from loom.config import ConfigError, parse_args
+from loom.config import ConfigError, OptimConfig, parse_args
 from loom.config.resolved import settled
 from loom.models.resolve import model_args
 from loom.runtime.distributed import rank_info
@@ -31,7 +31,7 @@ def test_saved_settings_hold_unless_given_again(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="loom"):
         flags = parse_args(["--resume", "--max-steps", "20", "--batch-size", "4",
                             "--dataset", "random"])
-        kept = saved_settings(flags, saved, Path("step-5"))
+        kept = saved_settings(flags, {"settings": saved, "param_groups": [{}]}, Path("step-5"))
     assert "max_steps" not in kept and kept["seed"] == 7  # given again: the flag's stays
     cfg = settled(flags, **kept)
     assert (cfg.checkpoint.checkpoint_interval, cfg.checkpoint.keep_checkpoints) == (5, 3)
@@ -68,7 +68,7 @@ def test_lr_given_again_rescales_the_loaded_schedule() -> None:
     optimizer, scheduler = schedule(2e-3)
     optimizer.load_state_dict(saved_optim.state_dict())
     scheduler.load_state_dict(saved_sched.state_dict())
-    rescale_lr(optimizer, scheduler, 1e-3, 2e-3)
+    set_optimizer(optimizer, scheduler, OptimConfig(lr=2e-3))
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 4 / 10, rel=1e-12)
     optimizer.step()
     scheduler.step()

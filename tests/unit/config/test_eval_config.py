@@ -90,7 +90,8 @@ def checkpoint_folder(root: Path) -> Path:
 
 def test_loom_eval_scores_the_whole_set_unless_eval_steps_limits_it(tmp_path, monkeypatch):
     monkeypatch.setattr("loom.commands.eval.read_loop",
-                        lambda path: {"model_args": {"dim": 64}, "architecture": {}})
+                        lambda path: {"model_args": {"dim": 64}, "architecture": {},
+                                      "param_groups": [{}]})
     step = checkpoint_folder(tmp_path)
     assert eval_config(step, ["--dataset", "x.txt"]).eval.eval_steps == 0  # 0: every window
     assert eval_config(step, ["--dataset", "x.txt", "--eval-steps", "3"]).eval.eval_steps == 3
