@@ -15,6 +15,7 @@ from torch import nn
 
 from loom.config import ConfigError, ModelConfig
 from loom.config.families import register_flags
+from loom.config.uses import register_uses
 from loom.models.moe.flags import moe_flags
 from loom.models.spec import FAMILY_ATTR, HFAdapter, ModelPlan, ModelSpec
 
@@ -31,6 +32,7 @@ def register(spec: ModelSpec, plan: Callable[[nn.Module], ModelPlan] | None = No
         spec = replace(spec, plan=plan)
     for group in spec.flags:
         register_flags(group)
+    register_uses(spec.name, spec.uses, own=spec.model_cls.__module__.startswith("loom."))
     _FAMILIES[spec.name] = spec
     return spec
 

@@ -10,6 +10,7 @@ from loom.config import ModelConfig
 from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.hf import LlamaAdapter
 from loom.models.llama.model import ModelArgs, Transformer
+from loom.models.llama.uses import LLAMA_USES
 from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.spec import ModelSpec
 
@@ -33,5 +34,5 @@ LORA_TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
 LLAMA = ModelSpec(
     name="llama", model_cls=Transformer, args_from_config=dense_args, build=Transformer,
     args_cls=ModelArgs, block_inputs=rope_input, hf=(LlamaAdapter(),), lora_targets=LORA_TARGETS,
-    flags=(LlamaFlags, Qwen3Flags),
+    flags=(LlamaFlags, Qwen3Flags), uses=LLAMA_USES,
     description="GQA attention with RoPE (Llama 3.1 scaling), SwiGLU, RMSNorm")
