@@ -203,4 +203,6 @@ GPT2_SPEC = register(ModelSpec(
     args_cls=GPT2Args, presets=PRESETS, layouts=LAYOUTS, refusals=REFUSALS,
     parts=ModelParts(embedding="embed", blocks="blocks", head=("ln_f", "head"), output="head",
                      attention="attn", attention_core=None, feed_forward=("mlp",)),
-    flags=(GPT2Flags,)), plan=gpt2_plan)
+    flags=(GPT2Flags,), uses=frozenset({"dim", "n_layers", "n_heads", "vocab_size",
+                                        "max_seq_len", "gpt2_activation"})),
+    plan=gpt2_plan)

@@ -12,7 +12,7 @@ import pytest
 from tests.harness import run_ranks
 
 FAMILIES = {"llama": ["--model", "debug"],
-            "qwen3": ["--model", "debug", "--family", "qwen3", "--qk-norm"],
+            "qwen3": ["--model", "debug", "--family", "qwen3"],
             "moe": ["--model", "moe-debug"]}
 COMMON = ["--dataset", "random", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "1",
           "--fp32", "--dp-shard", "2", "--compile", "--compile-backend", "aot_eager",

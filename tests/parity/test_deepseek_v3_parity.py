@@ -205,9 +205,12 @@ def test_slow_mtp_pp2_tp2_matches_single_process(deepseek_runs: Path, tmp_path: 
 def test_imported_folder_trains_at_tp2_ep2_like_one_process(tmp_path: Path) -> None:
     """A transformers-built DeepseekV3ForCausalLM folder (biased routing, YaRN, a query
     bottleneck) trained natively at --tp 2 --ep 2 (the experts over the tp ranks) gives the
-    single process's losses, gradient norms, routing counts and parameters."""
+    single process's losses, gradient norms, routing counts and parameters. Asked for
+    natively by name (`--model-impl native`), which was refused before the folder's shape
+    was read (issue #65)."""
     train_imported(tmp_path, [(1, "single", [], True),
-                              (2, "tp2_ep2", ["--tp", "2", "--ep", "2"], True)])
+                              (2, "tp2_ep2", ["--tp", "2", "--ep", "2", "--model-impl",
+                                              "native"], True)])
     config = json.loads((tmp_path / "tp2_ep2" / "config.json").read_text())
     assert config["model"]["family"] == "deepseek-v3", config["model"]
     assert_same_run(tmp_path / "tp2_ep2", tmp_path / "single")

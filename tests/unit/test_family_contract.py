@@ -176,7 +176,7 @@ def legacy(cfg_flags: list[str], kind: str, **arch: object) -> dict:
 
 @pytest.mark.parametrize(("flags", "kind", "arch", "family"), [
     (["--model", "debug"], "dense", {}, "llama"),
-    (["--model", "debug", "--family", "qwen3", "--qk-norm"], "dense",
+    (["--model", "debug", "--family", "qwen3"], "dense",
      {"family": "qwen3", "qk_norm": 1}, "qwen3"),
     (["--model", "moe-debug"], "moe", {"n_experts": 8}, "moe"),
 ])

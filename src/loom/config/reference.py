@@ -18,6 +18,7 @@ from loom.config.families import flag_groups, group_title
 from loom.config.job import SECTIONS
 from loom.config.parser import HELP_GROUPS
 from loom.config.plan_flags import PlanFlags
+from loom.config.uses import use_table
 
 HEADER = """# Flag reference
 
@@ -96,6 +97,20 @@ def family_sections() -> list[str]:
     return lines
 
 
+USE_NOTE = """## Which family uses which model flag
+
+Each family declares the model flags it uses (`ModelSpec.uses`, in the family's folder); a
+model flag its family does not use is refused in one line (exit 2) before anything is
+written, so no flag is accepted and ignored. `--model`, `--family`, `--model-impl` and
+`--trust-remote-code` pick the model and are every family's; the flags of every other
+table act the same on every family. `transformers` is transformers' own module of a
+Hugging Face folder, whose shape is the folder's. A Hugging Face folder imported natively
+takes the flags of the family that serves it. `tests/unit/models/test_flag_use.py` walks
+this table: each *used* flag changes the built model or its first step, each *refused*
+one exits 2 naming the flag and the family.
+"""
+
+
 def render() -> str:
     """The whole reference, in `loom train --help`'s group order."""
     lines = [HEADER]
@@ -105,6 +120,7 @@ def render() -> str:
     lines += ["## loom plan", "", "`loom plan` takes every flag above and its own "
               "(`src/loom/config/plan_flags.py`; docs/planning.md):", "", *TABLE,
               *rows(list(dataclasses.fields(PlanFlags))), ""]
+    lines += [USE_NOTE, *use_table(), ""]
     lines += ["## Parser shortcuts", "", "| flag | what it does |", "| --- | --- |"]
     lines += [f"| `{name}` | {cell(text)} |" for name, text in PARSER_ONLY]
     return "\n".join(lines) + "\n"

@@ -46,7 +46,9 @@ class ModelConfig:
     family: str | None = flag(None, "model family (default: llama, or moe when --n-experts > "
                               "0; a Hugging Face import sets it)", type=str)
     tie_embeddings: bool = flag(False, "the source ties output and embedding weights (trained "
-                                "as two tensors that start equal; export ties them again)")
+                                "as two tensors that start equal; export ties them again): "
+                                "read from a Hugging Face folder or a preset; a fresh "
+                                "model's two tensors start apart, so the flag is refused")
     family_args: tuple[Any, ...] = field(default=(), metadata={"family_args": True})
     """The families' own flags (`loom.config.families`), one frozen dataclass per group,
     each held only where it differs from its defaults: not a flag itself. Read one with

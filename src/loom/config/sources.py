@@ -10,6 +10,7 @@ from typing import Any
 
 from loom.config.job import SECTIONS, JobConfig, flag_fields, with_settings
 from loom.config.presets import is_hf_model, resolve_preset
+from loom.config.uses import refuse_unused
 from loom.config.validate import knob_warnings, validate
 from loom.errors import ConfigError
 
@@ -110,6 +111,7 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     warnings: list[str] = []
     _resolve_sharding_strategy(explicit, warnings)
     values: dict[str, Any] = {}
+    preset: dict[str, Any] = {}
     model_name = explicit.get("model")
     if model_name is not None and not is_hf_model(model_name):
         try:
@@ -146,5 +148,9 @@ def config_from_flags(explicit: Mapping[str, Any], environ: Mapping[str, str] | 
     cfg = replace(cfg, warnings=tuple(warnings), explicit=tuple(sorted(given)))
     if cfg.model.runs_transformers:
         cfg = fit_transformers_model(cfg)
+    # a file's value counts as set where it differs from the preset's or the default
+    filed = {k for k, v in (from_file or {}).items()
+             if k in sections and v != preset.get(k, sections[k][1].default)}
+    refuse_unused(cfg, given | filed)
     validate(cfg)
     return cfg

@@ -186,9 +186,10 @@ def validate(cfg: JobConfig) -> None:
     """Checks that need no process group: shapes, divisibility by tp, sequence limits."""
     check_numbers(cfg)  # every number's type and range, first: the checks below compare them
     m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
-    shape_unknown = m.runs_transformers or (m.from_hub_format and m.model_impl == "auto")
+    shape_unknown = m.runs_transformers or (m.from_hub_format and m.model_impl_reason is None)
     """Until `loom.trainer.resolve.resolve_model` reads the checkpoint's config, its shape is not
-    known; transformers' module has no loom shape at all."""
+    known (--model-impl native too: the flags' defaults are no folder's shape); transformers'
+    module has no loom shape at all."""
     _validate_strings(cfg)
     if p.dp_shard == 0:
         raise ConfigError("--dp-shard must be >= 1 or -1 (auto), got 0")

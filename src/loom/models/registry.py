@@ -16,6 +16,7 @@ from torch import nn
 from loom.config import ConfigError, ModelConfig
 from loom.config.families import flag_groups, register_flags
 from loom.config.presets import register_presets
+from loom.config.uses import register_uses
 from loom.models.spec import FAMILY_ATTR, HFAdapter, ModelPlan, ModelSpec, Routing
 
 _FAMILIES: dict[str, ModelSpec] = {}
@@ -32,6 +33,7 @@ def register(spec: ModelSpec, plan: Callable[[nn.Module], ModelPlan] | None = No
     for group in spec.flags:
         register_flags(group)
     register_presets(spec.name, spec.presets, spec.aliases)
+    register_uses(spec.name, spec.uses, own=spec.model_cls.__module__.startswith("loom."))
     _FAMILIES[spec.name] = spec
     return spec
 

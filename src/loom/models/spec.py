@@ -253,6 +253,10 @@ class ModelSpec:
     """The family's own flag dataclasses (`loom.config.families`: `flag()` fields, their
     defaults and a `check(cfg)`), registered with the family; its arguments are filled from
     them and the shared model flags."""
+    uses: frozenset[str] | None = None
+    """The model flags (shared and families' own, by field name) that change what this
+    family builds or trains; any other model flag a user gives is refused in one line
+    (`loom.config.uses`). None: undeclared, nothing refused (a family that predates it)."""
 
     def part(self, model: nn.Module, name: str | None) -> nn.Module | None:
         return None if name is None else getattr(model, name, None)

@@ -3,8 +3,9 @@
 Flags, environment, preset and --config file were merged and checked by `loom.config`;
 what only the started job can know is added here, in this order: the run settings of the
 checkpoint being resumed, the seed they fix, the precision this device supports, a Hugging
-Face model's own shape, the tokenizer's vocabulary and the loss the mesh allows. The result
-is validated once; nothing downstream rewrites it.
+Face model's own shape, the tokenizer's vocabulary (and the document mask chat data needs)
+and the loss the mesh allows. The result is checked once, after all of them; nothing
+downstream rewrites it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from loom.checkpoint.resume import (
 from loom.config import ConfigError, JobConfig, validate
 from loom.config.resolved import applied, settled
 from loom.config.sources import fit_transformers_model
+from loom.config.uses import refuse_unused
 from loom.data.loaders import build_datasets
 from loom.hf.lora_base import lora_base_facts
 from loom.hf.model_config import hf_model_shape
@@ -63,6 +65,7 @@ def resolve_model(cfg: JobConfig) -> JobConfig:
     if not choice:
         return cfg
     cfg = settled(cfg, **choice)
+    refuse_unused(cfg, cfg.explicit)  # the folder's family is known now
     return fit_transformers_model(cfg) if cfg.model.runs_transformers else cfg
 
 
@@ -75,8 +78,8 @@ def restarted(cfg: JobConfig, restarts: int) -> JobConfig:
 
 
 def check_fits(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
-    """Fail in one line, before the data or the model is allocated, on a model too large
-    for this device (the vocab is the flag's: a tokenizer may replace it with its own)."""
+    """Fail in one line, before the model is allocated, on a model too large for this
+    device (the vocabulary is the settled one: the tokenizer's where it replaced the flag)."""
     if cfg.model.runs_transformers:
         return
     with torch.device("meta"):
@@ -93,10 +96,32 @@ def check_fits(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None
     check_model_fits(n_params, dims.dp_shard * dims.cp * dims.tp, free, buffers, frozen)
 
 
+def check(cfg: JobConfig, dims: ParallelDims, device: torch.device,
+          resume: ResumePoint | None) -> None:
+    """The one check of the settled config: validation (the same a flag meets at parse
+    time, now with every fact in), then what needs the device or the layout: the model's
+    memory, CUDA graphs, a resumed checkpoint's architecture."""
+    validate(cfg)
+    check_fits(cfg, dims, device)
+    if cfg.parallel.cuda_graphs:  # needs the device and the layout: refused here, not earlier
+        refusal = cuda_graphs_refusal(cfg, dims, device.type)
+        if refusal is not None:
+            raise ConfigError(refusal)
+    if resume is not None:  # before the model is built
+        check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)),
+                           cfg.checkpoint.resume_change_model)
+
+
 def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device,
             outdir: Path) -> Resolved:
     """The final config of a job whose process group and mesh are up (collective: rank 0
-    reads checkpoints and HF configs and shares them, each node tokenizes once)."""
+    reads checkpoints and HF configs and shares them, each node tokenizes once).
+
+    Settle, then check, once: every fact start-up learns (resumed settings, precision, the
+    Hugging Face shape, LoRA's targets, the data's vocabulary and document mask, the
+    effective loss) is in the config before `check` sees it, so no refusal can be bypassed
+    by a fact learned later (chat data turning --doc-mask on, say). What follows the check
+    only derives from what it passed (the compile mode CUDA graphs record with)."""
     resume = find_resume(flags.checkpoint.resume, outdir)
     cfg = flags if resume is None else settled(
         flags, **saved_settings(flags, resume.saved, resume.path))
@@ -109,17 +134,10 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
                          "loom.trainer.resolve.resolve_model on the flags first")
     cfg = settled(cfg, **hf_model_shape(cfg, info.local_rank))
     cfg = settled(cfg, lora_targets=lora_targets_for(cfg), **lora_base_facts(cfg))
-    validate(cfg)  # the facts added below come from loom itself, not from the user
-    check_fits(cfg, dims, device)
-    if cfg.parallel.cuda_graphs:  # needs the device and the layout: refused here, not earlier
-        refusal = cuda_graphs_refusal(cfg, dims, device.type)
-        if refusal is not None:
-            raise ConfigError(refusal)
-        cfg = settled(cfg, compile_mode=graphs_compile_mode(cfg.parallel))
     dataset, val_datasets, learned = build_datasets(cfg, info.local_rank)
     cfg = applied(cfg, learned)
     cfg = settled(cfg, loss_impl=loss_impl_for(cfg))  # effective --loss-impl, before tp
-    if resume is not None:  # before the model is built
-        check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)),
-                           cfg.checkpoint.resume_change_model)
+    check(cfg, dims, device, resume)
+    if cfg.parallel.cuda_graphs:
+        cfg = settled(cfg, compile_mode=graphs_compile_mode(cfg.parallel))
     return Resolved(cfg, precision, resume, dataset, val_datasets)

@@ -28,7 +28,7 @@ from tests.families.gpt2 import GPT2, GPT2Args
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
                  max_seq_len=16)
 FAMILIES = {"llama": ["--model", "debug"],
-            "qwen3": ["--model", "debug", "--family", "qwen3", "--qk-norm"],
+            "qwen3": ["--model", "debug", "--family", "qwen3"],
             "moe": ["--model", "moe-debug"]}
 
 

@@ -67,8 +67,8 @@ class DeepseekV3Flags:
         """Multi-token prediction scores each whole sequence on the plain head's full
         logits: a loss that takes hidden states (fused-linear) or vocabulary-sharded
         logits (loss-parallel at tp > 1) or a per-document mask has no MTP form yet, so
-        the pair is refused here (the model asserts it never sees one). Another family
-        ignores these flags."""
+        the pair is refused here (the model refuses one that skipped this check). Another
+        family refuses these flags (`ModelSpec.uses`)."""
         if cfg.model.family != "deepseek-v3":  # a Hub folder's: known once it is read
             return
         mtp = self.mtp_layers or 0  # a preset's row sets it like a user would

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from loom.errors import ConfigError
 from loom.models.deepseek_v3.args import DeepseekV3Args
 from loom.models.deepseek_v3.attention import LatentAttention, yarn_rope_table
 from loom.models.llama.model import FeedForward, RMSNorm
@@ -28,6 +29,9 @@ class GroupLimitedRouter(TokenChoiceRouter):
 
     def __init__(self, args: DeepseekV3Args):
         super().__init__(args)
+        if args.score_func != "sigmoid":  # the flag is refused; a config built in Python too
+            raise ConfigError(f"deepseek-v3's group-limited router scores by sigmoid, not "
+                              f"{args.score_func}")
         self.n_group, self.topk_group = args.n_group, args.topk_group
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor,
@@ -137,11 +141,14 @@ class DeepseekV3(MoETransformer):
         if not self.args.mtp_layers or (whole and not training):
             return super().forward(tokens, return_hidden, positions, documents, mask,
                                    head_apply)
-        # refused before a model is built: DeepseekV3Flags.check and the parallel plan
-        assert (documents is None and head_apply is None and (positions is None or (
+        # refused before a model is built (DeepseekV3Flags.check, the parallel plan); a
+        # caller that skips those checks gets the one line, not a silently dropped mask
+        if not (documents is None and head_apply is None and (positions is None or (
                 token_ids is not None and positions.dim() == 1))
-                and not (return_hidden or self.hidden_output)), \
-            "MTP needs whole sequences, plain logits"
+                and not (return_hidden or self.hidden_output)):
+            raise ConfigError("deepseek-v3 multi-token prediction needs whole sequences and "
+                              "plain logits (no --doc-mask, fused-linear or loss-parallel "
+                              "loss); set --mtp-layers 0")
         return self.forward_with_mtp(tokens, tokens if token_ids is None else token_ids,
                                      positions)
 

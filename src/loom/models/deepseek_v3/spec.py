@@ -17,9 +17,17 @@ from loom.models.deepseek_v3.model import DeepseekV3
 from loom.models.deepseek_v3.presets import PRESETS
 from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.spec import PARTS, rope_input
+from loom.models.llama.uses import LLAMA_USES, SHAPE, SWIGLU
 from loom.models.moe.counts import per_token_param_count
 from loom.models.moe.flags import MoEFlags
-from loom.models.moe.spec import BALANCE_LOSS, EXPERT_BIAS, moe_block_cost, router_gates, routing
+from loom.models.moe.spec import (
+    BALANCE_LOSS,
+    EXPERT_BIAS,
+    MOE_USES,
+    moe_block_cost,
+    router_gates,
+    routing,
+)
 from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.spec import ModelSpec, SpecHook
 
@@ -65,6 +73,13 @@ def mtp_metrics(model: nn.Module, summed: Any, ranks: int,
     return {"mtp/loss": summed(held) / ranks}
 
 
+DEEPSEEK_V3_USES = (SHAPE | SWIGLU | {"norm_eps", "rope_theta"}
+                    | {f.name for f in fields(DeepseekV3Flags)}
+                    | (MOE_USES - LLAMA_USES - {"score_func"}))
+"""Latent attention has its own widths (no --n-kv-heads, --head-dim or --qk-norm) and YaRN
+in place of Llama 3.1's RoPE scaling; the group-limited router scores by sigmoid only, as
+DeepSeek-V3 does (no --score-func). The dense blocks' SwiGLU is Llama's."""
+
 LORA_TARGETS = ("attention.wq", "attention.wq_b", "attention.wkv_b", "attention.wo",
                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 """The per-head projections (the low-rank down-projections stay whole) and the dense
@@ -98,6 +113,6 @@ DEEPSEEK_V3 = ModelSpec(
     lora_targets=LORA_TARGETS,
     hooks=(EXPERT_BIAS, BALANCE_LOSS, SpecHook("deepseek-v3-mtp", mtp_metrics, stages=True)),
     flags=(LlamaFlags, Qwen3Flags, MoEFlags, DeepseekV3Flags), presets=PRESETS,
-    layouts=LAYOUTS, refusals=REFUSALS,
+    layouts=LAYOUTS, refusals=REFUSALS, uses=DEEPSEEK_V3_USES,
     description="multi-head latent attention, group-limited sigmoid routing with shared "
                 "experts and expert bias, YaRN, multi-token prediction")

@@ -11,6 +11,7 @@ from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.hf import LlamaAdapter
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.models.llama.presets import ALIASES, PRESETS
+from loom.models.llama.uses import LLAMA_USES
 from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.spec import ModelParts, ModelSpec
 
@@ -41,5 +42,5 @@ LLAMA = ModelSpec(
     name="llama", model_cls=Transformer, args_from_config=dense_args, build=Transformer,
     args_cls=ModelArgs, parts=PARTS, block_inputs=rope_input, hf=(LlamaAdapter(),),
     lora_targets=LORA_TARGETS,
-    flags=(LlamaFlags, Qwen3Flags), presets=PRESETS, aliases=ALIASES,
+    flags=(LlamaFlags, Qwen3Flags), presets=PRESETS, aliases=ALIASES, uses=LLAMA_USES,
     description="GQA attention with RoPE (Llama 3.1 scaling), SwiGLU, RMSNorm")

@@ -10,6 +10,7 @@ from torch import nn
 from loom.config import ModelConfig
 from loom.models.llama.flags import LlamaFlags
 from loom.models.llama.spec import PARTS, rope_input
+from loom.models.llama.uses import LLAMA_USES
 from loom.models.moe.balance import balance_loss_metric, moe_layers, update_expert_bias
 from loom.models.moe.flags import MoEFlags
 from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
@@ -40,6 +41,11 @@ def router_gates(model: nn.Module) -> list[nn.Module]:
     return [layer.router.gate for layer in moe_layers(model)]
 
 
+MOE_USES = LLAMA_USES | {"n_experts", "top_k", "n_shared_experts", "moe_hidden_dim",
+                         "n_dense_layers", "score_func", "route_norm", "route_scale",
+                         "load_balance_coeff", "aux_loss_coeff"}
+"""Llama's blocks' flags and the routed feed-forward's."""
+
 EXPERT_BIAS = SpecHook("moe-expert-bias", update_expert_bias)
 BALANCE_LOSS = SpecHook("moe-balance-loss", balance_loss_metric, stages=True)
 """Apart from the expert-bias hook, whose counts are per layer (their shapes differ between
@@ -57,5 +63,5 @@ MOE = ModelSpec(
     args_cls=MoEArgs, parts=PARTS, block_cost=moe_block_cost, block_inputs=rope_input,
     routers=router_gates, active_params=active_param_count,
     routing=routing, hooks=(EXPERT_BIAS, BALANCE_LOSS),
-    flags=(LlamaFlags, Qwen3Flags, MoEFlags), presets=PRESETS,
+    flags=(LlamaFlags, Qwen3Flags, MoEFlags), presets=PRESETS, uses=MOE_USES,
     description="top-k routed experts (sigmoid or softmax), shared experts, expert bias")

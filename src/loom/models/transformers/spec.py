@@ -23,7 +23,7 @@ def recorded_args(m: ModelConfig) -> ModelArgs:
 
 TRANSFORMERS = ModelSpec(
     name="transformers", model_cls=HFCausalLM, args_from_config=same_config,
-    build=hf_model_from_config, parts=None,
+    build=hf_model_from_config, parts=None, uses=frozenset(),
     description="transformers' module of the checkpoint's architecture")
 
 LIMITS = ("tensor, pipeline, context and expert parallel, SimpleFSDP, the fused-linear loss "
