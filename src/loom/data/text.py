@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -282,7 +282,34 @@ def window_count(n_tokens: int, width: int, stride: int) -> int:
     return max(1, -(-(n_tokens - (width - stride)) // stride)) if n_tokens else 0
 
 
-class PackedTokens(Dataset):
+class TokenWindows(Dataset):
+    """Windows of seq_len + 1 tokens every `stride` tokens over `n_tokens` tokens: apart
+    (stride seq_len + 1) for training, overlapping by one (`for_evaluation()`) so no token
+    goes unscored. A subclass fills window `index` from `span(index)`."""
+
+    seq_len: int
+    n_tokens: int
+    stride: int
+
+    def for_evaluation(self: Windows) -> Windows:
+        view = copy.copy(self)
+        view.stride = self.seq_len
+        return view
+
+    def __len__(self) -> int:
+        return window_count(self.n_tokens, self.seq_len + 1, self.stride)
+
+    def span(self, index: int) -> tuple[int, int]:
+        """[first, last) of window `index`, counted from the first token; the last window's
+        may be short (the caller pads it)."""
+        first = index * self.stride
+        return first, min(first + self.seq_len + 1, self.n_tokens)
+
+
+Windows = TypeVar("Windows", bound=TokenWindows)
+
+
+class PackedTokens(TokenWindows):
     """Consecutive windows of seq_len + 1 tokens over tokens [start, end) of a stream (the
     cache's memory-mapped array or the shards): input = w[:-1], labels = w[1:], both exactly
     seq_len long. The tail shorter than a window is padded and masked. `for_evaluation()`:
@@ -297,19 +324,11 @@ class PackedTokens(Dataset):
         self.eot_id = int(meta["eot_id"])
         self.stride = seq_len + 1
 
-    def for_evaluation(self) -> PackedTokens:
-        view = copy.copy(self)
-        view.stride = self.seq_len
-        return view
-
-    def __len__(self) -> int:
-        return window_count(self.n_tokens, self.seq_len + 1, self.stride)
-
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         width = self.seq_len + 1
-        first = self.start + index * self.stride
-        last = self.start + min(index * self.stride + width, self.n_tokens)
-        chunk = torch.from_numpy(self.stream[first:last].astype(np.int64))
+        first, last = self.span(index)
+        chunk = torch.from_numpy(self.stream[self.start + first:self.start + last]
+                                 .astype(np.int64))
         window = torch.full((width,), self.meta["eot_id"] if self.pad_id is None else
                             self.pad_id, dtype=torch.int64)
         window[:len(chunk)] = chunk
