@@ -295,3 +295,19 @@ def test_txt_files_tokenize_as_the_whole_document_path_does(tmp_path, gpt2):
     picked = select_rows(docs, 3, 7)
     cfg = data_config(tmp_path, str(folder), hf_limit=3, hf_limit_seed=7).data
     assert [p.read_text() for p in text.text_files(source, cfg)] == picked["text"]
+
+
+def test_a_streamed_document_is_encoded_in_fragments_with_the_whole_ones_tokens(gpt2):
+    """--streaming encodes a long document a fragment at a time (no tokenizer call sees
+    more than a block), with the tokens of the whole."""
+    from loom.data.documents import encode_document
+
+    whole = " ".join(f"word{i % 89}" + ("." if i % 11 == 0 else "") for i in range(20_000))
+    calls: list[int] = []
+
+    def encode(texts):
+        calls.append(max(map(len, texts)))
+        return gpt2.encode(texts)
+
+    assert encode_document(whole, encode, 4096) == gpt2.encode([whole])[0]
+    assert len(calls) > len(whole) // 4096 and max(calls) <= 2 * 4096, max(calls)
