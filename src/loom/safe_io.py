@@ -82,6 +82,21 @@ def read_json_capped(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
         raise ValueError(f"{path.name} is not UTF-8 ({e.reason})") from None
 
 
+def json_depth(value: Any, limit: int) -> int:
+    """How deeply `value` nests lists and objects, counted up to just past `limit`
+    (iterative: a deep one cannot overflow the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            if level > limit:
+                return level
+            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict)
+                                                  else item))
+    return deepest
+
+
 def write_text_new(path: Path, text: str) -> Path:
     """Write `text` at `path` or, when that name is taken, at `<stem>.1<suffix>`, `.2`, ...:
     never replacing a file (`os.link` refuses an existing name, a link included). Returns

@@ -45,9 +45,12 @@ def test_imported_logits_and_greedy_text_equal_transformers(tmp_path: Path,
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("kv_lora_rank", 0, "kv_lora_rank is 0"), ("n_group", "2", "n_group is '2'"),
-    ("q_lora_rank", 2**40, "q_lora_rank is"), ("topk_group", True, "topk_group is True"),
-    ("qk_nope_head_dim", -1, "qk_nope_head_dim is -1")])
+    ("kv_lora_rank", 0, "config.json: kv_lora_rank must be >= 1, got 0"),
+    ("n_group", "2", "n_group must be an integer, got str '2'"),
+    ("q_lora_rank", 2**40, "q_lora_rank must be <= 16777216, got 1099511627776"),
+    ("topk_group", True, "topk_group must be an integer, got bool"),
+    ("n_group", 2**17, "n_group must be <= 65536"),
+    ("qk_nope_head_dim", -1, "qk_nope_head_dim must be >= 0, got -1")])
 def test_hostile_config_fields_are_refused_in_one_line(tmp_path: Path, field: str, value,
                                                       message: str) -> None:
     folder = save_deepseek(tmp_path / "ds", tokenizer=False)

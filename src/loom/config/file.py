@@ -27,23 +27,29 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
+def _shown(value: Any) -> str:
+    """A value for an error line, cut to 80 characters (a list can nest hundreds deep)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _check(section: str, f: dataclasses.Field, value: Any) -> Any:
     """The value if it has the field's type (an int is a valid float); else one line."""
     default, meta = _default(f), f.metadata
     if meta["repeat"]:  # a list of values (one value alone is taken as a list of one)
         items = value if isinstance(value, list) else [value]
         if not all(type(v) is meta["type"] for v in items):
-            raise ConfigError(f"config file: [{section}] {f.name} = {value!r} must be a list "
+            raise ConfigError(f"config file: [{section}] {f.name} = {_shown(value)} must be a list "
                               f"of {meta['type'].__name__}")
         return tuple(items)
     expected = type(default) if default is not None else meta["type"]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not expected:
-        raise ConfigError(f"config file: [{section}] {f.name} = {value!r} must be "
+        raise ConfigError(f"config file: [{section}] {f.name} = {_shown(value)} must be "
                           f"{expected.__name__}")
     if meta["choices"] and value not in meta["choices"]:
-        raise ConfigError(f"config file: [{section}] {f.name} = {value!r}; choose from "
+        raise ConfigError(f"config file: [{section}] {f.name} = {_shown(value)}; choose from "
                           f"{', '.join(meta['choices'])}")
     return value
 
@@ -61,6 +67,8 @@ def read_config_file(path: str, sections: Mapping[str, list[dataclasses.Field]]
         data = tomllib.loads(text.decode())
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except RecursionError:  # tomllib descends once per nested array or inline table
+        raise ConfigError(f"--config {path}: nests arrays or tables too deeply") from None
     except (OSError, ValueError, tomllib.TOMLDecodeError) as e:  # UnicodeDecodeError too
         raise ConfigError(f"--config {path}: {e}") from None
     values: dict[str, Any] = {}

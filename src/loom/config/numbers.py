@@ -90,10 +90,18 @@ def check_value(f: Field, value: Any) -> None:
     """One setting's type and, for a number, its declared range (one line naming the flag);
     an integer is also held to int64 (a seed, a size: what torch takes)."""
     _check_type(f, value)
-    if type(value) not in (int, float):
-        return
-    bounds = f.metadata["bounds"]
-    is_float = float in (type(f.default), f.metadata["type"])
+    if any("\0" in v for v in (value if isinstance(value, tuple) else (value,))
+           if isinstance(v, str)):  # a path with one fails in every system call
+        raise ConfigError(f"{flag_name(f)} must not hold a NUL byte, got {_shown(value)}")
+    most = f.metadata.get("most")
+    if f.metadata["repeat"] and most is not None and len(value) > most:
+        raise ConfigError(f"{flag_name(f)} may be given at most {most} times, got {len(value)}")
+    if type(value) in (int, float):
+        _check_range(flag_name(f), value, f.metadata["bounds"],
+                     float in (type(f.default), f.metadata["type"]))
+
+
+def _check_range(name: str, value: float, bounds: tuple, is_float: bool) -> None:
     too_wide = type(value) is int and abs(value) > INT64_MAX
     if too_wide or not _in_range(value, bounds):
         if too_wide and bounds[2] is None:  # the implicit int64 limit was crossed: say so
@@ -101,7 +109,21 @@ def check_value(f: Field, value: Any) -> None:
         what = describe(_violated(value, bounds))
         if is_float and not (bounds[4] and (bounds[2] is not None or bounds[3] is not None)):
             what = f"{'a finite number' if bounds[4] else 'a number'} {what}".rstrip()
-        raise ConfigError(f"{flag_name(f)} must be {what}, got {_shown(value)}")
+        raise ConfigError(f"{name} must be {what}, got {_shown(value)}")
+
+
+def check_number(name: str, value: Any, bounds: tuple, integer: bool = False) -> Any:
+    """A number that is no flag of its own (a Hub folder's config.json field, one of a
+    flag's values) held to its declared `declare.bounds`, with the line a flag would get:
+    `name` is what the user can find (`config.json: rope_parameters.beta_fast`). Returns
+    the value; a bool or a string is no number, and `integer` wants a whole one."""
+    kinds = (int,) if integer else (int, float)
+    if type(value) not in kinds:
+        shown = _shown(value) if type(value) in (int, float, str) else ""
+        raise ConfigError(f"{name} must be {'an integer' if integer else 'a number'}, got "
+                          f"{type(value).__name__} {shown}".rstrip())
+    _check_range(name, value, bounds, not integer)
+    return value
 
 
 def check_numbers(cfg: JobConfig) -> None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.config.declare import flag
+from loom.config.declare import bounds, flag
 
 NS_COEFFICIENTS = "3.4445,-4.775,2.0315"
 """Keller Jordan's quintic, as torch.optim.Muon's defaults (DEFAULT_A, _B, _C)."""
+NS_COEFFICIENT = bounds(ge=-1e3, le=1e3)
+"""Each coefficient's range: published quintics stay within +-30 (Polar Express's first
+step: 8.3, -23.6, 17.3); 1e308 passed a finiteness check and overflowed torch's addmm."""
 
 
 def ns_coefficients(text: str) -> tuple[float, float, float]:

@@ -7,7 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from loom.config.declare import COUNT_MAX, DEGREE, FOREVER_S, INT64_MAX, SIZE, flag
+from loom.config.declare import (
+    COUNT_MAX,
+    DEGREE,
+    FOREVER_S,
+    INT64_MAX,
+    SIZE,
+    VAL_SETS_MAX,
+    flag,
+)
 from loom.config.families import flat_values, replace_values
 from loom.config.optim import OptimConfig  # noqa: F401  (a section of the job, declared apart)
 from loom.config.presets import is_hf_model
@@ -248,7 +256,7 @@ class EvalConfig:
     val_dataset: tuple[str, ...] = flag(
         (), "validation data: hub id, local file/folder or shard folder (same tokenizer as "
         "--dataset); PATH is the default set (val/loss), NAME=PATH a named one "
-        "(val/NAME/loss)", type=str, repeat=True)
+        "(val/NAME/loss)", type=str, repeat=True, most=VAL_SETS_MAX)
     val_fraction: float = flag(0.0, "hold out this fraction of --dataset's tokens for "
                                "validation, cut between documents", lt=1)
     eval_every: int = flag(0, "validation loss every N steps (0 = only after the last step)")

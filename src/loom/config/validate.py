@@ -10,8 +10,8 @@ from loom.config.compose import refuse_combinations
 from loom.config.families import flag_groups
 from loom.config.job import JobConfig
 from loom.config.mixture import parse_mixture
-from loom.config.numbers import check_numbers
-from loom.config.optim import ns_coefficients
+from loom.config.numbers import check_number, check_numbers
+from loom.config.optim import NS_COEFFICIENT, ns_coefficients
 from loom.config.pipeline_layout import validate_pipeline
 from loom.config.schema import EvalConfig, OutputConfig, ParallelConfig
 from loom.config.valsets import DEFAULT_SET, val_sets
@@ -175,11 +175,14 @@ def _validate_optim(cfg: JobConfig) -> None:
     if o.optimizer != "muon" and given:
         raise ConfigError(f"--{given[0].replace('_', '-')} needs --optimizer muon")
     try:
-        if not all(math.isfinite(c) for c in ns_coefficients(o.muon_ns_coefficients)):
+        coefficients = ns_coefficients(o.muon_ns_coefficients)
+        if not all(math.isfinite(c) for c in coefficients):
             raise ValueError
     except ValueError:
         raise ConfigError(f"--muon-ns-coefficients is {o.muon_ns_coefficients!r}, not three "
                           "finite numbers a,b,c") from None
+    for name, value in zip("abc", coefficients, strict=True):
+        check_number(f"--muon-ns-coefficients {name}", value, NS_COEFFICIENT)
 
 
 def validate(cfg: JobConfig) -> None:

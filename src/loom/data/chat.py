@@ -17,7 +17,6 @@ small next to pretraining corpora.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,11 +27,10 @@ import numpy as np
 import torch
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from torch.utils.data import Dataset
 
 from loom.config import ConfigError
 from loom.data.compressed import open_binary
-from loom.data.text import TextSource, mask_labels, window_count
+from loom.data.text import TextSource, TokenWindows, mask_labels
 from loom.data.tokenizers import TextTokenizer
 
 ENCODE_BATCH = 256
@@ -221,7 +219,7 @@ def encode_chat(files: tuple[Path, ...], tokenizer: TextTokenizer, dataset: str,
     return ChatCorpus(np.concatenate(ids), np.concatenate(trained), ends)
 
 
-class ChatTokens(Dataset):
+class ChatTokens(TokenWindows):
     """Consecutive windows of seq_len + 1 tokens over conversations [first, last) of a chat
     corpus: input = w[:-1], labels = w[1:] where the label is an assistant token, else
     ignored. The tail shorter than a window is padded with end-of-text and ignored.
@@ -237,18 +235,9 @@ class ChatTokens(Dataset):
         self.n_tokens, self.n_conversations = end - self.start, last - first
         self.stride = seq_len + 1
 
-    def for_evaluation(self) -> ChatTokens:
-        view = copy.copy(self)
-        view.stride = self.seq_len
-        return view
-
-    def __len__(self) -> int:
-        return window_count(self.n_tokens, self.seq_len + 1, self.stride)
-
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         width = self.seq_len + 1
-        first = index * self.stride
-        last = min(first + width, self.n_tokens)
+        first, last = self.span(index)
         window = torch.full((width,), self.eot_id, dtype=torch.int64)
         trained = torch.zeros(width, dtype=torch.bool)
         window[:last - first] = torch.from_numpy(self.ids[first:last])

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from loom.config import ConfigError, JobConfig
-from loom.data.documents import read_piece
+from loom.data.documents import encode_document, read_piece
 from loom.data.pieces import Piece, plan_pieces
 from loom.data.text import resolve_source
 from loom.data.tokenizers import TextTokenizer, load_tokenizer
+from loom.data.workers import BLOCK_CHARS
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class PackedStream:
                         continue
                     found = True
                     if (epoch, p, d) >= (start.epoch, start.piece, start.document):
-                        ids = self.tokenizer.encode([text])[0]
+                        ids = encode_document(text, self.tokenizer.encode, BLOCK_CHARS)
                         yield Position(epoch, p, d), [*ids, self.tokenizer.eot_id]
             if not found:
                 raise ConfigError(f"--streaming: no documents for dp rank {self.dp_rank} of "

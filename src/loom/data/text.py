@@ -1,7 +1,9 @@
 """Text to training windows: find the documents (embedded corpus, local files, hub dataset),
 subsample, tokenize once into the cache, then serve windows of seq_len + 1 tokens.
 
-`datasets` and `pyarrow` are imported only when something must be tokenized, so a warm
+.txt files (each one document) are read and tokenized in bounded pieces, as `loom tokenize`
+reads them, so a document of any length costs a block of text at a time; other formats go
+through `datasets`, imported (with `pyarrow`) only when they must be tokenized, so a warm
 start (cache hit) costs a memory map and no library imports.
 """
 
@@ -12,9 +14,10 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +25,7 @@ from torch.utils.data import Dataset
 
 from loom.config import ConfigError, DataConfig
 from loom.data.cache import TokenCache, files_fingerprint, token_dtype
+from loom.data.documents import PieceReader
 from loom.data.hub import (
     LOCAL_FILES_HINT,
     ensure_hub_reachable,
@@ -30,7 +34,9 @@ from loom.data.hub import (
     looks_like_hub_id,
 )
 from loom.data.labels import IGNORE_INDEX
+from loom.data.pieces import plan_pieces
 from loom.data.tokenizers import ASSETS, TextTokenizer, load_tokenizer, tokenizer_identity
+from loom.data.workers import BLOCK_CHARS, batches, encode_batch
 from loom.safe_io import describe_kind
 
 if TYPE_CHECKING:
@@ -146,12 +152,18 @@ def load_documents(source: TextSource, split: str, cache_dir: Path) -> datasets.
     return splits[split]
 
 
+def chosen_rows(count: int, limit: int, seed: int) -> np.ndarray | None:
+    """`limit` of `count` rows drawn without replacement from `seed`, in their original
+    order; None when all are kept."""
+    if limit <= 0 or limit >= count:
+        return None
+    return np.sort(np.random.default_rng(seed).choice(count, size=limit, replace=False))
+
+
 def select_rows(docs: datasets.Dataset, limit: int, seed: int) -> datasets.Dataset:
     """`limit` rows drawn without replacement from `seed`, kept in their original order."""
-    if limit <= 0 or limit >= len(docs):
-        return docs
-    rows = np.random.default_rng(seed).choice(len(docs), size=limit, replace=False)
-    return docs.select(np.sort(rows))
+    rows = chosen_rows(len(docs), limit, seed)
+    return docs if rows is None else docs.select(rows)
 
 
 def check_text_column(docs: datasets.Dataset, column: str, source: str) -> None:
@@ -196,19 +208,62 @@ def prepare_tokens(cache: TokenCache, source: TextSource, data: DataConfig,
     if source.kind == "hub":  # fail in seconds, before slow imports and downloads
         ensure_hub_reachable(source.name, "dataset", "--dataset", LOCAL_FILES_HINT)
     tokenizer = load_tokenizer(tokenizer_name, trust_remote_code)
-    docs = load_documents(source, data.hf_split, cache_dir)
-    check_text_column(docs, data.hf_text_column, source.name)
-    docs = select_rows(docs, data.hf_limit, data.hf_limit_seed)
-    tokens = tokenize(docs, data.hf_text_column, tokenizer)
+    if source.kind != "hub" and source.builder == "text":
+        files = text_files(source, data)
+        tokens, documents = tokenize_text_files(files, tokenizer), len(files)
+    else:
+        docs = load_documents(source, data.hf_split, cache_dir)
+        check_text_column(docs, data.hf_text_column, source.name)
+        docs = select_rows(docs, data.hf_limit, data.hf_limit_seed)
+        tokens, documents = tokenize(docs, data.hf_text_column, tokenizer), len(docs)
     if tokens.size == 0:
         raise ConfigError(f"--dataset {source.name}: column {data.hf_text_column} holds no text")
     cache.write(tokens, {"source": source.name, "split": data.hf_split,
-                         "column": data.hf_text_column, "documents": len(docs),
+                         "column": data.hf_text_column, "documents": documents,
                          "tokenizer": tokenizer.name, "vocab_size": tokenizer.size,
                          "eot_id": tokenizer.eot_id, "pad_id": tokenizer.pad_id,
                          "n_tokens": int(tokens.size)})
     logger.info("data: tokenized %d documents of %s into %d tokens in %.1f s (cache %s)",
-                len(docs), source.name, tokens.size, time.perf_counter() - start, cache.path)
+                documents, source.name, tokens.size, time.perf_counter() - start, cache.path)
+
+
+def text_files(source: TextSource, data: DataConfig) -> list[Path]:
+    """The .txt files to tokenize, each one document with one column, `text`, in one split,
+    `train` (what `datasets`' text builder would make of them), subsampled by --hf-limit."""
+    if data.hf_split != "train":
+        raise ConfigError(f"--hf-split {data.hf_split} not in --dataset {source.name}; "
+                          "splits: train")
+    if data.hf_text_column != "text":
+        raise ConfigError(f"--hf-text-column {data.hf_text_column} not in --dataset "
+                          f"{source.name}; columns: text")
+    rows = chosen_rows(len(source.files), data.hf_limit, data.hf_limit_seed)
+    return list(source.files) if rows is None else [source.files[i] for i in rows]
+
+
+def tokenize_text_files(files: list[Path], tokenizer: TextTokenizer,
+                        block_chars: int = BLOCK_CHARS) -> np.ndarray:
+    """Each file's tokens followed by end-of-text (an empty file adds none), read and
+    encoded `block_chars` characters at a time by `loom tokenize`'s reader (PieceReader):
+    a document with no line break costs a block, not its length, and its tokens are those
+    of the whole (the reader cuts only where the tokenizer splits anyway)."""
+    dtype, parts = token_dtype(tokenizer.size), []
+    for piece in plan_pieces(tuple(files), "text"):
+        reader = PieceReader(piece, "text", block_chars, tokenizer.encode)
+        parts += [encode_batch(batch, tokenizer, dtype)
+                  for batch in batches(_without_empty(reader), block_chars)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _without_empty(fragments: Iterator[tuple[str, bool]]) -> Iterator[tuple[str, bool]]:
+    """The (fragment, ends a document) pairs, less the end of a document that held no text
+    (the whole-document path skips empty documents: no lone end-of-text)."""
+    held = False
+    for text, ends in fragments:
+        held = held or bool(text)
+        if text or (ends and held):
+            yield text, ends
+        if ends:
+            held = False
 
 
 def mask_labels(labels: torch.Tensor, attention_mask: torch.Tensor,
@@ -227,7 +282,34 @@ def window_count(n_tokens: int, width: int, stride: int) -> int:
     return max(1, -(-(n_tokens - (width - stride)) // stride)) if n_tokens else 0
 
 
-class PackedTokens(Dataset):
+class TokenWindows(Dataset):
+    """Windows of seq_len + 1 tokens every `stride` tokens over `n_tokens` tokens: apart
+    (stride seq_len + 1) for training, overlapping by one (`for_evaluation()`) so no token
+    goes unscored. A subclass fills window `index` from `span(index)`."""
+
+    seq_len: int
+    n_tokens: int
+    stride: int
+
+    def for_evaluation(self: Windows) -> Windows:
+        view = copy.copy(self)
+        view.stride = self.seq_len
+        return view
+
+    def __len__(self) -> int:
+        return window_count(self.n_tokens, self.seq_len + 1, self.stride)
+
+    def span(self, index: int) -> tuple[int, int]:
+        """[first, last) of window `index`, counted from the first token; the last window's
+        may be short (the caller pads it)."""
+        first = index * self.stride
+        return first, min(first + self.seq_len + 1, self.n_tokens)
+
+
+Windows = TypeVar("Windows", bound=TokenWindows)
+
+
+class PackedTokens(TokenWindows):
     """Consecutive windows of seq_len + 1 tokens over tokens [start, end) of a stream (the
     cache's memory-mapped array or the shards): input = w[:-1], labels = w[1:], both exactly
     seq_len long. The tail shorter than a window is padded and masked. `for_evaluation()`:
@@ -242,19 +324,11 @@ class PackedTokens(Dataset):
         self.eot_id = int(meta["eot_id"])
         self.stride = seq_len + 1
 
-    def for_evaluation(self) -> PackedTokens:
-        view = copy.copy(self)
-        view.stride = self.seq_len
-        return view
-
-    def __len__(self) -> int:
-        return window_count(self.n_tokens, self.seq_len + 1, self.stride)
-
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         width = self.seq_len + 1
-        first = self.start + index * self.stride
-        last = self.start + min(index * self.stride + width, self.n_tokens)
-        chunk = torch.from_numpy(self.stream[first:last].astype(np.int64))
+        first, last = self.span(index)
+        chunk = torch.from_numpy(self.stream[self.start + first:self.start + last]
+                                 .astype(np.int64))
         window = torch.full((width,), self.meta["eot_id"] if self.pad_id is None else
                             self.pad_id, dtype=torch.int64)
         window[:len(chunk)] = chunk

@@ -16,7 +16,7 @@ import tokenizers
 from loom.config import ConfigError
 from loom.data.cache import files_fingerprint
 from loom.data.hub import ensure_hub_reachable, looks_like_hub_id
-from loom.safe_io import read_json_capped
+from loom.safe_io import json_depth, read_json_capped
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_TOKENIZER = ASSETS / "gpt2-tokenizer"
@@ -98,6 +98,31 @@ def load_tokenizer(name: str | None, trust_remote_code: bool = False) -> TextTok
         load_auto_tokenizer(name, trust_remote_code)
 
 
+MAX_TOKENIZER_DEPTH = 32
+"""How deeply a tokenizer.json may nest (a real one: about 6, a Sequence of normalizers)."""
+
+
+def check_tokenizer_file(name: str, folder: Path) -> None:
+    """A folder's tokenizer.json read as data before transformers parses it: its reader
+    takes any JSON, so another schema (no `model` object, no `added_tokens` list) ended in
+    a KeyError, and 100,000 nested lists in a RecursionError, each a traceback."""
+    try:
+        data = read_json_capped(folder / "tokenizer.json")
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokenizer-name {name}: tokenizer.json is unreadable ({e})"
+                          ) from None
+    problem = "is not a JSON object" if not isinstance(data, dict) else \
+        f"nests more than {MAX_TOKENIZER_DEPTH} deep" \
+        if json_depth(data, MAX_TOKENIZER_DEPTH) > MAX_TOKENIZER_DEPTH else \
+        "has no `model` object" if not isinstance(data.get("model"), dict) else \
+        "has no `added_tokens` list" if not isinstance(data.get("added_tokens"), list) else ""
+    if problem:
+        raise ConfigError(f"--tokenizer-name {name}: tokenizer.json {problem} (not a "
+                          "Hugging Face tokenizer file)")
+
+
 REMOTE_CODE_FILES = ("tokenizer_config.json", "config.json")
 """Where a Hugging Face folder declares code of its own (`auto_map`)."""
 
@@ -144,11 +169,16 @@ def load_auto_tokenizer(name: str, trust_remote_code: bool = False) -> TextToken
     except ImportError:
         raise ConfigError("--tokenizer-name needs transformers: pip install 'loom[hf]'") from None
     check_remote_code(name, trust_remote_code)
+    if path.is_dir():
+        check_tokenizer_file(name, path)
+        hint = "it needs a Hugging Face tokenizer's files (tokenizer.json or the slow one's)"
     try:
         tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name,
                                             trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # a file of another shape: the Rust reader raises Exception
         reason = " ".join(str(e).split()).rstrip(": ")  # whole, on one line
+        if not isinstance(e, OSError | ValueError):
+            reason = f"{type(e).__name__}: {reason}"
         if "trust_remote_code" in reason:
             hint = "pass --trust-remote-code if you trust the code it ships"
         raise ConfigError(f"--tokenizer-name {name}: cannot load it ({reason}); "

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.errors import ConfigError
-from loom.safe_io import open_regular, read_json_capped, regular_size
+from loom.safe_io import json_depth, open_regular, read_json_capped, regular_size
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -104,20 +104,6 @@ def bad(path: Path, what: str) -> ConfigError:
     return ConfigError(f"{path}: {what}")
 
 
-def depth(value: Any) -> int:
-    """How deeply `value` nests lists and objects (iterative: a deep one cannot overflow)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, level)
-            if level > MAX_CONFIG_DEPTH:
-                return level
-            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict)
-                                                  else item))
-    return deepest
-
-
 def check_fields(path: Path, c: dict[str, Any], prefix: str = "") -> None:
     """The shape fields of one config table (and its `text_config`): types and ranges."""
     for name, (low, high) in INT_RANGES.items():
@@ -187,7 +173,7 @@ def read_config(path: Path) -> dict[str, Any]:
         raise bad(path, f"unusable ({e})") from None
     if not isinstance(config, dict):
         raise bad(path, "not a JSON object")
-    if depth(config) > MAX_CONFIG_DEPTH:
+    if json_depth(config, MAX_CONFIG_DEPTH) > MAX_CONFIG_DEPTH:
         raise bad(path, f"nests more than {MAX_CONFIG_DEPTH} deep")
     check_fields(path, config)
     return config

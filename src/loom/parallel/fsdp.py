@@ -145,10 +145,10 @@ def name_forward(unit: nn.Module | list[nn.Module], name: str, outer: str | None
         module.register_forward_hook(end, always_call=True)
 
 
-class NamedAllGather(DefaultAllGather):
-    """FSDP's own all-gather, called inside `loom.runtime.flight.moving(unit)`: the Flight
-    Recorder's entry for it is then matched to the unit whose parameters it gathers, in forward,
-    backward or a prefetch alike."""
+class InUnit:
+    """Mixed into one of FSDP's own collectives: each call runs inside
+    `loom.runtime.flight.moving(unit)`, so the Flight Recorder's entry for it is matched to
+    the unit whose parameters it moves, in forward, backward or a prefetch alike."""
 
     def __init__(self, unit: str) -> None:
         super().__init__()
@@ -156,19 +156,15 @@ class NamedAllGather(DefaultAllGather):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with flight.moving(self.unit):
-            return super().__call__(*args, **kwargs)
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
 
-class NamedReduceScatter(DefaultReduceScatter):
-    """FSDP's own reduce-scatter, named like `NamedAllGather`."""
+class NamedAllGather(InUnit, DefaultAllGather):
+    """FSDP's own all-gather, named by its unit."""
 
-    def __init__(self, unit: str) -> None:
-        super().__init__()
-        self.unit = unit
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with flight.moving(self.unit):
-            return super().__call__(*args, **kwargs)
+class NamedReduceScatter(InUnit, DefaultReduceScatter):
+    """FSDP's own reduce-scatter, named by its unit."""
 
 
 def use_named_collectives(units: list[tuple[str, FSDPModule]]) -> None:

@@ -12,13 +12,15 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loom.errors import BAD_INPUT_EXIT
-from loom.runtime.launch_commands import TORCHRUN, Command
+from loom.runtime.launch_commands import EARLY_EXIT_GRACE_S, TORCHRUN, Command
 from loom.runtime.watchdog import HANG_KEY, LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:
@@ -62,6 +64,39 @@ def _kill_stopped_ranks_at_once() -> None:
 
     close_or_kill.kills_stopped = True  # type: ignore[attr-defined]
     handler.close = close_or_kill
+
+
+def _end_a_job_left_early() -> None:
+    """The agent waits until every rank has exited or one has failed, so a rank that exits
+    0 while the others still train left them blocked in a collective until
+    --comm-timeout-s (600 s). Wrapped here: once a rank has exited 0 and another still
+    runs `EARLY_EXIT_GRACE_S` later, the first rank to have left is reported failed (exit
+    code 0) and the agent ends the others. Ranks of a finished job leave together (the
+    barrier of `loom.runtime.distributed.teardown`), well inside the grace. Torch's private
+    `SubprocessContext._poll` and `_failures`, checked on 2.11.0, 2.13.0 and 2.15.0."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    poll = SubprocessContext._poll
+    if getattr(poll, "ends_early_exits", False):
+        return
+
+    def poll_or_end(self: Any) -> Any:
+        result = poll(self)
+        done = sorted(set(self.subprocess_handlers) - self._running_local_ranks)
+        if result is not None or not done:
+            return result
+        first = self.__dict__.setdefault("loom_first_exit", time.monotonic())
+        if time.monotonic() - first < EARLY_EXIT_GRACE_S:
+            return None
+        rank = done[0]  # the exit order within one poll is not known: the lowest is named
+        self._failures[rank] = ProcessFailure(
+            local_rank=rank, pid=self.subprocess_handlers[rank].proc.pid, exitcode=0,
+            error_file=self.error_files[rank])
+        return poll(self)  # with a failure recorded it ends the ranks still running
+
+    poll_or_end.ends_early_exits = True  # type: ignore[attr-defined]
+    SubprocessContext._poll = poll_or_end
 
 
 SECONDARY_ERRORS = ("lost contact with another rank",)
@@ -126,6 +161,12 @@ def _report_failure(err: ChildFailedError) -> int:
             print(line or f"loom launch: rank {rank} reported a configuration error",
                   file=sys.stderr)
         return code
+    if code == 0:  # left early (see `_end_a_job_left_early`): the others were ended
+        running = sum(1 for f in err.failures.values() if f.exitcode == -signal.SIGTERM)
+        print(f"loom launch: rank {rank} (local {failure.local_rank}, host "
+              f"{socket.gethostname()}) exited 0 while {running or 'other'} rank(s) still "
+              f"ran; ended the job after {EARLY_EXIT_GRACE_S:g} s", file=sys.stderr)
+        return 1
     hangs = {r: data[HANG_KEY] for r, f in err.failures.items()
              if isinstance((data := error_file(f)).get(HANG_KEY), dict)}
     hung = hang_line(hangs, rank)
@@ -155,6 +196,7 @@ def run_local(command: Command) -> int:
 
     _quiet_elastic_logs()
     _kill_stopped_ranks_at_once()
+    _end_a_job_left_early()
     os.environ.update({**command.env, LAUNCHER_PID_ENV: str(os.getpid())})
     with tempfile.TemporaryDirectory(prefix="loom-launch-", ignore_cleanup_errors=True) as log_dir:
         args = get_args_parser().parse_args(command.argv[len(TORCHRUN) :])

@@ -27,6 +27,12 @@ from loom.safe_io import read_bytes_capped
 MAX_NODEFILE_BYTES = 16 << 20
 """The largest PBS_NODEFILE read."""
 
+EARLY_EXIT_GRACE_S = 10
+"""How long the other ranks may run on after one has exited 0 before the job is ended as a
+failure (the local agent; srun's `--wait`). A finished job's ranks leave within about a
+second of each other, after their last barrier; a rank that leaves early would otherwise
+leave the others blocked until --comm-timeout-s."""
+
 DEFAULT_PORT = "29500"
 JOB_PORTS = (15000, 15000)
 """(first, count) of the rendezvous ports a Slurm or PBS job's id picks from: below Linux's
@@ -155,7 +161,7 @@ def slurm_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Ho
     argv = ["srun", *_flags(nodes=nodes, ntasks=nodes * nproc, ntasks_per_node=nproc)]
     if exclude:
         argv.append("--exclude=" + ",".join(exclude))
-    argv.append("--kill-on-bad-exit=1")
+    argv += ["--kill-on-bad-exit=1", f"--wait={EARLY_EXIT_GRACE_S}"]
     if cpus_on_node and cpus_on_node >= nproc:
         argv.append(f"--cpus-per-task={cpus_on_node // nproc}")
     argv.append(",".join(["--export=ALL", *(f"{k}={v}" for k, v in exports.items())]))

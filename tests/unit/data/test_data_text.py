@@ -171,13 +171,16 @@ def test_loader_workers_yield_the_same_batches(tmp_path, process_group):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (dict(hf_text_column="body"), "--hf-text-column body not in .*columns: text, n"),
-    (dict(hf_text_column="n"), "--hf-text-column n .* holds int64, not text"),
-    (dict(hf_split="validation"), "--hf-split validation not in .*splits: train"),
+@pytest.mark.parametrize(("kind", "flags", "message"), [
+    ("parquet", dict(hf_text_column="body"), "--hf-text-column body not in .*columns: text, n"),
+    ("parquet", dict(hf_text_column="n"), "--hf-text-column n .* holds int64, not text"),
+    ("parquet", dict(hf_split="validation"), "--hf-split validation not in .*splits: train"),
+    ("txt", dict(hf_text_column="body"), "--hf-text-column body not in .*columns: text$"),
+    ("txt", dict(hf_split="validation"), "--hf-split validation not in .*splits: train$"),
 ])
-def test_missing_column_or_split_names_what_exists(tmp_path, process_group, flags, message):
-    cfg = data_config(tmp_path, str(write_source("parquet", tmp_path, DOCS)), **flags)
+def test_missing_column_or_split_names_what_exists(tmp_path, process_group, kind, flags,
+                                                    message):
+    cfg = data_config(tmp_path, str(write_source(kind, tmp_path, DOCS)), **flags)
     with pytest.raises(ConfigError, match=message):
         build_dataset(cfg, local_rank=0)
 
@@ -228,3 +231,83 @@ def test_shipped_tokenizer_has_a_name_and_tokenizer_errors_are_whole(tmp_path):
         load_auto_tokenizer(str(tmp_path))
     message = str(error.value)
     assert "\n" not in message and "from one of: (1)" in message and "(3)" in message
+
+
+def test_a_document_without_line_breaks_is_read_and_encoded_in_bounded_blocks(
+        tmp_path, gpt2, monkeypatch):
+    """A .txt document is read and encoded a block at a time (loom tokenize's reader), not
+    whole: every read and every tokenizer call is bounded, and the tokens are the whole's."""
+    from loom.data import documents
+
+    words = [f"word{i % 97}" + ("," if i % 7 == 0 else "") for i in range(40_000)]
+    whole = " ".join(words)  # ~300k characters, one line
+    (tmp_path / "one.txt").write_text(whole)
+    block, reads, encoded = 8192, [], []
+    open_binary, encode = documents.open_binary, gpt2.encode
+
+    class Recorded:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def read(self, size=-1):
+            reads.append(size)
+            return self.stream.read(size)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.stream.close()
+
+    def recorded_open(path):
+        stream, raw = open_binary(path)
+        return Recorded(stream), raw
+
+    class RecordedTokenizer:
+        size, eot_id = gpt2.size, gpt2.eot_id
+
+        def encode(self, texts):
+            encoded.append(sum(map(len, texts)))
+            return encode(texts)
+
+    monkeypatch.setattr(documents, "open_binary", recorded_open)
+    tokens = text.tokenize_text_files([tmp_path / "one.txt"], RecordedTokenizer(),
+                                      block_chars=block)
+    assert len(reads) > len(whole) // block and 0 < max(reads) <= block
+    assert max(encoded) <= 2 * block + 1024, max(encoded)  # a batch of fragments
+    assert tokens.tolist() == [*encode([whole])[0], gpt2.eot_id]
+
+
+def test_txt_files_tokenize_as_the_whole_document_path_does(tmp_path, gpt2):
+    """The blockwise .txt path against `datasets`' whole documents: the same tokens, an
+    empty file adding nothing; --hf-limit picks the same files."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, doc in enumerate([*DOCS, "", " trailing space \n\n"]):
+        (folder / f"{i}.txt").write_text(doc)
+    source = resolve_source(str(folder))
+    docs = text.load_documents(source, "train", tmp_path / "cache")
+    assert text.tokenize_text_files(list(source.files), gpt2).tolist() == \
+        text.tokenize(docs, "text", gpt2).tolist()
+    picked = select_rows(docs, 3, 7)
+    cfg = data_config(tmp_path, str(folder), hf_limit=3, hf_limit_seed=7).data
+    assert [p.read_text() for p in text.text_files(source, cfg)] == picked["text"]
+
+
+def test_a_streamed_document_is_encoded_in_fragments_with_the_whole_ones_tokens(gpt2):
+    """--streaming encodes a long document a fragment at a time (no tokenizer call sees
+    more than a block), with the tokens of the whole."""
+    from loom.data.documents import encode_document
+
+    whole = " ".join(f"word{i % 89}" + ("." if i % 11 == 0 else "") for i in range(20_000))
+    calls: list[int] = []
+
+    def encode(texts):
+        calls.append(max(map(len, texts)))
+        return gpt2.encode(texts)
+
+    assert encode_document(whole, encode, 4096) == gpt2.encode([whole])[0]
+    assert len(calls) > len(whole) // 4096 and max(calls) <= 2 * 4096, max(calls)

@@ -53,7 +53,8 @@ def test_slurm_dry_run(monkeypatch, capsys):
                         "SLURM_JOB_NODELIST": "nid[007-008]"}.items():
         monkeypatch.setenv(name, value)
     assert dry_run(capsys, "-n", "8", "loom", "train") == (
-        "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --kill-on-bad-exit=1 --cpus-per-task=8 "
+        "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --kill-on-bad-exit=1 --wait=10 "
+        "--cpus-per-task=8 "
         "--export=ALL,MASTER_ADDR=nid007,MASTER_PORT=15001,OMP_NUM_THREADS=8 loom train"
     )
 
@@ -65,7 +66,8 @@ def test_slurm_counts_from_the_allocation(monkeypatch, capsys):
     monkeypatch.setenv("SLURM_NODELIST", "g[1-3]")
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     line = dry_run(capsys, "--rdzv-endpoint", "head:1234", "loom", "train")
-    assert line.startswith("srun --nodes=3 --ntasks=12 --ntasks-per-node=4 --kill-on-bad-exit=1 ")
+    assert line.startswith("srun --nodes=3 --ntasks=12 --ntasks-per-node=4 "
+                           "--kill-on-bad-exit=1 --wait=10 ")
     assert "--cpus-per-task" not in line and "OMP_NUM_THREADS" not in line
     assert "--export=ALL,MASTER_ADDR=head,MASTER_PORT=1234 loom train" in line
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
@@ -247,7 +249,7 @@ def test_slurm_dry_run_shows_each_retry_leaving_out_a_node(monkeypatch, capsys):
     assert "--exclude" not in lines[0] and "MASTER_ADDR=nid001" in lines[0]
     assert lines[1] == "# retry 1 of 2, if a task on nid001 failed: it is left out"
     assert lines[2].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "
-                               "--exclude=nid001 --kill-on-bad-exit=1 ")
+                               "--exclude=nid001 --kill-on-bad-exit=1 --wait=10 ")
     assert "MASTER_ADDR=nid002" in lines[2], "the rendezvous moves off the excluded node"
     assert lines[3] == "# retry 2 of 2, if a task on nid002 failed: it is left out"
     assert "--exclude=nid001,nid002 " in lines[4] and "MASTER_ADDR=nid003" in lines[4]

@@ -13,10 +13,22 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from loom.config.declare import COUNT_MAX, SIZE_MAX, bounds
+from loom.config.numbers import check_number
 from loom.models.moe.model import MoEArgs
 
-MAX_SIZE = 1 << 20
-"""Bound on every MLA width (the largest released model's are ~1000x below it)."""
+YARN_RANGES: dict[str, dict[str, float]] = {
+    "rope_theta": dict(gt=1, le=1e12), "factor": dict(ge=1, le=2**10),
+    "beta_fast": dict(gt=0, le=2**10), "beta_slow": dict(gt=0, le=2**10),
+    "mscale": dict(le=10), "mscale_all_dim": dict(le=10)}
+"""The RoPE numbers' ranges, declared once: the `--yarn-*` flags (`flags.py`) and a
+config.json's fields (`YARN_BOUNDS`) are held to them."""
+
+YARN_BOUNDS = {name: bounds(**limits) for name, limits in YARN_RANGES.items()}
+"""Bounds of the RoPE numbers (config.json's names; the fields are `yarn_<name>`): the
+rotary channel a YaRN beta names divides by the logs of theta and of the context over
+beta, and the mscales multiply the attention's softmax scale (squared). Released models
+use theta ~1e4-1e7, factor <= 64, betas 1-32, mscales <= 1."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +59,15 @@ class DeepseekV3Args(MoEArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group"):
-            if not 1 <= getattr(self, name) <= MAX_SIZE:
-                raise ValueError(f"{name} is {getattr(self, name)}, not in [1, {MAX_SIZE}]")
-        for name in ("q_lora_rank", "qk_nope_head_dim", "mtp_layers"):
-            if not 0 <= getattr(self, name) <= MAX_SIZE:
-                raise ValueError(f"{name} is {getattr(self, name)}, not in [0, {MAX_SIZE}]")
+        for name, low, high in (("kv_lora_rank", 1, SIZE_MAX), ("qk_rope_head_dim", 1, SIZE_MAX),
+                                ("v_head_dim", 1, SIZE_MAX), ("n_group", 1, COUNT_MAX),
+                                ("topk_group", 1, COUNT_MAX), ("q_lora_rank", 0, SIZE_MAX),
+                                ("qk_nope_head_dim", 0, SIZE_MAX), ("mtp_layers", 0, COUNT_MAX)):
+            check_number(name, getattr(self, name), bounds(ge=low, le=high), integer=True)
+        for name, limits in YARN_BOUNDS.items():
+            field = "rope_theta" if name == "rope_theta" else f"yarn_{name}"
+            if name != "rope_theta" or self.yarn_factor != 1.0:  # plain RoPE takes any theta
+                check_number(field, getattr(self, field), limits)
         if self.n_experts < 2 and self.n_layers > self.n_dense_layers:
             raise ValueError(f"n_experts is {self.n_experts}: blocks after the first "
                              f"{self.n_dense_layers} route among at least 2 experts")
@@ -67,8 +82,6 @@ class DeepseekV3Args(MoEArgs):
         if self.topk_group * (self.n_experts // self.n_group) < self.top_k:
             raise ValueError(f"topk_group {self.topk_group} groups hold fewer than top_k "
                              f"{self.top_k} experts")
-        if not (self.yarn_factor >= 1 and math.isfinite(self.yarn_factor)):
-            raise ValueError(f"yarn_factor is {self.yarn_factor}, not at least 1")
         if not self.mtp_loss_weight >= 0:
             raise ValueError(f"mtp_loss_weight is {self.mtp_loss_weight}, not at least 0")
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from loom.config.declare import COUNT_MAX, SIZE_MAX, flag
 from loom.errors import ConfigError
+from loom.models.deepseek_v3.args import YARN_RANGES
 
 
 @dataclass(frozen=True)
@@ -41,20 +42,21 @@ class DeepseekV3Flags:
     topk_group: int | None = flag(None, "deepseek-v3: groups each token may route to",
                                   type=int, ge=1, le=COUNT_MAX)
     yarn_factor: float | None = flag(None, "deepseek-v3: YaRN context extension factor (unset: "
-                                     "1, plain RoPE)", type=float, ge=1, le=1e4)
+                                     "1, plain RoPE)", type=float, **YARN_RANGES["factor"])
     yarn_original_max_seq_len: int | None = flag(None, "deepseek-v3: the context YaRN extends "
                                                  "(unset: 4096)", type=int, ge=1, le=SIZE_MAX)
     yarn_beta_fast: float | None = flag(None, "deepseek-v3: YaRN's rotation count above which "
                                         "a channel keeps its frequency (unset: 32)",
-                                        type=float, gt=0, le=1e4)
+                                        type=float, **YARN_RANGES["beta_fast"])
     yarn_beta_slow: float | None = flag(None, "deepseek-v3: YaRN's rotation count below which "
                                         "a channel is fully interpolated (unset: 1)",
-                                        type=float, gt=0, le=1e4)
+                                        type=float, **YARN_RANGES["beta_slow"])
     yarn_mscale: float | None = flag(None, "deepseek-v3: YaRN's attention temperature "
-                                     "coefficient (unset: 1)", type=float, ge=0, le=1e3)
+                                     "coefficient (unset: 1)", type=float,
+                                     **YARN_RANGES["mscale"])
     yarn_mscale_all_dim: float | None = flag(None, "deepseek-v3: YaRN's softmax-scale "
-                                             "coefficient (unset: 0, none)", type=float, ge=0,
-                                             le=1e3)
+                                             "coefficient (unset: 0, none)", type=float,
+                                             **YARN_RANGES["mscale_all_dim"])
     mtp_layers: int | None = flag(None, "deepseek-v3: multi-token prediction modules "
                                   "(training only; DeepSeek-V3 has 1; a Hugging Face "
                                   "folder's are read when set, else 0)", type=int,

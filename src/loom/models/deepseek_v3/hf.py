@@ -9,14 +9,14 @@ copy of the embedding and head: export writes them so; transformers ignores them
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 
-from loom.errors import ConfigError
-from loom.models.deepseek_v3.args import DeepseekV3Args
+from loom.config.declare import COUNT_MAX, SIZE_MAX, bounds
+from loom.config.numbers import check_number
+from loom.models.deepseek_v3.args import YARN_BOUNDS, DeepseekV3Args
 from loom.models.llama.hf import Source, outer_sources, refuse, same, settle_tie
 from loom.models.qwen3.hf import EXPERT_NAMES, stacked
 
@@ -25,48 +25,46 @@ ATTENTION_NAMES = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm"
                    "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
 MTP_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
              "norm": "shared_head.norm"}
-WIDTHS = ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
-          "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
-"""config.json integers that must be positive; q_lora_rank may also be null (no bottleneck)."""
+WIDTHS = ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "moe_intermediate_size")
+"""config.json widths that must be positive; q_lora_rank may also be null (no bottleneck)."""
+COUNTS = ("n_group", "topk_group", "n_routed_experts", "num_experts_per_tok")
+"""config.json counts that must be positive."""
+FLOATS = {"rms_norm_eps": bounds(gt=0, le=1), "routed_scaling_factor": bounds(le=1e3)}
 
 
-def _int(c: dict[str, Any], name: str, low: int, default: int | None = None) -> int:
+def _int(c: dict[str, Any], name: str, low: int, default: int | None = None,
+         high: int = SIZE_MAX) -> int:
     """A checked integer of config.json (a ConfigError: the folder is bad, not unsupported)."""
-    value = c.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 2**20:
-        raise ConfigError(f"config.json: {name} is {value!r}, not an integer in "
-                          f"[{low}, {2**20:,}]")
-    return value
+    return check_number(f"config.json: {name}", c.get(name, default),
+                        bounds(ge=low, le=high), integer=True)
 
 
-def _float(params: dict[str, Any], name: str, default: float) -> float:
+def _float(params: dict[str, Any], name: str, default: float, where: str = "") -> float:
+    """A checked number of config.json (absent or null: `default`), to its declared range."""
     value = params.get(name, default)
     if value is None:
         return default
-    if not isinstance(value, int | float) or isinstance(value, bool) or not (
-            math.isfinite(value) and value >= 0):
-        raise ConfigError(f"config.json: rope_parameters.{name} is {value!r}, not a finite "
-                          "number >= 0")
-    return float(value)
+    return float(check_number(f"config.json: {where}{name}", value,
+                              YARN_BOUNDS.get(name) or FLOATS[name]))
 
 
 def yarn_fields(c: dict[str, Any]) -> dict[str, Any]:
     """RoPE: plain or YaRN (DeepSeek-V3's), from `rope_parameters` or `rope_scaling`."""
     params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = _float(params, "rope_theta", _float(c, "rope_theta", 10000.0))
+    where = "rope_parameters." if "rope_parameters" in c else "rope_scaling."
+    theta = _float(params, "rope_theta", _float(c, "rope_theta", 10000.0), where)
     if kind == "default":
         return {"rope_theta": theta}
     if kind != "yarn":
         raise ValueError(f"RoPE scaling {kind!r} (loom's deepseek-v3 implements yarn)")
     if params.get("truncate", True) is not True or params.get("attention_factor") is not None:
         raise ValueError("YaRN with truncate false or an explicit attention_factor")
-    return {"rope_theta": theta, "yarn_factor": max(1.0, _float(params, "factor", 1.0)),
+    return {"rope_theta": theta, "yarn_factor": _float(params, "factor", 1.0, where),
             "yarn_original_max_seq_len": _int(params, "original_max_position_embeddings", 1),
-            "yarn_beta_fast": _float(params, "beta_fast", 32.0),
-            "yarn_beta_slow": _float(params, "beta_slow", 1.0),
-            "yarn_mscale": _float(params, "mscale", 1.0),
-            "yarn_mscale_all_dim": _float(params, "mscale_all_dim", 0.0)}
+            **{f"yarn_{name}": _float(params, name, default, where) for name, default in
+               (("beta_fast", 32.0), ("beta_slow", 1.0), ("mscale", 1.0),
+                ("mscale_all_dim", 0.0))}}
 
 
 def mla_fields(c: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +72,8 @@ def mla_fields(c: dict[str, Any]) -> dict[str, Any]:
     training choices: --mtp-layers asks for the folder's MTP modules)."""
     for name in WIDTHS:
         _int(c, name, 1)
+    for name in COUNTS:
+        _int(c, name, 1, high=COUNT_MAX)
     q_rank = c.get("q_lora_rank")
     return {"q_lora_rank": 0 if q_rank is None else _int(c, "q_lora_rank", 1),
             "kv_lora_rank": c["kv_lora_rank"], "qk_rope_head_dim": c["qk_rope_head_dim"],
@@ -88,19 +88,21 @@ def config_fields(c: dict[str, Any]) -> dict[str, Any]:
                "scoring_func": "sigmoid", "topk_method": "noaux_tc", "pretraining_tp": 1})
     if c.get("quantization_config") is not None:  # DeepSeek's own FP8 block-scaled release
         raise ValueError("quantization_config (quantized weights: dequantize to bf16 first)")
-    heads = _int(c, "num_attention_heads", 1)
-    return {"dim": _int(c, "hidden_size", 1), "n_layers": _int(c, "num_hidden_layers", 1),
+    heads = _int(c, "num_attention_heads", 1, high=COUNT_MAX)
+    return {"dim": _int(c, "hidden_size", 1),
+            "n_layers": _int(c, "num_hidden_layers", 1, high=COUNT_MAX),
             "n_heads": heads, "n_kv_heads": heads, "head_dim": 0,
             "hidden_dim": _int(c, "intermediate_size", 1),
             "vocab_size": _int(c, "vocab_size", 1),
-            "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+            "norm_eps": _float(c, "rms_norm_eps", 1e-6),
             "max_seq_len": _int(c, "max_position_embeddings", 1, 4096),
             "rope_theta": yarn_fields(c)["rope_theta"], "rope_factor": 1.0,
             "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
             "ffn_dim_multiplier": None, "n_experts": c["n_routed_experts"],
             "top_k": c["num_experts_per_tok"], "moe_hidden_dim": c["moe_intermediate_size"],
-            "n_shared_experts": _int(c, "n_shared_experts", 0, 1),
-            "n_dense_layers": _int(c, "first_k_dense_replace", 0, 0), "score_func": "sigmoid",
+            "n_shared_experts": _int(c, "n_shared_experts", 0, 1, COUNT_MAX),
+            "n_dense_layers": _int(c, "first_k_dense_replace", 0, 0, COUNT_MAX),
+            "score_func": "sigmoid",
             "route_norm": bool(c.get("norm_topk_prob", True)),
             "route_scale": _float(c, "routed_scaling_factor", 1.0), "aux_loss_coeff": 0.0,
             **mla_fields(c)}
