@@ -230,6 +230,9 @@ _DEEPSEEK = "tests/parity/test_deepseek_v3_parity.py::"
 _DEEPSEEK_FLOAT8 = ("tests/parity/test_deepseek_v3_float8.py::"
                     "test_float8_layout_matches_float8_single_process")
 _MTP_PP = "tests/parity/test_deepseek_v3_mtp_pipeline.py::"
+_MTP_LOSS = "tests/parity/test_deepseek_v3_mtp_losses.py::test_mtp_loss_mode_matches_single_process"
+_MTP_LOSS_SLOW = ("tests/parity/test_deepseek_v3_mtp_losses.py::"
+                  "test_slow_mtp_loss_mode_matches_single_process")
 FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
     "deepseek-v3": {
         "ep": f"{_DEEPSEEK}test_layout_matches_single_process[ep2]",
@@ -278,19 +281,20 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
                               "process[dualpipev]",
         "MTP + pp-dualpipev + cp": f"{_MTP_PP}test_slow_mtp_pp2_v_schedule_matches_single_"
                                    "process[dualpipev_cp2]",
+        "MTP + fused-linear + dp_shard": f"{_MTP_LOSS}[fused_linear_dp2]",
+        "MTP + chunked + dp_shard": f"{_MTP_LOSS}[chunked_dp2]",
+        "MTP + loss-parallel + tp": f"{_MTP_LOSS}[loss_parallel_tp2]",
+        "MTP + doc-mask + cp": f"{_MTP_LOSS}[doc_mask_cp2]",
+        "MTP + fused-linear + tp": f"{_MTP_LOSS_SLOW}[fused_linear_tp2]",
+        "MTP + doc-mask + pp-1f1b": f"{_MTP_LOSS_SLOW}[doc_mask_pp2]",
+        "MTP + doc-mask + fused-linear + tp": f"{_MTP_LOSS_SLOW}[doc_mask_fused_linear_tp2]",
     },
 }
 """Family -> layout -> the parity test that runs it on that family's own modules (the
 matrix above runs loom's dense and MoE models; a family with its own attention or heads
 names its layouts here)."""
 
-FAMILY_REFUSALS: dict[str, tuple[str, ...]] = {
-    "deepseek-v3": (
-        "multi-token prediction with `--loss-impl fused-linear`, `--loss-impl loss-parallel` "
-        "at tp > 1 or `--doc-mask` (`DeepseekV3Flags.check`): its loss runs on the plain "
-        "head's full logits over whole sequences",
-    ),
-}
+FAMILY_REFUSALS: dict[str, tuple[str, ...]] = {}
 """Family -> the layouts and losses it refuses in one line, and why."""
 
 

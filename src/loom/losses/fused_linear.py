@@ -66,7 +66,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         unless grad mode was off at the call (needs_input_grad ignores it)."""
         want_h, want_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         valid = targets != IGNORE_INDEX
-        count = valid.sum()
+        count = valid.sum().clamp(min=1)  # every label ignored: 0, not NaN
         row_weight = valid / count
         dtype = compute_dtype(hidden)
         hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)  # no copy where they are

@@ -14,8 +14,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from loom.config.declare import COUNT_MAX, SIZE_MAX, flag
-from loom.errors import ConfigError
-from loom.models.deepseek_v3.args import SHAPES
 
 
 @dataclass(frozen=True)
@@ -48,27 +46,6 @@ class DeepseekV3Flags:
     mtp_loss_weight: float | None = flag(None, "deepseek-v3: weight of the mean MTP loss "
                                          "added to the main loss (unset: 0.3)", type=float,
                                          ge=0, le=1e3)
-
-    def check(self, cfg: Any) -> None:
-        """Multi-token prediction scores each whole sequence on the plain head's full
-        logits: a loss that takes hidden states (fused-linear) or vocabulary-sharded
-        logits (loss-parallel at tp > 1) or a per-document mask has no MTP form yet, so
-        the pair is refused here (the model asserts it never sees one). Another family
-        ignores these flags."""
-        if cfg.model.family != "deepseek-v3":  # a Hub folder's: known once it is read
-            return
-        mtp = self.mtp_layers if self.mtp_layers is not None else \
-            SHAPES.get(cfg.model.model, {}).get("mtp_layers", 0)
-        clash = [name for name, on in (("--loss-impl fused-linear",
-                                        cfg.loss.loss_impl == "fused-linear"),
-                                       ("--loss-impl loss-parallel",
-                                        cfg.loss.loss_impl == "loss-parallel"
-                                        and cfg.parallel.tp > 1),
-                                       ("--doc-mask", cfg.data.doc_mask)) if on]
-        if mtp and clash:
-            raise ConfigError(f"deepseek-v3 multi-token prediction (--mtp-layers {mtp}) does "
-                              f"not run with {' or '.join(clash)} (it needs the plain head "
-                              "over whole sequences); set --mtp-layers 0 or drop it")
 
     def set_values(self) -> dict[str, Any]:
         """The flags a user set (a width left None keeps its source's)."""

@@ -1,5 +1,5 @@
 """The DeepSeek-V3 family's spec: its arguments from a preset, a Hugging Face folder or the
-shared flags; the MoE family's expert accounting and bias-balancing hook; an MTP metric."""
+shared flags; the MoE family's expert accounting and bias-balancing hook; its MTP depths."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from loom.models.moe.counts import per_token_param_count
 from loom.models.moe.flags import MoEFlags
 from loom.models.moe.spec import BALANCE_LOSS, EXPERT_BIAS, moe_block_cost, router_gates
 from loom.models.qwen3.flags import Qwen3Flags
-from loom.models.spec import ModelParts, ModelSpec, SpecHook
+from loom.models.spec import NO_DEPTHS, Depths, ModelParts, ModelSpec
 from loom.models.transformers.model import hf_source
 
 
@@ -65,19 +65,12 @@ def active_params(args: DeepseekV3Args) -> int:
     return per_token_param_count(model, args.top_k, args.n_experts)
 
 
-@torch.no_grad()
-def mtp_metrics(model: nn.Module, summed: Any, ranks: int,
-                applied: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The step's MTP loss, averaged over the ranks holding different tokens (its own
-    metric: the step's loss is the main head's), left on the device for the row; a metric
-    only, so a skipped update (`applied` 0) changes nothing. Every rank of a run with MTP
-    reports it: a pipeline stage without the MTP modules adds zeros to the sum, which the
-    hook's `stages` extends over the stages (rank 0 holds the first)."""
-    parts = [m for m in model.modules() if isinstance(m, DeepseekV3)]  # a rank's stages
-    if not any(part.args.mtp_layers for part in parts):
-        return {}
-    held = torch.stack([part.mtp_loss.detach().float() for part in parts]).sum()
-    return {"mtp/loss": summed(held) / ranks}
+def mtp_depths(model: nn.Module) -> Depths:
+    """The MTP modules as extra prediction depths, reported as `mtp/loss` (the mean over
+    depths of each depth's loss, over the step's valid tokens as the main loss is)."""
+    args = model.args
+    return Depths(args.mtp_layers, args.mtp_loss_weight, "mtp/loss") if args.mtp_layers \
+        else NO_DEPTHS
 
 
 LORA_TARGETS = ("attention.wq", "attention.wq_b", "attention.wkv_b", "attention.wo",
@@ -90,7 +83,7 @@ DEEPSEEK_V3 = ModelSpec(
     build=DeepseekV3, args_cls=DeepseekV3Args, parts=ModelParts(head=("norm", "output", "mtp")),
     block_cost=moe_block_cost, block_inputs=rope_input, routers=router_gates,
     active_params=active_params, hf=(DeepseekV3Adapter(),), lora_targets=LORA_TARGETS,
-    hooks=(EXPERT_BIAS, BALANCE_LOSS, SpecHook("deepseek-v3-mtp", mtp_metrics, stages=True)),
+    hooks=(EXPERT_BIAS, BALANCE_LOSS), depths=mtp_depths,
     flags=(LlamaFlags, Qwen3Flags, MoEFlags, DeepseekV3Flags),
     description="multi-head latent attention, group-limited sigmoid routing with shared "
                 "experts and expert bias, YaRN, multi-token prediction")
