@@ -25,7 +25,7 @@ from loom.losses.cross_entropy import (
     localise,
     vocab_parallel_cross_entropy,
 )
-from loom.losses.fused_linear import fused_head_loss, fused_linear_cross_entropy
+from loom.losses.fused_linear import fused_head_loss, fused_linear_sums
 from loom.models.context import ForwardContext, HeadApply, context_of
 from loom.models.registry import output_of
 from loom.models.spec import NO_DEPTHS, Depths
@@ -88,19 +88,41 @@ def _sum(mean: LogitsLoss, output: torch.Tensor, labels: torch.Tensor) -> torch.
     return mean(output, labels).float() * (labels != IGNORE_INDEX).sum()
 
 
-def scored_sums(mean: LogitsLoss, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(2,) fp32: the loss sum of the main rows over their valid labels, and the mean over
-    the extra depths of each depth's loss sum (0 without depths). `targets` (B, T): the
-    main rows' labels; (B, 1 + D, T): each depth's too (`depth_targets`), with `output`
-    holding (1 + D) * B rows, depth-major. All depths are scored in one call of `mean`,
-    so a chunked loss chunks them as it chunks the main rows."""
+def scored_sums(mean: LogitsLoss, output: torch.Tensor, targets: torch.Tensor,
+                weight: float = 0.0) -> torch.Tensor:
+    """(3,) fp32: the objective backward trains (the main rows' loss sum over their valid
+    labels, plus `weight` times the mean over the extra depths of each depth's loss sum),
+    then, as values only, the main sum and the depths' mean (0 without depths). `targets`
+    (B, T): the main rows' labels; (B, 1 + D, T): each depth's too (`depth_targets`), with
+    `output` holding (1 + D) * B rows, depth-major. All depths are scored in one call of
+    `mean`, so a chunked loss chunks them as it chunks the main rows."""
     if targets.dim() == 2:
         main = _sum(mean, output, targets)
-        return torch.stack([main, torch.zeros_like(main)])
+        return torch.stack([main, main.detach(), torch.zeros_like(main)])
     batch, depths = targets.shape[0], targets.shape[1] - 1
     main = _sum(mean, output[:batch], targets[:, 0])
-    extra = _sum(mean, output[batch:], targets[:, 1:].transpose(0, 1).flatten(0, 1))
-    return torch.stack([main, extra / depths])
+    extra = _sum(mean, output[batch:], targets[:, 1:].transpose(0, 1).flatten(0, 1)) / depths
+    return torch.stack([main + weight * extra, main.detach(), extra.detach()])
+
+
+def fused_sums(chunk_size: int, weight: float, targets: torch.Tensor) -> HeadApply:
+    """(hidden states, the head's weight) -> `scored_sums`' (3,) for fused-linear, every
+    row (main and depths) in one fused pass: the depths' rows weighted `weight` / D, so
+    the head's weight gradient is one buffer with or without depths."""
+    if targets.dim() == 2:
+        labels, depths = targets.flatten(), 0
+    else:
+        depths = targets.shape[1] - 1
+        labels = torch.cat([targets[:, 0].flatten(),
+                            targets[:, 1:].transpose(0, 1).flatten()])
+    split = targets.shape[0] * targets.shape[-1]
+    scale = torch.ones(labels.shape, device=labels.device)
+    scale[split:] = weight / max(depths, 1)
+
+    def apply(hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        return fused_linear_sums(hidden, head_weight, labels, scale, split, depths,
+                                 chunk_size)
+    return apply
 
 
 def depth_targets(labels: torch.Tensor, depths: int,
@@ -134,23 +156,30 @@ class Criterion:
 
     mean: LogitsLoss
     hidden: bool = False
-    head_loss: Callable[[torch.Tensor], HeadApply] | None = None
-    """targets -> the loss sums the head computes on its weight (`head(h, apply=...)`), run
-    inside the model's forward (`model_sums`); None: the loss runs on the model's output."""
+    head_sums: Callable[[torch.Tensor], HeadApply] | None = None
+    """fused-linear: targets -> the sums the head computes on its weight (`fused_sums`),
+    `head(h, apply=...)`; None: `mean` over the model's output."""
+    head: nn.Module | None = None
+    """The head `head_sums` runs in when it does not run inside the forward."""
+    in_forward: bool = False
+    """`head_sums` runs inside the model's forward (`ctx.head_apply`, `model_sums`)."""
     depths: Depths = NO_DEPTHS
 
     def __call__(self, output: torch.Tensor,
                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(main loss sum, valid count) of an output without extra depths."""
+        """(main loss sum, with gradient; valid count) of an output without extra depths."""
         return self.sums(output, labels)[0], (labels != IGNORE_INDEX).sum()
 
     def sums(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """(2,): the main rows' loss sum and the depths' (`scored_sums`)."""
-        return scored_sums(self.mean, output, targets)
+        """(3,): the objective, the main rows' loss sum and the depths' (`scored_sums`)."""
+        if self.head_sums is not None:
+            return self.head(output, apply=self.head_sums(targets))
+        return scored_sums(self.mean, output, targets, self.depths.weight)
 
-    def objective(self, sums: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def objective(sums: torch.Tensor) -> torch.Tensor:
         """What backward trains: the main loss sum plus the depths' times their weight."""
-        return sums[0] + self.depths.weight * sums[1] if self.depths.count else sums[0]
+        return sums[0]
 
     def targets(self, labels: torch.Tensor, training: bool,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,8 +203,8 @@ class Criterion:
         theirs (`targets`); the model is called with a context only when there is one, so
         a model without the argument (transformers') is called as before."""
         ctx = self.context(ctx, targets.dim() == 3)
-        if self.head_loss is not None:
-            return model(inputs, ctx=context_of(ctx).with_(head_apply=self.head_loss(targets)))
+        if self.in_forward and self.head_sums is not None:
+            return model(inputs, ctx=context_of(ctx).with_(head_apply=self.head_sums(targets)))
         output = model(inputs) if ctx is None else model(inputs, ctx=ctx)
         return self.sums(output, targets)
 
@@ -209,11 +238,10 @@ def build_criterion(cfg: LossConfig, head: nn.Module | None, tp: int = 1,
     model's forward (`Criterion.model_sums`) rather than applied to the hidden states it
     returns; the caller says where that holds (one stage, no tp or cp). `depths`: the
     model's extra prediction depths (`ModelSpec.depths`), scored like the main rows."""
-    hidden, head_loss = cfg.loss_impl == "fused-linear", None
+    hidden, head_sums = cfg.loss_impl == "fused-linear", None
     if hidden:
         mean = fused_head_loss(head, cfg.loss_chunk_size)
-        head_loss = partial(_head_sums, partial(fused_linear_cross_entropy,
-                                                chunk_size=cfg.loss_chunk_size))
+        head_sums = partial(fused_sums, cfg.loss_chunk_size, depths.weight)
         logger.info("loss: fused-linear, %d-row chunks, %s", cfg.loss_chunk_size,
                     f"vocab-parallel over tp {tp}" if tp > 1 else "full vocabulary")
     else:
@@ -221,21 +249,10 @@ def build_criterion(cfg: LossConfig, head: nn.Module | None, tp: int = 1,
         vocab_parallel = cfg.loss_impl == "loss-parallel"
         mean = partial(_logits_mean, criterion, vocab_parallel)
         logger.info("loss: %s", cfg.loss_impl)
-    if cfg.debug_logits:
-        mean, head_loss = _LogitsProbe(mean, head, hidden), None
-    return Criterion(mean, hidden, head_loss if in_forward else None, depths)
-
-
-def _head_sums(loss: Callable[..., torch.Tensor], targets: torch.Tensor) -> HeadApply:
-    """The fused loss's `scored_sums` on the head's weight, as the head applies it."""
-    def apply(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return scored_sums(partial(_on_weight, loss, weight), hidden, targets)
-    return apply
-
-
-def _on_weight(loss: Callable[..., torch.Tensor], weight: torch.Tensor, hidden: torch.Tensor,
-               labels: torch.Tensor) -> torch.Tensor:
-    return loss(hidden, weight, labels=labels)
+    if cfg.debug_logits:  # the probe reads logits: the fused head's loss runs as a mean
+        mean, head_sums = _LogitsProbe(mean, head, hidden), None
+    return Criterion(mean, hidden, head_sums, head, in_forward and head_sums is not None,
+                     depths)
 
 
 def _logits_mean(criterion: LogitsLoss, vocab_parallel: bool, logits: torch.Tensor,
@@ -251,4 +268,4 @@ def build_loss(cfg: LossConfig, model: nn.Module, tp: int = 1) -> LossFn:
 def _model_loss(criterion: Criterion, model: nn.Module, inputs: torch.Tensor,
                 labels: torch.Tensor) -> torch.Tensor:
     sums = criterion.model_sums(model, inputs, labels)
-    return sums[0] / (labels != IGNORE_INDEX).sum()
+    return criterion.objective(sums) / (labels != IGNORE_INDEX).sum()

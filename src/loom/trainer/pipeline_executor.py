@@ -100,8 +100,8 @@ class PipelineExecutor(StepExecutor):
         return self.criterion.objective(sums) * self.scale
 
     def run(self, batch: Batch, schedule: Callable[..., object]) -> torch.Tensor:
-        """One loader batch through `schedule` (step or eval); the owned loss sums (2,):
-        the main rows' and the extra depths' (`Criterion.sums`). With depths the last
+        """One loader batch through `schedule` (step or eval); the owned loss sums (3,):
+        the objective, the main rows' and the extra depths' (`Criterion.sums`). With depths the last
         stage returns their rows in evaluation too (the stages' shapes are fixed); only
         the main sum is the evaluation's loss."""
         inputs, labels = self.to_device(batch)
@@ -114,7 +114,7 @@ class PipelineExecutor(StepExecutor):
         schedule(*([inputs] if self.has_first else []),
                  target=targets if self.has_last else None, return_outputs=False, **keywords)
         return self.owned(torch.stack(self.sums).sum(dim=0) if self.sums
-                          else torch.zeros(2, device=self.device))
+                          else torch.zeros(3, device=self.device))
 
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
@@ -123,12 +123,12 @@ class PipelineExecutor(StepExecutor):
         total = self.count_valid(micro_batches)
         self.scale = self.dims.loss_size / total
         sums = sum(self.run(batch, self.schedule.step) for batch in micro_batches)
-        return Accumulated(sums[0], total, self.depth_metrics(sums[1], total))
+        return Accumulated(sums[1], total, self.depth_metrics(sums[2], total))
 
     @torch.no_grad()
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         self.scale = 1.0
-        return self.run(batch, self.schedule.eval)[0]
+        return self.run(batch, self.schedule.eval)[1]
 
 
 def stage_context(hidden: bool, depths: bool, module: nn.Module, args: tuple,

@@ -183,7 +183,7 @@ class AccumulationExecutor(StepExecutor):
         total = self.count_valid(micro_batches)
         scale = self.dims.loss_size / total
         model = self.parts[0]
-        sums = torch.zeros(2, device=self.device)
+        sums = torch.zeros(3, device=self.device)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             if len(micro_batches) > 1 and self.defer_reduction:
@@ -196,7 +196,7 @@ class AccumulationExecutor(StepExecutor):
                 forward_done()
             (self.criterion.objective(micro) * scale).backward()
             sums += micro.detach()
-        return Accumulated(self.owned(sums[0]), total, self.depth_metrics(sums[1], total))
+        return Accumulated(self.owned(sums[1]), total, self.depth_metrics(sums[2], total))
 
     @torch.no_grad()
     def loss_sum(self, batch: Batch) -> torch.Tensor:
@@ -205,7 +205,7 @@ class AccumulationExecutor(StepExecutor):
         inputs, labels = self.to_device(batch)
         documents = self.documents(inputs)
         return self.owned(self.micro_loss(self.parts[0], inputs, labels,
-                                          self.context(documents))[0])
+                                          self.context(documents))[1])
 
 
 def weigh_added_losses(parts: list[nn.Module], forwards: int) -> None:

@@ -102,8 +102,8 @@ def test_the_loss_joins_the_graph_only_where_it_traces_whole(flags: list[str],
 
 def test_fused_linear_runs_inside_the_forward_where_the_family_takes_it() -> None:
     """Handed to the forward (`ctx.head_apply`), fused-linear gives the loss it gives on the
-    returned hidden states; only with the whole model and logits on the rank, and not for a
-    family whose forward has no such argument (the GPT-2 example)."""
+    returned hidden states; only with the whole model and logits on the rank, and for a
+    model whose forward takes a context (the GPT-2 example's does)."""
     cfg = parse_args(["--model", "debug"])
     dims = ParallelDims(1, 2, 1, 2)
     with torch.device("meta"):
@@ -127,7 +127,7 @@ def test_fused_linear_runs_inside_the_forward_where_the_family_takes_it() -> Non
     assert not head_in_forward(cp, ParallelDims(1, 1, 1, 2, cp=2), model), "cp's hooks"
     simple = parse_args(["--model", "debug", "--compile", "--data-parallel", "simple-fsdp"])
     assert not head_in_forward(simple, dims, model), "one compiled graph"
-    assert not head_in_forward(cfg, dims, GPT2(GPT2Args(32, 2, 4, 64, 16)))
+    assert head_in_forward(cfg, dims, GPT2(GPT2Args(32, 2, 4, 64, 16))), "its ctx"
     model.output = None  # a pipeline stage without the head
     assert not head_in_forward(cfg, dims, model)
 
