@@ -61,7 +61,7 @@ def measure(mode: str, mtp_layers: int, vocab: int, batch: int, seq: int, chunk:
         criterion.objective(sums).div((labels != IGNORE_INDEX).sum()).backward()
     return {"mode": mode, "mtp_layers": mtp_layers, "vocab": vocab, "batch": batch,
             "seq_len": seq, "chunk_size": chunk, "peak_bytes": peak_live_bytes(prof),
-            "mtp_loss": float(sums[1])}
+            "mtp_loss": float(sums[2])}
 
 
 def run_fresh(args: argparse.Namespace, mode: str, mtp_layers: int) -> dict:

@@ -115,12 +115,12 @@ def test_fused_linear_runs_inside_the_forward_where_the_family_takes_it() -> Non
     loss = LossConfig(loss_impl="fused-linear", loss_chunk_size=4)
     inside = build_criterion(loss, model.output, in_forward=True)
     outside = build_criterion(loss, model.output)
-    assert inside.head_loss is not None and outside.head_loss is None
+    assert inside.in_forward and not outside.in_forward
     got = inside.model_sums(model, inputs, labels)
     want = outside.model_sums(model, inputs, labels)
     assert (labels != IGNORE_INDEX).sum() == 13
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert build_criterion(LossConfig(), model.output, in_forward=True).head_loss is None
+    assert not build_criterion(LossConfig(), model.output, in_forward=True).in_forward
     tp = parse_args(["--model", "debug", "--tp", "2"])
     assert not head_in_forward(tp, ParallelDims(1, 1, 2, 2), model), "tp: a DTensor head"
     cp = parse_args(["--model", "debug", "--cp", "2"])
