@@ -37,12 +37,11 @@ vocabulary-sharded logits at tp 2, and the document mask over cp shards (each de
 labels gathered from the whole sequences, masked at document ends, re-sharded)."""
 SLOW_LAYOUTS = {
     "fused_linear_tp2": (2, 1, ["--loss-impl", "fused-linear", "--tp", "2"], "mtp_single"),
-    "doc_mask_pp2": (2, 1, [*DOC_MASK, "--pp", "2"], "mtp_doc_single"),
     "doc_mask_fused_linear_tp2": (2, 1, [*DOC_MASK, "--loss-impl", "fused-linear", "--tp",
                                          "2"], "mtp_doc_single"),
 }
 """fused-linear on the returned hidden states with the head's weight vocabulary-sharded
-(tp 2), the document mask handed to both pipeline stages, and both together."""
+(tp 2), and with the document mask (under --pp it is refused: `DeepseekV3Flags.check`)."""
 
 
 def launch(world: int, layouts: dict, root: Path, references: Path) -> None:

@@ -286,7 +286,6 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
         "MTP + loss-parallel + tp": f"{_MTP_LOSS}[loss_parallel_tp2]",
         "MTP + doc-mask + cp": f"{_MTP_LOSS}[doc_mask_cp2]",
         "MTP + fused-linear + tp": f"{_MTP_LOSS_SLOW}[fused_linear_tp2]",
-        "MTP + doc-mask + pp-1f1b": f"{_MTP_LOSS_SLOW}[doc_mask_pp2]",
         "MTP + doc-mask + fused-linear + tp": f"{_MTP_LOSS_SLOW}[doc_mask_fused_linear_tp2]",
     },
 }
@@ -294,7 +293,11 @@ FAMILY_LAYOUTS: dict[str, dict[str, str]] = {
 matrix above runs loom's dense and MoE models; a family with its own attention or heads
 names its layouts here)."""
 
-FAMILY_REFUSALS: dict[str, tuple[str, ...]] = {}
+FAMILY_REFUSALS: dict[str, tuple[str, ...]] = {
+    "deepseek-v3": ("multi-token prediction with `--doc-mask` under `--pp` "
+                    "(`DeepseekV3Flags.check`): its first stage's forward fails at the second "
+                    "step, not yet understood",),
+}
 """Family -> the layouts and losses it refuses in one line, and why."""
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from loom.config.declare import COUNT_MAX, SIZE_MAX, flag
+from loom.errors import ConfigError
+from loom.models.deepseek_v3.args import SHAPES
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,18 @@ class DeepseekV3Flags:
     mtp_loss_weight: float | None = flag(None, "deepseek-v3: weight of the mean MTP loss "
                                          "added to the main loss (unset: 0.3)", type=float,
                                          ge=0, le=1e3)
+
+    def check(self, cfg: Any) -> None:
+        """Multi-token prediction with --doc-mask under --pp fails in the first stage's
+        forward at its second step (tests/parity/test_deepseek_v3_mtp_losses.py's
+        doc_mask_pp2, not yet understood): refused in one line until it runs."""
+        if cfg.model.family != "deepseek-v3" or not (cfg.data.doc_mask and cfg.parallel.pp > 1):
+            return
+        mtp = self.mtp_layers if self.mtp_layers is not None else \
+            SHAPES.get(cfg.model.model, {}).get("mtp_layers", 0)
+        if mtp:
+            raise ConfigError(f"deepseek-v3 multi-token prediction (--mtp-layers {mtp}) with "
+                              "--doc-mask does not run under --pp yet; drop one of them")
 
     def set_values(self) -> dict[str, Any]:
         """The flags a user set (a width left None keeps its source's)."""
