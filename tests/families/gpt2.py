@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from loom.config import ConfigError, ModelConfig
 from loom.config.declare import flag
+from loom.models.context import ForwardContext, context_of
 from loom.models.registry import register
 from loom.models.spec import ModelParts, ModelPlan, ModelSpec
 from loom.parallel.mesh import ParallelDims
@@ -129,8 +130,6 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    hidden_output = False
-
     def __init__(self, args: GPT2Args):
         super().__init__()
         self.args = args
@@ -139,15 +138,21 @@ class GPT2(nn.Module):
         self.ln_f = nn.LayerNorm(args.dim)
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """Ids -> logits, the hidden states where `ctx.hidden` or the head's loss where
+        `ctx.head_apply` (fused-linear); it has no document mask to apply."""
+        ctx = context_of(ctx)
+        if ctx.documents is not None:
+            raise ValueError("the gpt2 test family has no document mask")
         h = self.embed(tokens) if self.embed is not None else tokens
         for block in self.blocks.values():
             h = block(h)
         if self.ln_f is None:
             return h
         h = self.ln_f(h)
-        return h if return_hidden or self.hidden_output else self.head(h)
+        if ctx.head_apply is not None:
+            return ctx.head_apply(h, self.head.weight)
+        return h if ctx.hidden else self.head(h)
 
     def init_std(self, name: str) -> float | None:
         if name.endswith("bias"):

@@ -8,6 +8,9 @@ _DEEPSEEK = "tests/parity/test_deepseek_v3_parity.py::"
 _DEEPSEEK_FLOAT8 = ("tests/parity/test_deepseek_v3_float8.py::"
                     "test_float8_layout_matches_float8_single_process")
 _MTP_PP = "tests/parity/test_deepseek_v3_mtp_pipeline.py::"
+_MTP_LOSS = "tests/parity/test_deepseek_v3_mtp_losses.py::test_mtp_loss_mode_matches_single_process"
+_MTP_LOSS_SLOW = ("tests/parity/test_deepseek_v3_mtp_losses.py::"
+                  "test_slow_mtp_loss_mode_matches_single_process")
 _GPT2 = "tests/integration/test_custom_family.py::"
 FAMILY_LAYOUT_TESTS: dict[str, dict[str, str]] = {
     "gpt2-test": {
@@ -64,6 +67,12 @@ FAMILY_LAYOUT_TESTS: dict[str, dict[str, str]] = {
                               "process[dualpipev]",
         "MTP + pp-dualpipev + cp": f"{_MTP_PP}test_slow_mtp_pp2_v_schedule_matches_single_"
                                    "process[dualpipev_cp2]",
+        "MTP + fused-linear + dp_shard": f"{_MTP_LOSS}[fused_linear_dp2]",
+        "MTP + chunked + dp_shard": f"{_MTP_LOSS}[chunked_dp2]",
+        "MTP + loss-parallel + tp": f"{_MTP_LOSS}[loss_parallel_tp2]",
+        "MTP + doc-mask + cp": f"{_MTP_LOSS}[doc_mask_cp2]",
+        "MTP + fused-linear + tp": f"{_MTP_LOSS_SLOW}[fused_linear_tp2]",
+        "MTP + doc-mask + fused-linear + tp": f"{_MTP_LOSS_SLOW}[doc_mask_fused_linear_tp2]",
     },
 }
 """Family -> layout (as its spec names it) -> the parity test that runs it against one

@@ -4,28 +4,33 @@ ranges."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from loom.cli import config_toml
-from loom.config import parse_args
+from loom.config import LossConfig, parse_args
 from loom.errors import ConfigError
 from loom.lora.converter import checked_targets
+from loom.losses import IGNORE_INDEX, Criterion, build_criterion, depth_targets
+from loom.models.context import ForwardContext
 from loom.models.deepseek_v3.args import MLA_FIELDS, DeepseekV3Args
 from loom.models.deepseek_v3.hf import config_fields
 from loom.models.deepseek_v3.model import DeepseekV3, GroupLimitedRouter, MTPModule
 from loom.models.deepseek_v3.plan import deepseek_v3_plan
 from loom.models.deepseek_v3.presets import PRESETS
+from loom.models.deepseek_v3.spec import mtp_depths
 from loom.models.registry import for_config
 from loom.models.resolve import model_args, plain_model
 from loom.parallel.pipeline_stages import stage_module
 from loom.plan.command import Plan, parameter_counts, report
 from tests.deepseek_folders import SHAPE, save_deepseek
-from tests.harness import run_process
+from tests.harness import run_process, run_ranks
 from tests.routing import tie_margin
 
 TINY = DeepseekV3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64,
@@ -141,18 +146,35 @@ def test_moonlight_has_its_published_total_and_counts_its_lookup_as_one_row() ->
     assert abs(whole_table / 3e9 - 1) < 0.04, whole_table
 
 
-def test_mtp_loss_trains_the_shared_embedding_and_head_and_leaves_eval_alone() -> None:
+def criterion_of(model: DeepseekV3, loss_impl: str = "eager") -> Criterion:
+    return build_criterion(LossConfig(loss_impl=loss_impl, loss_chunk_size=5), model.output,
+                           depths=mtp_depths(model))
+
+
+def next_token_labels(tokens: torch.Tensor) -> torch.Tensor:
+    """Position i's label is token i + 1; the last position has none."""
+    return F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def test_mtp_depths_train_the_shared_embedding_and_head_and_leave_eval_alone() -> None:
     model = built(TINY)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     plain = built(replace(TINY, mtp_layers=0))
     plain.load_state_dict({k: v for k, v in model.state_dict().items()
                            if not k.startswith("mtp.")})
     model.train()
-    logits = model(tokens)
+    rows = model(tokens, ctx=ForwardContext(depths=True))
+    assert rows.shape == (2 * (1 + TINY.mtp_layers), 16, TINY.vocab_size)
     with torch.no_grad():
-        assert torch.equal(logits, plain.train()(tokens))  # main head's logits only
-    assert model.mtp_loss > 0
-    logits.sum().mul(0).backward()  # the main loss adds nothing: what moves is MTP's
+        assert torch.equal(rows[:2], plain.train()(tokens))  # the main head's logits first
+        assert torch.equal(model(tokens), plain(tokens)), "no depths asked: none run"
+    criterion = criterion_of(model)
+    targets = criterion.targets(next_token_labels(tokens), True)
+    targets[:, 0] = IGNORE_INDEX  # no main label: what the objective moves is MTP's reach
+    sums = criterion.sums(rows, targets)
+    assert sums[1] == 0 and sums[2] > 0
+    torch.testing.assert_close(sums[0], TINY.mtp_loss_weight * sums[2])
+    sums[0].backward()
     for name in ("tok_embeddings.weight", "output.weight", "mtp.0.eh_proj.weight"):
         grad = model.get_parameter(name).grad
         assert grad is not None and grad.abs().sum() > 0, name
@@ -162,25 +184,75 @@ def test_mtp_loss_trains_the_shared_embedding_and_head_and_leaves_eval_alone() -
         assert torch.equal(model(tokens), plain.eval()(tokens))
 
 
-def test_each_mtp_depth_reads_the_embedding_of_the_token_that_many_ahead() -> None:
-    """The model shifts token ids (one embedding call, sequence-sharded under tp); the loss
-    equals the definition's: depth d's input at i is the embedding of token i+d (zeros past
-    the end), its logits at i scored against token i+d+1."""
+@pytest.mark.parametrize("loss_impl", ["eager", "chunked", "chunked-backward", "fused-linear"])
+def test_each_mtp_depth_reads_the_token_that_many_ahead_and_scores_the_label_past_it(
+        loss_impl: str) -> None:
+    """Depth d's input at i is the embedding of token i+d (zeros past the end), its
+    prediction at i scored against label i+d (token i+d+1), the sum over the valid ones;
+    the criterion reports the mean over depths of those sums, in every loss mode."""
     model = built(replace(TINY, mtp_layers=2)).train()
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
-    model(tokens)
+    criterion = criterion_of(model, loss_impl)
+    sums = criterion.model_sums(model, tokens, criterion.targets(next_token_labels(tokens),
+                                                                 True))
     with torch.no_grad():
         embedded = model.tok_embeddings(tokens)
         prev, losses = embedded, []
         for layer in model.layers.values():
             prev = layer(prev, model.rope)
+        main = F.cross_entropy(model.output(model.norm(prev))[:, :15].flatten(0, 1),
+                               tokens[:, 1:].flatten(), reduction="sum")
         for depth, module in enumerate(model.mtp.values(), start=1):
             shifted = torch.zeros_like(embedded)
             shifted[:, :-depth] = embedded[:, depth:]
             prev, normed = module(prev, shifted, model.rope)
             logits = model.output(normed)[:, :16 - depth - 1]
-            losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, depth + 1:].flatten()))
-    torch.testing.assert_close(model.mtp_loss, torch.stack(losses).mean(), rtol=1e-6, atol=0)
+            losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, depth + 1:].flatten(),
+                                          reduction="sum"))
+    depths = torch.stack(losses).mean()
+    torch.testing.assert_close(sums, torch.stack([main + TINY.mtp_loss_weight * depths, main,
+                                                  depths]), rtol=1e-5, atol=0)
+
+
+def test_mtp_honours_the_answer_mask() -> None:
+    """Chat data masks the prompt and the padding (`IGNORE_INDEX`): every depth's targets
+    are the labels d ahead, so a masked label stays masked at every depth. Changing only
+    tokens whose labels are all masked (the padding after the answer) leaves the MTP loss
+    as it was (they were MTP targets when its targets came from the input ids); changing
+    an answer label moves it."""
+    model = built(replace(TINY, mtp_layers=2)).train()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(4))
+    labels = next_token_labels(tokens)
+    labels[:, :5] = IGNORE_INDEX  # the prompt
+    labels[:, 11:] = IGNORE_INDEX  # padding: tokens 12 ... 15 are no one's target
+    criterion = criterion_of(model)
+    targets = criterion.targets(labels, True)
+    for depth in range(3):  # depth d at i scores label i + d, masked where it is
+        want = F.pad(labels[:, depth:], (0, depth), value=IGNORE_INDEX)
+        assert torch.equal(targets[:, depth], want)
+
+    def mtp_loss(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return criterion.model_sums(model, tokens, criterion.targets(labels, True))[2]
+
+    padded = tokens.clone()
+    padded[:, 12:] = (padded[:, 12:] + 1) % 64  # other padding ids
+    assert torch.equal(mtp_loss(padded, labels), mtp_loss(tokens, labels))
+    answer = labels.clone()
+    answer[0, 8] = (answer[0, 8] + 1) % 64
+    assert not torch.equal(mtp_loss(tokens, answer), mtp_loss(tokens, labels))
+    unmasked = next_token_labels(tokens)  # the padding's labels counted: the loss moves
+    assert not torch.equal(mtp_loss(padded, unmasked), mtp_loss(tokens, unmasked))
+
+
+def test_a_document_mask_keeps_each_depth_within_its_document() -> None:
+    """Under --doc-mask a depth whose input token d ahead lies in a later document has no
+    target (the main loss already ignores each document's first token)."""
+    labels = torch.arange(10)[None].clone()
+    documents = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 2]])
+    targets = depth_targets(labels, 2, documents)
+    assert targets[0, 1].tolist() == [1, 2, 3, -100, 5, 6, -100, 8, 9, -100]
+    assert targets[0, 2].tolist() == [2, 3, -100, -100, 6, -100, -100, 9, -100, -100]
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -207,36 +279,39 @@ def test_the_plan_makes_each_mtp_module_a_unit_on_the_stage_with_the_head() -> N
 
 def test_two_pipeline_stages_give_mtp_the_whole_models_gradients() -> None:
     """The first stage sends each depth's embedded shifted tokens below its hidden states;
-    the last holds the MTP modules with the head. Run by hand as a schedule would, two
-    micro-batches each weighing half the MTP loss: every gradient, the first stage's
-    embedding's (which MTP reaches only through what it was sent) included, and the MTP
-    metric are the whole model's."""
+    the last holds the MTP modules with the head and returns every depth's rows. Run by
+    hand as a schedule would, two micro-batches each weighing its share of the step's
+    valid tokens: every gradient, the first stage's embedding's (which MTP reaches only
+    through what it was sent) included, and the depths' loss are the whole model's."""
     model = built(TINY).train()
+    criterion = criterion_of(model)
     tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
-    model(tokens).sum().div(tokens.numel()).backward()  # the main loss's share: small
+    labels = next_token_labels(tokens)
+    count = (labels != IGNORE_INDEX).sum()
+    whole = criterion.model_sums(model, tokens, criterion.targets(labels, True))
+    (criterion.objective(whole) / count).backward()
     stages = [stage_module(model, range(0, 2)), stage_module(model, range(2, 5))]
     assert stages[0].mtp is None and stages[1].mtp is not None
+    assert mtp_depths(stages[0]).count == mtp_depths(stages[1]).count == 1
     for stage in stages:
         stage.zero_grad()
-        stage.microbatches = 2
-    metrics = []
-    for micro in tokens.chunk(2):
-        sent = stages[0](micro)
+    sums = []
+    for micro, micro_labels in zip(tokens.chunk(2), labels.chunk(2), strict=True):
+        ctx = ForwardContext(token_ids=micro, depths=True)
+        sent = stages[0](micro, ctx=ctx)
         assert sent.shape == (2 * (1 + TINY.mtp_layers), 16, TINY.dim)
         received = sent.detach().requires_grad_()
-        stages[1](received, token_ids=micro).sum().div(tokens.numel()).backward()
+        micro_sums = criterion.sums(stages[1](received, ctx=ctx),
+                                    criterion.targets(micro_labels, True))
+        (criterion.objective(micro_sums) / count).backward()
         sent.backward(received.grad)
-        metrics.append(stages[1].mtp_loss.clone())
+        sums.append(micro_sums.detach())
     for stage in stages:
         for name, p in stage.named_parameters():
             ref = model.get_parameter(name).grad
             torch.testing.assert_close(p.grad, ref, rtol=1e-5, msg=name,
                                        atol=1e-6 * ref.abs().max().item())
-    torch.testing.assert_close(metrics[-1], model.mtp_loss, rtol=1e-6, atol=0)
-    with torch.no_grad():  # evaluating, the stages keep their packing and run no MTP
-        whole = model.eval()(tokens)
-        torch.testing.assert_close(stages[1].eval()(stages[0].eval()(tokens)), whole,
-                                   rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sum(sums), whole.detach(), rtol=1e-5, atol=0)
 
 
 def test_the_family_flags_override_the_preset_and_show_in_the_config() -> None:
@@ -272,46 +347,34 @@ def test_loom_plan_prints_the_published_parameter_counts() -> None:
 @pytest.mark.parametrize("mode", ["eager", "chunked", "chunked-backward", "compiled",
                                   "loss-parallel", "fused-linear"])
 @pytest.mark.parametrize("doc_mask", [False, True])
-def test_mtp_is_refused_only_with_a_loss_it_cannot_take(mode: str, doc_mask: bool) -> None:
-    """Every --loss-impl against MTP: the logits modes run it (loss-parallel at --tp 1 is
-    the compiled one); fused-linear (hidden states out) and --doc-mask are refused in one
-    line naming the flags, from the preset's MTP module or --mtp-layers alike."""
+def test_mtp_composes_with_every_loss_and_the_document_mask(mode: str, doc_mask: bool) -> None:
+    """MTP is scored by the criterion, so every --loss-impl and --doc-mask take it, at one
+    process and at --tp 2, from the preset's MTP module or --mtp-layers alike (the runs:
+    tests/parity/test_deepseek_v3_mtp_losses.py)."""
     extra = ["--loss-impl", mode, *(["--doc-mask"] if doc_mask else [])]
     for argv in (["--model", "deepseek-v3-mtp-debug"],
-                 ["--model", "deepseek-v3-debug", "--mtp-layers", "2"]):
-        argv = [*argv, "--dataset", "random", *extra]
-        if mode != "fused-linear" and not doc_mask:
-            assert model_args(parse_args(argv)).mtp_layers >= 1
-            continue
-        with pytest.raises(ConfigError, match="multi-token prediction") as refused:
-            parse_args(argv)
-        named = ["--loss-impl fused-linear"] * (mode == "fused-linear") + ["--doc-mask"] * doc_mask
-        assert all(name in str(refused.value) for name in named), refused.value
-    parse_args(["--model", "deepseek-v3-mtp-debug", "--dataset", "random", "--mtp-layers", "0",
-                *extra])  # without MTP modules both are fine
-    tp2 = ["--model", "deepseek-v3-mtp-debug", "--dataset", "random", "--tp", "2"]
-    if mode == "loss-parallel" and not doc_mask:  # the vocabulary-sharded logits: refused
-        with pytest.raises(ConfigError, match="--loss-impl loss-parallel"):
-            parse_args([*tp2, *extra])
-    elif mode != "fused-linear" and not doc_mask:  # tp shards the sequence: MTP runs
-        assert parse_args([*tp2, *extra]).parallel.tp == 2
+                 ["--model", "deepseek-v3-debug", "--mtp-layers", "2"],
+                 ["--model", "deepseek-v3-mtp-debug", "--tp", "2"]):
+        cfg = parse_args([*argv, "--dataset", "random", *extra])
+        assert model_args(cfg).mtp_layers >= 1 and cfg.data.doc_mask is doc_mask
 
 
 @pytest.mark.parametrize("source", ["preset", "hub_folder"])
-def test_loom_train_refuses_mtp_with_a_loss_it_cannot_take_in_one_line(tmp_path,
-                                                                        source: str) -> None:
+def test_loom_train_runs_mtp_with_the_document_mask_and_the_fused_loss(tmp_path,
+                                                                       source: str) -> None:
     """The preset's MTP module with --doc-mask; a DeepseekV3ForCausalLM folder (its family
-    known only once its config is read) given --mtp-layers with the fused loss."""
+    known only once its config is read) given --mtp-layers with the fused loss: both
+    train and report the depths' loss (once refused, as the loss ran inside the model)."""
     argv = ["--model", "deepseek-v3-mtp-debug", "--doc-mask"]
     if source == "hub_folder":
         argv = ["--model", str(save_deepseek(tmp_path / "ds", tokenizer=False)),
                 "--mtp-layers", "1", "--loss-impl", "fused-linear"]
     proc = run_process([sys.executable, "-m", "loom", "train", *argv, "--dataset", "random",
                         "--seq-len", "32", "--max-steps", "1", "--outdir", str(tmp_path / "out")])
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
-    assert "multi-token prediction" in errors[0] and argv[-1] in errors[0], errors
-    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics-0.jsonl").read_text()
+            .splitlines()]
+    assert any(row.get("mtp/loss", 0) > 0 for row in rows), rows
 
 
 @pytest.mark.parametrize(("q_lora_rank", "query"), [("0", "attention.wq"),
@@ -332,3 +395,23 @@ def test_lora_defaults_take_the_query_projection_the_shape_has(q_lora_rank: str,
         cfg = parse_args([*argv, "--lora-targets", other])
         with torch.device("meta"):
             checked_targets(cfg, plain_model(cfg))
+
+
+def test_compiled_mtp_at_one_process_compiles_once(tmp_path: Path) -> None:
+    """--compile at one process traces model and loss as one graph. The depths' loss is
+    the criterion's, with no Python state in the forward to guard on, so eight
+    micro-batches a step for four steps run one compiled graph: Dynamo's
+    `error_on_recompile` (tests/workers/compile_counters_worker.py) fails the run on any
+    recompile, as the per-forward MTP counter once made every micro-batch do."""
+    argv = ["--model", "deepseek-v3-mtp-debug", "--dataset", "random", "--vocab-size", "128",
+            "--seq-len", "16", "--batch-size", "1", "--fp32", "--compile",
+            "--compile-backend", "aot_eager", "--grad-accum-steps", "8", "--max-steps", "4",
+            "--outdir", str(tmp_path / "run")]
+    job = run_ranks(1, ["tests/workers/compile_counters_worker.py", json.dumps({"mtp": argv})],
+                    timeout=900)
+    assert job.ok, job.describe()
+    seen = json.loads(job.ranks[0].stdout.strip().splitlines()[-1])["mtp"]
+    assert seen["steps"] == 4 and not seen["graph_breaks"], seen
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics-0.jsonl").read_text()
+            .splitlines()]
+    assert any("mtp/loss" in row for row in rows), "the criterion reports the depths' loss"

@@ -14,7 +14,9 @@ family. `tests/unit/models/test_flag_use.py` walks the whole table.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import fields
 
+from loom.config.families import flag_groups
 from loom.config.job import JobConfig, flag_fields
 from loom.errors import ConfigError
 
@@ -49,8 +51,10 @@ def use_table() -> list[str]:
     families, used or refused."""
     names = [n for n in _USES if n in _OWN]
     lines = ["| flag | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    outside = {f.name for g in flag_groups() if not g.__module__.startswith("loom.")
+               for f in fields(g)}  # a family registered from elsewhere (a test's) is not loom's
     for flag in model_flag_names():
-        if flag not in SELECTION:
+        if flag not in SELECTION and flag not in outside:
             cells = ["used" if flag in _USES[n] else "refused" for n in names]
             lines.append(f"| `--{flag.replace('_', '-')}` | " + " | ".join(cells) + " |")
     return lines

@@ -1,6 +1,8 @@
 """Cross-entropy over logits: eager, row-chunked, chunked-backward and vocab-parallel.
 
-Every function returns the mean over non-ignored tokens, accumulated in fp32. The
+Every function returns the mean over non-ignored tokens, accumulated in fp32 (0, with zero
+gradients, where every label is ignored: a depth of multi-token prediction can find no
+target in a short answer, and its sum must stay 0, not NaN). The
 row-chunk kernels (`softmax_`, `softmax_to_grad_`) are shared with the fused linear loss.
 """
 
@@ -75,8 +77,10 @@ def softmax_to_grad_(p: torch.Tensor, targets: torch.Tensor, shard: VocabShard,
 
 def eager_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Plain cross-entropy over full logits (..., V), accumulated in fp32."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
-                           ignore_index=IGNORE_INDEX)
+    labels = labels.flatten()
+    total = F.cross_entropy(logits.flatten(0, -2).float(), labels, ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
@@ -86,7 +90,7 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     rows, targets = logits.flatten(0, -2), labels.flatten()
     total = sum(F.cross_entropy(x.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
                 for x, y in zip(rows.split(chunk_size), targets.split(chunk_size), strict=True))
-    return total / (targets != IGNORE_INDEX).sum()
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -105,7 +109,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             lse[rows], target = softmax_(fp32, targets[rows], shard)
             del fp32
             total += ((lse[rows] - target) * valid[rows]).sum()
-        count = valid.sum()
+        count = valid.sum().clamp(min=1)
         ctx.save_for_backward(logits, targets, lse, count)
         ctx.chunk_size, ctx.shard = chunk_size, shard
         return total / count

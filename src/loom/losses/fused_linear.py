@@ -26,11 +26,12 @@ from loom.losses.cross_entropy import IGNORE_INDEX, VocabShard, softmax_, softma
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, shard: VocabShard,
            row_weight: torch.Tensor, grad_h: torch.Tensor | None,
            grad_w: torch.Tensor | None) -> torch.Tensor:
-    """One row chunk: its loss sum; writes its rows of grad_h and adds into grad_w. Its
-    (C, V_local) temporaries die on return, before the next chunk's are made."""
+    """One row chunk: its rows' losses (0 where ignored); writes its rows of grad_h and adds
+    into grad_w. Its (C, V_local) temporaries die on return, before the next chunk's are
+    made."""
     p = (hidden @ weight.T).float()
     lse, target = softmax_(p, targets, shard)
-    loss_sum = ((lse - target) * (targets != IGNORE_INDEX)).sum()
+    row_loss = (lse - target) * (targets != IGNORE_INDEX)
     grad = softmax_to_grad_(p, targets, shard, row_weight).to(hidden.dtype)
     del p
     if grad_h is not None:
@@ -39,7 +40,7 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, sh
         grad_w.addmm_(grad.T, hidden)
     elif grad_w is not None:  # fp32 master weight, bf16 GEMM: summed over chunks in fp32
         grad_w += grad.T @ hidden
-    return loss_sum
+    return row_loss
 
 
 def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -61,30 +62,36 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                chunk_size: int, shard: VocabShard, grad_enabled: bool) -> torch.Tensor:
-        """hidden (N, D), weight (V_local, D), targets (N,) -> mean loss; gradients kept
-        unless grad mode was off at the call (needs_input_grad ignores it)."""
+                chunk_size: int, shard: VocabShard, grad_enabled: bool,
+                row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (N, D), weight (V_local, D), targets (N,) -> (mean loss, or the sum of
+        each row's loss times `row_scale` (N,) where given; each row's loss (N,), a value
+        only); gradients kept unless grad mode was off at the call (needs_input_grad
+        ignores it)."""
         want_h, want_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         valid = targets != IGNORE_INDEX
-        count = valid.sum()
-        row_weight = valid / count
+        # a mean where no scale is given (every label ignored: 0, not NaN)
+        row_weight = valid / valid.sum().clamp(min=1) if row_scale is None \
+            else valid * row_scale
         dtype = compute_dtype(hidden)
         hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)  # no copy where they are
         grad_h = torch.empty_like(hidden_c) if want_h else None  # autograd casts it back
         grad_w = torch.zeros_like(weight) if want_w else None  # the weight's own dtype
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        row_loss = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
         for start in range(0, len(targets), chunk_size):
             rows = slice(start, start + chunk_size)
-            total += _chunk(hidden_c[rows], weight_c, targets[rows], shard, row_weight[rows],
-                            None if grad_h is None else grad_h[rows], grad_w)
+            row_loss[rows] = _chunk(hidden_c[rows], weight_c, targets[rows], shard,
+                                    row_weight[rows],
+                                    None if grad_h is None else grad_h[rows], grad_w)
         ctx.save_for_backward(grad_h, grad_w)
-        return total / count
+        ctx.mark_non_differentiable(row_loss)
+        return (row_loss * row_weight).sum(), row_loss
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, grad_rows: torch.Tensor | None = None):
         grad_h, grad_w = ctx.saved_tensors
         scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in (grad_h, grad_w)]
-        return *scaled, None, None, None, None
+        return *scaled, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -94,17 +101,41 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     With a vocabulary-sharded DTensor weight (tp), hidden must be a replicated DTensor; each
     rank's hidden-state gradient is then a partial sum over its vocabulary shard.
     """
+    return _fused(hidden, weight, labels.flatten(), chunk_size, None,
+                  lambda loss, rows: loss)
+
+
+def fused_linear_sums(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                      row_scale: torch.Tensor, split: int, depths: int,
+                      chunk_size: int) -> torch.Tensor:
+    """(3,) in one pass over every row of `hidden` (N, D) against `labels` (N,): the sum of
+    each valid row's loss times `row_scale` (N,), with gradient (what backward trains),
+    then, as values only, the loss sum of rows [:split] and the mean over `depths` of the
+    rest's (0 without depths). One call for the main rows and every prediction depth, so
+    the weight's gradient is one buffer, as without depths."""
+    def sums(loss: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        extra = rows[split:].sum() / depths if depths else rows.new_zeros(())
+        return torch.stack([loss, rows[:split].sum(), extra])
+    return _fused(hidden, weight, labels, chunk_size, row_scale, sums)
+
+
+def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+           row_scale: torch.Tensor | None,
+           result: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The fused loss of a plain or vocabulary-sharded (DTensor, tp) weight; `result` forms
+    what is returned from (loss, each row's loss), on the local tensors."""
     if not isinstance(weight, DTensor):
-        return _FusedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(),
-                                              chunk_size, VocabShard(), torch.is_grad_enabled())
+        return result(*_FusedLinearCrossEntropy.apply(
+            hidden.flatten(0, -2), weight, labels, chunk_size, VocabShard(),
+            torch.is_grad_enabled(), row_scale))
     shard = VocabShard.of(weight, 0)
     if not isinstance(hidden, DTensor) or any(not p.is_replicate() for p in hidden.placements):
         raise ValueError("fused-linear under tp needs hidden states replicated across tp")
     local_h = hidden.to_local(grad_placements=[Partial() if shard.group else Replicate()])
-    loss = _FusedLinearCrossEntropy.apply(local_h.flatten(0, -2), weight.to_local(),
-                                          labels.flatten(), chunk_size, shard,
-                                          torch.is_grad_enabled())
-    return DTensor.from_local(loss, weight.device_mesh, [Replicate()], run_check=False)
+    out = result(*_FusedLinearCrossEntropy.apply(
+        local_h.flatten(0, -2), weight.to_local(), labels, chunk_size, shard,
+        torch.is_grad_enabled(), row_scale))
+    return DTensor.from_local(out, weight.device_mesh, [Replicate()], run_check=False)
 
 
 def fused_head_loss(head: nn.Module, chunk_size: int,

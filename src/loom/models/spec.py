@@ -11,12 +11,14 @@ adapters and is given its parallel plan at registration (models never import the
 code; loom's own families register in `loom/families.py`, one line each).
 
 The model protocol a spec promises (written down because the recipe relies on it):
-- `forward(tokens, positions=None, return_hidden=False)`: ids (B, T) -> logits (B, T, V);
-  `tokens` may be the previous pipeline stage's hidden states when the embedding is None;
-  `positions` (T,) are the global positions of a sequence shard (context parallel).
-  Optionally `head_apply=f`: return the head's `head(h, apply=f)` (a loss on its weight)
-  instead of logits, so that a loss the head runs (fused-linear) runs inside the forward
-  that the head's FSDP2 unit belongs to.
+- `forward(tokens, ctx=None)`: ids (B, T) -> logits (B, T, V); `tokens` may be the previous
+  pipeline stage's hidden states when the embedding is None. `ctx` is one declared record,
+  `loom.models.context.ForwardContext`, of what a layout or the loss hands this forward:
+  a cp shard's positions and mask, the documents of --doc-mask, the whole sequences' ids,
+  whether to return hidden states (`hidden`) or a loss the head computes on its weight
+  (`head_apply`, fused-linear inside the head's FSDP2 unit), and whether to return the
+  family's extra prediction depths below the main rows (`depths`, see `Depths`). Models
+  never read an attribute the trainer set on them; layouts change `ctx`, not the model.
 - A pipeline stage is the model with its embedding, or its head modules, set to None and
   blocks deleted from the block container (a `ModuleDict` keyed by layer index, so the
   remaining parameters keep their names); `forward` skips what is None and returns hidden
@@ -24,10 +26,10 @@ The model protocol a spec promises (written down because the recipe relies on it
 - `init_std(name) -> float | None`: the initial std of a parameter by name (None: ones);
   `init_buffers(device)`: recompute non-persistent buffers after `to_empty`. Parameters are
   drawn from (seed, name), so every layout starts from the same weights.
-- `hidden_output`: a class attribute a pipeline's last stage sets to return hidden states.
-- `microbatches`: only on a module that adds a loss of its own in forward (MoE's balance
-  loss, MTP): the executor sets it to the forwards of one optimizer step (accumulation
-  steps times a pipeline's micro-batches), and each forward weighs its loss 1 / microbatches.
+- A loss the model adds inside its own forward (MoE's balance loss) is weighted by the
+  module's `microbatches`, the forwards of one optimizer step, set by the executor before
+  the first step; auxiliary predictions (MTP depths) are returned instead, and scored by
+  the criterion against the labels with the main loss's modes and token weighting.
 """
 
 from __future__ import annotations
@@ -195,6 +197,26 @@ def _dense(args: Any) -> Routing | None:
 
 
 @dataclass(frozen=True)
+class Depths:
+    """A family's extra prediction depths (DeepSeek-V3's MTP): asked with `ctx.depths`,
+    the model returns, below the main rows, depth d's rows for d = 1 ... `count`, whose
+    position i predicts the token d + 1 ahead (the label d ahead). The criterion scores
+    them like the main rows and adds `weight` times their mean over depths."""
+
+    count: int = 0
+    weight: float = 0.0
+    metric: str = ""
+    """The metric the depths' loss is reported as (the step's loss is the main rows')."""
+
+
+NO_DEPTHS = Depths()
+
+
+def _no_depths(model: nn.Module) -> Depths:
+    return NO_DEPTHS
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family: how to build it and what every parallelism acts on."""
 
@@ -249,6 +271,9 @@ class ModelSpec:
     refusals: tuple[str, ...] = ()
     """What the family refuses in one line (its flags' `check`), and why: listed in
     docs/parallelism.md."""
+    depths: Callable[[nn.Module], Depths] = _no_depths
+    """A built model or pipeline stage -> its extra prediction depths: what the criterion
+    scores and a pipeline sends between stages (1 + count row blocks per micro-batch)."""
     flags: tuple[type, ...] = ()
     """The family's own flag dataclasses (`loom.config.families`: `flag()` fields, their
     defaults and a `check(cfg)`), registered with the family; its arguments are filled from

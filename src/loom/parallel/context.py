@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from loom.compat import all_gather_autograd
+from loom.models.context import context_of
 from loom.models.documents import shard_document_mask
 from loom.models.registry import for_model
 from loom.models.spec import ModelParts
@@ -186,22 +187,24 @@ def sum_over_cp(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _add_positions(mesh: DeviceMesh, tp: int
                    ) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
-    """Forward pre-hook of the model: pass the global RoPE positions of this rank's tokens;
-    under --doc-mask, given the whole sequence's `documents` (B, T), their positions within
-    their documents and their rows of the document mask instead. A later pipeline stage
-    gets hidden states, which tensor parallel also shards along the sequence (by `tp`)."""
+    """Forward pre-hook of the model: add to its `ctx` (`ForwardContext`) the global RoPE
+    positions of this rank's tokens; under --doc-mask, given the whole sequence's
+    `documents` (B, T), their positions within their documents and their rows of the
+    document mask instead. A later pipeline stage gets hidden states, which tensor parallel
+    also shards along the sequence (by `tp`)."""
     cp, rank = mesh.size(), mesh.get_local_rank()
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         tokens = args[0] if args else kwargs["tokens"]
+        ctx = context_of(args[1] if len(args) > 1 else kwargs.get("ctx"))
         seq_len = tokens.shape[1] * cp * (tp if tokens.is_floating_point() else 1)
         index = shard_positions(seq_len, cp, rank, device=tokens.device)
-        documents = kwargs.pop("documents", None)
-        if documents is None:
-            kwargs["positions"] = index
+        if ctx.documents is None:
+            ctx = ctx.with_(positions=index, shard_index=index)
         else:
-            kwargs["positions"], kwargs["mask"] = shard_document_mask(documents, index)
-        return args, kwargs
+            positions, mask = shard_document_mask(ctx.documents, index)
+            ctx = ctx.with_(positions=positions, mask=mask, shard_index=index, documents=None)
+        return args[:1], {**kwargs, "ctx": ctx}
 
     return hook
 

@@ -111,11 +111,12 @@ def stage_io(part: nn.Module, cfg: JobConfig, tp: int, microbatch: int, hidden: 
     activations are sequence-sharded across tp and in the compute dtype. Under context
     parallel every stage sees this cp rank's shard of each sequence (the trainer shards the
     batch before the schedule), so the lengths are seq_len / cp. A model may pack more
-    than the hidden states between stages as further row blocks (`pipeline_rows`: the
-    DeepSeek-V3 family's MTP embeddings)."""
+    than the hidden states between stages as further row blocks, one per extra prediction
+    depth (`ModelSpec.depths`: the DeepSeek-V3 family's MTP embeddings), and its last
+    stage returns the depths' rows below the main ones."""
     seq = cfg.data.seq_len // cfg.parallel.cp
     dim, dtype = cfg.model.dim, torch_dtype(cfg.parallel.dtype)
-    rows = microbatch * getattr(part, "pipeline_rows", 1)
+    rows = microbatch * (1 + for_model(part).depths(part).count)
     act = torch.empty(rows, seq // tp, dim, dtype=dtype, device="meta",
                       requires_grad=True)  # its gradient goes back to the previous stage
     if has_embedding(part):
@@ -125,5 +126,5 @@ def stage_io(part: nn.Module, cfg: JobConfig, tp: int, microbatch: int, hidden: 
     if not has_head(part):
         return inputs, act
     width = dim if hidden else cfg.model.vocab_size
-    return inputs, torch.empty(microbatch, seq, width, dtype=dtype, device="meta",
+    return inputs, torch.empty(rows, seq, width, dtype=dtype, device="meta",
                                requires_grad=True)

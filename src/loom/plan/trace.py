@@ -28,6 +28,7 @@ from loom.config.resolved import settled
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
 from loom.losses import Criterion, build_criterion
 from loom.losses.cross_entropy import localise
+from loom.models.context import ForwardContext
 from loom.models.registry import for_config, output_of, routing_of
 from loom.models.resolve import plain_model
 from loom.models.spec import ModelParts
@@ -42,7 +43,7 @@ from loom.plan.compiled import compiled_loss_memory
 from loom.protocols.extensions import convert_model
 from loom.runtime.distributed import caller_excepthook
 from loom.runtime.scope import logger_levels
-from loom.trainer.executor import loss_in_graph
+from loom.trainer.executor import depths_of, loss_in_graph
 from loom.trainer.optim import build_optimizer, clip_grad_norm
 from loom.trainer.step import document_ids
 
@@ -128,15 +129,17 @@ optimizer shards; its own gathers (per parameter on access, or compile's buckets
 taken to hold what FSDP2's per-block unshard holds."""
 
 
-def traced_criterion(cfg: JobConfig, head: torch.nn.Module | None, tp: int,
+def traced_criterion(cfg: JobConfig, model: torch.nn.Module, tp: int,
                      in_graph: bool = False) -> Criterion:
     """`build_criterion`, with the compiled loss's memory in place of torch.compile; also
     where the loss compiles into the model's graph (`in_graph`: --compile at one process,
     `loss_in_graph`), which fuses the eager cross-entropy as --loss-impl compiled does."""
+    head, depths = output_of(model), depths_of(model)
     if cfg.loss.loss_impl == "compiled" or in_graph:
         return Criterion(lambda logits, labels: compiled_loss_memory(localise(logits), labels,
-                                                                     donated=in_graph))
-    return build_criterion(cfg.loss, head, tp)
+                                                                     donated=in_graph),
+                         depths=depths)
+    return build_criterion(cfg.loss, head, tp, depths=depths)
 
 
 def _categories(snapshot: dict) -> Breakdown:
@@ -259,9 +262,11 @@ def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
     for two, the second beside the first's gradients: unreduced (--accum-reduce step) or
     reduced into the sharded ones, as the accumulation loop leaves them. `in_graph`: the
     loss compiles with the model (`traced_criterion`)."""
-    criterion = traced_criterion(cfg, output_of(model), dims.tp, in_graph)
+    criterion = traced_criterion(cfg, model, dims.tp, in_graph)
     tokens = torch.zeros(cfg.train.batch_size, cfg.data.seq_len // dims.cp, dtype=torch.long)
     documents = traced_documents(tokens, cfg)
+    ctx = None if documents is None else ForwardContext(documents=documents)
+    targets = criterion.targets(tokens, True, documents)
 
     micro_batches = 2 if cfg.train.grad_accum_steps > 1 else 1
     autocast = step_autocast(dims, cfg.parallel, "cpu")
@@ -274,8 +279,8 @@ def _model_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
             if micro_batches > 1 and deferred:
                 set_gradient_sync(model, i == micro_batches - 1)
             with autocast():  # the step's own (bf16 at one process)
-                loss_sum, count = criterion(criterion.forward(model, tokens, documents), tokens)
-            loss = loss_sum / count
+                sums = criterion.model_sums(model, tokens, targets, ctx)
+            loss = criterion.objective(sums) / tokens.numel()
             if i == 0:
                 forward_done()
             loss.backward()
@@ -291,16 +296,18 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
     keeps the parameters gathered and the gradients unsharded (torch defers FSDP's
     reduction to after the last micro-batch, `perform_reduce_grad`), so a second
     micro-batch, when there is one, runs beside the first one's gradients."""
-    criterion = traced_criterion(cfg, output_of(model), dims.tp)
-    if stage.last and criterion.hidden:
-        model.hidden_output = True
+    criterion = traced_criterion(cfg, model, dims.tp)
     mb, seq, dim = stage.microbatch, cfg.data.seq_len // dims.cp, cfg.model.dim  # cp: a shard
     dtype = torch_dtype(cfg.parallel.dtype)
     tokens = torch.zeros(mb, seq, dtype=torch.long)
     documents = traced_documents(tokens, cfg)
-    kwargs = {} if documents is None else {"documents": documents}
-    hidden = torch.zeros(mb, seq // dims.tp, dim, dtype=dtype, requires_grad=True)
-    grad = torch.zeros(mb, seq // dims.tp, dim, dtype=dtype)
+    depths = criterion.depths.count
+    ctx = ForwardContext(documents=documents, token_ids=tokens if depths else None,
+                         hidden=criterion.hidden, depths=depths > 0)
+    targets = criterion.targets(tokens, True, documents)
+    rows = mb * (1 + depths)  # the depths' rows travel below the hidden states
+    hidden = torch.zeros(rows, seq // dims.tp, dim, dtype=dtype, requires_grad=True)
+    grad = torch.zeros(rows, seq // dims.tp, dim, dtype=dtype)
     n_stages = max(3, dist.get_world_size())  # over the default group: it sends nothing
     index = 0 if stage.first else n_stages - 1 if stage.last else 1
     pipeline_stage = PipelineStage(model, index, n_stages, torch.device("cpu"))
@@ -312,8 +319,9 @@ def _stage_step(model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims,
         for i in range(min(2, stage.microbatches)):  # the second sees the first's gradients
             if i:
                 between()
-            out = model(tokens if stage.first else hidden, **kwargs)  # kept to backward, as
-            loss = criterion(out, tokens)[0] if stage.last else None  # the schedule does
+            out = model(tokens if stage.first else hidden, ctx=ctx)  # kept to backward, as
+            loss = criterion.objective(criterion.sums(out, targets)) if stage.last \
+                else None  # the schedule does
             if i == 0:
                 forward_done()
             if loss is None:

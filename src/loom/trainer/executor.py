@@ -11,7 +11,8 @@ from torch import nn
 
 from loom.config import ConfigError, JobConfig
 from loom.losses import build_criterion
-from loom.models.registry import named_part
+from loom.models.registry import named_part, spec_of
+from loom.models.spec import NO_DEPTHS, Depths
 from loom.parallel.compile import compile_kwargs
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.single import runs_plain, step_autocast, within
@@ -25,7 +26,8 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
     projects through the head of the last part (held by the pipeline's last stage).
     `eot_id`: the data's end-of-text id, which --doc-mask splits documents at."""
     criterion = build_criterion(cfg.loss, named_part(parts[-1], "output"), dims.tp,
-                                in_forward=head_in_forward(cfg, dims, parts[-1]))
+                                in_forward=head_in_forward(cfg, dims, parts[-1]),
+                                depths=depths_of(parts[-1]))
     if dims.pp_enabled:
         executor: StepExecutor = PipelineExecutor(parts, criterion, cfg, dims, device)
     else:
@@ -58,7 +60,7 @@ def loss_in_graph(cfg: JobConfig, dims: ParallelDims) -> bool:
 
 def head_in_forward(cfg: JobConfig, dims: ParallelDims, model: nn.Module) -> bool:
     """Whether a loss the head computes on its weight (fused-linear) can run inside the
-    model's forward (`head_apply`), where the head's FSDP2 unit (with the final norm)
+    model's forward (`ctx.head_apply`), where the head's FSDP2 unit (with the final norm)
     completes its forward once, instead of being finished by the root's end of forward
     and gathered again when the head is called afterwards: the whole model on this rank (no
     pipeline), whole sequences and logits (no cp, no tp, whose plans wrap the model's
@@ -69,15 +71,27 @@ def head_in_forward(cfg: JobConfig, dims: ParallelDims, model: nn.Module) -> boo
     whole_graph = p.compile and p.data_parallel == "simple-fsdp"
     return (not dims.pp_enabled and dims.tp == 1 and not dims.cp_enabled and not whole_graph
             and named_part(model, "output") is not None
-            and "head_apply" in inspect.signature(model.forward).parameters)
+            and takes_context(model))
+
+
+def takes_context(model: nn.Module) -> bool:
+    """Whether the model's forward takes a `ctx` (`loom.models.context`): loom's families
+    do, a transformers model does not."""
+    return "ctx" in inspect.signature(model.forward).parameters
+
+
+def depths_of(model: nn.Module) -> Depths:
+    """The model's extra prediction depths, which its family's spec declares (none for a
+    model no family of loom's builds)."""
+    spec = spec_of(model)
+    return NO_DEPTHS if spec is None else spec.depths(model)
 
 
 def check_takes_documents(parts: list[nn.Module]) -> None:
-    """--doc-mask hands every model part the batch's `documents`: a family whose model has
-    no such argument (no document mask) is refused in one line before the first step, not
-    a TypeError inside it."""
+    """--doc-mask hands every model part the batch's `documents` in its `ctx`: a model
+    without one (no document mask) is refused in one line before the first step, not a
+    TypeError inside it."""
     for part in parts:
-        params = inspect.signature(part.forward).parameters.values()
-        if not any(p.name == "documents" or p.kind is p.VAR_KEYWORD for p in params):
+        if not takes_context(part):
             raise ConfigError(f"--doc-mask: the {type(part).__name__} model takes no document "
                               "ids (its family has no document mask); drop --doc-mask")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from loom.config.pipeline_layout import (
     stages_per_rank,
 )
 from loom.losses import Criterion
+from loom.models.context import ForwardContext
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.pipeline_stages import held_layers, stage_io
 from loom.trainer.step import Accumulated, Batch, StepExecutor
@@ -52,9 +54,10 @@ class PipelineExecutor(StepExecutor):
         stages = [PipelineStage(part, i, n_stages, device, *stage_io(
                       part, cfg, dims.tp, microbatch, criterion.hidden), group=pp_group)
                   for part, i in zip(parts, self.stage_ids, strict=True)]
-        if criterion.hidden:
-            parts[-1].hidden_output = True  # the criterion projects through the head
-        self.token_ids = getattr(parts[0], "stage_token_ids", False)
+        self.depths = criterion.depths.count > 0  # every stage packs and is handed ids
+        for part in parts:  # the schedule's keywords -> the stage's declared context
+            part.register_forward_pre_hook(partial(stage_context, criterion.hidden,
+                                                   self.depths), prepend=True, with_kwargs=True)
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.owns_loss = self.has_last and dims.tp_rank == 0
         self.bubble = bubble_fraction(dims.pp, per_rank, self.microbatches, p.pp_schedule)
@@ -90,24 +93,28 @@ class PipelineExecutor(StepExecutor):
             "stages_by_pp_rank": [stage_indices(r, self.dims.pp, per_rank, p.pp_schedule)
                                   for r in range(self.dims.pp)]}}
 
-    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss_fn on the last stage: the weighted loss sum (the sum kept)."""
-        loss_sum, _ = self.criterion(output, labels)
-        self.sums.append(loss_sum.detach())
-        return loss_sum * self.scale
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn on the last stage: the weighted objective (the sums kept)."""
+        sums = self.criterion.sums(output, targets)
+        self.sums.append(sums.detach())
+        return self.criterion.objective(sums) * self.scale
 
     def run(self, batch: Batch, schedule: Callable[..., object]) -> torch.Tensor:
-        """One loader batch through `schedule` (step or eval); the owned loss sum."""
+        """One loader batch through `schedule` (step or eval); the owned loss sums (3,):
+        the objective, the main rows' and the extra depths' (`Criterion.sums`). With depths the last
+        stage returns their rows in evaluation too (the stages' shapes are fixed); only
+        the main sum is the evaluation's loss."""
         inputs, labels = self.to_device(batch)
         self.sums = []
         documents = self.documents(inputs)  # a keyword: the schedule hands it to every stage
         keywords = {} if documents is None else {"documents": documents}
-        if self.token_ids:  # the last stage's MTP scores the ids (every rank loads them)
+        if self.depths:  # the first stage picks each depth's ids (every rank loads them)
             keywords["token_ids"] = inputs
+        targets = self.targets(labels, documents, self.depths)
         schedule(*([inputs] if self.has_first else []),
-                 target=labels if self.has_last else None, return_outputs=False, **keywords)
-        return self.owned(torch.stack(self.sums).sum() if self.sums
-                          else torch.zeros((), device=self.device))
+                 target=targets if self.has_last else None, return_outputs=False, **keywords)
+        return self.owned(torch.stack(self.sums).sum(dim=0) if self.sums
+                          else torch.zeros(3, device=self.device))
 
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
@@ -115,10 +122,20 @@ class PipelineExecutor(StepExecutor):
         called, so the step's time counts as backward."""
         total = self.count_valid(micro_batches)
         self.scale = self.dims.loss_size / total
-        loss_sum = sum(self.run(batch, self.schedule.step) for batch in micro_batches)
-        return Accumulated(loss_sum, total)
+        sums = sum(self.run(batch, self.schedule.step) for batch in micro_batches)
+        return Accumulated(sums[1], total, self.depth_metrics(sums[2], total))
 
     @torch.no_grad()
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         self.scale = 1.0
-        return self.run(batch, self.schedule.eval)
+        return self.run(batch, self.schedule.eval)[1]
+
+
+def stage_context(hidden: bool, depths: bool, module: nn.Module, args: tuple,
+                  kwargs: dict) -> tuple[tuple, dict]:
+    """A stage's forward pre-hook: the tensors the schedule splits into micro-batches and
+    hands every stage as keywords (`documents`, `token_ids`) become its `ctx`, with what
+    the criterion needs of the last stage (hidden states for fused-linear, the depths)."""
+    ctx = ForwardContext(documents=kwargs.pop("documents", None),
+                         token_ids=kwargs.pop("token_ids", None), hidden=hidden, depths=depths)
+    return args, {**kwargs, "ctx": ctx}

@@ -20,16 +20,17 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.losses import IGNORE_INDEX, Criterion
-from loom.parallel.context import gather_sequence
+from loom.models.context import ForwardContext
+from loom.parallel.context import gather_sequence, shard_sequence
 from loom.parallel.grad_sync import set_gradient_sync
 from loom.parallel.mesh import ParallelDims
 from loom.runtime.distributed import summed
 from loom.runtime.host_hygiene import to_device
 
 Batch = dict[str, torch.Tensor]
-MicroLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
-                     tuple[torch.Tensor, torch.Tensor]]
-"""(model, inputs, labels, documents) -> (loss sum, valid count) of one micro-batch."""
+MicroLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, "ForwardContext | None"],
+                     torch.Tensor]
+"""(model, inputs, targets, context) -> one micro-batch's loss sums (`Criterion.sums`)."""
 
 
 def document_ids(inputs: torch.Tensor, eot_id: int) -> torch.Tensor:
@@ -41,10 +42,9 @@ def document_ids(inputs: torch.Tensor, eot_id: int) -> torch.Tensor:
 
 
 def forward_loss(criterion: Criterion, model: nn.Module, inputs: torch.Tensor,
-                 labels: torch.Tensor, documents: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 targets: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
     """One micro-batch's forward and criterion: what a single-device compile takes whole."""
-    return criterion.model_loss(model, inputs, labels, documents)
+    return criterion.model_sums(model, inputs, targets, ctx)
 
 
 @dataclass
@@ -69,6 +69,9 @@ class Accumulated:
 
     loss_sum: torch.Tensor
     valid: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The extra depths' loss (`Depths.metric`) over the step's valid tokens, on the
+    device."""
 
 
 class StepExecutor(ABC):
@@ -114,6 +117,32 @@ class StepExecutor(ABC):
     def to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return to_device(batch["input"], self.device), to_device(batch["labels"], self.device)
 
+    def targets(self, labels: torch.Tensor, documents: torch.Tensor | None,
+                depths: bool) -> torch.Tensor:
+        """What the criterion scores (`Criterion.targets`): with the extra depths' labels
+        where `depths`. Under context parallel the depths' labels come from the whole
+        sequences (a label d ahead may be another rank's), then this rank's shard of them
+        is taken, so each rank scores its own positions."""
+        if not (depths and self.criterion.depths.count):
+            return labels
+        if not self.dims.cp_enabled:
+            return self.criterion.targets(labels, True, documents)
+        mesh = self.dims.get_mesh("cp")
+        whole = self.criterion.targets(gather_sequence(labels, mesh), True, documents)
+        return shard_sequence(whole, mesh.size(), mesh.get_local_rank(), dim=2)
+
+    def depth_metrics(self, depth_sum: torch.Tensor, total: torch.Tensor
+                      ) -> dict[str, torch.Tensor]:
+        """The depths' metric: this rank's owned share of their loss sum, summed over every
+        rank, over the step's valid tokens (as the step's loss is formed)."""
+        depths = self.criterion.depths
+        if not depths.count:
+            return {}
+        return {depths.metric: summed(self.owned(depth_sum).float()) / total}
+
+    def context(self, documents: torch.Tensor | None) -> ForwardContext | None:
+        return None if documents is None else ForwardContext(documents=documents)
+
     def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """The batch's document indices under --doc-mask, else None: of the whole sequences
         under context parallel (`inputs` are this rank's shards; a document may span them),
@@ -154,31 +183,34 @@ class AccumulationExecutor(StepExecutor):
         total = self.count_valid(micro_batches)
         scale = self.dims.loss_size / total
         model = self.parts[0]
-        loss_sum = torch.zeros((), device=self.device)
+        sums = torch.zeros(3, device=self.device)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             if len(micro_batches) > 1 and self.defer_reduction:
                 set_gradient_sync(model, last)
             inputs, labels = self.to_device(batch)
-            micro_sum, _ = self.micro_loss(model, inputs, labels, self.documents(inputs))
+            documents = self.documents(inputs)
+            micro = self.micro_loss(model, inputs, self.targets(labels, documents, True),
+                                    self.context(documents))
             if last:
                 forward_done()
-            (micro_sum * scale).backward()
-            loss_sum += micro_sum.detach()
-        return Accumulated(self.owned(loss_sum), total)
+            (self.criterion.objective(micro) * scale).backward()
+            sums += micro.detach()
+        return Accumulated(self.owned(sums[1]), total, self.depth_metrics(sums[2], total))
 
     @torch.no_grad()
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         if self.marks_steps:  # each evaluation batch is a new replay, as each step is
             torch.compiler.cudagraph_mark_step_begin()
         inputs, labels = self.to_device(batch)
+        documents = self.documents(inputs)
         return self.owned(self.micro_loss(self.parts[0], inputs, labels,
-                                          self.documents(inputs))[0])
+                                          self.context(documents))[1])
 
 
 def weigh_added_losses(parts: list[nn.Module], forwards: int) -> None:
     """Tell every module that adds a loss in its own forward (one with a `microbatches`
-    attribute: the MoE balance loss, DeepSeek-V3's MTP) how many forwards one optimizer
+    attribute: the MoE balance loss) how many forwards one optimizer
     step takes. The main loss is a mean over the step's tokens, each forward weighing its
     share; such a module weighs its own loss 1 / forwards for the same reason, whether the
     forwards are accumulation steps, a pipeline's micro-batches or both."""

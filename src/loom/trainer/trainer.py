@@ -155,8 +155,8 @@ class Trainer:
                 self.optimizer.step()
             applied = torch.tensor(float(ok), device=self.device)
         # every hook masks its own work with `applied`: a skipped step leaves it inert
-        self.hook_metrics = after_optimizer_step(
-            StepContext(self.model, self.token_group, self.cfg, applied, self.dims.stage_group))
+        self.hook_metrics = {**done.metrics, **after_optimizer_step(  # with MTP's loss
+            StepContext(self.model, self.token_group, self.cfg, applied, self.dims.stage_group))}
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(step_loss, grad_norm, done.valid, self.hook_metrics, applied)

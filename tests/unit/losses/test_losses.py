@@ -23,6 +23,7 @@ from loom.losses import (
     loss_impl_for,
     vocab_parallel_cross_entropy,
 )
+from loom.models.context import ForwardContext
 from loom.models.llama.model import ModelArgs
 from tests.tiny import tiny_model
 
@@ -138,7 +139,7 @@ def test_built_loss_through_the_model_matches_eager(mode: str) -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
     if mode == "fused-linear":  # the fused head still projects when given no labels
-        hidden = model(inputs, return_hidden=True)
+        hidden = model(inputs, ctx=ForwardContext(hidden=True))
         torch.testing.assert_close(model.output(hidden), reference(inputs))
 
 

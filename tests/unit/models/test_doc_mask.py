@@ -8,6 +8,7 @@ import torch
 
 from loom.config import ConfigError, LossConfig
 from loom.losses import IGNORE_INDEX, build_criterion
+from loom.models.context import ForwardContext
 from loom.models.documents import document_mask, document_positions
 from loom.models.llama.model import ModelArgs, Transformer
 from loom.trainer.executor import check_takes_documents
@@ -39,7 +40,9 @@ def loss_and_grads(model: Transformer, loss_impl: str,
     model.zero_grad()
     total, count = torch.zeros(()), torch.zeros((), dtype=torch.long)
     for inputs, labels, documents in pieces:
-        loss_sum, n = criterion(criterion.forward(model, inputs, documents), labels)
+        ctx = None if documents is None else ForwardContext(documents=documents)
+        loss_sum, n = criterion.model_sums(model, inputs, labels, ctx)[0], \
+            (labels != IGNORE_INDEX).sum()
         total, count = total + loss_sum, count + n
     (total / count).backward()
     return (total / count).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}

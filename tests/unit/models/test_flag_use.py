@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tests.families.gpt2  # noqa: F401  (registers the gpt2-test family)
 from loom.cli import run_train
-from loom.config import parse_args
+from loom.config import LossConfig, parse_args
 from loom.config.job import flag_fields
 from loom.config.uses import SELECTION, declared_uses, model_flag_names
+from loom.losses import build_criterion
 from loom.models.registry import families, for_config
 from loom.parallel.init import init_weights
 from tests.unit.test_bad_input import assert_one_line_exit_2
@@ -116,8 +116,12 @@ def observe(argv: list[str]) -> dict[str, torch.Tensor]:
     init_weights(model, 0, torch.device("cpu"))
     model.train()
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    # scored as training scores it: the family's criterion, its extra depths (MTP) included
+    criterion = build_criterion(LossConfig(), None, depths=spec.depths(model))
+    targets = criterion.targets(tokens[:, 1:], True)
+    ctx = criterion.context(None, True)
+    output = model(tokens[:, :-1]) if ctx is None else model(tokens[:, :-1], ctx=ctx)
+    loss = criterion.objective(criterion.sums(output, targets))
     loss.backward()
     for hook in spec.hooks:
         hook.run(model, lambda t: t, 1, torch.tensor(1.0))

@@ -10,6 +10,7 @@ import torch.nn.attention.flex_attention as flex
 import torch.nn.functional as F
 
 from loom.config import ParallelConfig
+from loom.models.context import ForwardContext
 from loom.models.documents import attention_mask, block_document_mask, document_mask
 from loom.models.llama.model import CausalAttention, ModelArgs
 from loom.parallel.mesh import ParallelDims
@@ -74,7 +75,8 @@ def test_compiled_model_with_flex_matches_dense_and_does_not_recompile(whole: bo
     tokens2 = tokens.roll(7, dims=1)
     documents2 = document_ids(tokens2, EOT)
     with torch.no_grad():
-        dense, dense2 = model(tokens, documents=documents), model(tokens2, documents=documents2)
+        dense, dense2 = model(tokens, ctx=ForwardContext(documents=documents)), model(
+            tokens2, ctx=ForwardContext(documents=documents2))
         model.flex_doc_mask = True
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -84,9 +86,9 @@ def test_compiled_model_with_flex_matches_dense_and_does_not_recompile(whole: bo
             for block in model.layers.values():
                 block.compile(backend="aot_eager", fullgraph=True)
             compiled = model
-        got = compiled(tokens, documents=documents)
+        got = compiled(tokens, ctx=ForwardContext(documents=documents))
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        got2 = compiled(tokens2, documents=documents2)
+        got2 = compiled(tokens2, ctx=ForwardContext(documents=documents2))
     torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got2, dense2, rtol=1e-5, atol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

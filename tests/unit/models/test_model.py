@@ -1,5 +1,6 @@
 import torch
 
+from loom.models.context import ForwardContext
 from loom.models.llama.model import CausalAttention, ModelArgs, apply_rope, rope_table
 from tests.tiny import tiny_model
 
@@ -11,7 +12,7 @@ def test_shapes_and_hidden_states():
     model = tiny_model(ARGS)
     tokens = torch.randint(ARGS.vocab_size, (2, 16))
     assert model(tokens).shape == (2, 16, ARGS.vocab_size)
-    hidden = model(tokens, return_hidden=True)
+    hidden = model(tokens, ctx=ForwardContext(hidden=True))
     assert hidden.shape == (2, 16, ARGS.dim)
     torch.testing.assert_close(model.output(hidden), model(tokens))
 

@@ -101,9 +101,9 @@ def test_the_loss_joins_the_graph_only_where_it_traces_whole(flags: list[str],
 
 
 def test_fused_linear_runs_inside_the_forward_where_the_family_takes_it() -> None:
-    """Handed to the forward (`head_apply`), fused-linear gives the loss it gives on the
-    returned hidden states; only with the whole model and logits on the rank, and not for a
-    family whose forward has no such argument (the GPT-2 example)."""
+    """Handed to the forward (`ctx.head_apply`), fused-linear gives the loss it gives on the
+    returned hidden states; only with the whole model and logits on the rank, and for a
+    model whose forward takes a context (the GPT-2 example's does)."""
     cfg = parse_args(["--model", "debug"])
     dims = ParallelDims(1, 2, 1, 2)
     with torch.device("meta"):
@@ -115,19 +115,19 @@ def test_fused_linear_runs_inside_the_forward_where_the_family_takes_it() -> Non
     loss = LossConfig(loss_impl="fused-linear", loss_chunk_size=4)
     inside = build_criterion(loss, model.output, in_forward=True)
     outside = build_criterion(loss, model.output)
-    assert inside.head_loss is not None and outside.head_loss is None
-    got, count = inside.model_loss(model, inputs, labels)
-    want, want_count = outside.model_loss(model, inputs, labels)
-    assert count == want_count == 13
+    assert inside.in_forward and not outside.in_forward
+    got = inside.model_sums(model, inputs, labels)
+    want = outside.model_sums(model, inputs, labels)
+    assert (labels != IGNORE_INDEX).sum() == 13
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert build_criterion(LossConfig(), model.output, in_forward=True).head_loss is None
+    assert not build_criterion(LossConfig(), model.output, in_forward=True).in_forward
     tp = parse_args(["--model", "debug", "--tp", "2"])
     assert not head_in_forward(tp, ParallelDims(1, 1, 2, 2), model), "tp: a DTensor head"
     cp = parse_args(["--model", "debug", "--cp", "2"])
     assert not head_in_forward(cp, ParallelDims(1, 1, 1, 2, cp=2), model), "cp's hooks"
     simple = parse_args(["--model", "debug", "--compile", "--data-parallel", "simple-fsdp"])
     assert not head_in_forward(simple, dims, model), "one compiled graph"
-    assert not head_in_forward(cfg, dims, GPT2(GPT2Args(32, 2, 4, 64, 16)))
+    assert head_in_forward(cfg, dims, GPT2(GPT2Args(32, 2, 4, 64, 16))), "its ctx"
     model.output = None  # a pipeline stage without the head
     assert not head_in_forward(cfg, dims, model)
 

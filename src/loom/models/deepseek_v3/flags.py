@@ -66,24 +66,16 @@ class DeepseekV3Flags:
                                          ge=0, le=1e3)
 
     def check(self, cfg: Any) -> None:
-        """Multi-token prediction scores each whole sequence on the plain head's full
-        logits: a loss that takes hidden states (fused-linear) or vocabulary-sharded
-        logits (loss-parallel at tp > 1) or a per-document mask has no MTP form yet, so
-        the pair is refused here (the model refuses one that skipped this check). Another
+        """Multi-token prediction with --doc-mask under --pp fails in the first stage's
+        forward at its second step (tests/parity/test_deepseek_v3_mtp_losses.py's
+        doc_mask_pp2, not yet understood): refused in one line until it runs. Another
         family refuses these flags (`ModelSpec.uses`)."""
-        if cfg.model.family != "deepseek-v3":  # a Hub folder's: known once it is read
+        if cfg.model.family != "deepseek-v3" or not (cfg.data.doc_mask and cfg.parallel.pp > 1):
             return
         mtp = self.mtp_layers or 0  # a preset's row sets it like a user would
-        clash = [name for name, on in (("--loss-impl fused-linear",
-                                        cfg.loss.loss_impl == "fused-linear"),
-                                       ("--loss-impl loss-parallel",
-                                        cfg.loss.loss_impl == "loss-parallel"
-                                        and cfg.parallel.tp > 1),
-                                       ("--doc-mask", cfg.data.doc_mask)) if on]
-        if mtp and clash:
-            raise ConfigError(f"deepseek-v3 multi-token prediction (--mtp-layers {mtp}) does "
-                              f"not run with {' or '.join(clash)} (it needs the plain head "
-                              "over whole sequences); set --mtp-layers 0 or drop it")
+        if mtp:
+            raise ConfigError(f"deepseek-v3 multi-token prediction (--mtp-layers {mtp}) with "
+                              "--doc-mask does not run under --pp yet; drop one of them")
 
     def set_values(self) -> dict[str, Any]:
         """The flags a user set (a width left None keeps its source's)."""

@@ -8,18 +8,16 @@ matmul, the expert bias and its aux-loss-free balancing hook are the MoE family'
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from loom.errors import ConfigError
+from loom.models.context import ForwardContext, context_of
 from loom.models.deepseek_v3.args import DeepseekV3Args
 from loom.models.deepseek_v3.attention import LatentAttention, yarn_rope_table
-from loom.models.llama.model import FeedForward, RMSNorm
-from loom.models.moe.aux_loss import add_loss
+from loom.models.llama.model import FeedForward, RMSNorm, in_compute_dtype
 from loom.models.moe.model import MoE, MoETransformer, TokenChoiceRouter
 
 
@@ -84,18 +82,22 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this depth's hidden state, the same normed for the head): both inside this
-        call, where a wrapper (an FSDP2 unit) holds the weights gathered."""
+        call, where a wrapper (an FSDP2 unit) holds the weights gathered. `mask`: the main
+        blocks' (a depth attends within a document as they do)."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
-        x = self.block(x, rope)
+        x = self.block(x, rope) if mask is None else self.block(x, rope, mask=mask)
         return x, self.norm(x)
 
 
 class DeepseekV3(MoETransformer):
-    """Token ids (B, T) -> logits (B, T, V). Training with `mtp_layers` > 0 also runs the
-    MTP modules and adds `mtp_loss_weight` times their mean loss in backward (the logits
-    are the main head's alone); evaluation never runs them."""
+    """Token ids (B, T) -> logits (B, T, V). With `mtp_layers` > 0 and a context that asks
+    for the extra depths (`ctx.depths`: the criterion does in training), it returns the
+    main head's rows and, below them, each MTP depth's (logits, or the normed hidden
+    states under `ctx.hidden`): ((1 + D) * B, T, ...). The model computes; the criterion
+    scores depth d against the labels d ahead (`loom.losses.Criterion`)."""
 
     args: DeepseekV3Args
 
@@ -104,129 +106,58 @@ class DeepseekV3(MoETransformer):
         self.rope = yarn_rope_table(args)
         self.mtp = nn.ModuleDict({str(i): MTPModule(args, args.n_layers + i)
                                   for i in range(args.mtp_layers)}) if args.mtp_layers else None
-        self.register_buffer("mtp_loss", torch.zeros(()), persistent=False)
-        self.mtp_seen = 0  # forwards of this step recorded in mtp_loss
 
     def build_block(self, layer_id: int) -> nn.Module:
         return LatentBlock(self.args, layer_id)
 
-    microbatches = 1
-    """Forwards per optimizer step (the executor sets it: accumulation steps times a
-    pipeline's micro-batches): each forward's MTP loss is weighted 1 / microbatches, so
-    the step's batch weighs it once, as the main loss's token mean does."""
-
-    @property
-    def pipeline_rows(self) -> int:
-        """Row blocks a pipeline stage hands the next per micro-batch row: the hidden
-        states, then each MTP depth's embedded shifted tokens."""
-        return 1 + self.args.mtp_layers
-
-    @property
-    def stage_token_ids(self) -> bool:
-        """Whether every pipeline stage is handed the micro-batch's ids (`token_ids`): the
-        last one scores the MTP depths against them."""
-        return self.args.mtp_layers > 0
-
-    def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
-                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None,
-                head_apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """As the Llama Transformer's; MTP runs only training, with plain logits out, where
-        this is one whole model given token ids or a pipeline stage (`token_ids`: the
-        micro-batch's ids, which every stage is handed), or this cp rank's shard given
-        its `positions` and `token_ids`, the whole sequences (the plan's cp hook)."""
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext | None = None,
+                ) -> torch.Tensor:
+        """As the Llama Transformer's. A whole model runs the MTP depths where `ctx.depths`
+        asks; a pipeline stage of a model with MTP always packs the depths' rows (its
+        neighbours' shapes are fixed), and its last stage returns them. The depths' ids
+        come from `tokens`, or from `ctx.token_ids` (the whole sequences) where `tokens`
+        are hidden states or a cp shard."""
+        ctx = context_of(ctx)
         whole = self.tok_embeddings is not None and self.output is not None
-        training = self.training and torch.is_grad_enabled()
-        if not self.args.mtp_layers or (whole and not training):
-            return super().forward(tokens, return_hidden, positions, documents, mask,
-                                   head_apply)
-        # refused before a model is built (DeepseekV3Flags.check, the parallel plan); a
-        # caller that skips those checks gets the one line, not a silently dropped mask
-        if not (documents is None and head_apply is None and (positions is None or (
-                token_ids is not None and positions.dim() == 1))
-                and not (return_hidden or self.hidden_output)):
-            raise ConfigError("deepseek-v3 multi-token prediction needs whole sequences and "
-                              "plain logits (no --doc-mask, fused-linear or loss-parallel "
-                              "loss); set --mtp-layers 0")
-        return self.forward_with_mtp(tokens, tokens if token_ids is None else token_ids,
-                                     positions)
+        if not self.args.mtp_layers or (whole and not ctx.depths):
+            return super().forward(tokens, ctx)
+        return self.forward_with_mtp(tokens, ctx)
 
-    def forward_with_mtp(self, x: torch.Tensor, tokens: torch.Tensor | None,
-                         positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_with_mtp(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The tokens are shifted, not their embeddings: one embedding call for every
         depth, whose output tp may hold sequence-sharded (a shift would cross shards).
         Between pipeline stages the depths' embeddings travel below the hidden states, as
         rows (1 + depths) * B of one tensor, so their gradient flows back to the first
-        stage's embedding like the hidden states'. Under cp `tokens` are the whole
-        sequences, `positions` this shard's: each depth's ids are picked from them."""
+        stage's embedding like the hidden states'. Under cp `ctx.token_ids` are the whole
+        sequences and `ctx.shard_index` this shard's positions: each depth's ids are
+        picked from them."""
         depths = self.args.mtp_layers  # a stage without the MTP modules still packs
+        positions, mask = self.attention_inputs(ctx)
         if self.tok_embeddings is not None:
-            # at depth d position i sees token i+d; the last d see token 0, which only
-            # later positions attend to and no loss reads
-            shifted = [F.pad(x[:, d:], (0, d)) if positions is None else
-                       ahead(tokens, positions + d) for d in range(1, depths + 1)]
-            x = self.tok_embeddings(torch.cat([x, *shifted]))
+            # at depth d position i sees token i+d; the last d see token 0, whose
+            # targets the criterion ignores
+            shifted = [F.pad(x[:, d:], (0, d)) if ctx.shard_index is None else
+                       ahead(ctx.token_ids, ctx.shard_index + d) for d in range(1, depths + 1)]
+            x = in_compute_dtype(self.tok_embeddings(torch.cat([x, *shifted])))
         h, embedded = x.tensor_split([x.shape[0] // (1 + depths)])
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         if self.output is None:
             return torch.cat([h, embedded])
-        if not (self.training and torch.is_grad_enabled()):  # a last stage evaluating
-            return self.output(self.norm(h))
-        assert tokens is not None, "a pipeline's last stage needs the micro-batch's ids"
         hidden, prev = [self.norm(h)], h
         for module, shifted_embedded in zip(self.mtp.values(), embedded.chunk(depths),
                                             strict=True):
-            prev, normed = module(prev, shifted_embedded, rope)
+            prev, normed = module(prev, shifted_embedded, rope, mask)
             hidden.append(normed)
-        logits = self.output(torch.cat(hidden, dim=0))  # one head call: (B * (1 + D), T, V)
-        main, *extra = logits.chunk(len(hidden), dim=0)
-        loss = mtp_loss(extra, tokens, positions) * (self.args.mtp_loss_weight
-                                                     / self.microbatches)
-        with torch.no_grad():
-            self.record_mtp_loss(loss.detach() / max(self.args.mtp_loss_weight, 1e-30))
-        return add_loss(main, loss)
-
-    def record_mtp_loss(self, share: torch.Tensor) -> None:
-        """The metric: the step's MTP loss, summed over its forwards' shares."""
-        if self.mtp_seen == 0:
-            self.mtp_loss.copy_(share)
-        else:
-            self.mtp_loss.add_(share)
-        self.mtp_seen = (self.mtp_seen + 1) % self.microbatches
+        return self.head(torch.cat(hidden, dim=0), ctx)  # one head call: (B * (1 + D), T, .)
 
     def init_buffers(self, device: torch.device) -> None:
         super().init_buffers(device)
         self.rope = yarn_rope_table(self.args).to(device)
-        self.mtp_loss.zero_()
-        self.mtp_seen = 0
 
 
 def ahead(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The ids (B, len(index)) of `tokens` (B, T) at `index`; 0 past the end."""
     inside = index < tokens.shape[1]
     return tokens[:, index.clamp(max=tokens.shape[1] - 1)] * inside
-
-
-def mtp_loss(logits: list[torch.Tensor], tokens: torch.Tensor,
-             positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean over depths of each depth's cross-entropy: at depth d, position i predicts token
-    i + d + 1 (positions whose target lies past the sequence are left out). Under cp the
-    logits are a shard's (at `positions` of the whole `tokens`): its sum over the whole
-    sequences' count, times the cp ranks, whose gradient average then counts it once."""
-    length, losses = tokens.shape[1], []
-    for depth, depth_logits in enumerate(logits, start=1):
-        if positions is None:  # static shapes: a whole-model compile traces it whole
-            valid = length - depth - 1
-            losses.append(F.cross_entropy(depth_logits[:, :valid].flatten(0, 1).float(),
-                                          tokens[:, depth + 1:].flatten()))
-            continue
-        index = positions + depth + 1
-        inside = index < length
-        total = F.cross_entropy(depth_logits[:, inside].flatten(0, 1).float(),
-                                tokens[:, index[inside]].flatten(), reduction="sum")
-        count = tokens.shape[0] * (length - depth - 1)
-        losses.append(total * (length / positions.numel()) / count)
-    return torch.stack(losses).mean()

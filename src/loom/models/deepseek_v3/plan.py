@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -25,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from loom.models.context import context_of
 from loom.models.llama.plan import dense_plan
 from loom.models.moe.balance import moe_layers
 from loom.models.moe.plan import apply_moe_parallel, complete_sequences
@@ -63,11 +63,11 @@ def block_tp_plan(block: nn.Module, styles: Styles) -> dict:
 def mtp_under_cp(model: nn.Module, mesh: DeviceMesh) -> None:
     """The MTP blocks attend across cp like the main blocks (with a cp core as `apply_cp`
     put in those: it holds no parameters; a pipeline's last stage may hold no block to
-    take it from), and each training forward is handed
-    the whole sequences' ids (`token_ids`), gathered over cp, from which the model picks
-    every depth's shifted ids and targets at this shard's positions. A pipeline stage
-    gathers the ids the schedule hands every stage (`token_ids`, this cp rank's shard):
-    a stage past the first is given hidden states, not ids, as its input."""
+    take it from), and each forward that runs the depths (`ctx.depths`) is handed the
+    whole sequences' ids (`ctx.token_ids`), gathered over cp, from which the model picks
+    every depth's shifted ids at this shard's positions. A pipeline stage gathers the ids
+    the schedule hands every stage (this cp rank's shard): a stage past the first is
+    given hidden states, not ids, as its input."""
     for module in model.mtp.values() if model.mtp is not None else ():
         module.block.attention.core = ContextParallelAttention(mesh)
     model.register_forward_pre_hook(partial(_gather_ids, mesh), with_kwargs=True)
@@ -75,12 +75,12 @@ def mtp_under_cp(model: nn.Module, mesh: DeviceMesh) -> None:
 
 def _gather_ids(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict,
                 ) -> tuple[tuple, dict]:
-    if module.training and torch.is_grad_enabled():  # evaluation runs no MTP
-        shard = kwargs.get("token_ids")  # a pipeline stage's: the schedule hands it over
-        if shard is None:
-            shard = args[0] if args else kwargs["tokens"]
-        kwargs["token_ids"] = gather_sequence(shard, mesh)
-    return args, kwargs
+    ctx = context_of(args[1] if len(args) > 1 else kwargs.get("ctx"))
+    if not ctx.depths:  # evaluation of a whole model runs no MTP
+        return args, kwargs
+    shard = ctx.token_ids if ctx.token_ids is not None else \
+        (args[0] if args else kwargs["tokens"])
+    return args[:1], {**kwargs, "ctx": ctx.with_(token_ids=gather_sequence(shard, mesh))}
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:

@@ -1,5 +1,5 @@
 """The DeepSeek-V3 family's spec: its arguments from a preset, a Hugging Face folder or the
-shared flags; the MoE family's expert accounting and bias-balancing hook; an MTP metric."""
+shared flags; the MoE family's expert accounting and bias-balancing hook; its MTP depths."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from loom.models.moe.spec import (
     routing,
 )
 from loom.models.qwen3.flags import Qwen3Flags
-from loom.models.spec import ModelSpec, SpecHook
+from loom.models.spec import NO_DEPTHS, Depths, ModelSpec
 
 
 def own_fields(m: ModelConfig) -> dict[str, Any]:
@@ -58,19 +58,12 @@ def active_params(args: DeepseekV3Args) -> int:
     return per_token_param_count(model, args.top_k, args.n_experts)
 
 
-@torch.no_grad()
-def mtp_metrics(model: nn.Module, summed: Any, ranks: int,
-                applied: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The step's MTP loss, averaged over the ranks holding different tokens (its own
-    metric: the step's loss is the main head's), left on the device for the row; a metric
-    only, so a skipped update (`applied` 0) changes nothing. Every rank of a run with MTP
-    reports it: a pipeline stage without the MTP modules adds zeros to the sum, which the
-    hook's `stages` extends over the stages (rank 0 holds the first)."""
-    parts = [m for m in model.modules() if isinstance(m, DeepseekV3)]  # a rank's stages
-    if not any(part.args.mtp_layers for part in parts):
-        return {}
-    held = torch.stack([part.mtp_loss.detach().float() for part in parts]).sum()
-    return {"mtp/loss": summed(held) / ranks}
+def mtp_depths(model: nn.Module) -> Depths:
+    """The MTP modules as extra prediction depths, reported as `mtp/loss` (the mean over
+    depths of each depth's loss, over the step's valid tokens as the main loss is)."""
+    args = model.args
+    return Depths(args.mtp_layers, args.mtp_loss_weight, "mtp/loss") if args.mtp_layers \
+        else NO_DEPTHS
 
 
 DEEPSEEK_V3_USES = (SHAPE | SWIGLU | {"norm_eps", "rope_theta"}
@@ -94,14 +87,15 @@ LAYOUTS = (
     "MTP + pp-1f1b + tp", "MTP + cp", "MTP + cp + dp_shard", "dp_replicate + dp_shard",
     "LoRA + dp_shard", "Hugging Face folder, tp + ep", "MTP + pp-1f1b + cp",
     "MTP + pp-zero-bubble", "MTP + pp-dualpipev", "MTP + pp-dualpipev + cp",
+    "MTP + fused-linear + dp_shard", "MTP + chunked + dp_shard", "MTP + loss-parallel + tp",
+    "MTP + doc-mask + cp", "MTP + fused-linear + tp", "MTP + doc-mask + fused-linear + tp",
 )
 """The layouts run on DeepSeek-V3's own modules (latent attention, grouped routing, MTP), each
 matching one process."""
 
 REFUSALS = (
-    "multi-token prediction with `--loss-impl fused-linear`, `--loss-impl loss-parallel` "
-    "at tp > 1 or `--doc-mask` (`DeepseekV3Flags.check`): its loss runs on the plain "
-    "head's full logits over whole sequences",
+    "multi-token prediction with `--doc-mask` under `--pp` (`DeepseekV3Flags.check`): its "
+    "first stage's forward fails at the second step, not yet understood",
 )
 """What the family refuses in one line, and why."""
 
@@ -110,8 +104,7 @@ DEEPSEEK_V3 = ModelSpec(
     build=DeepseekV3, args_cls=DeepseekV3Args, parts=replace(PARTS, head=(*PARTS.head, "mtp")),
     block_cost=moe_block_cost, block_inputs=rope_input, routers=router_gates,
     active_params=active_params, routing=routing, hf=(DeepseekV3Adapter(),),
-    lora_targets=LORA_TARGETS,
-    hooks=(EXPERT_BIAS, BALANCE_LOSS, SpecHook("deepseek-v3-mtp", mtp_metrics, stages=True)),
+    lora_targets=LORA_TARGETS, hooks=(EXPERT_BIAS, BALANCE_LOSS), depths=mtp_depths,
     flags=(LlamaFlags, Qwen3Flags, MoEFlags, DeepseekV3Flags), presets=PRESETS,
     layouts=LAYOUTS, refusals=REFUSALS, uses=DEEPSEEK_V3_USES,
     description="multi-head latent attention, group-limited sigmoid routing with shared "

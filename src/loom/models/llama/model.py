@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from loom.models.context import ForwardContext, context_of
 from loom.models.documents import attention_mask, document_positions
 
 
@@ -229,10 +230,6 @@ class Transformer(nn.Module):
     head, which stay together) or deleted (blocks).
     """
 
-    hidden_output = False
-    """Return the final hidden states, not logits: a pipeline's last stage whose loss
-    applies the head itself (fused-linear)."""
-
     flex_doc_mask = False
     """Give attention FlexAttention's block mask for `documents` where it can run, not the
     dense one: set on compiled runs, where flex has kernels (`loom.models.documents`)."""
@@ -250,37 +247,44 @@ class Transformer(nn.Module):
         """Block `layer_id`; variants (the MoE model) override this."""
         return TransformerBlock(self.args)
 
-    def forward(self, tokens: torch.Tensor, return_hidden: bool = False,
-                positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None,
-                head_apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext | None = None,
                 ) -> torch.Tensor:
         """`tokens`: ids, or a previous pipeline stage's hidden states when this stage has no
-        embedding. `positions` (T,): the global position of each token when the sequence is a
-        shard of a longer one (context parallel); default 0 ... T-1. `documents` (B, T): the
-        document index of each token of a packed batch (--doc-mask): a token attends only
-        to earlier tokens of its document, and positions count from each document's start.
-        Every pipeline stage is given it, so each builds the same mask. Or, for a shard of
-        the sequence, `positions` (B, T) and `mask` (B, 1, T, S) as prepared from the whole
-        sequence's documents (context parallel). `head_apply(h, weight)`: a loss the head
-        computes on its weight inside its call, returned instead of logits; called after
-        this forward instead, the head would find its FSDP2 unit (with the final norm)
-        already finished by the root's end of forward and gather it a second time."""
+        embedding. `ctx` (`loom.models.context`): what the layout hands this forward. Its
+        `positions` index RoPE for a shard of longer sequences (context parallel); its
+        `documents` (--doc-mask) restrict attention to each token's document and count
+        positions from each document's start; or, for a shard, `positions` and `mask` as
+        prepared from the whole sequences' documents. `hidden`: return the final hidden
+        states; `head_apply(h, weight)`: a loss the head computes on its weight inside its
+        call, returned instead of logits (called after this forward instead, the head would
+        find its FSDP2 unit, with the final norm, already finished by the root's end of
+        forward and gather it a second time)."""
+        ctx = context_of(ctx)
         h = in_compute_dtype(self.tok_embeddings(tokens)) if self.tok_embeddings is not None \
             else tokens
-        if documents is not None:
-            positions = document_positions(documents)
-            mask = attention_mask(documents, self.flex_doc_mask)
+        positions, mask = self.attention_inputs(ctx)
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         if self.norm is None:
             return h
-        h = self.norm(h)
-        if head_apply is not None:
-            return self.output(h, apply=head_apply)
-        return h if return_hidden or self.hidden_output else self.output(h)
+        return self.head(self.norm(h), ctx)
+
+    def attention_inputs(self, ctx: ForwardContext
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | BlockMask | None]:
+        """RoPE positions and attention mask of this forward: the document mask's where
+        `documents` are given, else the context's own (a cp shard's, or none)."""
+        if ctx.documents is not None:
+            return (document_positions(ctx.documents),
+                    attention_mask(ctx.documents, self.flex_doc_mask))
+        return ctx.positions, ctx.mask
+
+    def head(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Normed hidden states -> what the context asks: a head-applied loss, the hidden
+        states themselves, or logits."""
+        if ctx.head_apply is not None:
+            return self.output(h, apply=ctx.head_apply)
+        return h if ctx.hidden else self.output(h)
 
     def init_std(self, name: str) -> float | None:
         """Initial std of a parameter; None for norm weights (ones). Residual-branch outputs
