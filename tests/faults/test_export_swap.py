@@ -19,6 +19,7 @@ import pytest
 
 from loom.cli import run_train
 from loom.commands.tokenize import main as tokenize_main
+from loom.runtime import staging
 from loom.runtime.outputs import MARKER
 from loom.runtime.staging import lock_path, lock_target
 from tests.faults.procs import digest, finish, start, wait_for
@@ -34,14 +35,29 @@ from pathlib import Path
 from loom.runtime import staging
 
 target, step, go = sys.argv[1:4]
-real_rename, real_remove = os.rename, staging.remove_entry
+real_rename, real_remove, real_exchange = os.rename, staging.remove_entry, staging.exchange
+
+def pause():
+    Path(go + ".ready").touch()
+    while not os.path.exists(go):
+        time.sleep(0.05)
+
+def exchange(a, b):
+    if step == "between":  # a system without the one-step exchange: two renames
+        return False
+    if step == "pause":  # holding the lock, at the swap
+        pause()
+    if step == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    done = real_exchange(a, b)
+    if step == "after":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return done
 
 def rename(src, dst):
     src, dst = os.fspath(src), os.fspath(dst)
     if src == target and step == "pause":  # holding the lock, at the first rename
-        Path(go + ".ready").touch()
-        while not os.path.exists(go):
-            time.sleep(0.05)
+        pause()
     if src == target and step == "before":
         os.kill(os.getpid(), signal.SIGKILL)
     real_rename(src, dst)
@@ -56,12 +72,13 @@ def remove_entry(path):
 
 os.rename = rename
 staging.remove_entry = remove_entry
+staging.exchange = exchange
 from loom.cli import main
 main(["export", *sys.argv[4:]])
 """
 """`loom export ARGS` in a process that stops at one step of the swap: SIGKILL itself
-(`before`, `between` the renames, `after` them, while `removing` the old folder) or wait
-for a file (`pause`), holding the lock."""
+(`before` it, `after` it, while `removing` the old folder; `between` the two renames of a
+system without the one-step exchange) or wait for a file (`pause`), holding the lock."""
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +122,7 @@ def test_a_kill_at_each_step_of_the_swap_loses_nothing(run: Path, exports: dict[
     want = {name: digest(folder) for name, folder in exports.items()}
     code, _, err = finish(child(step, out, run), LIMIT)
     assert code == -signal.SIGKILL, err
-    if left is None:  # between the renames: the old export, complete, waits beside it
+    if left is None:  # between two renames: the old export, complete, waits beside it
         (old,) = (p for p in tmp_path.iterdir() if ".old-" in p.name)
         assert not out.exists() and digest(old) == want["old"]
     else:
@@ -182,6 +199,7 @@ def refused_rename(number: int, which: Callable[[Path, str, str], bool]) -> Setu
     def setup(tmp: Path, monkeypatch, opened: list) -> str:
         shutil.copytree(tmp / "old", tmp / "out")
         real = os.rename
+        monkeypatch.setattr(staging, "exchange", lambda a, b: False)  # two renames
 
         def rename(src, dst) -> None:
             if which(tmp / "out", os.fspath(src), os.fspath(dst)):
@@ -192,7 +210,18 @@ def refused_rename(number: int, which: Callable[[Path, str, str], bool]) -> Setu
     return setup
 
 
+def refused_exchange(tmp: Path, monkeypatch, opened: list) -> str:
+    """The filesystem refuses the one-step exchange (EBUSY: the target is a mount point)."""
+    shutil.copytree(tmp / "old", tmp / "out")
+
+    def exchange(a, b) -> bool:
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+    monkeypatch.setattr(staging, "exchange", exchange)
+    return f"({os.strerror(errno.EBUSY)}); {tmp / 'out'} was left as it was"
+
+
 CASES: dict[str, Setup] = {
+    "exchange-ebusy": refused_exchange,
     "project-folder": project,
     "model-folder-from-elsewhere": model_from_elsewhere,
     "mount-point": mount_point,
@@ -241,15 +270,16 @@ def test_ctrl_c_while_writing_is_one_line_and_leaves_the_old_export(
 
 def test_ctrl_c_during_the_swap_waits_for_it(run: Path, exports: dict[str, Path],
                                              tmp_path: Path, capsys, monkeypatch) -> None:
-    """SIGINT between the renames takes effect after them: the new export, whole."""
+    """SIGINT during the swap (here: right after the exchange) takes effect after it: the
+    new export, whole."""
     out = Path(shutil.copytree(exports["old"], tmp_path / "out"))
-    real = os.rename
+    real = staging.exchange
 
-    def rename(src, dst) -> None:
-        real(src, dst)
-        if os.fspath(src) == str(out):
-            signal.raise_signal(signal.SIGINT)
-    monkeypatch.setattr(os, "rename", rename)
+    def exchange(a, b) -> bool:
+        done = real(a, b)
+        signal.raise_signal(signal.SIGINT)
+        return done
+    monkeypatch.setattr(staging, "exchange", exchange)
     code = export([str(run / "checkpoints" / "step-2"), str(out), "--overwrite",
                    "--no-verify"])
     err = capsys.readouterr().err
@@ -313,3 +343,17 @@ def test_tokenize_into_a_folder_another_tokenize_writes_is_refused(tmp_path: Pat
     one_error_line(code, capsys.readouterr().err, "loom tokenize OUT",
                    f"is being written by another loom command (pid {os.getpid()} on ")
     assert snapshot(tmp_path) == before
+
+
+def test_the_exchange_swaps_two_folders_in_one_step(tmp_path: Path) -> None:
+    """Where the system has it (Linux, glibc 2.28+: CI's), both names stay filled; a missing
+    one is the system's error, which the swap reports in one line."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "new").touch()
+    if not staging.exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.fail("renameat2(RENAME_EXCHANGE) is missing here: the swap takes two renames")
+    assert entries(tmp_path / "b") == ["new"] and entries(tmp_path / "a") == []
+    with pytest.raises(OSError) as caught:
+        staging.exchange(tmp_path / "missing", tmp_path / "b")
+    assert caught.value.errno == errno.ENOENT

@@ -11,27 +11,33 @@ The steps, for a target `out`:
    `.out.partial-*` and `.out.old-*` is removed.
 3. The writer stages in its own `.out.partial-<pid>-<hex>` (never another's).
 4. When the export checked itself, loom's marker is written into the staging folder.
-5. The swap, with Ctrl-C and SIGTERM held until it ends: `out` is renamed to
-   `.out.old-<pid>-<hex>`, the staging folder to `out`, and the old folder is removed.
-   A failed second rename puts the old folder back. A rename refused by the filesystem
-   (a mount point: EBUSY; EXDEV) is one line, with `out` as it was.
+5. The swap, with Ctrl-C and SIGTERM held until it ends: the staging folder and `out`
+   are exchanged in one step (Linux's `renameat2(RENAME_EXCHANGE)`), the old export, now
+   at the staging name, is renamed `.out.old-<pid>-<hex>` and removed. Where the system
+   cannot exchange (another OS, an old kernel or libc, a filesystem without it) `out` is
+   renamed to `.out.old-...` and the staging folder to `out`: two renames, and a failed
+   second one puts the old folder back. A rename refused by the filesystem (a mount point:
+   EBUSY; EXDEV) is one line, with `out` as it was.
 
-So a kill at any point leaves `out` holding the previous export or the new one, complete,
-or (between the renames only) missing with the previous one beside it, which step 2 of the
-next command restores. Names longer than the filesystem allows are shortened with a digest
-(`loom.runtime.outputs.short_name`), so a long target name still has its leftovers found.
+So a kill at any point leaves `out` holding the previous export or the new one, complete;
+only with two renames can a kill fall between them, leaving `out` missing with the
+previous one beside it, which step 2 of the next command restores. Names longer than the
+filesystem allows are shortened with a digest (`loom.runtime.outputs.short_name`), so a
+long target name still has its leftovers found.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import logging
 import os
 import re
 import secrets
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -160,6 +166,49 @@ def rename(source: Path, dest: Path, target: Path, flag: str) -> None:
                           f"({e.strerror}); {target} was left as it was{hint}") from None
 
 
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
+"""renameat2's "relative to the working folder" and "swap the two" (linux/fcntl.h, fs.h)."""
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """libc's renameat2 (glibc 2.28+), or None where there is none."""
+    try:
+        found = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    except OSError:
+        return None
+    if found is not None:
+        found.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    return found
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing entries in one step, so that a reader or a kill sees one or the
+    other at each name, never neither; False where the system cannot (the caller renames
+    twice)."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    number = ctypes.get_errno()
+    if number in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # kernel or filesystem
+        return False
+    raise OSError(number, os.strerror(number), os.fspath(b))
+
+
+def swapped(staging: Path, target: Path, flag: str) -> bool:
+    """`exchange`, or one line saying why the filesystem refused it (as `rename`)."""
+    try:
+        return exchange(staging, target)
+    except OSError as e:
+        hint = "; a mount point cannot be replaced: use a folder inside it" \
+            if e.errno in (errno.EBUSY, errno.EXDEV) else ""
+        raise ConfigError(f"{flag} {target}: cannot exchange it with {staging.name} "
+                          f"({e.strerror}); {target} was left as it was{hint}") from None
+
+
 def ready(target: Path, overwrite: bool, flag: str) -> bool:
     """Whether `target` exists, checked again under the lock: what changed since the first
     check (a link, a file, new files, a stranger's folder, a mount) is refused."""
@@ -182,12 +231,15 @@ def swap_in(staging: Path, target: Path, overwrite: bool, flag: str) -> None:
         return
     old = beside(target, "old")
     with signals_held():
-        rename(target, old, target, flag)
-        try:
-            rename(staging, target, target, flag)
-        except BaseException:
-            os.rename(old, target)
-            raise
+        if swapped(staging, target, flag):  # one step: `target` is never missing
+            rename(staging, old, target, flag)  # the old export, named as a leftover
+        else:
+            rename(target, old, target, flag)
+            try:
+                rename(staging, target, target, flag)
+            except BaseException:
+                os.rename(old, target)
+                raise
         remove_entry(old)  # unlinks only: quick even for a large export
 
 
