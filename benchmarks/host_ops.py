@@ -131,7 +131,7 @@ def mark_step() -> None:
 
 def plain_loop(flags: list[str], steps: int, warmup: int) -> profile:
     """The reference: loom's Transformer, cross-entropy, foreach clip, fused AdamW."""
-    import loom.parallel  # noqa: F401  (registers loom's model families)
+    import loom.families  # noqa: F401  (registers loom's model families)
     from loom.config import parse_args
     from loom.models.resolve import plain_model
     from loom.trainer.resolve import resolve_model
@@ -180,7 +180,7 @@ def marked_loader(batches: Callable[[], Iterator[Any]]) -> Callable[[], Iterator
 def loom_run(flags: list[str], steps: int, warmup: int) -> profile | None:
     """loom's `fit()` over warmup + steps + 1 steps, the middle `steps` recorded; the last
     (a logging step: the end) is left out. Rank 0 returns the record."""
-    import loom.parallel  # noqa: F401  (registers loom's model families)
+    import loom.families  # noqa: F401  (registers loom's model families)
     from loom.config import parse_args
     from loom.trainer.resolve import resolve_model
     from rank_trainer import rank_trainer

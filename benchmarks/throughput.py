@@ -135,7 +135,7 @@ def bare_loop(flags: list[str], steps: int, warmup: int, dtype: str) -> dict:
     import torch
     import torch.nn.functional as F
 
-    import loom.parallel  # noqa: F401  (registers loom's model families)
+    import loom.families  # noqa: F401  (registers loom's model families)
     from loom.config import parse_args
     from loom.models.llama.model import Transformer
     from loom.models.resolve import model_args

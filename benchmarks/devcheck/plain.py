@@ -55,7 +55,7 @@ def checkpointed(block: torch.nn.Module, ac: str) -> None:
 
 
 def build(spec: dict, device: torch.device):
-    import loom.parallel  # noqa: F401  (registers loom's model families)
+    import loom.families  # noqa: F401  (registers loom's model families)
     from loom.config import parse_args
     from loom.models.resolve import plain_model
 

@@ -88,7 +88,7 @@ def loom_shape(flags: list[str]) -> dict:
     parameter count (built on the meta device: no memory, no time)."""
     import torch
 
-    import loom.parallel  # noqa: F401  (registers loom's model families)
+    import loom.families  # noqa: F401  (registers loom's model families)
     from loom.config import parse_args
     from loom.models.moe.flags import moe_flags
     from loom.models.resolve import model_args, plain_model

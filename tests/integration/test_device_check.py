@@ -165,7 +165,7 @@ def test_every_gpu_row_resolves_for_torchtitan_on_a_cpu():
     from devcheck.catalogue import gpu_rows
 
     sys.path.insert(0, str(REPO / "benchmarks" / "devcheck"))  # titan.py runs as a script
-    import loom.parallel  # noqa: F401  (registers the model families)
+    import loom.families  # noqa: F401  (registers the model families)
     from devcheck.titan import loom_shape
     from loom.config import parse_args
     from loom.models.resolve import model_args

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import loom.parallel  # noqa: F401  (registers loom's model families)
+import loom.families  # noqa: F401  (registers loom's model families)
 from loom.config import parse_args
 from loom.models.resolve import plain_model
 from loom.plan.muon import iteration_flops, muon_flops_per_rank, newton_schulz_flops
