@@ -12,7 +12,11 @@ import torch
 from tests.harness import run_ranks
 
 FP32_ATOL = 1e-5
-BF16_REL = 1e-2  # relative norm error vs eager with bf16 parameters: a few bf16 roundings
+BF16_REL = 1.5e-2
+"""Relative norm error vs eager with bf16 parameters: a few bf16 roundings. Measured 1.04e-2
+at tp2 fused-linear since the criterion divides by the step's valid count after the fused
+kernel (one scaling of the bf16 gradients more than when the kernel took the mean); the
+fp32 bounds above stay at 1e-5, so a wrong gradient still fails there."""
 LOSS_RTOL = 1e-5
 
 

@@ -96,7 +96,7 @@ def scored_sums(mean: LogitsLoss, output: torch.Tensor, targets: torch.Tensor,
     (B, T): the main rows' labels; (B, 1 + D, T): each depth's too (`depth_targets`), with
     `output` holding (1 + D) * B rows, depth-major. All depths are scored in one call of
     `mean`, so a chunked loss chunks them as it chunks the main rows."""
-    if targets.dim() == 2:
+    if targets.dim() < 3:  # the main rows alone (a flat (N,) batch of labels too)
         main = _sum(mean, output, targets)
         return torch.stack([main, main.detach(), torch.zeros_like(main)])
     batch, depths = targets.shape[0], targets.shape[1] - 1
@@ -109,7 +109,7 @@ def fused_sums(chunk_size: int, weight: float, targets: torch.Tensor) -> HeadApp
     """(hidden states, the head's weight) -> `scored_sums`' (3,) for fused-linear, every
     row (main and depths) in one fused pass: the depths' rows weighted `weight` / D, so
     the head's weight gradient is one buffer with or without depths."""
-    if targets.dim() == 2:
+    if targets.dim() < 3:  # the main rows alone (a flat (N,) batch of labels too)
         labels, depths = targets.flatten(), 0
     else:
         depths = targets.shape[1] - 1
