@@ -103,6 +103,56 @@ def test_the_scan_finds_a_reach_in(tmp_path: Path) -> None:
         "model.tok_embeddings"]
 
 
+def model_class_attributes() -> set[str]:
+    """Names a model module of some family declares at class level and reads (public, not a
+    method): where a layout could set a value for the model to read. Records (dataclasses:
+    the spec, `ForwardContext`, arguments) are not modules."""
+    names = set()
+    for path in (SRC / "models").rglob("*.py"):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if isinstance(cls, ast.ClassDef) and not any(
+                    "dataclass" in ast.unparse(d) for d in cls.decorator_list):
+                for stmt in cls.body:
+                    targets = [stmt.target] if isinstance(stmt, ast.AnnAssign) else \
+                        stmt.targets if isinstance(stmt, ast.Assign) else []
+                    names |= {t.id for t in targets if isinstance(t, ast.Name)
+                              and not t.id.startswith("_") and stmt.value is not None}
+    return names - {"args"}  # a model's own arguments, set by its constructor
+
+
+def attribute_writes(path: Path, names: set[str], root: Path = SRC) -> list[str]:
+    """Each `x.name = ...` or `setattr(x, "name", ...)` of one of `names` in the module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        hits = [t.attr for t in targets if isinstance(t, ast.Attribute) and t.attr in names]
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and node.args[1].value in names:
+            hits.append(node.args[1].value)
+        found += [f"{path.relative_to(root)}:{node.lineno} .{hit}" for hit in hits]
+    return found
+
+
+def test_nothing_outside_the_families_sets_what_a_model_reads() -> None:
+    """A layout hands a model what it needs in its `ForwardContext`; a family's own code
+    (its plan, its spec's `weigh_own_losses`) may set its modules' switches, nothing else."""
+    names = model_class_attributes()
+    found = [hit for path in outside_families() for hit in attribute_writes(path, names)]
+    assert not found, "set on a model from outside its family:\n" + "\n".join(found)
+
+
+def test_the_attribute_scan_finds_a_write(tmp_path: Path) -> None:
+    assert {"forwards_per_step", "sequence_sum"} <= model_class_attributes()
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(moe, model):\n    moe.forwards_per_step = 4\n"
+                     "    setattr(model, 'sequence_sum', None)\n    moe.other = 1\n")
+    assert [f.split(" ", 1)[1] for f in attribute_writes(
+        probe, {"forwards_per_step", "sequence_sum"}, tmp_path)] == [
+        ".forwards_per_step", ".sequence_sum"]
+
+
 def test_models_never_import_the_parallel_code() -> None:
     """A family's plan (`models/<family>/plan.py`) applies parallelism and is the one
     exception; nothing in a folder imports the trainer."""

@@ -12,33 +12,22 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from loom.config import schema
 from loom.config.families import flag_groups
-from loom.config.schema import (
-    CheckpointConfig,
-    DataConfig,
-    EvalConfig,
-    LoraConfig,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    OutputConfig,
-    ParallelConfig,
-    TrainConfig,
-)
 
 
 @dataclass(frozen=True)
 class JobConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    model: schema.ModelConfig = field(default_factory=schema.ModelConfig)
+    parallel: schema.ParallelConfig = field(default_factory=schema.ParallelConfig)
+    optim: schema.OptimConfig = field(default_factory=schema.OptimConfig)
+    lora: schema.LoraConfig = field(default_factory=schema.LoraConfig)
+    train: schema.TrainConfig = field(default_factory=schema.TrainConfig)
+    loss: schema.LossConfig = field(default_factory=schema.LossConfig)
+    data: schema.DataConfig = field(default_factory=schema.DataConfig)
+    output: schema.OutputConfig = field(default_factory=schema.OutputConfig)
+    eval: schema.EvalConfig = field(default_factory=schema.EvalConfig)
+    checkpoint: schema.CheckpointConfig = field(default_factory=schema.CheckpointConfig)
     warnings: tuple[str, ...] = ()
     """Messages produced while resolving the config, logged once by rank 0."""
     explicit: tuple[str, ...] = ()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,12 @@ from loom.data.tokenizers import TextTokenizer, load_tokenizer
 from loom.data.workers import BLOCK_CHARS
 
 
-@dataclass(frozen=True)
-class Position:
+class Position(NamedTuple):
+    """Where the next unread token is (a tuple: a later position compares greater)."""
+
     epoch: int = 0
     piece: int = 0
+    """Index into the stream's pieces (pieces.py)."""
     document: int = 0
     offset: int = 0
     """Tokens of that document (end-of-text included) already consumed."""
@@ -122,7 +124,7 @@ def data_state(loader: Any) -> dict[str, Any]:
     if not isinstance(loader, StreamLoader):
         return {}
     positions: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(positions, (loader.stream.dp_rank, asdict(loader.stream.position)))
+    dist.all_gather_object(positions, (loader.stream.dp_rank, loader.stream.position._asdict()))
     return {"stream_positions": {str(rank): pos for rank, pos in positions}}
 
 
@@ -136,7 +138,18 @@ def restore_data_state(loader: Any, saved: dict[str, Any]) -> None:
         raise ConfigError(f"--streaming resume needs the checkpoint's dp degree "
                           f"({len(positions) or 'not a streaming checkpoint'}), got "
                           f"{loader.stream.dp_size}")
-    loader.stream.position = Position(**positions[str(loader.stream.dp_rank)])
+    loader.stream.position = saved_position(positions[str(loader.stream.dp_rank)])
+
+
+def saved_position(saved: Any) -> Position:
+    """A checkpoint's stream position, checked (a hostile file may hold anything): exactly
+    Position's fields, each a non-negative int."""
+    if not isinstance(saved, dict) or set(saved) != set(Position._fields) or not all(
+            type(v) is int and 0 <= v < 2 ** 63 for v in saved.values()):
+        raise ConfigError(f"--streaming resume: the checkpoint's stream position is not "
+                          f"{len(Position._fields)} non-negative integers "
+                          f"({', '.join(Position._fields)})")
+    return Position(**saved)
 
 
 def build_stream_spec(cfg: JobConfig, tokenizer_name: str | None) -> StreamSpec:

@@ -33,6 +33,10 @@ class ForwardContext:
     mask: torch.Tensor | None = None
     """(B, 1, T, S): attention's mask for a sequence shard, prepared from the whole
     sequences' documents (context parallel's hook sets it with `positions`)."""
+    flex_mask: bool = False
+    """Build `documents`' mask as FlexAttention's block mask where the family's attention
+    takes one and the device has kernels (the step sets it on compiled runs: flex's eager
+    form is a dense reference, no cheaper than SDPA's mask)."""
     shard_index: torch.Tensor | None = None
     """(T',): the global positions of this shard's tokens (context parallel; `positions`
     may count from each document's start instead)."""

@@ -26,10 +26,11 @@ The model protocol a spec promises (written down because the recipe relies on it
 - `init_std(name) -> float | None`: the initial std of a parameter by name (None: ones);
   `init_buffers(device)`: recompute non-persistent buffers after `to_empty`. Parameters are
   drawn from (seed, name), so every layout starts from the same weights.
-- A loss the model adds inside its own forward (MoE's balance loss) is weighted by the
-  module's `microbatches`, the forwards of one optimizer step, set by the executor before
-  the first step; auxiliary predictions (MTP depths) are returned instead, and scored by
-  the criterion against the labels with the main loss's modes and token weighting.
+- A loss the model adds inside its own forward (MoE's balance loss) is weighed by the
+  family itself: the executor hands the spec's `weigh_own_losses` each part and the
+  forwards of one optimizer step before the first step. Auxiliary predictions (MTP
+  depths) are returned instead, and scored by the criterion against the labels with the
+  main loss's modes and token weighting.
 """
 
 from __future__ import annotations
@@ -278,6 +279,15 @@ class ModelSpec:
     """The family's own flag dataclasses (`loom.config.families`: `flag()` fields, their
     defaults and a `check(cfg)`), registered with the family; its arguments are filled from
     them and the shared model flags."""
+    flex_doc_mask: bool = False
+    """The family's attention takes FlexAttention's block mask for --doc-mask, built where
+    a forward's context asks (`ForwardContext.flex_mask`: compiled runs); the planner then
+    counts no dense T x T mask for such a run."""
+    weigh_own_losses: Callable[[nn.Module, int], None] | None = None
+    """(a built part, the forwards of one optimizer step) -> None, for a family whose
+    forward adds a loss of its own (MoE's balance loss): each forward's share weighs
+    1 / forwards, as the main loss's token mean weighs each micro-batch's share of the
+    step. None: the family adds no loss in its forward."""
     uses: frozenset[str] | None = None
     """The model flags (shared and families' own, by field name) that change what this
     family builds or trains; any other model flag a user gives is refused in one line

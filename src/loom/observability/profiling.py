@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -25,13 +25,15 @@ from loom.config import OutputConfig
 
 logger = logging.getLogger("loom")
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfileOptions:
     """`--profile`'s schedule and what it records (the --profile-* flags)."""
 
     wait: int = 2
+    """Steps skipped before each cycle; then `warmup` traced but discarded."""
     warmup: int = 2
     active: int = 3
+    """Steps recorded per cycle, `repeat` cycles."""
     repeat: int = 1
     memory: bool = False
     shapes: bool = False
@@ -41,9 +43,8 @@ class ProfileOptions:
 
     @classmethod
     def from_config(cls, o: OutputConfig) -> ProfileOptions:
-        return cls(o.profile_wait, o.profile_warmup, o.profile_active, o.profile_repeat,
-                   o.profile_memory, o.profile_shapes, o.profile_stack, o.profile_flops,
-                   o.profile_modules)
+        """Each field from its flag, `--profile-<field>`."""
+        return cls(**{f.name: getattr(o, f"profile_{f.name}") for f in fields(cls)})
 
 
 def profile_schedule(total_steps: int, options: ProfileOptions = ProfileOptions()

@@ -83,38 +83,20 @@ class ParallelDims:
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
+    # Whether each dimension is in use (more than one rank; etp: the experts' tp is the
+    # dense tp); properties, as the sizes may still be settled after construction.
+    pp_enabled = property(lambda self: self.pp > 1)
+    tp_enabled = property(lambda self: self.tp > 1)
+    dp_replicate_enabled = property(lambda self: self.dp_replicate > 1)
+    dp_shard_enabled = property(lambda self: self.dp_shard > 1)
+    cp_enabled = property(lambda self: self.cp > 1)
+    ep_enabled = property(lambda self: self.ep > 1)
+    etp_enabled = property(lambda self: self.tp > 1 and self.etp == self.tp)
 
     @property
     def loss_size(self) -> int:
         """Ranks holding different tokens (dp x cp): FSDP averages gradients over them."""
         return self.dp_size * self.cp
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
-
-    @property
-    def etp_enabled(self) -> bool:
-        return self.tp_enabled and self.etp == self.tp
 
     @property
     def expert_region(self) -> int:

@@ -82,8 +82,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     outside = checkpoint_outside_compile(dims, cfg)
     if not outside:
         apply_ac(plan, cfg.activation_checkpoint)
-    if cfg.compile and hasattr(model, "flex_doc_mask"):  # flex pays compiled only
-        model.flex_doc_mask = True
     if cfg.compile:
         apply_compile(plan, cfg.compile_mode, cfg.compile_backend,
                       whole_model=strategy.whole_graph and not outside,

@@ -21,7 +21,7 @@ from loom.data.cache import default_cache_dir
 from loom.lora.converter import lora_targets_for
 from loom.losses import loss_impl_for
 from loom.models.registry import for_config, routing_of
-from loom.models.resolve import model_args, plain_model
+from loom.models.resolve import model_args
 from loom.numerics.precision import resolve_precision
 from loom.observability.devices import known_device
 from loom.parallel.mesh import ParallelDims
@@ -119,8 +119,7 @@ def planned_doc_mask(cfg: JobConfig, device: str) -> bool:
     if device == "cpu" or not (cfg.data.doc_mask and cfg.parallel.compile) \
             or cfg.parallel.cp > 1:
         return cfg.data.doc_mask
-    with torch.device("meta"):
-        return not hasattr(plain_model(cfg), "flex_doc_mask")
+    return not for_config(cfg.model).flex_doc_mask
 
 
 def make_plan(cfg: JobConfig, world_size: int, device_memory: int, device: PlanDevice,

@@ -17,7 +17,7 @@ from loom.parallel.compile import compile_kwargs
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.single import runs_plain, step_autocast, within
 from loom.trainer.pipeline_executor import PipelineExecutor
-from loom.trainer.step import AccumulationExecutor, StepExecutor, weigh_added_losses
+from loom.trainer.step import AccumulationExecutor, StepExecutor
 
 
 def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
@@ -33,10 +33,11 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
     else:
         executor = AccumulationExecutor(parts, criterion, dims, device,
                                         defer_reduction=cfg.train.accum_reduce == "step")
-    weigh_added_losses(parts, cfg.train.grad_accum_steps * executor.forwards_per_batch)
+    weigh_own_losses(parts, cfg.train.grad_accum_steps * executor.forwards_per_batch)
     if cfg.data.doc_mask:
         check_takes_documents(parts)
     executor.eot_id = eot_id if cfg.data.doc_mask else None
+    executor.flex_mask = cfg.parallel.compile  # flex pays compiled only
     executor.marks_steps = cfg.parallel.compile and cfg.parallel.compile_mode == "reduce-overhead"
     if isinstance(executor, AccumulationExecutor):  # bf16 at one process: the step's autocast
         executor.micro_loss = within(step_autocast(dims, cfg.parallel, device.type),
@@ -85,6 +86,17 @@ def depths_of(model: nn.Module) -> Depths:
     model no family of loom's builds)."""
     spec = spec_of(model)
     return NO_DEPTHS if spec is None else spec.depths(model)
+
+
+def weigh_own_losses(parts: list[nn.Module], forwards: int) -> None:
+    """Tell a family whose forward adds a loss of its own (MoE's balance loss) how many
+    forwards one optimizer step takes (accumulation steps, a pipeline's micro-batches or
+    both), through its spec: the main loss is a mean over the step's tokens, so each
+    forward's own loss weighs 1 / forwards for the same reason."""
+    for part in parts:
+        spec = spec_of(part)
+        if spec is not None and spec.weigh_own_losses is not None:
+            spec.weigh_own_losses(part, forwards)
 
 
 def check_takes_documents(parts: list[nn.Module]) -> None:

@@ -56,8 +56,9 @@ class PipelineExecutor(StepExecutor):
                   for part, i in zip(parts, self.stage_ids, strict=True)]
         self.depths = criterion.depths.count > 0  # every stage packs and is handed ids
         for part in parts:  # the schedule's keywords -> the stage's declared context
-            part.register_forward_pre_hook(partial(stage_context, criterion.hidden,
-                                                   self.depths), prepend=True, with_kwargs=True)
+            part.register_forward_pre_hook(
+                partial(stage_context, criterion.hidden, self.depths, cfg.parallel.compile),
+                prepend=True, with_kwargs=True)
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.owns_loss = self.has_last and dims.tp_rank == 0
         self.bubble = bubble_fraction(dims.pp, per_rank, self.microbatches, p.pp_schedule)
@@ -131,11 +132,12 @@ class PipelineExecutor(StepExecutor):
         return self.run(batch, self.schedule.eval)[1]
 
 
-def stage_context(hidden: bool, depths: bool, module: nn.Module, args: tuple,
-                  kwargs: dict) -> tuple[tuple, dict]:
+def stage_context(hidden: bool, depths: bool, flex_mask: bool, module: nn.Module,
+                  args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A stage's forward pre-hook: the tensors the schedule splits into micro-batches and
     hands every stage as keywords (`documents`, `token_ids`) become its `ctx`, with what
     the criterion needs of the last stage (hidden states for fused-linear, the depths)."""
     ctx = ForwardContext(documents=kwargs.pop("documents", None),
-                         token_ids=kwargs.pop("token_ids", None), hidden=hidden, depths=depths)
+                         token_ids=kwargs.pop("token_ids", None), hidden=hidden, depths=depths,
+                         flex_mask=flex_mask)
     return args, {**kwargs, "ctx": ctx}

@@ -17,14 +17,8 @@ from typing import Any
 
 import torch
 
-from loom.checkpoint.resume import (
-    ResumePoint,
-    architecture,
-    check_architecture,
-    find_resume,
-    resume_after_restart,
-    saved_settings,
-)
+from loom.checkpoint import resume as resuming
+from loom.checkpoint.resume import ResumePoint
 from loom.config import ConfigError, JobConfig, validate
 from loom.config.resolved import applied, settled
 from loom.config.sources import fit_transformers_model
@@ -72,7 +66,7 @@ def resolve_model(cfg: JobConfig) -> JobConfig:
 def restarted(cfg: JobConfig, restarts: int) -> JobConfig:
     """`cfg` of a job restarted `restarts` times: it continues its own run folder
     (`resume_after_restart`)."""
-    resume, note = resume_after_restart(cfg, restarts)
+    resume, note = resuming.resume_after_restart(cfg, restarts)
     return settled(cfg, notes=(note,) if note else (),
                    **({"resume": resume} if resume else {}))
 
@@ -108,8 +102,9 @@ def check(cfg: JobConfig, dims: ParallelDims, device: torch.device,
         if refusal is not None:
             raise ConfigError(refusal)
     if resume is not None:  # before the model is built
-        check_architecture(resume.saved["architecture"], architecture(cfg, model_args(cfg)),
-                           cfg.checkpoint.resume_change_model)
+        resuming.check_architecture(resume.saved["architecture"],
+                                    resuming.architecture(cfg, model_args(cfg)),
+                                    cfg.checkpoint.resume_change_model)
 
 
 def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.device,
@@ -122,9 +117,9 @@ def resolve(flags: JobConfig, info: RankInfo, dims: ParallelDims, device: torch.
     effective loss) is in the config before `check` sees it, so no refusal can be bypassed
     by a fact learned later (chat data turning --doc-mask on, say). What follows the check
     only derives from what it passed (the compile mode CUDA graphs record with)."""
-    resume = find_resume(flags.checkpoint.resume, outdir)
+    resume = resuming.find_resume(flags.checkpoint.resume, outdir)
     cfg = flags if resume is None else settled(
-        flags, **saved_settings(flags, resume.saved, resume.path))
+        flags, **resuming.saved_settings(flags, resume.saved, resume.path))
     seed_everything(cfg.train.seed)
     precision = resolve_precision(cfg.parallel.dtype, device)
     logger.info("precision: %s (%s)", precision.dtype, precision.reason)

@@ -86,7 +86,11 @@ class StepExecutor(ABC):
 
     forwards_per_batch: int = 1
     """Forwards each loader batch takes (a pipeline's micro-batches); times the
-    accumulation steps, the forwards of one optimizer step (`weigh_added_losses`)."""
+    accumulation steps, the forwards of one optimizer step (`weigh_own_losses`)."""
+
+    flex_mask: bool = False
+    """Ask for --doc-mask's FlexAttention block mask (`ForwardContext.flex_mask`): compiled
+    runs, where flex has kernels."""
 
     marks_steps: bool = False
     """Compiled in reduce-overhead mode (--cuda-graphs): each step begins with
@@ -141,7 +145,8 @@ class StepExecutor(ABC):
         return {depths.metric: summed(self.owned(depth_sum).float()) / total}
 
     def context(self, documents: torch.Tensor | None) -> ForwardContext | None:
-        return None if documents is None else ForwardContext(documents=documents)
+        return None if documents is None else ForwardContext(documents=documents,
+                                                              flex_mask=self.flex_mask)
 
     def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """The batch's document indices under --doc-mask, else None: of the whole sequences
@@ -206,18 +211,6 @@ class AccumulationExecutor(StepExecutor):
         documents = self.documents(inputs)
         return self.owned(self.micro_loss(self.parts[0], inputs, labels,
                                           self.context(documents))[1])
-
-
-def weigh_added_losses(parts: list[nn.Module], forwards: int) -> None:
-    """Tell every module that adds a loss in its own forward (one with a `microbatches`
-    attribute: the MoE balance loss) how many forwards one optimizer
-    step takes. The main loss is a mean over the step's tokens, each forward weighing its
-    share; such a module weighs its own loss 1 / forwards for the same reason, whether the
-    forwards are accumulation steps, a pipeline's micro-batches or both."""
-    for part in parts:
-        for module in part.modules():
-            if hasattr(module, "microbatches"):
-                module.microbatches = forwards
 
 
 def parts_module(parts: list[nn.Module]) -> nn.Module:

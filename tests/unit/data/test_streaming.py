@@ -12,7 +12,7 @@ import pytest
 from loom.config import ConfigError
 from loom.data import pieces as piece_plan
 from loom.data.pieces import plan_pieces
-from loom.data.streaming import PackedStream, Position, StreamSpec
+from loom.data.streaming import PackedStream, Position, StreamSpec, saved_position
 from loom.data.tokenizers import load_shipped_tokenizer
 
 DOCS = [f"document {i} says " + "word " * (i % 7 * 5 + 3) for i in range(40)]
@@ -64,3 +64,23 @@ def test_a_rank_without_documents_fails_instead_of_waiting(spec):
     one_piece = StreamSpec(spec.pieces[:1], "text", "train", spec.tokenizer, 15, 0)
     with pytest.raises(ConfigError, match="no documents for dp rank"):
         take(PackedStream(one_piece, 63, 64), 1)
+
+
+@pytest.mark.parametrize("saved", [
+    {"epoch": 0, "piece": 1, "document": 2},  # a field missing
+    {"epoch": 0, "piece": 1, "document": 2, "offset": 3, "extra": 0},
+    {"epoch": 0, "piece": 1, "document": "2", "offset": 3},
+    {"epoch": 0, "piece": True, "document": 2, "offset": 3},
+    {"epoch": -1, "piece": 1, "document": 2, "offset": 3},
+    {"epoch": 2 ** 70, "piece": 1, "document": 2, "offset": 3},
+    [0, 1, 2, 3],
+], ids=["missing", "extra", "string", "bool", "negative", "huge", "list"])
+def test_a_saved_stream_position_is_checked(saved: object) -> None:
+    """A checkpoint's stream position is read as four non-negative ints or refused."""
+    with pytest.raises(ConfigError, match="stream position"):
+        saved_position(saved)
+
+
+def test_a_saved_stream_position_round_trips() -> None:
+    position = Position(1, 2, 3, 4)
+    assert saved_position(position._asdict()) == position and position > Position(1, 2, 3, 3)

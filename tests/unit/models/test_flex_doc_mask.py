@@ -9,12 +9,13 @@ import torch
 import torch.nn.attention.flex_attention as flex
 import torch.nn.functional as F
 
-from loom.config import ParallelConfig
+from loom.config import parse_args
 from loom.models.context import ForwardContext
 from loom.models.documents import attention_mask, block_document_mask, document_mask
 from loom.models.llama.model import CausalAttention, ModelArgs
+from loom.models.registry import family
 from loom.parallel.mesh import ParallelDims
-from loom.parallel.parallelize import parallelize
+from loom.trainer.executor import build_executor
 from loom.trainer.step import document_ids
 from tests.tiny import tiny_model
 
@@ -77,7 +78,6 @@ def test_compiled_model_with_flex_matches_dense_and_does_not_recompile(whole: bo
     with torch.no_grad():
         dense, dense2 = model(tokens, ctx=ForwardContext(documents=documents)), model(
             tokens2, ctx=ForwardContext(documents=documents2))
-        model.flex_doc_mask = True
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         if whole:
@@ -86,9 +86,9 @@ def test_compiled_model_with_flex_matches_dense_and_does_not_recompile(whole: bo
             for block in model.layers.values():
                 block.compile(backend="aot_eager", fullgraph=True)
             compiled = model
-        got = compiled(tokens, ctx=ForwardContext(documents=documents))
+        got = compiled(tokens, ctx=ForwardContext(documents=documents, flex_mask=True))
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        got2 = compiled(tokens2, ctx=ForwardContext(documents=documents2))
+        got2 = compiled(tokens2, ctx=ForwardContext(documents=documents2, flex_mask=True))
     torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got2, dense2, rtol=1e-5, atol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
@@ -118,11 +118,27 @@ def test_dense_mask_sdpa_reference() -> None:
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_compiled_runs_ask_for_the_block_mask(compiled: bool) -> None:
-    """parallelize turns the block mask on with --compile only (flex's eager form is a
-    dense reference, no cheaper than SDPA's mask)."""
+def test_compiled_runs_ask_for_the_block_mask(process_group, compiled: bool) -> None:
+    """The step hands a --doc-mask forward a context asking for the block mask with
+    --compile only (flex's eager form is a dense reference, no cheaper than SDPA's mask);
+    the model builds what the context asks, without gradients as the CPU allows."""
     model = tiny_model(ARGS)
-    parallelize(model, ParallelDims(1, 1, 1, 1),
-                ParallelConfig(dtype="fp32", compile=compiled, compile_backend="aot_eager"),
-                loss_parallel=False, backend="gloo")
-    assert model.flex_doc_mask is compiled
+    dims = ParallelDims(1, 1, 1, 1)
+    dims.build_mesh("cpu")
+    flags = ["--model", "debug", "--dtype", "fp32", "--doc-mask",
+             *(["--compile", "--compile-backend", "aot_eager"] if compiled else [])]
+    executor = build_executor([model], parse_args(flags), dims, torch.device("cpu"), eot_id=EOT)
+    tokens, documents = packed()
+    ctx = executor.context(executor.documents(tokens))
+    assert ctx is not None and ctx.flex_mask is compiled
+    torch.testing.assert_close(ctx.documents, documents)
+    with torch.no_grad():
+        _, mask = model.attention_inputs(ctx)
+    assert isinstance(mask, flex.BlockMask) if compiled else isinstance(mask, torch.Tensor)
+
+
+def test_the_planner_reads_flex_from_the_spec() -> None:
+    """A family declares whether its attention takes the block mask (`flex_doc_mask`):
+    loom's Llama-shaped families do; the transformers family does not."""
+    assert family("llama").flex_doc_mask and family("deepseek-v3").flex_doc_mask
+    assert not family("transformers").flex_doc_mask

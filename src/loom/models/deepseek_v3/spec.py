@@ -20,6 +20,7 @@ from loom.models.llama.spec import PARTS, rope_input
 from loom.models.llama.uses import LLAMA_USES, SHAPE, SWIGLU
 from loom.models.moe.counts import per_token_param_count
 from loom.models.moe.flags import MoEFlags
+from loom.models.moe.model import weigh_balance_loss
 from loom.models.moe.spec import (
     BALANCE_LOSS,
     EXPERT_BIAS,
@@ -101,6 +102,7 @@ REFUSALS = (
 
 DEEPSEEK_V3 = ModelSpec(
     name="deepseek-v3", model_cls=DeepseekV3, args_from_config=deepseek_v3_args,
+    flex_doc_mask=True, weigh_own_losses=weigh_balance_loss,
     build=DeepseekV3, args_cls=DeepseekV3Args, parts=replace(PARTS, head=(*PARTS.head, "mtp")),
     block_cost=moe_block_cost, block_inputs=rope_input, routers=router_gates,
     active_params=active_params, routing=routing, hf=(DeepseekV3Adapter(),),

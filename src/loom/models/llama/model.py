@@ -21,12 +21,16 @@ from loom.models.documents import attention_mask, document_positions
 
 @dataclass(frozen=True)
 class ModelArgs:
+    """A Llama-shaped model's arguments (a checkpoint records every field)."""
+
     dim: int = 256
     n_layers: int = 32
     n_heads: int = 32
     n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention: each serves n_heads / n_kv_heads)."""
     vocab_size: int = 32000
     multiple_of: int = 360
+    """The feed-forward width is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
     hidden_dim: int | None = None
     rope_theta: float = 10000.0
@@ -209,17 +213,25 @@ class OutputHead(nn.Linear):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm block: attention, then the feed-forward child named `ffn_name` (a dense
+    FeedForward here; a variant builds another under its own checkpoint name)."""
+
+    ffn_name = "feed_forward"
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.add_module(self.ffn_name, self.build_ffn(args))
+
+    def build_ffn(self, args: ModelArgs) -> nn.Module:
+        return FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + getattr(self, self.ffn_name)(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -229,10 +241,6 @@ class Transformer(nn.Module):
     stage is this model with the parts it does not hold set to None (the embedding; norm and
     head, which stay together) or deleted (blocks).
     """
-
-    flex_doc_mask = False
-    """Give attention FlexAttention's block mask for `documents` where it can run, not the
-    dense one: set on compiled runs, where flex has kernels (`loom.models.documents`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -276,7 +284,7 @@ class Transformer(nn.Module):
         `documents` are given, else the context's own (a cp shard's, or none)."""
         if ctx.documents is not None:
             return (document_positions(ctx.documents),
-                    attention_mask(ctx.documents, self.flex_doc_mask))
+                    attention_mask(ctx.documents, ctx.flex_mask))
         return ctx.positions, ctx.mask
 
     def head(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
+SIZE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "seq_len", "batch_size")
+SIZES: dict[str, tuple[int, ...]] = {  # loom's own sizes: one value per flag of SIZE_FLAGS
+    "debug": (128, 4, 4, 2, 128, 256, 1),
+    "s": (768, 12, 12, 4, 256, 2048, 4),
+    "m": (1024, 16, 16, 4, 256, 2048, 4),
+    "l": (1536, 16, 16, 4, 256, 2048, 2),
+    "xl": (2048, 24, 32, 8, 256, 2048, 1),
+    "xxl": (4096, 32, 32, 8, 256, 4096, 1),
+    "xxxl": (5120, 40, 40, 8, 256, 4096, 1),
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
-    "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=128,
-                  seq_len=256, batch_size=1),
-    "s": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, multiple_of=256,
-              seq_len=2048, batch_size=4),
-    "m": dict(dim=1024, n_layers=16, n_heads=16, n_kv_heads=4, multiple_of=256,
-              seq_len=2048, batch_size=4),
-    "l": dict(dim=1536, n_layers=16, n_heads=16, n_kv_heads=4, multiple_of=256,
-              seq_len=2048, batch_size=2),
-    "xl": dict(dim=2048, n_layers=24, n_heads=32, n_kv_heads=8, multiple_of=256,
-               seq_len=2048, batch_size=1),
-    "xxl": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=256,
-                seq_len=4096, batch_size=1),
-    "xxxl": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, multiple_of=256,
-                 seq_len=4096, batch_size=1),
+    **{name: dict(zip(SIZE_FLAGS, row, strict=True)) for name, row in SIZES.items()},
     "agpt-2b": dict(dim=2048, n_layers=12, n_heads=16, n_kv_heads=4, multiple_of=256,
                     vocab_size=256128, hidden_dim=11008, rope_theta=50000.0,
                     seq_len=8192, batch_size=1),

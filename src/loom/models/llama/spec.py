@@ -40,6 +40,7 @@ PARTS = ModelParts(embedding="tok_embeddings", blocks="layers", head=("norm", "o
 
 LLAMA = ModelSpec(
     name="llama", model_cls=Transformer, args_from_config=dense_args, build=Transformer,
+    flex_doc_mask=True,
     args_cls=ModelArgs, parts=PARTS, block_inputs=rope_input, hf=(LlamaAdapter(),),
     lora_targets=LORA_TARGETS,
     flags=(LlamaFlags, Qwen3Flags), presets=PRESETS, aliases=ALIASES, uses=LLAMA_USES,

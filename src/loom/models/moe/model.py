@@ -14,10 +14,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask
 
 from loom.models.llama import model as llama
-from loom.models.llama.model import Attention, FeedForward, ModelArgs, RMSNorm, Transformer
+from loom.models.llama.model import FeedForward, ModelArgs, Transformer, TransformerBlock
 from loom.models.moe.aux_loss import SequenceSum, add_loss, sequence_balance_loss
 from loom.models.moe.counts import per_token_param_count
 
@@ -237,11 +236,12 @@ class MoE(nn.Module):
     """
 
     sequence_sum: SequenceSum | None = None
-    microbatches = 1
-    """Forwards per optimizer step (the executor sets it: accumulation steps times a
-    pipeline's micro-batches). Each forward's balance loss weighs 1 / microbatches, as the
-    main loss's token mean weighs each micro-batch by its share of the step; `aux_loss`
-    sums the shares (the step's balance loss), zeroed by the balance-loss metric hook."""
+    forwards_per_step = 1
+    """Forwards per optimizer step (accumulation steps times a pipeline's micro-batches;
+    `weigh_balance_loss`, the family's `weigh_own_losses`). Each forward's balance loss
+    weighs 1 / forwards_per_step, as the main loss's token mean weighs each micro-batch by
+    its share of the step; `aux_loss` sums the shares (the step's balance loss), zeroed by
+    the balance-loss metric hook."""
 
     def __init__(self, args: MoEArgs):
         super().__init__()
@@ -272,7 +272,7 @@ class MoE(nn.Module):
             out = _CountInBackward.apply(out, counts, self.tokens_per_expert)
         if self.aux_loss_coeff > 0 and self.training:
             aux = sequence_balance_loss(scores, expert_idx, bsz, self.sequence_sum)
-            out = add_loss(out, aux * (self.aux_loss_coeff / self.microbatches), self.aux_loss)
+            out = add_loss(out, aux * (self.aux_loss_coeff / self.forwards_per_step), self.aux_loss)
         return out.view(bsz, seqlen, dim)
 
     @torch.no_grad()
@@ -282,20 +282,21 @@ class MoE(nn.Module):
             buf.zero_()
 
 
-class MoETransformerBlock(nn.Module):
+class MoETransformerBlock(TransformerBlock):
     """A Llama block whose feed-forward is a mixture of experts (module name `moe`)."""
 
-    def __init__(self, args: MoEArgs):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.moe = MoE(args)
+    ffn_name = "moe"
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
-        return h + self.moe(self.ffn_norm(h))
+    def build_ffn(self, args: MoEArgs) -> nn.Module:  # type: ignore[override]
+        return MoE(args)
+
+
+def weigh_balance_loss(part: nn.Module, forwards: int) -> None:
+    """The MoE families' `ModelSpec.weigh_own_losses`: every MoE layer of a built part weighs
+    its balance loss 1 / forwards (the forwards of one optimizer step)."""
+    for module in part.modules():
+        if isinstance(module, MoE):
+            module.forwards_per_step = forwards
 
 
 class MoETransformer(Transformer):

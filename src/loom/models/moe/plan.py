@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
     Partial,
-    Placement,
     Replicate,
     Shard,
     distribute_tensor,
@@ -27,6 +26,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import Placement
 
 from loom.models.llama.plan import dense_plan
 from loom.models.moe.aux_loss import SequenceSum

@@ -13,7 +13,13 @@ from loom.models.llama.spec import PARTS, rope_input
 from loom.models.llama.uses import LLAMA_USES
 from loom.models.moe.balance import balance_loss_metric, moe_layers, update_expert_bias
 from loom.models.moe.flags import MoEFlags
-from loom.models.moe.model import MoE, MoEArgs, MoETransformer, active_param_count
+from loom.models.moe.model import (
+    MoE,
+    MoEArgs,
+    MoETransformer,
+    active_param_count,
+    weigh_balance_loss,
+)
 from loom.models.moe.presets import PRESETS
 from loom.models.qwen3.flags import Qwen3Flags
 from loom.models.spec import ModelSpec, Routing, SpecHook
@@ -60,6 +66,7 @@ def routing(args: MoEArgs) -> Routing | None:
 
 MOE = ModelSpec(
     name="moe", model_cls=MoETransformer, args_from_config=moe_args, build=MoETransformer,
+    flex_doc_mask=True, weigh_own_losses=weigh_balance_loss,
     args_cls=MoEArgs, parts=PARTS, block_cost=moe_block_cost, block_inputs=rope_input,
     routers=router_gates, active_params=active_param_count,
     routing=routing, hooks=(EXPERT_BIAS, BALANCE_LOSS),

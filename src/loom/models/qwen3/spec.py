@@ -29,6 +29,7 @@ def qwen3_moe_args(m: ModelConfig) -> MoEArgs:
 
 QWEN3 = ModelSpec(
     name="qwen3", model_cls=Transformer, args_from_config=qwen3_args, build=Transformer,
+    flex_doc_mask=True,
     args_cls=ModelArgs, parts=PARTS, block_inputs=rope_input, hf=(Qwen3Adapter(),),
     lora_targets=LORA_TARGETS,
     flags=(LlamaFlags, Qwen3Flags), presets=QWEN3_PRESETS, uses=LLAMA_USES - {"qk_norm"},
