@@ -13,7 +13,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.config.job import JobConfig, flag_fields, with_settings
+from loom.config.job import JobConfig, flag_fields, section_values, with_settings
+from loom.errors import ConfigError
+
+
+def refuse_replaced(cfg: JobConfig, facts: Mapping[str, Any], source: str) -> None:
+    """Facts a model's source fixes (a Hub folder's shape) must agree with any flag the
+    user gave for them: a differing one is refused in one line, never silently replaced
+    (`--dim 512` with a 2048-wide folder would train the folder's 2048)."""
+    where = flag_fields()
+    for name, value in facts.items():
+        if name in cfg.explicit and name in where:
+            given = section_values(cfg, where[name][0]).get(name)
+            if given != value:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} {given}: {source} fixes it at {value}; drop {flag}")
 
 
 def settled(cfg: JobConfig, notes: tuple[str, ...] = (), **facts: Any) -> JobConfig:

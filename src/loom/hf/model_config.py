@@ -4,6 +4,7 @@ run learns the model's shape from it before the model is built."""
 from __future__ import annotations
 
 from loom.config import JobConfig
+from loom.config.resolved import refuse_replaced
 from loom.data.loaders import on_node_leaders
 from loom.models.transformers.model import hf_shape, load_hf_config
 
@@ -15,4 +16,6 @@ def hf_model_shape(cfg: JobConfig, local_rank: int) -> dict[str, int]:
     if not cfg.model.runs_transformers:
         return {}
     on_node_leaders(lambda: load_hf_config(cfg.model), leader=local_rank == 0)
-    return hf_shape(cfg, load_hf_config(cfg.model, cached=True))
+    shape = hf_shape(cfg, load_hf_config(cfg.model, cached=True))
+    refuse_replaced(cfg, shape, f"--model {cfg.model.model}'s config")
+    return shape

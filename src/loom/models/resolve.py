@@ -12,6 +12,7 @@ from torch import nn
 
 from loom.config import ConfigError, JobConfig
 from loom.config.families import group_fields
+from loom.config.resolved import refuse_replaced
 from loom.data.hub import first_line
 from loom.models.hf_folder import CONFIG, open_folder, read_config
 from loom.models.registry import families, for_architectures, for_config
@@ -117,6 +118,7 @@ def model_choice(cfg: JobConfig) -> dict[str, Any]:
     for name in (*BEHAVIOUR_FIELDS, *from_source_flags()):
         if name in cfg.explicit:
             fields.pop(name, None)
+    refuse_replaced(cfg, {**fields, "family": spec.name}, f"--model {m.model}'s {CONFIG}")
     if cfg.data.seq_len > fields["max_seq_len"]:
         raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's "
                           f"max_position_embeddings {fields['max_seq_len']}")

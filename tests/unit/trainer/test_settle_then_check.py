@@ -60,3 +60,31 @@ def test_native_deepseek_folder_takes_ep_at_parse_and_after_its_shape_is_read(tm
         assert cfg.model.family == "deepseek-v3", cfg.model
         ParallelDims.from_config(cfg.parallel, 2)
         validate(cfg)  # what resolve checks, the folder's experts in
+
+
+def test_a_shape_flag_given_with_a_hub_folder_agrees_or_is_refused(tmp_path):
+    """A Hub folder fixes the model's shape: a shape flag given with it that says the same
+    is fine; one that differs is one line, never silently replaced by the folder's
+    (transformers' module takes no shape flag at all: refused as unused)."""
+    import transformers
+
+    from loom.config.resolved import settled
+    from loom.errors import ConfigError
+    from loom.hf.model_config import hf_model_shape
+    from tests.hf_models import save_model
+
+    folder = save_model(tmp_path / "llama", transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64), 0, False)
+
+    def resolved(*flags: str, impl: str = "native"):
+        cfg = resolve_model(parse_args(["--model", str(folder), "--model-impl", impl,
+                                        "--seq-len", "32", *flags]))
+        return settled(cfg, **hf_model_shape(cfg, 0))
+
+    assert resolved("--dim", "32").model.dim == 32
+    for flags, name in ((["--dim", "64"], "--dim"), (["--n-layers", "3"], "--n-layers")):
+        with pytest.raises(ConfigError, match=f"^{name} .*fixes it at .*; drop {name}$"):
+            resolved(*flags)
+    with pytest.raises(ConfigError, match="^--dim is not used by the transformers family"):
+        resolved("--dim", "64", impl="transformers")
