@@ -37,6 +37,18 @@ MISTAKES = {  # id: (flags, message)
                            "x=c.txt"], "--val-dataset: two sets with the name 'x'"),
     "doc-mask-transformers": (["--doc-mask", "--model", "owner/name", "--model-impl",
                                "transformers"], "--doc-mask needs loom's own model"),
+    **{f"ft-{name}": (["--ft-replica-groups", "2", *flags],
+                      f"--ft-replica-groups does not run with {refused}")
+       for name, flags, refused in (
+           ("dp-replicate", ["--dp-replicate", "2"], "--dp-replicate 2"),
+           ("tp", ["--tp", "2"], "--tp 2"), ("pp", ["--pp", "2"], "--pp 2"),
+           ("cp", ["--cp", "2"], "--cp 2"),
+           ("ep", ["--model", "moe-debug", "--ep", "2"], "--ep 2"),
+           ("simple-fsdp", ["--data-parallel", "simple-fsdp"], "--data-parallel simple-fsdp"),
+           ("streaming", ["--dataset", "a.txt", "--streaming"], "--streaming"),
+           ("resume", ["--resume", "auto"], "--resume"))},
+    "ft-group-alone": (["--ft-group", "1"], "--ft-group and --ft-lighthouse ($LOOM_FT_GROUP, "
+                       "$LOOM_FT_LIGHTHOUSE) need --ft-replica-groups"),
 }
 
 pytestmark = pytest.mark.usefixtures("loom_logger_restored")
@@ -53,6 +65,33 @@ def test_tensorboard_without_its_package_is_one_line_and_writes_nothing(tmp_path
     code = run_train([*BASE, "--outdir", str(tmp_path / "run"), "--tensorboard"])
     assert_one_line_exit_2(code, capsys.readouterr().err, "--tensorboard needs the tensorboard "
                            "package: pip install 'loom[tensorboard]'")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ft_replica_groups_without_torchft_is_one_line_naming_the_extra(tmp_path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
+    code = run_train([*BASE, "--outdir", str(tmp_path / "run"), "--ft-replica-groups", "2"])
+    assert_one_line_exit_2(code, capsys.readouterr().err, "--ft-replica-groups needs the "
+                           "torchft package: pip install 'loom[ft]'")
+    assert list(tmp_path.iterdir()) == []
+
+
+FT_NEEDS_TORCHFT = {  # refusals checked after the package is found: skipped without it
+    "ft-no-lighthouse": (["--ft-replica-groups", "2"], "--ft-replica-groups 2 needs torchft's "
+                         "lighthouse: start the job with loom launch --ft-replica-groups 2"),
+    "ft-group-too-high": (["--ft-replica-groups", "2", "--ft-group", "2", "--ft-lighthouse",
+                           "http://127.0.0.1:1"], "--ft-group 2 ($LOOM_FT_GROUP) must be "
+                          "below --ft-replica-groups 2"),
+}
+
+
+@pytest.mark.parametrize(("flags", "message"), list(FT_NEEDS_TORCHFT.values()),
+                         ids=list(FT_NEEDS_TORCHFT))
+def test_ft_replica_group_mistakes_are_one_line(tmp_path, capsys, flags, message):
+    pytest.importorskip("torchft")
+    code = run_train([*BASE, "--outdir", str(tmp_path / "run"), *flags])
+    assert_one_line_exit_2(code, capsys.readouterr().err, message)
     assert list(tmp_path.iterdir()) == []
 
 
