@@ -130,3 +130,35 @@ def test_launch_needs_at_least_one_rank(capsys, nproc):
     code = launch.main(["-n", nproc, "true"])
     assert_one_line_exit_2(code, capsys.readouterr().err, f"-n must be >= 1, got {nproc}")
 
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["-n", "3", "--ft-replica-groups", "2"], {}, "--ft-replica-groups 2 does not divide -n 3"),
+    (["-n", "2", "--ft-replica-groups", "0"], {}, "--ft-replica-groups must be >= 1, got 0"),
+    (["-n", "4", "--ft-replica-groups", "2", "--nnodes", "2"], {},
+     "--ft-replica-groups starts every group on this machine"),
+    (["-n", "4", "--ft-replica-groups", "2"], {"SLURM_JOB_ID": "7"},
+     "--ft-replica-groups starts every group on this machine"),
+], ids=["indivisible", "zero", "nnodes", "slurm"])
+def test_launch_refuses_replica_groups_it_cannot_start(capsys, monkeypatch, argv, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = launch.main([*argv, "true"])
+    assert_one_line_exit_2(code, capsys.readouterr().err, message)
+
+
+def test_launch_replica_groups_without_torchft_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
+    code = launch.main(["-n", "2", "--ft-replica-groups", "2", "true"])
+    assert_one_line_exit_2(code, capsys.readouterr().err, "--ft-replica-groups needs the "
+                           "torchft package: pip install 'loom[ft]'")
+
+
+def test_launch_replica_groups_dry_run_shows_lighthouse_and_groups(capsys):
+    pytest.importorskip("torchft")
+    code = launch.main(["-n", "4", "--ft-replica-groups", "2", "--dry-run", "loom", "train"])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0 and "LighthouseServer" in lines[0] and len(lines) == 3, lines
+    for g, line in enumerate(lines[1:]):
+        assert line.startswith(f"LOOM_FT_GROUP={g} LOOM_FT_LIGHTHOUSE=ADDRESS ")
+        assert line.endswith("-m loom launch -n 2 --max-restarts 0 -- loom train"), line

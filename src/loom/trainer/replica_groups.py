@@ -36,6 +36,14 @@ QUORUM_TIMEOUT_S = 60.0
 """Waiting for the lighthouse to form the step's quorum (the groups that are alive)."""
 
 
+NOISE = ("Unable to reset NCCL flight recorder",)
+"""torchft's warnings that say nothing on a CPU job (no NCCL), at every quorum change."""
+
+
+def quiet(record: logging.LogRecord) -> bool:
+    return not any(n in record.getMessage() for n in NOISE)
+
+
 class ReplicaGroupExecutor:
     """A step executor whose forward and backward is the wrapped one's, averaged over the
     replica groups in torchft's quorum; every other attribute is the wrapped executor's."""
@@ -47,6 +55,7 @@ class ReplicaGroupExecutor:
     def __init__(self, inner: StepExecutor, cfg: JobConfig, dims: ParallelDims):
         from torchft import Manager  # the optional `ft` extra: only under the flag
 
+        logging.getLogger("torchft.manager").addFilter(quiet)
         self.inner, self.dims = inner, dims
         self.group = dims.replica_group
         self.tokens = dims.global_batch_size(cfg.train.batch_size) \

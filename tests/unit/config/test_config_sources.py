@@ -23,6 +23,7 @@ from loom.errors import (
 from loom.models.llama.model import ModelArgs
 from loom.models.moe.model import MoEArgs
 from loom.models.resolve import model_args
+from loom.runtime.launch_ft import GROUP_ENV, LIGHTHOUSE_ENV
 
 ENV_FIELDS = {f.metadata["env"]: name for name, (_, f) in flag_fields().items()
               if f.metadata["env"]}
@@ -69,6 +70,7 @@ def test_the_launchers_replica_group_variables_set_their_fields():
                             environ={name: raw for name, (raw, _) in FT_VALUES.items()})
     for name, (_, expected) in FT_VALUES.items():
         assert getattr(cfg.parallel, ENV_FIELDS[name]) == expected, name
+    assert {GROUP_ENV, LIGHTHOUSE_ENV} == set(FT_VALUES)  # what `loom launch` sets
     with pytest.raises(ConfigError, match="need --ft-replica-groups"):
         config_from_flags({}, environ={"LOOM_FT_GROUP": "1"})
 
