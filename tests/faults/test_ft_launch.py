@@ -3,6 +3,7 @@ a SIGKILLed one included, and a mistake is one line however many groups make it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,6 +13,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+from loom.observability.metrics import read_rows
+from loom.trainer.replica_groups import QUORUM_TIMEOUT_S
 from tests.faults.procs import (
     LOOM,
     TINY,
@@ -27,6 +30,10 @@ from tests.faults.procs import (
 pytest.importorskip("torchft")
 
 
+def rows_of(folder: Path) -> list[dict]:
+    return read_rows(folder / "metrics-0.jsonl")
+
+
 def descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
@@ -36,11 +43,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def environ(pid: int, name: str) -> str:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v for v in env if v.startswith(name.encode() + b"=")).split(b"=", 1)[1].decode()
+
+
 def lighthouse_of(pid: int) -> tuple[str, int]:
     """The lighthouse address the launcher handed a group (its environment)."""
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    url = next(v for v in env if v.startswith(b"LOOM_FT_LIGHTHOUSE=")).split(b"=", 1)[1]
-    where = urlparse(url.decode())
+    where = urlparse(environ(pid, "LOOM_FT_LIGHTHOUSE"))
     return where.hostname or "localhost", int(where.port or 0)
 
 
@@ -88,3 +98,34 @@ def test_a_refusal_is_one_line_for_all_groups(tmp_path: Path) -> None:
     assert code == 2 and len(lines) == 1, (code, err)
     assert "--ft-replica-groups does not run with --tp 2" in lines[0], err
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_group_that_loses_a_rank_leaves_the_others_stepping(tmp_path: Path) -> None:
+    """SIGKILL of group 1's rank 1 after its step 5 of 30 (no restart): group 0 discards at
+    most the step the failure interrupted, then steps alone to the end; no step waits
+    past the quorum timeout; tokens_seen counts only what each step trained."""
+    steps, world = 30, ("--dp-shard", "2")
+    proc = start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "4", *LOOM, "train", *TINY,
+                  "--outdir", str(tmp_path / "run"), "--ft-replica-groups", "2", *world,
+                  "--max-steps", str(steps)], TMPDIR=str(tmp_path), RUST_LOG="warn")
+    run = tmp_path / "run"
+    wait_for(lambda: steps_logged(run / "group-1") >= 5, "group 1's step 5", 240, proc)
+    group1 = next(p for p in children(proc.pid) if environ(p, "LOOM_FT_GROUP") == "1")
+    rank1 = next(p for p in children(group1) if environ(p, "RANK") == "1")
+    os.kill(rank1, signal.SIGKILL)
+    code, _, err = finish(proc, 240)
+    assert code != 0 and "loom launch: replica group 1 exited" in err, (code, err[-3000:])
+    assert "replica group 0" not in err, err[-3000:]
+    rows = [r for r in rows_of(run / "group-0") if "train/loss" in r]
+    assert [r["train/iter"] for r in rows] == list(range(1, steps + 1))
+    discarded = [r["train/iter"] for r in rows if r["ft/committed"] == 0]
+    assert len(discarded) <= 1, discarded
+    assert rows[-1]["ft/participants"] == 1.0
+    assert max(r["train/dt"] for r in rows) < QUORUM_TIMEOUT_S
+    per_group = rows[0]["train/tokens_seen"] // 2  # the first step: both groups trained
+    trained = sum(r["ft/committed"] * r["ft/participants"] * per_group for r in rows)
+    assert rows[-1]["train/tokens_seen"] == trained
+    summary = json.loads((run / "group-0" / "summary.json").read_text())["ft"]
+    assert summary["steps_trained"] == steps - len(discarded), summary

@@ -41,6 +41,9 @@ NOISE = ("Unable to reset NCCL flight recorder",)
 
 
 def quiet(record: logging.LogRecord) -> bool:
+    """torchft's manager lines, one each: without the noise above, and without the
+    traceback of a peer's lost connection (the line names the error)."""
+    record.exc_info = record.exc_text = None
     return not any(n in record.getMessage() for n in NOISE)
 
 
