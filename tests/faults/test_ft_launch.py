@@ -129,3 +129,36 @@ def test_a_group_that_loses_a_rank_leaves_the_others_stepping(tmp_path: Path) ->
     assert rows[-1]["train/tokens_seen"] == trained
     summary = json.loads((run / "group-0" / "summary.json").read_text())["ft"]
     assert summary["steps_trained"] == steps - len(discarded), summary
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_killed_group_restarts_and_recovers_live_from_a_healthy_one(tmp_path: Path) -> None:
+    """SIGKILL of group 1's rank 1 after its step 10; its launch restarts it
+    (--max-restarts 1) while group 0 trains on alone; the restarted group takes group 0's
+    model, optimizer, schedule, step and data position live (no checkpoint of its own is
+    read), rejoins, and both groups end bit-identical (their final checkpoints' bytes).
+    Enough steps that group 0 is still training when the restart is up (~30 s here)."""
+    steps = 300
+    proc = start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "4", "--max-restarts", "1",
+                  *LOOM, "train", *TINY, "--outdir", str(tmp_path / "run"),
+                  "--ft-replica-groups", "2", "--dp-shard", "2", "--max-steps", str(steps),
+                  "--checkpoint-interval", str(steps)], TMPDIR=str(tmp_path), RUST_LOG="warn")
+    run = tmp_path / "run"
+    wait_for(lambda: steps_logged(run / "group-1") >= 10, "group 1's step 10", 240, proc)
+    group1 = next(p for p in children(proc.pid) if environ(p, "LOOM_FT_GROUP") == "1")
+    rank1 = next(p for p in children(group1) if environ(p, "RANK") == "1")
+    os.kill(rank1, signal.SIGKILL)
+    code, out, err = finish(proc, 600)
+    assert code == 0, err[-3000:]
+    assert "recovered live from a healthy replica group" in out, out[-3000:]
+    rows = [r for r in rows_of(run / "group-0") if "train/loss" in r]
+    assert [r["train/iter"] for r in rows] == list(range(1, steps + 1))  # never stopped
+    assert sum(r["ft/committed"] == 0 for r in rows) <= 1
+    assert max(r["train/dt"] for r in rows) < QUORUM_TIMEOUT_S
+    assert min(r["ft/participants"] for r in rows) == 1.0 and rows[-1]["ft/participants"] == 2
+    final = [run / f"group-{g}" / "checkpoints" / f"step-{steps}" for g in range(2)]
+    shards = sorted(p.name for p in final[0].glob("*.distcp"))
+    assert shards and shards == sorted(p.name for p in final[1].glob("*.distcp"))
+    for name in [*shards, "loop.json"]:  # parameters, optimizer state, step, data position
+        assert (final[0] / name).read_bytes() == (final[1] / name).read_bytes(), name

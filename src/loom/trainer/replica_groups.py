@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from loom.checkpoint.checkpointer import LoopState
 from loom.config import JobConfig
 from loom.parallel.mesh import ParallelDims
+from loom.trainer.optim import clip_grad_norm
 from loom.trainer.step import Accumulated, Batch, StepExecutor
 
 logger = logging.getLogger("loom")
@@ -64,21 +66,90 @@ class ReplicaGroupExecutor:
         self.tokens = dims.global_batch_size(cfg.train.batch_size) \
             * cfg.train.grad_accum_steps * cfg.data.seq_len
         self.trained = self.discarded = 0
+        self.contributes = 1.0  # 0.0 on a join step: a restarted group adds no gradient
+        rank = dist.get_rank()
+        if rank != 0:  # after rank 0 has published this attempt's manager address (the
+            dist.barrier()  # store outlives a restart and holds the last attempt's)
         self.manager = Manager(
             pg=process_group(inner.device), min_replica_size=1,
             load_state_dict=None, state_dict=None, use_async_quorum=False, init_sync=False,
-            rank=dist.get_rank(), world_size=dist.get_world_size(),
+            rank=rank, world_size=dist.get_world_size(),
             replica_id=f"loom_group_{self.group}", lighthouse_addr=cfg.parallel.ft_lighthouse,
             timeout=timedelta(seconds=TIMEOUT_S),
             quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
             connect_timeout=timedelta(seconds=TIMEOUT_S))
+        if rank == 0:
+            dist.barrier()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def share_state(self, state_dict: Callable[[], dict], load: Callable[[dict], None]) -> None:
-        """What a recovering group receives live from a healthy one."""
-        self.manager.register_state_dict_fn("loom", load, state_dict)
+    def share_state(self, trainer: Any) -> LoopState:
+        """Serve this group's state to a recovering peer; in a restarted group, recover it
+        live from a healthy one (`join`). Returns the loop state to train on from."""
+        self.trainer = trainer
+        self.manager.register_state_dict_fn("loom", self.load_state, self.state)
+        return self.join() if trainer.info.restarts else trainer.loop
+
+    def state(self) -> dict[str, Any]:
+        """This rank's part of the group's state (local shards: the peer's rank of the same
+        dp coordinate holds the same shards), the loop's position and the schedule."""
+        t = self.trainer
+        params = [p for g in t.optimizer.param_groups for p in g["params"]]
+        return {"model": {n: local(v) for n, v in t.model.state_dict().items()},
+                "optim": [{k: local(v) for k, v in t.optimizer.state[p].items()}
+                          for p in params],
+                "scheduler": t.scheduler.state_dict(), "loop": vars(t.loop)}
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        for name, value in t.model.state_dict().items():
+            local(value).copy_(state["model"][name])
+        params = [p for g in t.optimizer.param_groups for p in g["params"]]
+        for p, saved in zip(params, state["optim"], strict=True):
+            held = t.optimizer.state[p]
+            for key, value in saved.items():
+                if key in held:
+                    local(held[key]).copy_(value)
+                elif isinstance(p, DTensor) and value.dim():
+                    held[key] = DTensor.from_local(value.clone(), p.device_mesh, p.placements)
+                else:
+                    held[key] = value.clone()
+        t.scheduler.load_state_dict(state["scheduler"])
+        t.loop = LoopState(**state["loop"])
+        self.recovered = t.loop.step
+        logger.info("recovered live from a healthy replica group: step %d, %d samples "
+                    "drawn", t.loop.step, t.loop.samples_seen)
+
+    def join(self) -> LoopState:
+        """A restarted group's first step: torchft's quorum hands it a healthy group's state
+        (`load_state`); it adds no gradient (zero shards and no tokens, so the average is
+        the others' alone), then applies the step's average as every group does, and
+        trains on from the next step's data."""
+        t = self.trainer
+        self.recovered = None
+        self.manager.start_quorum()
+        for p in self.inner.parameters():
+            p.grad = torch.zeros_like(p)
+        empty = Accumulated(torch.zeros((), device=self.inner.device),
+                            torch.zeros((), dtype=torch.int64, device=self.inner.device))
+        self.contributes = 0.0
+        try:
+            done = self.average(empty)
+        finally:
+            self.contributes = 1.0
+        if self.recovered is None:
+            logger.warning("replica group %d restarted but no healthy group had a later "
+                           "step: it trains on from its own state", self.group)
+        if done.trained:
+            clip_grad_norm(self.inner.parameters(), t.cfg.optim.max_grad_norm,
+                           across=self.inner.norm_group)
+            t.optimizer.step()
+        t.scheduler.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        t.advance(done.trained)
+        return t.loop
 
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
@@ -94,7 +165,8 @@ class ReplicaGroupExecutor:
         shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         valid = done.valid.double()
         flat = torch.cat([s.reshape(-1).float() for s in shards]) * valid.float()
-        counts = torch.stack([valid, done.loss_sum.double()])
+        counts = torch.stack([valid, done.loss_sum.double(),
+                              torch.tensor(self.contributes, dtype=torch.float64)])
         summing = dist.ReduceOp.SUM
         for work in [self.manager.allreduce(t, reduce_op=summing) for t in (flat, counts)]:
             work.wait()
@@ -105,8 +177,9 @@ class ReplicaGroupExecutor:
             offset += s.numel()
         participants = self.manager.num_participants()
         committed = self.manager.should_commit()  # the vote: every group's collectives passed
-        share = participants / self.dims.replica_groups if committed else 0.0
-        self.trained += committed
+        trained = round(float(counts[2]))  # the groups that added their batch
+        share = trained / self.dims.replica_groups if committed and trained else 0.0
+        self.trained += committed and bool(self.contributes)
         self.discarded += not committed
         if not committed:
             logger.warning("step discarded by torchft (a replica group failed mid-step); "
@@ -121,6 +194,11 @@ class ReplicaGroupExecutor:
         """summary.json's account of this group: the steps it trained and those discarded."""
         return {"ft": {"group": self.group, "groups": self.dims.replica_groups,
                        "steps_trained": self.trained, "steps_discarded": self.discarded}}
+
+
+def local(value: Any) -> Any:
+    """A DTensor's local shard (the storage this rank holds), anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def process_group(device: torch.device) -> Any:

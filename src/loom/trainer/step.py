@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.checkpoint.checkpointer import LoopState
 from loom.losses import IGNORE_INDEX, Criterion
 from loom.models.context import ForwardContext
 from loom.parallel.context import gather_sequence, shard_sequence
@@ -120,6 +121,11 @@ class StepExecutor(ABC):
     def summary(self) -> dict[str, object]:
         """What summary.json adds about the step (the replica groups' step counts)."""
         return {}
+
+    def share_state(self, trainer: object) -> LoopState:
+        """Where the loop starts: the trainer's own position (a replica group restarted
+        under --ft-replica-groups takes a healthy group's)."""
+        return trainer.loop  # type: ignore[attr-defined]
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]

@@ -105,6 +105,7 @@ class Trainer:
                                          resume.run_id if resume else new_run_id())
         self.loop = maybe_resume(resume, cfg, self.model, self.optimizer, self.scheduler,
                                  self.loader, self.checkpointer, info.rank, self.global_batch)
+        self.loop = self.executor.share_state(self)  # a restarted replica group's live recovery
         self.metrics = build_metrics(cfg, RunPlace(info.rank, dims, device, outdir, self.started),
                                      self.model, self.optimizer, plain_model)
         self.metrics.write_config(effective_config(cfg, info, dims, device, self.global_batch,
@@ -301,9 +302,8 @@ class Trainer:
                                   self.cfg.data.seq_len), **self.executor.summary()}
 
     def maybe_evaluate(self, final: bool) -> dict[str, float]:
-        if self.evaluator is None:
-            return {}
-        return self.evaluator.maybe_evaluate(self.loop.step, final)
+        return {} if self.evaluator is None else self.evaluator.maybe_evaluate(self.loop.step,
+                                                                                final)
 
     def advance(self, trained: float = 1.0) -> None:
         tokens = round(self.global_batch * trained) * self.cfg.data.seq_len
