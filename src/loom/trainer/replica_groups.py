@@ -14,6 +14,7 @@ torchft is an optional extra: it is imported here only when the flag is given.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -61,6 +62,8 @@ class ReplicaGroupExecutor:
         from torchft import Manager  # the optional `ft` extra: only under the flag
 
         logging.getLogger("torchft.manager").addFilter(quiet)
+        # torchft reads a received state from a bytes buffer (torch 2.13's streaming load)
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         self.inner, self.dims = inner, dims
         self.group = dims.replica_group
         self.tokens = dims.global_batch_size(cfg.train.batch_size) \
