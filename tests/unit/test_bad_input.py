@@ -37,6 +37,18 @@ MISTAKES = {  # id: (flags, message)
                            "x=c.txt"], "--val-dataset: two sets with the name 'x'"),
     "doc-mask-transformers": (["--doc-mask", "--model", "owner/name", "--model-impl",
                                "transformers"], "--doc-mask needs loom's own model"),
+    **{f"ft-{name}": (["--ft-replica-groups", "2", *flags],
+                      f"--ft-replica-groups does not run with {refused}")
+       for name, flags, refused in (
+           ("dp-replicate", ["--dp-replicate", "2"], "--dp-replicate 2"),
+           ("tp", ["--tp", "2"], "--tp 2"), ("pp", ["--pp", "2"], "--pp 2"),
+           ("cp", ["--cp", "2"], "--cp 2"),
+           ("ep", ["--model", "moe-debug", "--ep", "2"], "--ep 2"),
+           ("simple-fsdp", ["--data-parallel", "simple-fsdp"], "--data-parallel simple-fsdp"),
+           ("streaming", ["--dataset", "a.txt", "--streaming"], "--streaming"),
+           ("resume", ["--resume", "auto"], "--resume"))},
+    "ft-group-alone": (["--ft-group", "1"], "--ft-group and --ft-lighthouse ($LOOM_FT_GROUP, "
+                       "$LOOM_FT_LIGHTHOUSE) need --ft-replica-groups"),
 }
 
 pytestmark = pytest.mark.usefixtures("loom_logger_restored")
@@ -53,6 +65,33 @@ def test_tensorboard_without_its_package_is_one_line_and_writes_nothing(tmp_path
     code = run_train([*BASE, "--outdir", str(tmp_path / "run"), "--tensorboard"])
     assert_one_line_exit_2(code, capsys.readouterr().err, "--tensorboard needs the tensorboard "
                            "package: pip install 'loom[tensorboard]'")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ft_replica_groups_without_torchft_is_one_line_naming_the_extra(tmp_path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
+    code = run_train([*BASE, "--outdir", str(tmp_path / "run"), "--ft-replica-groups", "2"])
+    assert_one_line_exit_2(code, capsys.readouterr().err, "--ft-replica-groups needs the "
+                           "torchft package: pip install 'loom[ft]'")
+    assert list(tmp_path.iterdir()) == []
+
+
+FT_NEEDS_TORCHFT = {  # refusals checked after the package is found: skipped without it
+    "ft-no-lighthouse": (["--ft-replica-groups", "2"], "--ft-replica-groups 2 needs torchft's "
+                         "lighthouse: start the job with loom launch --ft-replica-groups 2"),
+    "ft-group-too-high": (["--ft-replica-groups", "2", "--ft-group", "2", "--ft-lighthouse",
+                           "http://127.0.0.1:1"], "--ft-group 2 ($LOOM_FT_GROUP) must be "
+                          "below --ft-replica-groups 2"),
+}
+
+
+@pytest.mark.parametrize(("flags", "message"), list(FT_NEEDS_TORCHFT.values()),
+                         ids=list(FT_NEEDS_TORCHFT))
+def test_ft_replica_group_mistakes_are_one_line(tmp_path, capsys, flags, message):
+    pytest.importorskip("torchft")
+    code = run_train([*BASE, "--outdir", str(tmp_path / "run"), *flags])
+    assert_one_line_exit_2(code, capsys.readouterr().err, message)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -91,3 +130,35 @@ def test_launch_needs_at_least_one_rank(capsys, nproc):
     code = launch.main(["-n", nproc, "true"])
     assert_one_line_exit_2(code, capsys.readouterr().err, f"-n must be >= 1, got {nproc}")
 
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["-n", "3", "--ft-replica-groups", "2"], {}, "--ft-replica-groups 2 does not divide -n 3"),
+    (["-n", "2", "--ft-replica-groups", "0"], {}, "--ft-replica-groups must be >= 1, got 0"),
+    (["-n", "4", "--ft-replica-groups", "2", "--nnodes", "2"], {},
+     "--ft-replica-groups starts every group on this machine"),
+    (["-n", "4", "--ft-replica-groups", "2"], {"SLURM_JOB_ID": "7"},
+     "--ft-replica-groups starts every group on this machine"),
+], ids=["indivisible", "zero", "nnodes", "slurm"])
+def test_launch_refuses_replica_groups_it_cannot_start(capsys, monkeypatch, argv, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = launch.main([*argv, "true"])
+    assert_one_line_exit_2(code, capsys.readouterr().err, message)
+
+
+def test_launch_replica_groups_without_torchft_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
+    code = launch.main(["-n", "2", "--ft-replica-groups", "2", "true"])
+    assert_one_line_exit_2(code, capsys.readouterr().err, "--ft-replica-groups needs the "
+                           "torchft package: pip install 'loom[ft]'")
+
+
+def test_launch_replica_groups_dry_run_shows_lighthouse_and_groups(capsys):
+    pytest.importorskip("torchft")
+    code = launch.main(["-n", "4", "--ft-replica-groups", "2", "--dry-run", "loom", "train"])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0 and "LighthouseServer" in lines[0] and len(lines) == 3, lines
+    for g, line in enumerate(lines[1:]):
+        assert line.startswith(f"LOOM_FT_GROUP={g} LOOM_FT_LIGHTHOUSE=ADDRESS ")
+        assert line.endswith("-m loom launch -n 2 --max-restarts 0 -- loom train"), line

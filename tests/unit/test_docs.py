@@ -26,12 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shlex
 import sys
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -46,6 +48,7 @@ from loom.observability import flops
 from loom.parallel.mesh import ParallelDims
 from loom.plan import command as plan_command
 from loom.runtime import launch as launch_command
+from loom.runtime.launch_ft import GROUP_ENV, LIGHTHOUSE_ENV
 from tests.harness import REPO, run_process
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -107,8 +110,10 @@ def check_launch(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture)
     assert launch_command.main(["--dry-run", *argv]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.strip(), "the dry run printed no command"
     assert opts.cmd[:2] == ["loom", "train"], opts.cmd
-    world = opts.nproc * (opts.nnodes or 1) if opts.nproc else None
-    check_train(opts.cmd[2:], world, tmp_path)
+    world = opts.nproc * (opts.nnodes or 1) // opts.ft_replica_groups if opts.nproc else None
+    given = {GROUP_ENV: "0", LIGHTHOUSE_ENV: "http://localhost:1"}  # what a group is handed
+    with mock.patch.dict(os.environ, given if opts.ft_replica_groups > 1 else {}):
+        check_train(opts.cmd[2:], world, tmp_path)
 
 
 def check_plan(argv: list[str], capsys: pytest.CaptureFixture) -> None:

@@ -167,6 +167,18 @@ class ParallelConfig:
     float8_emulate: bool = flag(
         False, "--float8: run the float8 casts with high-precision matmuls (numerics of "
         "float8, speed of none; automatic on CPU, for testing elsewhere)")
+    ft_replica_groups: int = flag(
+        1, "fault-tolerant replica groups on torchft (pip install 'loom[ft]'): the job is N "
+        "groups, each its own launch of any --dp-shard layout, averaging gradients over the "
+        "groups present each step; start them with loom launch --ft-replica-groups N "
+        "(docs/faults.md)", **DEGREE)
+    ft_group: int = flag(0, "this process's replica group under --ft-replica-groups (set by "
+                         "loom launch: $LOOM_FT_GROUP)", le=COUNT_MAX, hidden=True,
+                         env="LOOM_FT_GROUP")
+    ft_lighthouse: str | None = flag(None, "the torchft lighthouse's address under "
+                                     "--ft-replica-groups (set by loom launch: "
+                                     "$LOOM_FT_LIGHTHOUSE)", type=str, hidden=True,
+                                     env="LOOM_FT_LIGHTHOUSE")
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,41 @@ def _validate_lora(cfg: JobConfig) -> None:
             raise ConfigError(f"--lora-rank does not run with {what}")
 
 
+def _validate_ft(cfg: JobConfig) -> None:
+    """--ft-replica-groups: the layouts its parity test covers (--dp-shard inside each group),
+    torchft installed, and the group and lighthouse `loom launch` hands each group; every
+    other combination refused in one line until a test runs it."""
+    p = cfg.parallel
+    if p.ft_replica_groups == 1:
+        if "ft_group" in cfg.explicit or p.ft_lighthouse is not None:
+            raise ConfigError("--ft-group and --ft-lighthouse ($LOOM_FT_GROUP, "
+                              "$LOOM_FT_LIGHTHOUSE) need --ft-replica-groups")
+        return
+    refusals = {
+        f"--dp-replicate {p.dp_replicate} (the groups are the replicas)": p.dp_replicate > 1,
+        f"--tp {p.tp} (untested; use --dp-shard inside each group)": p.tp > 1,
+        f"--pp {p.pp} (untested; use --dp-shard inside each group)": p.pp > 1,
+        f"--cp {p.cp} (untested; use --dp-shard inside each group)": p.cp > 1,
+        f"--ep {p.ep} (untested; use --dp-shard inside each group)": p.ep > 1,
+        "--data-parallel simple-fsdp (untested; use fsdp2)": p.data_parallel != "fsdp2",
+        "--streaming (a stream's position is not shared across groups yet)":
+            cfg.data.streaming,
+        "--resume (untested: each group resumes its own run folder; a restarted group "
+        "recovers live from a healthy one)": "resume" in cfg.explicit,
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise ConfigError(f"--ft-replica-groups does not run with {what}")
+    require_module("torchft", "--ft-replica-groups", "ft")
+    if p.ft_lighthouse is None:
+        raise ConfigError(f"--ft-replica-groups {p.ft_replica_groups} needs torchft's "
+                          "lighthouse: start the job with loom launch --ft-replica-groups "
+                          f"{p.ft_replica_groups}")
+    if p.ft_group >= p.ft_replica_groups:
+        raise ConfigError(f"--ft-group {p.ft_group} ($LOOM_FT_GROUP) must be below "
+                          f"--ft-replica-groups {p.ft_replica_groups}")
+
+
 def _validate_optim(cfg: JobConfig) -> None:
     """Muon's knobs only with Muon; its coefficients three finite numbers."""
     o = cfg.optim
@@ -232,6 +267,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_doc_mask(cfg)
     _validate_float8(cfg)
     _validate_lora(cfg)
+    _validate_ft(cfg)
     _validate_optim(cfg)
     validate_pipeline(cfg)
     if m.runs_transformers and p.data_parallel != "fsdp2":

@@ -40,6 +40,10 @@ class ParallelDims:
     etp: int = 1
     cp: int = 1
     pp: int = 1
+    replica_groups: int = 1
+    """--ft-replica-groups: this many such meshes, each its own launch (`loom.trainer.
+    replica_groups`), read the data and average their gradients as one more dp dimension."""
+    replica_group: int = 0
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
@@ -68,7 +72,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
         return cls(p.dp_replicate, p.dp_shard, p.tp, world_size, ep=p.ep, etp=p.etp, cp=p.cp,
-                   pp=p.pp)
+                   pp=p.pp, replica_groups=p.ft_replica_groups, replica_group=p.ft_group)
 
     def layout(self, skip: str = "") -> str:
         """'dp_replicate 1 x dp_shard 2 x tp 2', naming pp and cp only when they are used."""
@@ -110,8 +114,19 @@ class ParallelDims:
         return self.expert_region // self.ep
 
     def global_batch_size(self, batch_size: int) -> int:
-        """Samples per optimizer step: tp, cp and pp ranks share their batch, so never multiply."""
-        return batch_size * self.dp_size
+        """Samples per optimizer step: tp, cp and pp ranks share their batch, so never multiply;
+        every replica group reads its own (`data_rank`)."""
+        return batch_size * self.data_size
+
+    @property
+    def data_size(self) -> int:
+        """Ranks reading different samples: the dp ranks of every replica group."""
+        return self.dp_size * self.replica_groups
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's share of the data: its dp rank, after the replica groups before it."""
+        return self.replica_group * self.dp_size + self.dp_rank
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh plus flattened dims: `dp` (samplers) and `loss` (where the loss and

@@ -25,12 +25,16 @@ from loom.runtime.launch_commands import (
     slurm_allocation,
     slurm_nodes,
 )
+from loom.runtime.launch_ft import check_groups, run_groups
+from loom.runtime.launch_ft import dry_run_lines as ft_dry_run_lines
 from loom.runtime.launch_retries import dry_run_lines, run_scheduler, run_with_retries
+from loom.runtime.watchdog import watch_launcher
 
 USAGE = (
     "loom launch [-n NPROC] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]\n"
     "                   [--rdzv-id ID] [--rdzv-backend c10d] [--rdzv-conf K=V,...]\n"
     "                   [--local-addr ADDR] [--max-restarts 0] [--retries 0] [--dry-run]\n"
+    "                   [--ft-replica-groups N]\n"
     "                   [--] CMD..."
 )
 
@@ -59,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run srun/mpiexec (or the local agent) again after a failure, up to N times; "
         "srun leaves out the failed node while the allocation has spare nodes [0]")
     add("--dry-run", action="store_true", help="print the command instead of running it")
+    add("--ft-replica-groups", type=int, default=1, metavar="N",
+        help="start torchft's lighthouse and N fault-tolerant replica groups of -n / N ranks "
+        "each, every group its own launch (CMD takes --ft-replica-groups N; docs/faults.md) [1]")
     add("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="what every rank runs")
     return parser
 
@@ -71,6 +78,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
+    watch_launcher()  # a replica group's launch ends with the launcher that started it
     try:
         opts = parse_args(argv)
     except SystemExit as exit_:  # --help or a usage error, already printed
@@ -87,6 +95,8 @@ def main(argv: list[str]) -> int:
         return 2
     launcher = choose_launcher(os.environ)
     host = detect_host()
+    if opts.ft_replica_groups != 1:
+        return replica_groups(opts, launcher, opts.nproc or host.accelerators or 1)
     build = scheduler_builder(launcher, opts, host)
     try:
         build(())  # a bad environment is reported here, before anything runs
@@ -103,6 +113,18 @@ def main(argv: list[str]) -> int:
         print(f"loom launch: command not found: {opts.cmd[0]}", file=sys.stderr)
         return 127
     return run_with_retries(opts, build, lambda command: (run_local(command), None))
+
+
+def replica_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> int:
+    """--ft-replica-groups: the lighthouse and the groups (`launch_ft`)."""
+    problem = check_groups(opts, launcher, nproc)
+    if problem:
+        print(f"loom launch: {problem}", file=sys.stderr)
+        return 2
+    if opts.dry_run:
+        print("\n".join(ft_dry_run_lines(opts, nproc)))
+        return 0
+    return run_groups(opts, nproc)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from loom.parallel.compile import compile_kwargs
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.single import runs_plain, step_autocast, within
 from loom.trainer.pipeline_executor import PipelineExecutor
+from loom.trainer.replica_groups import maybe_replica_groups
 from loom.trainer.step import AccumulationExecutor, StepExecutor
 
 
@@ -46,7 +47,7 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
         p = cfg.parallel
         executor.micro_loss = torch.compile(executor.micro_loss,
                                             **compile_kwargs(p.compile_mode, p.compile_backend))
-    return executor
+    return maybe_replica_groups(executor, cfg, dims)
 
 
 def loss_in_graph(cfg: JobConfig, dims: ParallelDims) -> bool:

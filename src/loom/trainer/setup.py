@@ -42,13 +42,15 @@ def host_group(world_size: int) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def agree_on_outdir(outdir: str | None) -> Path:
-    """The given folder, or a timestamped one chosen by rank 0 and shared with every rank."""
+def agree_on_outdir(outdir: str | None, dims: ParallelDims) -> Path:
+    """The given folder, or a timestamped one chosen by rank 0 and shared with every rank;
+    under --ft-replica-groups each group's own `group-<g>` inside it."""
     if outdir is None:
         chosen = [f"outputs/{datetime.now():%Y-%m-%d-%H%M%S}"]
         dist.broadcast_object_list(chosen, src=0)
         outdir = chosen[0]
-    return Path(outdir)
+    group = f"group-{dims.replica_group}" if dims.replica_groups > 1 else ""
+    return Path(outdir) / group
 
 
 def optimizer_steps_per_epoch(loader: DataLoader | StreamLoader, accum: int) -> int:

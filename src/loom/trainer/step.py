@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.checkpoint.checkpointer import LoopState
 from loom.losses import IGNORE_INDEX, Criterion
 from loom.models.context import ForwardContext
 from loom.parallel.context import gather_sequence, shard_sequence
@@ -60,6 +61,9 @@ class StepResult:
     applied: torch.Tensor | None = None
     """1.0 where the optimizer applied the update, 0.0 where a non-finite step was skipped
     (on the device: read with the metrics)."""
+    trained: float = 1.0
+    """The share of the global batch the step trained: 1.0, less where only some replica
+    groups took part (--ft-replica-groups), 0.0 where torchft discarded the step."""
 
 
 @dataclass
@@ -69,9 +73,12 @@ class Accumulated:
 
     loss_sum: torch.Tensor
     valid: torch.Tensor
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor | float] = field(default_factory=dict)
     """The extra depths' loss (`Depths.metric`) over the step's valid tokens, on the
-    device."""
+    device; the replica groups' columns (host values)."""
+    trained: float = 1.0
+    """The share of the global batch this step trains (`StepResult.trained`); 0.0: the
+    update must not be applied."""
 
 
 class StepExecutor(ABC):
@@ -92,6 +99,10 @@ class StepExecutor(ABC):
     """Ask for --doc-mask's FlexAttention block mask (`ForwardContext.flex_mask`): compiled
     runs, where flex has kernels."""
 
+    votes: bool = False
+    """Whether the update is decided on the host after the step (the replica groups'
+    commit vote): then never masked on the device."""
+
     marks_steps: bool = False
     """Compiled in reduce-overhead mode (--cuda-graphs): each step begins with
     `torch.compiler.cudagraph_mark_step_begin()`, telling CUDA graph trees that the last
@@ -106,6 +117,15 @@ class StepExecutor(ABC):
     def layout(self) -> dict[str, object]:
         """How the step is executed, for config.json (the pipeline's stages and bubble)."""
         return {}
+
+    def summary(self) -> dict[str, object]:
+        """What summary.json adds about the step (the replica groups' step counts)."""
+        return {}
+
+    def share_state(self, trainer: object) -> LoopState:
+        """Where the loop starts: the trainer's own position (a replica group restarted
+        under --ft-replica-groups takes a healthy group's)."""
+        return trainer.loop  # type: ignore[attr-defined]
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]

@@ -75,7 +75,7 @@ class Trainer:
         self.info, self.dims, self.device = info, dims, device
         self.started = time.perf_counter()  # summary.json's setup_s counts from here
         dims.build_mesh(device.type)
-        outdir = agree_on_outdir(flags.output.outdir)
+        outdir = agree_on_outdir(flags.output.outdir, dims)
         self.run_folder = RunFolder(outdir, info.rank, resume=flags.checkpoint.resume is not None,
                                     overwrite=flags.output.overwrite,
                                     adopt=flags.output.adopt_outdir)
@@ -85,8 +85,8 @@ class Trainer:
         self.cfg = cfg = start.cfg
         self.seed, self.precision, resume = cfg.train.seed, start.precision, start.resume
         self.loader = build_dataloader(
-            start.dataset, batch_size=cfg.train.batch_size, dp_rank=dims.dp_rank,
-            dp_size=dims.dp_size, seed=self.seed, num_workers=cfg.data.num_workers)
+            start.dataset, batch_size=cfg.train.batch_size, dp_rank=dims.data_rank,
+            dp_size=dims.data_size, seed=self.seed, num_workers=cfg.data.num_workers)
         self.accum = cfg.train.grad_accum_steps
         self.steps_per_epoch = optimizer_steps_per_epoch(self.loader, self.accum)
         self.model_parts = build_model_parts(cfg, dims, device, self.seed)
@@ -105,6 +105,7 @@ class Trainer:
                                          resume.run_id if resume else new_run_id())
         self.loop = maybe_resume(resume, cfg, self.model, self.optimizer, self.scheduler,
                                  self.loader, self.checkpointer, info.rank, self.global_batch)
+        self.loop = self.executor.share_state(self)  # a restarted replica group's live recovery
         self.metrics = build_metrics(cfg, RunPlace(info.rank, dims, device, outdir, self.started),
                                      self.model, self.optimizer, plain_model)
         self.metrics.write_config(effective_config(cfg, info, dims, device, self.global_batch,
@@ -116,7 +117,7 @@ class Trainer:
         # The fused AdamW skips a non-finite step on the device (its found_inf input), so
         # the step need not read whether to update; step hooks mask their own work with
         # the same device flag (`StepContext.applied`).
-        self.masked_update = bool(self.optimizer.defaults.get("fused"))
+        self.masked_update = bool(self.optimizer.defaults.get("fused")) and not self.executor.votes
         self.unread: list[tuple[int, torch.Tensor]] = []
         """Masked steps whose (applied, loss, gradient norm) the host has not read yet."""
         self.host_group = host_group(info.world_size)
@@ -150,16 +151,17 @@ class Trainer:
                                                    grad_norm.float()])))
         else:
             ok = bool(finite)  # the host read the masked update avoids
-            if self.update_is_finite(step, ok, *((0.0, 0.0) if ok else (
+            if done.trained and self.update_is_finite(step, ok, *((0.0, 0.0) if ok else (
                     float(step_loss), float(grad_norm)))):
                 self.optimizer.step()
-            applied = torch.tensor(float(ok), device=self.device)
+            applied = torch.tensor(float(ok and done.trained > 0), device=self.device)
         # every hook masks its own work with `applied`: a skipped step leaves it inert
         self.hook_metrics = {**done.metrics, **after_optimizer_step(  # with MTP's loss
             StepContext(self.model, self.token_group, self.cfg, applied, self.dims.stage_group))}
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(step_loss, grad_norm, done.valid, self.hook_metrics, applied)
+        return StepResult(step_loss, grad_norm, done.valid, self.hook_metrics, applied,
+                          done.trained)
 
     def step_loss(self, loss_sum: torch.Tensor, total_valid: torch.Tensor) -> torch.Tensor:
         """The step's loss: the owned loss shares summed over every rank (so the step's loss
@@ -266,7 +268,7 @@ class Trainer:
                         result = self.train_step(micro)
                     except torch.OutOfMemoryError as e:
                         raise self.snapshots.out_of_memory(e) from e
-                    self.advance()
+                    self.advance(result.trained)
                     self.snapshots.after_step(self.loop.step)
                     collector.after_step(self.loop.step)
                     step = self.loop.step
@@ -296,19 +298,17 @@ class Trainer:
 
     def data_summary(self) -> dict[str, Any]:
         """What summary.json adds about the data: tokens seen per mixture source."""
-        return mixture_summary(self.loader.dataset, self.loop.samples_seen,
-                               self.cfg.data.seq_len)
+        return {**mixture_summary(self.loader.dataset, self.loop.samples_seen,
+                                  self.cfg.data.seq_len), **self.executor.summary()}
 
     def maybe_evaluate(self, final: bool) -> dict[str, float]:
-        if self.evaluator is None:
-            return {}
-        return self.evaluator.maybe_evaluate(self.loop.step, final)
+        return {} if self.evaluator is None else self.evaluator.maybe_evaluate(self.loop.step,
+                                                                                final)
 
-    def advance(self) -> None:
-        tokens = self.global_batch * self.cfg.data.seq_len
-        self.loop = LoopState(step=self.loop.step + 1,
-                              tokens_seen=self.loop.tokens_seen + tokens,
-                              samples_seen=self.loop.samples_seen + self.global_batch)
+    def advance(self, trained: float = 1.0) -> None:
+        tokens = round(self.global_batch * trained) * self.cfg.data.seq_len
+        self.loop = LoopState(self.loop.step + 1, self.loop.tokens_seen + tokens,
+                              self.loop.samples_seen + self.global_batch)  # data: every batch
 
     def request_stop(self, signum: int, _frame: object) -> None:
         """Schedulers send SIGTERM before the kill (or SIGUSR1 as Slurm's `--signal=USR1@S`

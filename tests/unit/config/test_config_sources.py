@@ -23,6 +23,7 @@ from loom.errors import (
 from loom.models.llama.model import ModelArgs
 from loom.models.moe.model import MoEArgs
 from loom.models.resolve import model_args
+from loom.runtime.launch_ft import GROUP_ENV, LIGHTHOUSE_ENV
 
 ENV_FIELDS = {f.metadata["env"]: name for name, (_, f) in flag_fields().items()
               if f.metadata["env"]}
@@ -50,13 +51,28 @@ def test_every_declared_variable_sets_its_field_and_counts_as_given():
               "LOOM_GLOO_COLLECTIVES": ("Native", "native"), "LOOM_HIST_BINS": ("16", 16),
               "LOOM_HIST_SAMPLES": ("100", 100), "LOOM_HIST_LAYERS": ("0, 3", "0,3"),
               "LOOM_TRACK_LOGITS": ("1", True), "LOOM_SINGLE_DEVICE": ("FSDP2", "fsdp2")}
-    assert set(values) == set(ENV_FIELDS), set(values) ^ set(ENV_FIELDS)
+    assert set(values) | set(FT_VALUES) == set(ENV_FIELDS), set(values) ^ set(ENV_FIELDS)
     cfg = config_from_flags({}, environ={name: raw for name, (raw, _) in values.items()})
     for name, (raw, expected) in values.items():
         section, _ = flag_fields()[ENV_FIELDS[name]]
         got = getattr(getattr(cfg, section), ENV_FIELDS[name])
         assert got == expected, (name, raw, got)
-    assert set(cfg.explicit) == set(ENV_FIELDS.values())
+    assert set(cfg.explicit) == {ENV_FIELDS[name] for name in values}
+
+
+FT_VALUES = {"LOOM_FT_GROUP": ("1", 1), "LOOM_FT_LIGHTHOUSE": ("http://h:1", "http://h:1")}
+"""What `loom launch --ft-replica-groups` hands each group: taken only with that flag."""
+
+
+def test_the_launchers_replica_group_variables_set_their_fields():
+    pytest.importorskip("torchft")
+    cfg = config_from_flags({"ft_replica_groups": 2},
+                            environ={name: raw for name, (raw, _) in FT_VALUES.items()})
+    for name, (_, expected) in FT_VALUES.items():
+        assert getattr(cfg.parallel, ENV_FIELDS[name]) == expected, name
+    assert {GROUP_ENV, LIGHTHOUSE_ENV} == set(FT_VALUES)  # what `loom launch` sets
+    with pytest.raises(ConfigError, match="need --ft-replica-groups"):
+        config_from_flags({}, environ={"LOOM_FT_GROUP": "1"})
 
 
 @pytest.mark.parametrize(("environ", "message"), [

@@ -31,6 +31,15 @@ def test_import_loom_does_not_import_torch():
     assert callable(loom.fit)
 
 
+def test_a_run_without_replica_groups_never_imports_torchft(tmp_path):
+    """torchft is the optional `ft` extra: only --ft-replica-groups imports it."""
+    code = ("import sys, loom; loom.fit(sys.argv[1:]); "
+            "print('torchft' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, *TINY, "--outdir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stderr[-3000:]
+
+
 def test_two_fits_in_one_process_leave_no_trace(tmp_path):
     """An eager run, a compiled one with an activation budget, the eager one again: the
     third has the first's losses exactly, the compiled one the same within fp32 rounding,

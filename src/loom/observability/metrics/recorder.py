@@ -249,7 +249,7 @@ class Metrics:
         if "valid/high" in columns:
             high, low = columns.pop("valid/high"), columns.pop("valid/low")
             columns["labels/valid"] = int(high) * 2**24 + int(low)
-        self.tokens_seen += self.facts.tokens_per_step
+        self.tokens_seen += p.host.get("train/tokens", self.facts.tokens_per_step)
         dt, dtf, dtb = p.times()
         row = self.row(p.step, p.epoch, p.bidx, columns.pop("train/loss"),
                        columns.pop("grad/norm_preclip"), (dt, dtf, dtb), lr)

@@ -1,0 +1,136 @@
+"""`loom launch --ft-replica-groups N`: torchft's lighthouse and N replica groups on one
+machine (docs/faults.md).
+
+The lighthouse (torchft's `LighthouseServer`, run inside this process, so it ends with the
+launcher whatever ends it) forms each step's quorum. Each group is its own `loom launch` of
+`-n / N` ranks with its own rendezvous, started as a child with the group's index and the
+lighthouse's address in its environment (`$LOOM_FT_GROUP`, `$LOOM_FT_LIGHTHOUSE`: what
+`loom train --ft-replica-groups` reads as its hidden `--ft-group` and `--ft-lighthouse`) and
+this launcher's pid, which it watches (`loom.runtime.watchdog.watch_launcher`): a SIGKILLed
+launcher leaves neither lighthouse nor group behind. `--max-restarts` restarts a failed
+group's ranks; the others keep training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import IO
+
+from loom.errors import BAD_INPUT_EXIT
+from loom.runtime.watchdog import LAUNCHER_PID_ENV
+
+GROUP_ENV = "LOOM_FT_GROUP"
+LIGHTHOUSE_ENV = "LOOM_FT_LIGHTHOUSE"
+"""The launcher's contract with each group's ranks (`ParallelConfig.ft_group`,
+`ft_lighthouse`)."""
+JOIN_TIMEOUT_MS = 30_000
+"""How long the lighthouse waits for every group to join the first quorum before it forms
+one without the latecomers (which then recover from a peer)."""
+QUIET_RUST_LOG = "warn"
+"""torchft's lighthouse and managers log every quorum at INFO; warnings and errors only."""
+
+
+def check_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> str | None:
+    """The one-line reason `loom launch --ft-replica-groups` cannot start, or None."""
+    groups = opts.ft_replica_groups
+    if groups < 1:
+        return f"--ft-replica-groups must be >= 1, got {groups}"
+    if launcher != "local" or (opts.nnodes or 1) > 1 or opts.rdzv_endpoint:
+        return ("--ft-replica-groups starts every group on this machine: not inside Slurm or "
+                "PBS, nor with --nnodes or --rdzv-endpoint, yet")
+    if nproc % groups:
+        return f"--ft-replica-groups {groups} does not divide -n {nproc}"
+    os.environ.setdefault("RUST_LOG", QUIET_RUST_LOG)  # read when torchft loads
+    try:
+        import torchft  # noqa: F401  (the optional `ft` extra)
+    except ImportError:
+        return "--ft-replica-groups needs the torchft package: pip install 'loom[ft]'"
+    return None
+
+
+def group_argv(opts: argparse.Namespace, per_group: int) -> list[str]:
+    """One group's own `loom launch` (its own standalone rendezvous)."""
+    return [sys.executable, "-m", "loom", "launch", "-n", str(per_group), "--max-restarts",
+            str(opts.max_restarts), "--", *opts.cmd]
+
+
+def relay(stream: IO[str], seen: set[str], lock: threading.Lock) -> None:
+    """A group's stderr, line by line, to ours; a bad-input or launcher line that another
+    group already printed (every group refuses the same flags) is printed once."""
+    for line in stream:
+        with lock:
+            if line.startswith(("error: ", "loom launch: ")):
+                if line in seen:
+                    continue
+                seen.add(line)
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def run_groups(opts: argparse.Namespace, nproc: int) -> int:
+    """Start the lighthouse and every group; wait for all of them. The exit code is the
+    first failed group's (0 when every group finished)."""
+    from torchft.coordination import LighthouseServer
+
+    groups = opts.ft_replica_groups
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS)
+    procs: list[subprocess.Popen] = []
+    relays: list[threading.Thread] = []
+    seen: set[str] = set()
+    lock = threading.Lock()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    try:
+        for s in previous:
+            signal.signal(s, forward)
+        for g in range(groups):
+            env = {**os.environ, GROUP_ENV: str(g), LIGHTHOUSE_ENV: lighthouse.address(),
+                   LAUNCHER_PID_ENV: str(os.getpid())}
+            proc = subprocess.Popen(group_argv(opts, nproc // groups), env=env,
+                                    stderr=subprocess.PIPE, text=True, errors="replace")
+            procs.append(proc)
+            relays.append(threading.Thread(target=relay, args=(proc.stderr, seen, lock),
+                                           daemon=True))
+            relays[-1].start()
+        codes = [exit_code(p.wait()) for p in procs]
+        for thread in relays:
+            thread.join(timeout=10)
+    finally:
+        for p in procs:  # only after an exception here: a normal end has waited for each
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        lighthouse.shutdown()
+    failed = [(g, c) for g, c in enumerate(codes) if c]
+    for g, code in failed:
+        if code != BAD_INPUT_EXIT:  # a refusal is every group's, printed once already
+            print(f"loom launch: replica group {g} exited {code}", file=sys.stderr)
+    return failed[0][1] if failed else 0
+
+
+def exit_code(returncode: int) -> int:
+    """A child's exit as a shell reports it: 128 + N for a child killed by signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def dry_run_lines(opts: argparse.Namespace, nproc: int) -> list[str]:
+    """What --dry-run prints: the lighthouse, then each group's launch."""
+    groups = opts.ft_replica_groups
+    lines = [f"# torchft LighthouseServer(min_replicas=1, join_timeout_ms={JOIN_TIMEOUT_MS}) "
+             "in this process, at ADDRESS"]
+    for g in range(groups):
+        argv = " ".join(group_argv(opts, nproc // groups))
+        lines.append(f"{GROUP_ENV}={g} {LIGHTHOUSE_ENV}=ADDRESS {argv}")
+    return lines

@@ -1,0 +1,221 @@
+"""Fault-tolerant replica groups (--ft-replica-groups N, docs/faults.md) on torchft.
+
+The job is N groups, each its own launch (`loom launch --ft-replica-groups N` starts them and
+torchft's lighthouse). Inside a group the step runs as without the flag; this executor wraps
+it: before the forward it joins torchft's quorum (the groups present this step), after the
+backward it averages the gradients (each rank's local shards) over the groups in the quorum,
+weighted by their valid tokens as one global batch's mean, and the optimizer steps only
+when torchft's Manager commits the step. A step it discards trains nothing and counts no
+tokens; its data is not drawn again (the row's `ft/committed` is 0).
+
+torchft is an optional extra: it is imported here only when the flag is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from loom.checkpoint.checkpointer import LoopState
+from loom.config import JobConfig
+from loom.parallel.mesh import ParallelDims
+from loom.trainer.optim import clip_grad_norm
+from loom.trainer.step import Accumulated, Batch, StepExecutor
+
+logger = logging.getLogger("loom")
+
+TIMEOUT_S = 30.0
+"""A collective across the groups, the commit vote and a live recovery's transfer: a group
+that lost a rank is noticed within this, and the others go on without it."""
+QUORUM_TIMEOUT_S = 60.0
+"""Waiting for the lighthouse to form the step's quorum (the groups that are alive)."""
+
+
+NOISE = ("Unable to reset NCCL flight recorder",)
+"""torchft's warnings that say nothing on a CPU job (no NCCL), at every quorum change."""
+
+
+def quiet(record: logging.LogRecord) -> bool:
+    """torchft's manager lines, one each: without the noise above, and without the
+    traceback of a peer's lost connection (the line names the error)."""
+    record.exc_info = record.exc_text = None
+    return not any(n in record.getMessage() for n in NOISE)
+
+
+class ReplicaGroupExecutor:
+    """A step executor whose forward and backward is the wrapped one's, averaged over the
+    replica groups in torchft's quorum; every other attribute is the wrapped executor's."""
+
+    votes = True
+    """The update is decided on the host (torchft's commit vote), never masked on the
+    device (`Trainer.masked_update`)."""
+
+    def __init__(self, inner: StepExecutor, cfg: JobConfig, dims: ParallelDims):
+        from torchft import Manager  # the optional `ft` extra: only under the flag
+
+        logging.getLogger("torchft.manager").addFilter(quiet)
+        # torchft reads a received state from a bytes buffer (torch 2.13's streaming load)
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        self.inner, self.dims = inner, dims
+        self.group = dims.replica_group
+        self.tokens = dims.global_batch_size(cfg.train.batch_size) \
+            * cfg.train.grad_accum_steps * cfg.data.seq_len
+        self.trained = self.discarded = 0
+        self.contributes = 1.0  # 0.0 on a join step: a restarted group adds no gradient
+        rank = dist.get_rank()
+        if rank != 0:  # after rank 0 has published this attempt's manager address (the
+            dist.barrier()  # store outlives a restart and holds the last attempt's)
+        self.manager = Manager(
+            pg=process_group(inner.device), min_replica_size=1,
+            load_state_dict=None, state_dict=None, use_async_quorum=False, init_sync=False,
+            rank=rank, world_size=dist.get_world_size(),
+            replica_id=f"loom_group_{self.group}", lighthouse_addr=cfg.parallel.ft_lighthouse,
+            timeout=timedelta(seconds=TIMEOUT_S),
+            quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+            connect_timeout=timedelta(seconds=TIMEOUT_S))
+        if rank == 0:
+            dist.barrier()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def share_state(self, trainer: Any) -> LoopState:
+        """Serve this group's state to a recovering peer; in a restarted group, recover it
+        live from a healthy one (`join`). Returns the loop state to train on from."""
+        self.trainer = trainer
+        self.manager.register_state_dict_fn("loom", self.load_state, self.state)
+        return self.join() if trainer.info.restarts else trainer.loop
+
+    def state(self) -> dict[str, Any]:
+        """This rank's part of the group's state (local shards: the peer's rank of the same
+        dp coordinate holds the same shards), the loop's position and the schedule."""
+        t = self.trainer
+        params = [p for g in t.optimizer.param_groups for p in g["params"]]
+        return {"model": {n: local(v) for n, v in t.model.state_dict().items()},
+                "optim": [{k: local(v) for k, v in t.optimizer.state[p].items()}
+                          for p in params],
+                "scheduler": t.scheduler.state_dict(), "loop": vars(t.loop)}
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        for name, value in t.model.state_dict().items():
+            local(value).copy_(state["model"][name])
+        params = [p for g in t.optimizer.param_groups for p in g["params"]]
+        for p, saved in zip(params, state["optim"], strict=True):
+            held = t.optimizer.state[p]
+            for key, value in saved.items():
+                if key in held:
+                    local(held[key]).copy_(value)
+                elif isinstance(p, DTensor) and value.dim():
+                    held[key] = DTensor.from_local(value.clone(), p.device_mesh, p.placements)
+                else:
+                    held[key] = value.clone()
+        t.scheduler.load_state_dict(state["scheduler"])
+        t.loop = LoopState(**state["loop"])
+        self.recovered = t.loop.step
+        logger.info("recovered live from a healthy replica group: step %d, %d samples "
+                    "drawn", t.loop.step, t.loop.samples_seen)
+
+    def join(self) -> LoopState:
+        """A restarted group's first step: torchft's quorum hands it a healthy group's state
+        (`load_state`); it adds no gradient (zero shards and no tokens, so the average is
+        the others' alone), then applies the step's average as every group does, and
+        trains on from the next step's data."""
+        t = self.trainer
+        self.recovered = None
+        self.manager.start_quorum()
+        for p in self.inner.parameters():
+            p.grad = torch.zeros_like(p)
+        empty = Accumulated(torch.zeros((), device=self.inner.device),
+                            torch.zeros((), dtype=torch.int64, device=self.inner.device))
+        self.contributes = 0.0
+        try:
+            done = self.average(empty)
+        finally:
+            self.contributes = 1.0
+        if self.recovered is None:
+            logger.warning("replica group %d restarted but no healthy group had a later "
+                           "step: it trains on from its own state", self.group)
+        if done.trained:
+            clip_grad_norm(self.inner.parameters(), t.cfg.optim.max_grad_norm,
+                           across=self.inner.norm_group)
+            t.optimizer.step()
+        t.scheduler.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        t.advance(done.trained)
+        return t.loop
+
+    def forward_backward(self, micro_batches: list[Batch],
+                         forward_done: Callable[[], None]) -> Accumulated:
+        self.manager.start_quorum()  # a recovering group loads a peer's state here
+        done = self.inner.forward_backward(micro_batches, forward_done)
+        return self.average(done)
+
+    @torch.no_grad()
+    def average(self, done: Accumulated) -> Accumulated:
+        """Sum each group's gradient shards weighted by its valid tokens, and the valid
+        tokens and loss shares themselves, over the groups in the quorum; then vote."""
+        grads = [p.grad for p in self.inner.parameters() if p.grad is not None]
+        shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        valid = done.valid.double()
+        flat = torch.cat([s.reshape(-1).float() for s in shards]) * valid.float()
+        counts = torch.stack([valid, done.loss_sum.double(),
+                              torch.tensor(self.contributes, dtype=torch.float64)])
+        summing = dist.ReduceOp.SUM
+        for work in [self.manager.allreduce(t, reduce_op=summing) for t in (flat, counts)]:
+            work.wait()
+        total = counts[0].clamp(min=1.0)
+        offset = 0
+        for s in shards:  # in place: the DTensor gradients hold these local shards
+            s.copy_((flat[offset:offset + s.numel()] / total.float()).view_as(s))
+            offset += s.numel()
+        participants = self.manager.num_participants()
+        committed = self.manager.should_commit()  # the vote: every group's collectives passed
+        trained = round(float(counts[2]))  # the groups that added their batch
+        share = trained / self.dims.replica_groups if committed and trained else 0.0
+        self.trained += committed and bool(self.contributes)
+        self.discarded += not committed
+        if not committed:
+            logger.warning("step discarded by torchft (a replica group failed mid-step); "
+                           "%d group(s) in the quorum", participants)
+        metrics = {**done.metrics, "ft/participants": float(participants),
+                   "ft/committed": float(committed), "train/tokens": round(self.tokens * share)}
+        return replace(done, loss_sum=counts[1].to(done.loss_sum.dtype),
+                       valid=counts[0].round().to(done.valid.dtype), metrics=metrics,
+                       trained=share)
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's account of this group: the steps it trained and those discarded."""
+        return {"ft": {"group": self.group, "groups": self.dims.replica_groups,
+                       "steps_trained": self.trained, "steps_discarded": self.discarded}}
+
+
+def local(value: Any) -> Any:
+    """A DTensor's local shard (the storage this rank holds), anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def process_group(device: torch.device) -> Any:
+    """torchft's reconfigurable process group across the groups: gloo on CPU, NCCL else."""
+    from torchft import ProcessGroupGloo, ProcessGroupNCCL
+
+    timeout = timedelta(seconds=TIMEOUT_S)
+    return ProcessGroupGloo(timeout=timeout) if device.type == "cpu" \
+        else ProcessGroupNCCL(timeout=timeout)
+
+
+def maybe_replica_groups(executor: StepExecutor, cfg: JobConfig, dims: ParallelDims
+                         ) -> StepExecutor:
+    """`executor`, wrapped under --ft-replica-groups."""
+    if dims.replica_groups == 1:
+        return executor
+    return ReplicaGroupExecutor(executor, cfg, dims)  # type: ignore[return-value]

@@ -1,0 +1,182 @@
+"""`loom launch --ft-replica-groups`: the lighthouse and every group end with the launcher,
+a SIGKILLed one included, and a mistake is one line however many groups make it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from loom.observability.metrics import read_rows
+from loom.trainer.replica_groups import QUORUM_TIMEOUT_S
+from tests.faults.procs import (
+    LOOM,
+    TINY,
+    alive,
+    children,
+    finish,
+    kill_all,
+    start,
+    steps_logged,
+    wait_for,
+)
+
+pytest.importorskip("torchft")
+
+
+def rows_of(folder: Path) -> list[dict]:
+    return read_rows(folder / "metrics-0.jsonl")
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = [c for p in todo if alive(p) for c in children(p)]
+        found += kids
+        todo = kids
+    return found
+
+
+def environ(pid: int, name: str) -> str:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v for v in env if v.startswith(name.encode() + b"=")).split(b"=", 1)[1].decode()
+
+
+def lighthouse_of(pid: int) -> tuple[str, int]:
+    """The lighthouse address the launcher handed a group (its environment)."""
+    where = urlparse(environ(pid, "LOOM_FT_LIGHTHOUSE"))
+    return where.hostname or "localhost", int(where.port or 0)
+
+
+def accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def ft_launch(tmp_path: Path, *flags: str):
+    return start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "2", *LOOM, "train",
+                  *TINY, "--outdir", str(tmp_path / "run"), "--ft-replica-groups", "2", *flags],
+                 TMPDIR=str(tmp_path), RUST_LOG="warn")
+
+
+@pytest.mark.multirank
+def test_lighthouse_and_groups_end_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    proc = ft_launch(tmp_path, "--max-steps", "100000")
+    run = tmp_path / "run"
+    wait_for(lambda: all(steps_logged(run / f"group-{g}") for g in range(2)), "first steps",
+             240, proc)
+    groups = children(proc.pid)
+    everything = descendants(proc.pid)
+    host, port = lighthouse_of(groups[0])
+    try:
+        assert len(groups) == 2 and len(everything) >= 4, everything  # 2 launches, 2 ranks
+        assert accepts(host, port), "the lighthouse is not serving"
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+        deadline = time.monotonic() + 15  # launches and ranks poll their parent every second
+        while any(alive(p) for p in everything) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in everything if alive(p)]
+    finally:
+        kill_all(everything)
+    assert not left, f"{left} still running 15 s after the launcher was SIGKILLed"
+    assert not accepts(host, port), "the lighthouse outlived its launcher"
+
+
+def test_a_refusal_is_one_line_for_all_groups(tmp_path: Path) -> None:
+    code, _, err = finish(ft_launch(tmp_path, "--max-steps", "1", "--tp", "2"), 240)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, (code, err)
+    assert "--ft-replica-groups does not run with --tp 2" in lines[0], err
+    assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_group_that_loses_a_rank_leaves_the_others_stepping(tmp_path: Path) -> None:
+    """SIGKILL of group 1's rank 1 after its step 5 of 30 (no restart): group 0 discards at
+    most the step the failure interrupted, then steps alone to the end; no step waits
+    past the quorum timeout; tokens_seen counts only what each step trained."""
+    steps, world = 30, ("--dp-shard", "2")
+    proc = start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "4", *LOOM, "train", *TINY,
+                  "--outdir", str(tmp_path / "run"), "--ft-replica-groups", "2", *world,
+                  "--max-steps", str(steps)], TMPDIR=str(tmp_path), RUST_LOG="warn")
+    run = tmp_path / "run"
+    wait_for(lambda: steps_logged(run / "group-1") >= 5, "group 1's step 5", 240, proc)
+    group1 = next(p for p in children(proc.pid) if environ(p, "LOOM_FT_GROUP") == "1")
+    rank1 = next(p for p in children(group1) if environ(p, "RANK") == "1")
+    os.kill(rank1, signal.SIGKILL)
+    code, _, err = finish(proc, 240)
+    assert code != 0 and "loom launch: replica group 1 exited" in err, (code, err[-3000:])
+    assert "replica group 0" not in err, err[-3000:]
+    rows = [r for r in rows_of(run / "group-0") if "train/loss" in r]
+    assert [r["train/iter"] for r in rows] == list(range(1, steps + 1))
+    discarded = [r["train/iter"] for r in rows if r["ft/committed"] == 0]
+    assert len(discarded) <= 1, discarded
+    assert rows[-1]["ft/participants"] == 1.0
+    assert max(r["train/dt"] for r in rows) < QUORUM_TIMEOUT_S
+    per_group = rows[0]["train/tokens_seen"] // 2  # the first step: both groups trained
+    trained = sum(r["ft/committed"] * r["ft/participants"] * per_group for r in rows)
+    assert rows[-1]["train/tokens_seen"] == trained
+    summary = json.loads((run / "group-0" / "summary.json").read_text())["ft"]
+    assert summary["steps_trained"] == steps - len(discarded), summary
+
+
+def kill_rank_1(launcher: int, group: int) -> None:
+    launch = next(p for p in children(launcher) if environ(p, "LOOM_FT_GROUP") == str(group))
+    os.kill(next(p for p in children(launch) if environ(p, "RANK") == "1"), signal.SIGKILL)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_killed_groups_restart_and_recover_live_from_a_healthy_one(tmp_path: Path) -> None:
+    """SIGKILL of group 1's rank 1 after its step 10, again once it has rejoined, then of
+    group 0's: each time the failed group's launch restarts it (--max-restarts 2) while the
+    other trains on alone, the restarted group takes the healthy one's model, optimizer,
+    schedule, step and data position live (no checkpoint is read), rejoins, and both
+    groups end bit-identical (their final checkpoints' bytes). Enough steps that the run
+    outlasts three restarts (~25 s each here)."""
+    steps = 400
+    proc = start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "4", "--max-restarts", "2",
+                  *LOOM, "train", *TINY, "--outdir", str(tmp_path / "run"),
+                  "--ft-replica-groups", "2", "--dp-shard", "2", "--max-steps", str(steps),
+                  "--checkpoint-interval", str(steps)], TMPDIR=str(tmp_path), RUST_LOG="warn")
+    run = tmp_path / "run"
+
+    def last(g: int) -> dict:
+        rows = [r for r in rows_of(run / f"group-{g}") if "train/loss" in r] \
+            if (run / f"group-{g}" / "metrics-0.jsonl").is_file() else []
+        return rows[-1] if rows else {"train/iter": 0, "ft/participants": 0}
+
+    wait_for(lambda: last(1)["train/iter"] >= 10, "group 1's step 10", 240, proc)
+    for victim in (1, 1, 0):
+        kill_rank_1(proc.pid, victim)
+        survivor = 1 - victim
+        alone = last(survivor)["train/iter"] + 5
+        wait_for(lambda s=survivor, a=alone: last(s)["train/iter"] > a
+                 and last(s)["ft/participants"] == 1, "a group alone", 120, proc)
+        wait_for(lambda: all(last(g)["ft/participants"] == 2 for g in range(2)),
+                 "the restarted group back", 240, proc)
+    code, out, err = finish(proc, 600)
+    assert code == 0, err[-3000:]
+    assert out.count("recovered live from a healthy replica group") == 3, out[-3000:]
+    for g in range(2):
+        rows = [r for r in rows_of(run / f"group-{g}") if "train/loss" in r]
+        assert max(r["train/dt"] for r in rows) < QUORUM_TIMEOUT_S
+        assert rows[-1]["train/iter"] == steps and rows[-1]["ft/participants"] == 2
+    rows = [r for r in rows_of(run / "group-0") if "train/loss" in r]
+    assert sum(r["ft/committed"] == 0 for r in rows) <= 2  # one per failure of group 1
+    final = [run / f"group-{g}" / "checkpoints" / f"step-{steps}" for g in range(2)]
+    shards = sorted(p.name for p in final[0].glob("*.distcp"))
+    assert shards and shards == sorted(p.name for p in final[1].glob("*.distcp"))
+    for name in [*shards, "loop.json"]:  # parameters, optimizer state, step, data position
+        assert (final[0] / name).read_bytes() == (final[1] / name).read_bytes(), name
