@@ -47,8 +47,16 @@ MISTAKES = {  # id: (flags, message)
            ("simple-fsdp", ["--data-parallel", "simple-fsdp"], "--data-parallel simple-fsdp"),
            ("streaming", ["--dataset", "a.txt", "--streaming"], "--streaming"),
            ("resume", ["--resume", "auto"], "--resume"))},
-    "ft-group-alone": (["--ft-group", "1"], "--ft-group and --ft-lighthouse ($LOOM_FT_GROUP, "
-                       "$LOOM_FT_LIGHTHOUSE) need --ft-replica-groups"),
+    "ft-group-alone": (["--ft-group", "1"], "--ft, --ft-group and --ft-lighthouse "
+                       "($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE) need --ft-replica-groups"),
+    "ft-diloco-alone": (["--ft", "diloco"], "--ft, --ft-group and --ft-lighthouse "
+                        "($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE) need --ft-replica-groups"),
+    "sync-every-without-diloco": (["--ft-replica-groups", "2", "--sync-every", "5"],
+                                  "--sync-every needs --ft diloco"),
+    "outer-lr-without-diloco": (["--outer-lr", "0.5", "--outer-momentum", "0.8"],
+                                "--outer-lr, --outer-momentum need --ft diloco"),
+    "ft-unknown": (["--ft-replica-groups", "2", "--ft", "localsgd"],
+                   "argument --ft: invalid choice: 'localsgd'"),
 }
 
 pytestmark = pytest.mark.usefixtures("loom_logger_restored")

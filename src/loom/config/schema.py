@@ -172,6 +172,12 @@ class ParallelConfig:
         "groups, each its own launch of any --dp-shard layout, averaging gradients over the "
         "groups present each step; start them with loom launch --ft-replica-groups N "
         "(docs/faults.md)", **DEGREE)
+    ft: str = flag("average", "--ft-replica-groups' algorithm: average (each step's gradients, "
+                   "as HSDP) or diloco (groups train --sync-every steps alone, then average "
+                   "their weights' change: torchft's DiLoCo)", choices=("average", "diloco"))
+    sync_every: int = flag(10, "--ft diloco: inner steps between syncs (H)", **DEGREE)
+    outer_lr: float = flag(0.7, "--ft diloco: the outer Nesterov SGD's lr", gt=0, le=10)
+    outer_momentum: float = flag(0.9, "--ft diloco: the outer SGD's momentum", lt=1)
     ft_group: int = flag(0, "this process's replica group under --ft-replica-groups (set by "
                          "loom launch: $LOOM_FT_GROUP)", le=COUNT_MAX, hidden=True,
                          env="LOOM_FT_GROUP")

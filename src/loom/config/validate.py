@@ -168,14 +168,22 @@ def _validate_lora(cfg: JobConfig) -> None:
             raise ConfigError(f"--lora-rank does not run with {what}")
 
 
+DILOCO_FLAGS = ("sync_every", "outer_lr", "outer_momentum")
+"""--ft diloco's own settings: refused with the other algorithm (they would change nothing)."""
+
+
 def _validate_ft(cfg: JobConfig) -> None:
     """--ft-replica-groups: the layouts its parity test covers (--dp-shard inside each group),
     torchft installed, and the group and lighthouse `loom launch` hands each group; every
     other combination refused in one line until a test runs it."""
     p = cfg.parallel
+    given = [f"--{n.replace('_', '-')}" for n in DILOCO_FLAGS if n in cfg.explicit]
+    if given and p.ft != "diloco":
+        raise ConfigError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                          "--ft diloco")
     if p.ft_replica_groups == 1:
-        if "ft_group" in cfg.explicit or p.ft_lighthouse is not None:
-            raise ConfigError("--ft-group and --ft-lighthouse ($LOOM_FT_GROUP, "
+        if "ft_group" in cfg.explicit or p.ft_lighthouse is not None or "ft" in cfg.explicit:
+            raise ConfigError("--ft, --ft-group and --ft-lighthouse ($LOOM_FT_GROUP, "
                               "$LOOM_FT_LIGHTHOUSE) need --ft-replica-groups")
         return
     refusals = {

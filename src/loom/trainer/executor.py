@@ -16,8 +16,9 @@ from loom.models.spec import NO_DEPTHS, Depths
 from loom.parallel.compile import compile_kwargs
 from loom.parallel.mesh import ParallelDims
 from loom.parallel.single import runs_plain, step_autocast, within
+from loom.trainer.diloco import DiLoCoExecutor
 from loom.trainer.pipeline_executor import PipelineExecutor
-from loom.trainer.replica_groups import maybe_replica_groups
+from loom.trainer.replica_groups import ReplicaGroupExecutor
 from loom.trainer.step import AccumulationExecutor, StepExecutor
 
 
@@ -48,6 +49,16 @@ def build_executor(parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims,
         executor.micro_loss = torch.compile(executor.micro_loss,
                                             **compile_kwargs(p.compile_mode, p.compile_backend))
     return maybe_replica_groups(executor, cfg, dims)
+
+
+def maybe_replica_groups(executor: StepExecutor, cfg: JobConfig, dims: ParallelDims
+                         ) -> StepExecutor:
+    """`executor`, wrapped under --ft-replica-groups by --ft's algorithm (torchft is imported
+    by the wrapper, only then)."""
+    if dims.replica_groups == 1:
+        return executor
+    wrapper = DiLoCoExecutor if cfg.parallel.ft == "diloco" else ReplicaGroupExecutor
+    return wrapper(executor, cfg, dims)  # type: ignore[return-value]
 
 
 def loss_in_graph(cfg: JobConfig, dims: ParallelDims) -> bool:

@@ -83,6 +83,17 @@ class ReplicaGroupExecutor:
             connect_timeout=timedelta(seconds=TIMEOUT_S))
         if rank == 0:
             dist.barrier()
+        self.bytes_sent = 0
+        """Bytes this rank handed to the allreduce across the groups (what the network
+        carries between groups scales with it), counted as it goes."""
+        allreduce = self.manager.allreduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            held = local(tensor)
+            self.bytes_sent += held.numel() * held.element_size()
+            return allreduce(tensor, *args, **kwargs)
+
+        self.manager.allreduce = counted  # torchft's DiLoCo calls it through the manager
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -188,7 +199,8 @@ class ReplicaGroupExecutor:
             logger.warning("step discarded by torchft (a replica group failed mid-step); "
                            "%d group(s) in the quorum", participants)
         metrics = {**done.metrics, "ft/participants": float(participants),
-                   "ft/committed": float(committed), "train/tokens": round(self.tokens * share)}
+                   "ft/committed": float(committed), "train/tokens": round(self.tokens * share),
+                   "ft/bytes_sent": float(self.bytes_sent)}
         return replace(done, loss_sum=counts[1].to(done.loss_sum.dtype),
                        valid=counts[0].round().to(done.valid.dtype), metrics=metrics,
                        trained=share)
@@ -196,7 +208,8 @@ class ReplicaGroupExecutor:
     def summary(self) -> dict[str, Any]:
         """summary.json's account of this group: the steps it trained and those discarded."""
         return {"ft": {"group": self.group, "groups": self.dims.replica_groups,
-                       "steps_trained": self.trained, "steps_discarded": self.discarded}}
+                       "steps_trained": self.trained, "steps_discarded": self.discarded,
+                       "bytes_sent": self.bytes_sent}}
 
 
 def local(value: Any) -> Any:
@@ -211,11 +224,3 @@ def process_group(device: torch.device) -> Any:
     timeout = timedelta(seconds=TIMEOUT_S)
     return ProcessGroupGloo(timeout=timeout) if device.type == "cpu" \
         else ProcessGroupNCCL(timeout=timeout)
-
-
-def maybe_replica_groups(executor: StepExecutor, cfg: JobConfig, dims: ParallelDims
-                         ) -> StepExecutor:
-    """`executor`, wrapped under --ft-replica-groups."""
-    if dims.replica_groups == 1:
-        return executor
-    return ReplicaGroupExecutor(executor, cfg, dims)  # type: ignore[return-value]
