@@ -72,6 +72,8 @@ def test_two_replica_groups_train_as_hsdp_2x2(tmp_path: Path) -> None:
         assert set(column(group, "ft/participants").values()) == {2.0}
         assert set(column(group, "ft/committed").values()) == {1.0}
         summary = json.loads((group / "summary.json").read_text())
+        sent = summary["ft"].pop("bytes_sent")
         assert summary["ft"] == {"group": g, "groups": 2, "steps_trained": STEPS,
                                  "steps_discarded": 0}
+        assert sent > 0 and sent % STEPS == 0, sent  # each step's gradient shard, alike
         assert summary["tokens"] == json.loads((hsdp / "summary.json").read_text())["tokens"]

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,7 +44,9 @@ class ProfileOptions:
     @classmethod
     def from_config(cls, o: OutputConfig) -> ProfileOptions:
         """Each field from its flag, `--profile-<field>`."""
-        return cls(**{f.name: getattr(o, f"profile_{f.name}") for f in fields(cls)})
+        return cls(wait=o.profile_wait, warmup=o.profile_warmup, active=o.profile_active,
+                   repeat=o.profile_repeat, memory=o.profile_memory, shapes=o.profile_shapes,
+                   stack=o.profile_stack, flops=o.profile_flops, modules=o.profile_modules)
 
 
 def profile_schedule(total_steps: int, options: ProfileOptions = ProfileOptions()

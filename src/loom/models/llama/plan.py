@@ -60,7 +60,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         if block.attention.q_norm is not None:  # per head: its input is sharded over heads
             per_head = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan.update({"attention.q_norm": per_head, "attention.k_norm": per_head})
-        if isinstance(block, TransformerBlock):
+        if isinstance(block, TransformerBlock) and block.ffn_name == "feed_forward":  # dense
             plan.update({
                 "feed_forward": prepare(
                     "feed_forward",
