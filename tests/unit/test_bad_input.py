@@ -45,8 +45,7 @@ MISTAKES = {  # id: (flags, message)
            ("cp", ["--cp", "2"], "--cp 2"),
            ("ep", ["--model", "moe-debug", "--ep", "2"], "--ep 2"),
            ("simple-fsdp", ["--data-parallel", "simple-fsdp"], "--data-parallel simple-fsdp"),
-           ("streaming", ["--dataset", "a.txt", "--streaming"], "--streaming"),
-           ("resume", ["--resume", "auto"], "--resume"))},
+           ("streaming", ["--dataset", "a.txt", "--streaming"], "--streaming"))},
     "ft-group-alone": (["--ft-group", "1"], "--ft, --ft-group and --ft-lighthouse "
                        "($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE) need --ft-replica-groups"),
     "ft-diloco-alone": (["--ft", "diloco"], "--ft, --ft-group and --ft-lighthouse "

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from loom.checkpoint.format import METADATA, TensorReader, TensorWriter
+from loom.checkpoint.format import METADATA, TensorReader, TensorWriter, load_metadata
 from loom.checkpoint.layout import checkpoint_dir, complete_checkpoints, prunable, step_of
 from loom.checkpoint.trust import (
     HashingFileSystem,
@@ -179,14 +179,15 @@ class Checkpointer:
         return self.enabled and step % self.interval == 0
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             extra: dict[str, Any]) -> None:
+             extra: dict[str, Any], own: dict[str, torch.Tensor] | None = None) -> None:
         """Write step-N through a temporary folder; with async, the rename happens when the
-        next save starts or at `finish()`."""
+        next save starts or at `finish()`. `own`: the step executor's tensors
+        (`StepExecutor.own_state`), stored under `executor.`."""
         self.finish()
         final, tmp = self.root / f"step-{step}", self.root / f".step-{step}.tmp"
         model_sd, optim_sd, _ = plain_state_dict(model, optimizer)
         state = {"model": saved_model_state(model, model_sd),
-                 "optim": {"state": optim_sd["state"]}}
+                 "optim": {"state": optim_sd["state"]}, **({"executor": own} if own else {})}
         loop = {**extra, "param_groups": _groups_to_json(
             every_rank_groups(optim_sd["param_groups"]))}
         error = None
@@ -292,9 +293,10 @@ class Checkpointer:
 
     @staticmethod
     def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-             saved: dict[str, Any]) -> None:
+             saved: dict[str, Any], own: dict[str, torch.Tensor] | None = None) -> None:
         """Load a verified checkpoint's model and optimizer (resharded to this mesh) and this
-        rank's RNG state; `saved` is its loop.json."""
+        rank's RNG state; `saved` is its loop.json. `own`: the step executor's tensors
+        (`StepExecutor.resumed_state`), loaded in place."""
         model_sd, optim_sd, own_name = plain_state_dict(model, optimizer)
         # Group counts, not parameter names: a pipeline stage's groups list its own parameters.
         kinds = [[g.get("kind", "adamw") for g in groups]
@@ -304,7 +306,12 @@ class Checkpointer:
                                      f"{', '.join(kinds[0])}, this run's {', '.join(kinds[1])} "
                                      "(resume with the checkpoint's --optimizer)")
         state = {"model": saved_model_state(model, model_sd),
-                 "optim": {"state": optim_sd["state"]}}
+                 "optim": {"state": optim_sd["state"]}, **({"executor": own} if own else {})}
+        if own and not any(k.startswith("executor.")
+                           for k in load_metadata(path).state_dict_metadata):
+            raise UnusableCheckpoint(f"checkpoint {path} holds no state of this run's step "
+                                     f"({', '.join(sorted(own)[:2])}, ...): it was saved by "
+                                     "another --ft")
         try:
             dcp.load(state, storage_reader=TensorReader(path))
         except CheckpointException as e:  # a BaseException: escapes `except Exception`

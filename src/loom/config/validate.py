@@ -195,8 +195,6 @@ def _validate_ft(cfg: JobConfig) -> None:
         "--data-parallel simple-fsdp (untested; use fsdp2)": p.data_parallel != "fsdp2",
         "--streaming (a stream's position is not shared across groups yet)":
             cfg.data.streaming,
-        "--resume (untested: each group resumes its own run folder; a restarted group "
-        "recovers live from a healthy one)": "resume" in cfg.explicit,
     }
     for what, refused in refusals.items():
         if refused:

@@ -16,11 +16,13 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loom.checkpoint.checkpointer import LoopState
 from loom.config import JobConfig
 from loom.parallel.mesh import ParallelDims
-from loom.trainer.replica_groups import ReplicaGroupExecutor
+from loom.trainer.replica_groups import ReplicaGroupExecutor, local
 from loom.trainer.step import Accumulated, Batch, StepExecutor
 
 
@@ -31,25 +33,73 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
     def __init__(self, inner: StepExecutor, cfg: JobConfig, dims: ParallelDims):
         super().__init__(inner, cfg, dims)
         self.settings = cfg.parallel
+        self.resumed: dict[str, torch.Tensor] = {}
 
     def share_state(self, trainer: Any) -> LoopState:
         """Register the state a recovering group takes (the loop's and DiLoCo's own: the
-        last sync's weights and the outer optimizer), and start syncing. A restarted group
-        trains from its own state until the next sync's quorum heals it from a healthy one
-        (its pseudo-gradient counts as none there)."""
+        last sync's weights and the outer optimizer), and start syncing where the loop is
+        (a resumed run: at the checkpoint's place in the sync cycle, with its last sync's
+        weights and outer momentum). A restarted group trains from its own state until the
+        next sync's quorum heals it from a healthy one (its pseudo-gradient counts as none
+        there), and then reads on from the healthy group's data position."""
         from torchft.local_sgd import DiLoCo  # the optional `ft` extra
 
         self.trainer = trainer
         self.manager.register_state_dict_fn("loom", self.load_state, self.state)
         p = self.settings
-        outer = torch.optim.SGD(trainer.model.parameters(), lr=p.outer_lr,  # Nesterov needs
-                                momentum=p.outer_momentum,  # a momentum: 0 is plain SGD
-                                nesterov=p.outer_momentum > 0)
-        self.diloco = DiLoCo(self.manager, [trainer.model], trainer.optimizer, outer,
+        self.outer = torch.optim.SGD(trainer.model.parameters(), lr=p.outer_lr,  # Nesterov
+                                     momentum=p.outer_momentum,  # needs a momentum: 0 is
+                                     nesterov=p.outer_momentum > 0)  # plain SGD
+        self.diloco = DiLoCo(self.manager, [trainer.model], trainer.optimizer, self.outer,
                              sync_every=p.sync_every, backup_device=self.inner.device,
                              pin_memory=False)
+        syncs, since = divmod(trainer.loop.step, p.sync_every)
+        # torchft's step counts syncs; DiLoCo's `_local_step` (private, torchft 0.2.0) the
+        # steps since the last one: both where the loop is, so every group syncs together
+        self.manager.load_state_dict({"step": syncs,
+                                      "batches_committed": self.manager.batches_committed()})
+        self.diloco._local_step = since
+        if self.resumed:
+            self.apply_resumed()
         self.diloco.__enter__()  # hooks on the inner optimizer's step, for the whole run
         return trainer.loop
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        return dict(self.trainer.model.named_parameters())
+
+    def last_sync(self) -> dict[str, torch.Tensor]:
+        """DiLoCo's copy of the weights at the last sync, this rank's shards by parameter
+        name (`original_parameters` of its one fragment; torchft 0.2.0)."""
+        return self.diloco._fragments[0].original_parameters
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps besides the inner optimizer: the last sync's weights and
+        the outer optimizer's momentum, shaped (and sharded) as the parameters, so that a
+        resumed run takes the next sync exactly as the run would have. Before the first
+        sync the momentum is zeros, which SGD's first step treats as none."""
+        state = {}
+        for name, param in self.named_parameters().items():
+            state[f"last_sync.{name}"] = like(param, self.last_sync()[name])
+            held = self.outer.state.get(param, {}).get("momentum_buffer")
+            state[f"outer_momentum.{name}"] = torch.zeros_like(param) if held is None else held
+        return state
+
+    def resumed_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        self.resumed = {f"{kind}.{name}": torch.zeros_like(param)
+                        for name, param in model.named_parameters()
+                        for kind in ("last_sync", "outer_momentum")}
+        return self.resumed
+
+    @torch.no_grad()
+    def apply_resumed(self) -> None:
+        """A checkpoint's DiLoCo state into torchft's DiLoCo (`resumed_state`'s tensors,
+        which the checkpoint loaded)."""
+        for name, param in self.named_parameters().items():
+            self.last_sync()[name].copy_(local(self.resumed[f"last_sync.{name}"]))
+            if self.outer.defaults["momentum"]:
+                self.outer.state[param]["momentum_buffer"] = \
+                    self.resumed[f"outer_momentum.{name}"]
+        self.resumed = {}
 
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
@@ -60,3 +110,12 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
         metrics = {**done.metrics, "ft/bytes_sent": float(self.bytes_sent),
                    "train/tokens": round(self.tokens * share)}
         return replace(done, metrics=metrics, trained=share)
+
+
+def like(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """`shard` (this rank's part of `param`) as `param` is: a DTensor of its mesh and
+    placements where `param` is one, so a checkpoint stores it as the parameter."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(shard, param.device_mesh, param.placements,
+                                  shape=param.shape, stride=param.stride())
+    return shard

@@ -70,6 +70,7 @@ class ReplicaGroupExecutor:
             * cfg.train.grad_accum_steps * cfg.data.seq_len
         self.trained = self.discarded = 0
         self.contributes = 1.0  # 0.0 on a join step: a restarted group adds no gradient
+        self.drawn = 0  # the groups that added a batch to the last step
         rank = dist.get_rank()
         if rank != 0:  # after rank 0 has published this attempt's manager address (the
             dist.barrier()  # store outlives a restart and holds the last attempt's)
@@ -99,11 +100,21 @@ class ReplicaGroupExecutor:
         return getattr(self.inner, name)
 
     def share_state(self, trainer: Any) -> LoopState:
-        """Serve this group's state to a recovering peer; in a restarted group, recover it
-        live from a healthy one (`join`). Returns the loop state to train on from."""
+        """Serve this group's state to a recovering peer; in a restarted or resumed group,
+        first take the state of any group that is further on (`join`): a group whose newest
+        checkpoint is older than another's, or that starts afresh while the others train,
+        recovers live before it reads any data. Returns the loop state to train on from."""
         self.trainer = trainer
         self.manager.register_state_dict_fn("loom", self.load_state, self.state)
-        return self.join() if trainer.info.restarts else trainer.loop
+        self.keep_step()
+        return self.join() if trainer.info.restarts or trainer.loop.step else trainer.loop
+
+    def keep_step(self) -> None:
+        """torchft's step is the loop's (steps taken, discarded ones too), so that the
+        quorum heals exactly the groups that are behind: every group present holds the same
+        state at the same step, and a group's checkpoint was saved at one of those."""
+        self.manager.load_state_dict({"step": self.trainer.loop.step,
+                                      "batches_committed": self.manager.batches_committed()})
 
     def state(self) -> dict[str, Any]:
         """This rank's part of the group's state (local shards: the peer's rank of the same
@@ -137,10 +148,12 @@ class ReplicaGroupExecutor:
                     "drawn", t.loop.step, t.loop.samples_seen)
 
     def join(self) -> LoopState:
-        """A restarted group's first step: torchft's quorum hands it a healthy group's state
-        (`load_state`); it adds no gradient (zero shards and no tokens, so the average is
-        the others' alone), then applies the step's average as every group does, and
-        trains on from the next step's data."""
+        """A restarted or resumed group's first step: torchft's quorum hands it the state
+        of a group further on, if any (`load_state`); it adds no gradient (zero shards and
+        no tokens, so the average is the others' alone), then applies the step's average as
+        every group does, and trains on from the next step's data. Where no group added a
+        batch (the whole job resumed: every group joins) the step is no step: nothing is
+        applied and no data is passed over."""
         t = self.trainer
         self.recovered = None
         self.manager.start_quorum()
@@ -153,20 +166,22 @@ class ReplicaGroupExecutor:
             done = self.average(empty)
         finally:
             self.contributes = 1.0
-        if self.recovered is None:
-            logger.warning("replica group %d restarted but no healthy group had a later "
-                           "step: it trains on from its own state", self.group)
+        if self.recovered is None and t.info.restarts:
+            logger.warning("replica group %d restarted but no group had a later step: it "
+                           "trains on from its own state (step %d)", self.group, t.loop.step)
         if done.trained:
             clip_grad_norm(self.inner.parameters(), t.cfg.optim.max_grad_norm,
                            across=self.inner.norm_group)
             t.optimizer.step()
-        t.scheduler.step()
         t.optimizer.zero_grad(set_to_none=True)
-        t.advance(done.trained)
+        if self.drawn:  # the others took a step (trained or discarded): so does this group
+            t.scheduler.step()
+            t.advance(done.trained)
         return t.loop
 
     def forward_backward(self, micro_batches: list[Batch],
                          forward_done: Callable[[], None]) -> Accumulated:
+        self.keep_step()
         self.manager.start_quorum()  # a recovering group loads a peer's state here
         done = self.inner.forward_backward(micro_batches, forward_done)
         return self.average(done)
@@ -192,6 +207,7 @@ class ReplicaGroupExecutor:
         participants = self.manager.num_participants()
         committed = self.manager.should_commit()  # the vote: every group's collectives passed
         trained = round(float(counts[2]))  # the groups that added their batch
+        self.drawn = trained
         share = trained / self.dims.replica_groups if committed and trained else 0.0
         self.trained += committed and bool(self.contributes)
         self.discarded += not committed

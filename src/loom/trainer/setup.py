@@ -67,13 +67,14 @@ def optimizer_steps_per_epoch(loader: DataLoader | StreamLoader, accum: int) -> 
 def maybe_resume(resume: ResumePoint | None, cfg: JobConfig, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
                  loader: DataLoader | StreamLoader, checkpointer: Checkpointer, rank: int,
-                 global_batch: int) -> LoopState:
-    """Load a checkpoint into model, optimizer and scheduler; the data position is kept
-    in global samples, so it is exact whenever the global batch is unchanged."""
+                 global_batch: int, executor: StepExecutor) -> LoopState:
+    """Load a checkpoint into model, optimizer, scheduler and the step executor's own
+    state; the data position is kept in global samples, so it is exact whenever the
+    global batch is unchanged."""
     if resume is None:
         return LoopState()
     path, saved = resume.path, resume.saved
-    Checkpointer.load(path, model, optimizer, rank, saved)
+    Checkpointer.load(path, model, optimizer, rank, saved, executor.resumed_state(model))
     scheduler.load_state_dict(saved["scheduler"])
     set_optimizer(optimizer, scheduler, cfg.optim)  # what config.json records, given again or not
     loop = LoopState(step=saved["step"], tokens_seen=saved["tokens_seen"],

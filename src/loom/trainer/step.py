@@ -122,6 +122,17 @@ class StepExecutor(ABC):
         """What summary.json adds about the step (the replica groups' step counts)."""
         return {}
 
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """Tensors the step itself carries across steps, which a checkpoint keeps beside the
+        model and optimizer (--ft diloco's outer optimizer and last sync's weights), by
+        name; none for a plain step."""
+        return {}
+
+    def resumed_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Tensors shaped as `own_state()`'s for a checkpoint to load into; the executor
+        applies them when it starts (`share_state`)."""
+        return {}
+
     def share_state(self, trainer: object) -> LoopState:
         """Where the loop starts: the trainer's own position (a replica group restarted
         under --ft-replica-groups takes a healthy group's)."""

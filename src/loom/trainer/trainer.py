@@ -4,7 +4,6 @@ The Trainer holds the built components and runs the loop; what start-up builds o
 
 from __future__ import annotations
 
-import itertools
 import logging
 import signal
 import time
@@ -104,7 +103,8 @@ class Trainer:
                                          cfg.checkpoint.async_checkpoint, info.rank,
                                          resume.run_id if resume else new_run_id())
         self.loop = maybe_resume(resume, cfg, self.model, self.optimizer, self.scheduler,
-                                 self.loader, self.checkpointer, info.rank, self.global_batch)
+                                 self.loader, self.checkpointer, info.rank, self.global_batch,
+                                 self.executor)
         self.loop = self.executor.share_state(self)  # a restarted replica group's live recovery
         self.metrics = build_metrics(cfg, RunPlace(info.rank, dims, device, outdir, self.started),
                                      self.model, self.optimizer, plain_model)
@@ -223,8 +223,21 @@ class Trainer:
 
     def batches(self) -> Iterator[tuple[int, int, list[Batch]]]:
         """(epoch, step in epoch, micro-batches) from the data position on, epoch by epoch.
-        Step k of an epoch holds global samples k*G ... k*G+G-1 of the epoch's order."""
-        first_epoch, first_step = divmod(self.loop.samples_seen // self.global_batch,
+        Step k of an epoch holds global samples k*G ... k*G+G-1 of the epoch's order. The
+        data follows the loop: where a live recovery moved it (a replica group takes a
+        healthy group's position, `share_state`), the next step reads from there."""
+        while True:
+            start = self.loop.samples_seen
+            for step in self.batches_from(start):
+                yield step
+                if self.loop.samples_seen != start + self.global_batch:
+                    break  # the loop was moved under us: read on from where it is now
+                start = self.loop.samples_seen
+            else:
+                return
+
+    def batches_from(self, samples_seen: int) -> Iterator[tuple[int, int, list[Batch]]]:
+        first_epoch, first_step = divmod(samples_seen // self.global_batch,
                                          self.steps_per_epoch)
         for epoch in range(first_epoch, self.cfg.train.epochs):
             skip = first_step if epoch == first_epoch else 0
@@ -236,10 +249,22 @@ class Trainer:
     def steps(self) -> Iterator[tuple[int, int, list[Batch]]]:
         """`batches()`, copied to an accelerator one step ahead (the copy of step k+1 is
         queued behind step k's work, so the step never waits for its data). Not for a
-        stream, whose checkpointed position would then count the step drawn ahead."""
-        if self.device.type == "cpu" or isinstance(self.loader, StreamLoader):
+        stream, whose checkpointed position would then count the step drawn ahead, nor for
+        replica groups, whose position a live recovery may move after the draw."""
+        if (self.device.type == "cpu" or isinstance(self.loader, StreamLoader)
+                or self.dims.replica_groups > 1):
             return self.batches()
         return ahead_on_device(self.batches(), self.device)
+
+    def steps_until(self, total: int) -> Iterator[tuple[int, int, list[Batch]]]:
+        """`steps()` while the loop is short of `total`, checked before each draw (a live
+        recovery may move the loop on by several steps)."""
+        steps = self.steps()
+        while self.loop.step < total:
+            found = next(steps, None)
+            if found is None:
+                return
+            yield found
 
     def fit(self) -> None:
         """The loop; a SIGTERM or SIGINT ends it after the current step, and the summary
@@ -262,8 +287,7 @@ class Trainer:
         collector.begin()
         try:
             with maybe_profile(out, self.metrics.outdir, self.info.rank, total) as profiler:
-                for epoch, bidx, micro in itertools.islice(self.steps(),
-                                                           max(0, total - self.loop.step)):
+                for epoch, bidx, micro in self.steps_until(total):
                     try:
                         result = self.train_step(micro)
                     except torch.OutOfMemoryError as e:
@@ -341,7 +365,8 @@ class Trainer:
             "model_args": vars(model_args(self.cfg)), "settings": run_settings(self.cfg),
             "architecture": architecture(self.cfg, model_args(self.cfg)),
             **data_state(self.loader), **mixture_state(self.loader.dataset,
-                                                       self.loop.samples_seen)})
+                                                       self.loop.samples_seen)},
+            own=self.executor.own_state())
         self.checkpointer.last_save_seconds = time.perf_counter() - start
 
     def close(self) -> None:
