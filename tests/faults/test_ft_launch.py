@@ -93,10 +93,10 @@ def test_lighthouse_and_groups_end_with_a_sigkilled_launcher(tmp_path: Path) -> 
 
 
 def test_a_refusal_is_one_line_for_all_groups(tmp_path: Path) -> None:
-    code, _, err = finish(ft_launch(tmp_path, "--max-steps", "1", "--tp", "2"), 240)
+    code, _, err = finish(ft_launch(tmp_path, "--max-steps", "1", "--dp-replicate", "2"), 240)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, (code, err)
-    assert "--ft-replica-groups does not run with --tp 2" in lines[0], err
+    assert "--ft-replica-groups does not run with --dp-replicate 2" in lines[0], err
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -144,8 +144,8 @@ def test_killed_groups_restart_and_recover_live_from_a_healthy_one(tmp_path: Pat
     other trains on alone, the restarted group takes the healthy one's model, optimizer,
     schedule, step and data position live (no checkpoint is read), rejoins, and both
     groups end bit-identical (their final checkpoints' bytes). Enough steps that the run
-    outlasts three restarts (~25 s each here)."""
-    steps = 400
+    outlasts three restarts (~25 s each on a 2-core AMD EPYC, ~5 s on a Xeon)."""
+    steps = 1200
     proc = start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "4", "--max-restarts", "2",
                   *LOOM, "train", *TINY, "--outdir", str(tmp_path / "run"),
                   "--ft-replica-groups", "2", "--dp-shard", "2", "--max-steps", str(steps),
@@ -159,16 +159,20 @@ def test_killed_groups_restart_and_recover_live_from_a_healthy_one(tmp_path: Pat
 
     wait_for(lambda: last(1)["train/iter"] >= 10, "group 1's step 10", 240, proc)
     for victim in (1, 1, 0):
-        kill_rank_1(proc.pid, victim)
         survivor = 1 - victim
-        alone = last(survivor)["train/iter"] + 5
-        wait_for(lambda s=survivor, a=alone: last(s)["train/iter"] > a
-                 and last(s)["ft/participants"] == 1, "a group alone", 120, proc)
-        wait_for(lambda: all(last(g)["ft/participants"] == 2 for g in range(2)),
-                 "the restarted group back", 240, proc)
+        at = max(last(g)["train/iter"] for g in range(2))
+        kill_rank_1(proc.pid, victim)
+        # the survivor steps on (alone, or with the victim again where its restart beat the
+        # lighthouse's heartbeat timeout); the victim's rows go on only once it rejoined
+        wait_for(lambda s=survivor, a=at: last(s)["train/iter"] > a + 5,
+                 "the survivor stepping on", 120, proc)
+        wait_for(lambda v=victim, a=at: last(v)["train/iter"] > a + 5
+                 and last(v)["ft/participants"] == 2, "the restarted group back", 240, proc)
     code, out, err = finish(proc, 600)
     assert code == 0, err[-3000:]
-    assert out.count("recovered live from a healthy replica group") == 3, out[-3000:]
+    # one per restart, and again where torchft discarded the join step (the healthy group
+    # moved on by that step: the retried join takes its state once more)
+    assert 3 <= out.count("recovered live from a healthy replica group") <= 6, out[-3000:]
     for g in range(2):
         rows = [r for r in rows_of(run / f"group-{g}") if "train/loss" in r]
         assert max(r["train/dt"] for r in rows) < QUORUM_TIMEOUT_S

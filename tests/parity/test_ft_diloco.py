@@ -9,6 +9,7 @@ the weights, and nothing on the other steps."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from loom.checkpoint.format import load_metadata
 from loom.observability.metrics import read_rows
 from tests.faults.procs import LOOM, TINY, finish, start
+from tests.parity.test_ft_replica_groups import LAYOUTS
 
 pytest.importorskip("torchft")
 
@@ -35,10 +37,12 @@ def chunks(folder: Path, file: str | None = None) -> dict[tuple, bytes]:
 
 
 @pytest.mark.multirank
-def test_diloco_groups_agree_after_each_sync_and_send_only_then(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["dp-shard", "tp", "pp"])
+def test_diloco_groups_agree_after_each_sync_and_send_only_then(tmp_path: Path,
+                                                                layout: str) -> None:
     run = tmp_path / "run"
     proc = start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "4", *LOOM, "train",
-                  *TINY, "--outdir", str(run), "--ft-replica-groups", "2", "--dp-shard", "2",
+                  *TINY, "--outdir", str(run), "--ft-replica-groups", "2", *LAYOUTS[layout],
                   "--ft", "diloco", "--sync-every", str(SYNC_EVERY), "--max-steps", str(STEPS),
                   "--checkpoint-interval", str(STEPS)], TMPDIR=str(tmp_path), RUST_LOG="warn")
     code, _, err = finish(proc, 600)
@@ -50,12 +54,21 @@ def test_diloco_groups_agree_after_each_sync_and_send_only_then(tmp_path: Path) 
     assert model and set(saved[0]) == set(saved[1])
     assert all(saved[0][k] == saved[1][k] for k in model), "the groups' weights after a sync"
     assert any(saved[0][k] != saved[1][k] for k in optim), "each group's own inner optimizer"
+    # rank 0's file holds its shard of every weight; under tp the replicated ones (the
+    # norms) are stored by one rank of the tp group but sent by each
     shard = sum(len(v) for k, v in chunks(final[0], "__0_0.distcp").items()
                 if k[0].startswith("model."))
     for g in range(2):
         summary = json.loads((run / f"group-{g}" / "summary.json").read_text())
-        assert summary["ft"]["bytes_sent"] == STEPS // SYNC_EVERY * shard, summary["ft"]
         assert summary["ft"]["steps_trained"] == STEPS
         rows = [r for r in read_rows(run / f"group-{g}" / "metrics-0.jsonl") if "train/loss" in r]
-        sent = [r["ft/bytes_sent"] for r in rows]
-        assert sent == sorted(sent) and len(set(sent)) <= STEPS // SYNC_EVERY + 1, sent
+        sent = [0.0] + [r["ft/bytes_sent"] for r in rows]
+        sends = {step: after - before for step, (before, after)
+                 in enumerate(itertools.pairwise(sent), start=1) if after != before}
+        assert list(sends) == list(range(SYNC_EVERY, STEPS + 1, SYNC_EVERY)), sends
+        per_sync = set(sends.values())
+        assert len(per_sync) == 1 and summary["ft"]["bytes_sent"] == sum(sends.values())
+        if layout == "tp":
+            assert shard <= per_sync.pop() <= 1.01 * shard, (per_sync, shard)
+        else:
+            assert per_sync == {shard}, (per_sync, shard)

@@ -21,7 +21,10 @@ coordination = pytest.importorskip("torchft.coordination")
 STEPS = 10
 COMMON = ["-m", "loom", "train", "--model", "debug", "--n-layers", "2", "--dataset", "random",
           "--vocab-size", "512", "--seq-len", "64", "--batch-size", "2", "--fp32", "--max-steps",
-          str(STEPS), "--seed", "7", "--lr", "1e-3", "--log-every", "1", "--dp-shard", "2"]
+          str(STEPS), "--seed", "7", "--lr", "1e-3", "--log-every", "1"]
+LAYOUTS = {"dp-shard": ["--dp-shard", "2"], "tp": ["--tp", "2"], "pp": ["--pp", "2"],
+           "cp": ["--cp", "2"], "moe-ep": ["--model", "moe-debug", "--ep", "2"],
+           "simple-fsdp": ["--data-parallel", "simple-fsdp", "--dp-shard", "2"]}
 RTOL = 1e-5
 """The groups' gradients are summed in another order than HSDP's (within each group, then
 across): measured worst 1.0e-7 relative on the losses over 10 steps, gradient norms equal."""
@@ -49,15 +52,18 @@ def wait_all(procs: list, limit: float) -> None:
 
 
 @pytest.mark.multirank
-def test_two_replica_groups_train_as_hsdp_2x2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_replica_groups_train_as_hsdp_2x2(tmp_path: Path, layout: str) -> None:
     # min_replicas 2: the first quorum waits for both groups (as `loom launch` does within
     # its join timeout), so neither trains a step alone
     lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=2,
                                                join_timeout_ms=60_000)
     try:
-        jobs = start_job(4, ["--dp-replicate", "2", "--outdir", str(tmp_path / "hsdp")])
+        inside = LAYOUTS[layout]
+        jobs = start_job(4, [*inside, "--dp-replicate", "2", "--outdir", str(tmp_path / "hsdp")])
         for g in range(2):
-            jobs += start_job(2, ["--ft-replica-groups", "2", "--outdir", str(tmp_path / "ft")],
+            jobs += start_job(2, [*inside, "--ft-replica-groups", "2",
+                                  "--outdir", str(tmp_path / "ft")],
                               {"LOOM_FT_GROUP": str(g),
                                "LOOM_FT_LIGHTHOUSE": lighthouse.address()})
         wait_all(jobs, 600)

@@ -41,10 +41,6 @@ MISTAKES = {  # id: (flags, message)
                       f"--ft-replica-groups does not run with {refused}")
        for name, flags, refused in (
            ("dp-replicate", ["--dp-replicate", "2"], "--dp-replicate 2"),
-           ("tp", ["--tp", "2"], "--tp 2"), ("pp", ["--pp", "2"], "--pp 2"),
-           ("cp", ["--cp", "2"], "--cp 2"),
-           ("ep", ["--model", "moe-debug", "--ep", "2"], "--ep 2"),
-           ("simple-fsdp", ["--data-parallel", "simple-fsdp"], "--data-parallel simple-fsdp"),
            ("streaming", ["--dataset", "a.txt", "--streaming"], "--streaming"))},
     "ft-group-alone": (["--ft-group", "1"], "--ft, --ft-group and --ft-lighthouse "
                        "($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE) need --ft-replica-groups"),

@@ -173,9 +173,10 @@ DILOCO_FLAGS = ("sync_every", "outer_lr", "outer_momentum")
 
 
 def _validate_ft(cfg: JobConfig) -> None:
-    """--ft-replica-groups: the layouts its parity test covers (--dp-shard inside each group),
-    torchft installed, and the group and lighthouse `loom launch` hands each group; every
-    other combination refused in one line until a test runs it."""
+    """--ft-replica-groups: the layouts its parity test covers inside each group (every one
+    but --dp-replicate, which the groups replace, and a stream, whose position the groups
+    do not share), torchft installed, and the group and lighthouse `loom launch` hands
+    each group; every other combination refused in one line until a test runs it."""
     p = cfg.parallel
     given = [f"--{n.replace('_', '-')}" for n in DILOCO_FLAGS if n in cfg.explicit]
     if given and p.ft != "diloco":
@@ -188,11 +189,6 @@ def _validate_ft(cfg: JobConfig) -> None:
         return
     refusals = {
         f"--dp-replicate {p.dp_replicate} (the groups are the replicas)": p.dp_replicate > 1,
-        f"--tp {p.tp} (untested; use --dp-shard inside each group)": p.tp > 1,
-        f"--pp {p.pp} (untested; use --dp-shard inside each group)": p.pp > 1,
-        f"--cp {p.cp} (untested; use --dp-shard inside each group)": p.cp > 1,
-        f"--ep {p.ep} (untested; use --dp-shard inside each group)": p.ep > 1,
-        "--data-parallel simple-fsdp (untested; use fsdp2)": p.data_parallel != "fsdp2",
         "--streaming (a stream's position is not shared across groups yet)":
             cfg.data.streaming,
     }

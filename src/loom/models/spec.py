@@ -174,6 +174,11 @@ class SpecHook:
     with the head): the trainer's sum then also adds over the stages, so every rank's row
     (rank 0's holds the first stage) reports them. Such a hook returns the same metrics on
     every rank, zeros where its stage holds none of the modules."""
+    token_sums: tuple[str, ...] = ()
+    """The buffers (by name, in any module) whose per-rank values the hook sums over the
+    ranks holding different tokens (MoE's `tokens_per_expert`): a layout that splits those
+    ranks into parts the trainer's sum does not span (--ft-replica-groups) sums these
+    across its parts before the hook runs, so that the hook's sum is the job's."""
 
 
 def _none(model: nn.Module) -> list[nn.Module]:

@@ -107,9 +107,13 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
         done = self.inner.forward_backward(micro_batches, forward_done)
         self.trained += 1
         share = 1.0 / self.dims.replica_groups
-        metrics = {**done.metrics, "ft/bytes_sent": float(self.bytes_sent),
-                   "train/tokens": round(self.tokens * share)}
+        metrics = {**done.metrics, "train/tokens": round(self.tokens * share)}
         return replace(done, metrics=metrics, trained=share)
+
+    def after_update(self) -> dict[str, float]:
+        """The bytes sent so far, read after the inner optimizer's step (where a sync
+        sends), so that a sync's bytes are in its own step's row."""
+        return {"ft/bytes_sent": float(self.bytes_sent)}
 
 
 def like(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from loom.checkpoint.checkpointer import LoopState
 from loom.config import JobConfig
+from loom.models.registry import spec_of
 from loom.parallel.mesh import ParallelDims
-from loom.trainer.optim import clip_grad_norm
 from loom.trainer.step import Accumulated, Batch, StepExecutor
 
 logger = logging.getLogger("loom")
@@ -37,6 +38,8 @@ TIMEOUT_S = 30.0
 that lost a rank is noticed within this, and the others go on without it."""
 QUORUM_TIMEOUT_S = 60.0
 """Waiting for the lighthouse to form the step's quorum (the groups that are alive)."""
+JOIN_ATTEMPTS = 10
+"""Join steps a restarted group tries before it gives up (its launch may restart it)."""
 
 
 NOISE = ("Unable to reset NCCL flight recorder",)
@@ -71,6 +74,7 @@ class ReplicaGroupExecutor:
         self.trained = self.discarded = 0
         self.contributes = 1.0  # 0.0 on a join step: a restarted group adds no gradient
         self.drawn = 0  # the groups that added a batch to the last step
+        self.committed = False  # whether torchft committed the last step
         rank = dist.get_rank()
         if rank != 0:  # after rank 0 has published this attempt's manager address (the
             dist.barrier()  # store outlives a restart and holds the last attempt's)
@@ -106,7 +110,6 @@ class ReplicaGroupExecutor:
         recovers live before it reads any data. Returns the loop state to train on from."""
         self.trainer = trainer
         self.manager.register_state_dict_fn("loom", self.load_state, self.state)
-        self.keep_step()
         return self.join() if trainer.info.restarts or trainer.loop.step else trainer.loop
 
     def keep_step(self) -> None:
@@ -153,30 +156,36 @@ class ReplicaGroupExecutor:
         no tokens, so the average is the others' alone), then applies the step's average as
         every group does, and trains on from the next step's data. Where no group added a
         batch (the whole job resumed: every group joins) the step is no step: nothing is
-        applied and no data is passed over."""
+        applied and no data is passed over. A join step torchft discards (a group failed
+        in it) is tried again: the others have moved on by that step, and the next quorum
+        hands this group their state once more."""
         t = self.trainer
         self.recovered = None
-        self.manager.start_quorum()
-        for p in self.inner.parameters():
-            p.grad = torch.zeros_like(p)
         empty = Accumulated(torch.zeros((), device=self.inner.device),
                             torch.zeros((), dtype=torch.int64, device=self.inner.device))
-        self.contributes = 0.0
-        try:
-            done = self.average(empty)
-        finally:
-            self.contributes = 1.0
+        for _ in range(JOIN_ATTEMPTS):
+            self.keep_step()
+            self.manager.start_quorum()
+            for p in self.inner.parameters():
+                p.grad = torch.zeros_like(p)
+            self.contributes = 0.0
+            try:
+                done = self.average(empty)
+            finally:
+                self.contributes = 1.0
+            if self.committed:
+                break
+            t.optimizer.zero_grad(set_to_none=True)
+        else:
+            raise RuntimeError(f"replica group {self.group} could not join: torchft "
+                               f"discarded {JOIN_ATTEMPTS} join steps in a row")
         if self.recovered is None and t.info.restarts:
             logger.warning("replica group %d restarted but no group had a later step: it "
                            "trains on from its own state (step %d)", self.group, t.loop.step)
-        if done.trained:
-            clip_grad_norm(self.inner.parameters(), t.cfg.optim.max_grad_norm,
-                           across=self.inner.norm_group)
-            t.optimizer.step()
-        t.optimizer.zero_grad(set_to_none=True)
-        if self.drawn:  # the others took a step (trained or discarded): so does this group
-            t.scheduler.step()
-            t.advance(done.trained)
+        if self.drawn:  # the others took a step: so does this group, hooks included
+            t.advance(t.update(done).trained)
+        else:
+            t.optimizer.zero_grad(set_to_none=True)
         return t.loop
 
     def forward_backward(self, micro_batches: list[Batch],
@@ -193,7 +202,9 @@ class ReplicaGroupExecutor:
         grads = [p.grad for p in self.inner.parameters() if p.grad is not None]
         shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         valid = done.valid.double()
-        flat = torch.cat([s.reshape(-1).float() for s in shards]) * valid.float()
+        statistics = token_statistics(self.inner.parts)  # summed as they are, unweighted
+        flat = torch.cat([*(s.reshape(-1).float() * valid.float() for s in shards),
+                          *(s.reshape(-1).float() for s in statistics)])
         counts = torch.stack([valid, done.loss_sum.double(),
                               torch.tensor(self.contributes, dtype=torch.float64)])
         summing = dist.ReduceOp.SUM
@@ -204,8 +215,12 @@ class ReplicaGroupExecutor:
         for s in shards:  # in place: the DTensor gradients hold these local shards
             s.copy_((flat[offset:offset + s.numel()] / total.float()).view_as(s))
             offset += s.numel()
+        for s in statistics:
+            s.copy_(flat[offset:offset + s.numel()].view_as(s))
+            offset += s.numel()
         participants = self.manager.num_participants()
         committed = self.manager.should_commit()  # the vote: every group's collectives passed
+        self.committed = committed
         trained = round(float(counts[2]))  # the groups that added their batch
         self.drawn = trained
         share = trained / self.dims.replica_groups if committed and trained else 0.0
@@ -226,6 +241,18 @@ class ReplicaGroupExecutor:
         return {"ft": {"group": self.group, "groups": self.dims.replica_groups,
                        "steps_trained": self.trained, "steps_discarded": self.discarded,
                        "bytes_sent": self.bytes_sent}}
+
+
+def token_statistics(parts: list[nn.Module]) -> list[torch.Tensor]:
+    """The buffers the families' step hooks sum over the ranks holding different tokens
+    (`SpecHook.token_sums`): summed across the groups with the gradients, so that each
+    hook's own sum, within a group, is the whole job's (MoE's expert-bias update)."""
+    found = []
+    for part in parts:
+        spec = spec_of(part)
+        names = {n for hook in (spec.hooks if spec else ()) for n in hook.token_sums}
+        found += [b for name, b in part.named_buffers() if name.rsplit(".", 1)[-1] in names]
+    return found
 
 
 def local(value: Any) -> Any:

@@ -122,6 +122,11 @@ class StepExecutor(ABC):
         """What summary.json adds about the step (the replica groups' step counts)."""
         return {}
 
+    def after_update(self) -> dict[str, float]:
+        """Metrics of what the executor did inside the optimizer's step (--ft diloco's sync
+        runs in the inner optimizer's step hook), read after it; none for a plain step."""
+        return {}
+
     def own_state(self) -> dict[str, torch.Tensor]:
         """Tensors the step itself carries across steps, which a checkpoint keeps beside the
         model and optimizer (--ft diloco's outer optimizer and last sync's weights), by

@@ -49,7 +49,13 @@ from loom.trainer.setup import (
     maybe_resume,
     optimizer_steps_per_epoch,
 )
-from loom.trainer.step import Batch, StepResult, ahead_on_device, parts_module
+from loom.trainer.step import (
+    Accumulated,
+    Batch,
+    StepResult,
+    ahead_on_device,
+    parts_module,
+)
 
 logger = logging.getLogger("loom")
 
@@ -105,7 +111,6 @@ class Trainer:
         self.loop = maybe_resume(resume, cfg, self.model, self.optimizer, self.scheduler,
                                  self.loader, self.checkpointer, info.rank, self.global_batch,
                                  self.executor)
-        self.loop = self.executor.share_state(self)  # a restarted replica group's live recovery
         self.metrics = build_metrics(cfg, RunPlace(info.rank, dims, device, outdir, self.started),
                                      self.model, self.optimizer, plain_model)
         self.metrics.write_config(effective_config(cfg, info, dims, device, self.global_batch,
@@ -123,6 +128,8 @@ class Trainer:
         self.host_group = host_group(info.world_size)
         self.snapshots = MemorySnapshots(device, outdir, info.rank,
                                          cfg.output.memory_snapshot)
+        # last: a restarted replica group's live recovery takes a step (`update`)
+        self.loop = self.executor.share_state(self)
 
     @property
     def global_batch(self) -> int:
@@ -133,7 +140,12 @@ class Trainer:
         under the masked update: whether the step was finite is read with the metrics, at
         the logging step (`settle`). Otherwise one host read decides the update."""
         micro_batches = [shard_batch(b, self.dims) for b in micro_batches]  # cp rank's part
-        done = self.executor.forward_backward(micro_batches, self.metrics.forward_done)
+        return self.update(self.executor.forward_backward(micro_batches,
+                                                          self.metrics.forward_done))
+
+    def update(self, done: Accumulated) -> StepResult:
+        """The step after the backward: clip, the optimizer, the step hooks, the schedule
+        (also a replica group's join step, whose gradients are the other groups')."""
         grad_norm = clip_grad_norm(self.executor.parameters(), self.cfg.optim.max_grad_norm,
                                    across=self.executor.norm_group)
         step_loss = self.step_loss(done.loss_sum, done.valid)
@@ -156,7 +168,8 @@ class Trainer:
                 self.optimizer.step()
             applied = torch.tensor(float(ok and done.trained > 0), device=self.device)
         # every hook masks its own work with `applied`: a skipped step leaves it inert
-        self.hook_metrics = {**done.metrics, **after_optimizer_step(  # with MTP's loss
+        self.hook_metrics = {**done.metrics, **self.executor.after_update(),
+                             **after_optimizer_step(  # with MTP's loss
             StepContext(self.model, self.token_group, self.cfg, applied, self.dims.stage_group))}
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -52,7 +52,8 @@ MOE_USES = LLAMA_USES | {"n_experts", "top_k", "n_shared_experts", "moe_hidden_d
                          "load_balance_coeff", "aux_loss_coeff"}
 """Llama's blocks' flags and the routed feed-forward's."""
 
-EXPERT_BIAS = SpecHook("moe-expert-bias", update_expert_bias)
+EXPERT_BIAS = SpecHook("moe-expert-bias", update_expert_bias,
+                       token_sums=("tokens_per_expert",))
 BALANCE_LOSS = SpecHook("moe-balance-loss", balance_loss_metric, stages=True)
 """Apart from the expert-bias hook, whose counts are per layer (their shapes differ between
 pipeline stages): the balance loss is one number, summed over the stages too."""
