@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -184,3 +185,48 @@ def test_killed_groups_restart_and_recover_live_from_a_healthy_one(tmp_path: Pat
     assert shards and shards == sorted(p.name for p in final[1].glob("*.distcp"))
     for name in [*shards, "loop.json"]:  # parameters, optimizer state, step, data position
         assert (final[0] / name).read_bytes() == (final[1] / name).read_bytes(), name
+
+
+FAKE_SRUN = """#!{python}
+# srun on one machine: runs CMD --ntasks times with Slurm's task variables and --export's
+import os, subprocess, sys
+args, flags = sys.argv[1:], {{}}
+while args[0].startswith("--"):
+    name, _, value = args.pop(0)[2:].partition("=")
+    flags[name] = value
+with open(os.environ["CALLS"], "a") as calls:
+    calls.write(" ".join(sys.argv[1:]) + "\\n")
+env = dict(os.environ)
+env.update(item.split("=", 1) for item in flags["export"].split(",")[1:])
+n = int(flags["ntasks"])
+tasks = [subprocess.Popen(args, env={{**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": str(n),
+                                     "SLURM_LOCALID": str(r)}}) for r in range(n)]
+sys.exit(max(t.wait() for t in tasks))
+"""
+
+
+@pytest.mark.multirank
+def test_replica_groups_in_a_slurm_job_each_run_srun_on_their_own_nodes(tmp_path: Path) -> None:
+    """Inside a (faked) two-node Slurm job, `loom launch --ft-replica-groups 2` starts the
+    lighthouse and one launch per group, each running srun on its own node (localhost and
+    127.0.0.1 stand for two nodes), and the groups train together."""
+    bin_dir, calls, run = tmp_path / "bin", tmp_path / "calls", tmp_path / "run"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
+    (bin_dir / "srun").chmod(0o755)
+    proc = start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "1", *LOOM, "train",
+                  *TINY, "--outdir", str(run), "--ft-replica-groups", "2", "--max-steps", "4"],
+                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CALLS=str(calls),
+                 SLURM_JOB_ID="9", SLURM_JOB_NODELIST="localhost,127.0.0.1",
+                 TMPDIR=str(tmp_path), RUST_LOG="warn")
+    code, _, err = finish(proc, 300)
+    assert code == 0, err[-3000:]
+    lines = sorted(calls.read_text().splitlines())
+    assert len(lines) == 2, lines
+    assert "--nodelist=127.0.0.1 " in lines[0] and "MASTER_ADDR=127.0.0.1" in lines[0], lines
+    assert "--nodelist=localhost " in lines[1] and "MASTER_ADDR=localhost" in lines[1], lines
+    for g in range(2):
+        summary = json.loads((run / f"group-{g}" / "summary.json").read_text())["ft"]
+        assert summary["steps_trained"] == 4, summary
+        rows = [r for r in rows_of(run / f"group-{g}") if "train/loss" in r]
+        assert {r["ft/participants"] for r in rows} == {2.0}

@@ -139,10 +139,16 @@ def test_launch_needs_at_least_one_rank(capsys, nproc):
     (["-n", "3", "--ft-replica-groups", "2"], {}, "--ft-replica-groups 2 does not divide -n 3"),
     (["-n", "2", "--ft-replica-groups", "0"], {}, "--ft-replica-groups must be >= 1, got 0"),
     (["-n", "4", "--ft-replica-groups", "2", "--nnodes", "2"], {},
-     "--ft-replica-groups starts every group on this machine"),
+     "--ft-replica-groups starts every group on this machine outside Slurm or PBS"),
+    (["-n", "4", "--ft-replica-groups", "2", "--rdzv-endpoint", "h:1"], {},
+     "--ft-replica-groups gives each group its own rendezvous: not --rdzv-endpoint"),
+    (["-n", "4", "--ft-replica-groups", "2"], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST":
+                                               "nid[1-3]"},
+     "--ft-replica-groups 2 does not divide the job's 3 nodes (each group takes whole nodes)"),
     (["-n", "4", "--ft-replica-groups", "2"], {"SLURM_JOB_ID": "7"},
-     "--ft-replica-groups starts every group on this machine"),
-], ids=["indivisible", "zero", "nnodes", "slurm"])
+     "--ft-replica-groups: the slurm job names no nodes"),
+    (["-n", "4", "--ft-replica-groups", "2"], {"PBS_JOBID": "7"}, "PBS_NODEFILE is not set"),
+], ids=["indivisible", "zero", "nnodes", "rdzv", "slurm-nodes", "slurm-no-nodes", "pbs"])
 def test_launch_refuses_replica_groups_it_cannot_start(capsys, monkeypatch, argv, env, message):
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         "srun leaves out the failed node while the allocation has spare nodes [0]")
     add("--dry-run", action="store_true", help="print the command instead of running it")
     add("--ft-replica-groups", type=int, default=1, metavar="N",
-        help="start torchft's lighthouse and N fault-tolerant replica groups of -n / N ranks "
-        "each, every group its own launch (CMD takes --ft-replica-groups N; docs/faults.md) [1]")
+        help="start torchft's lighthouse and N fault-tolerant replica groups, every group its "
+        "own launch: -n / N ranks each on one machine, the job's nodes / N each in a Slurm "
+        "or PBS job (CMD takes --ft-replica-groups N; docs/faults.md) [1]")
     add("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="what every rank runs")
     return parser
 
@@ -122,9 +123,9 @@ def replica_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> int:
         print(f"loom launch: {problem}", file=sys.stderr)
         return 2
     if opts.dry_run:
-        print("\n".join(ft_dry_run_lines(opts, nproc)))
+        print("\n".join(ft_dry_run_lines(opts, launcher, nproc)))
         return 0
-    return run_groups(opts, nproc)
+    return run_groups(opts, launcher, nproc)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ JOB_PORTS = (15000, 15000)
 ephemeral range (32768+), so no outgoing connection holds one; consecutive job ids sharing
 a node get different ports (a fixed 29500 made the second job's rendezvous fail)."""
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+NODES_ENV = "LOOM_LAUNCH_NODES"
+"""The hosts of the allocation this launch runs on, comma-separated, where it is given
+only a share of them: `loom launch --ft-replica-groups` gives each group's own launch its
+group's nodes (srun `--nodelist`, mpiexec `--hosts`)."""
 
 
 @dataclass(frozen=True)
@@ -138,9 +142,18 @@ def slurm_nodes(opts: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
 
 def slurm_allocation(environ: Mapping[str, str]) -> list[str]:
-    """The allocation's hosts ([] when Slurm did not say)."""
+    """The allocation's hosts ([] when Slurm did not say); this launch's share where it has
+    one ($LOOM_LAUNCH_NODES)."""
+    share = given_nodes(environ)
+    if share:
+        return share
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     return slurm_hosts(nodelist) if nodelist else []
+
+
+def given_nodes(environ: Mapping[str, str]) -> list[str]:
+    """The hosts $LOOM_LAUNCH_NODES gives this launch ([]: the whole allocation)."""
+    return [h for h in environ.get(NODES_ENV, "").split(",") if h]
 
 
 def slurm_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host,
@@ -159,6 +172,8 @@ def slurm_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Ho
         **omp_threads(environ, host, nproc, cpus_on_node),
     }
     argv = ["srun", *_flags(nodes=nodes, ntasks=nodes * nproc, ntasks_per_node=nproc)]
+    if given_nodes(environ):  # a replica group's own nodes, its rank 0 on the first
+        argv.append("--nodelist=" + ",".join(hosts))
     if exclude:
         argv.append("--exclude=" + ",".join(exclude))
     argv += ["--kill-on-bad-exit=1", f"--wait={EARLY_EXIT_GRACE_S}"]
@@ -168,11 +183,8 @@ def slurm_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Ho
     return Command([*argv, *opts.cmd])
 
 
-def pbs_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host) -> Command:
-    """MPICH/PALS mpiexec; `--cpu-bind depth -d` gives each rank an even share of cores."""
-    nodefile = environ.get("PBS_NODEFILE")
-    if not nodefile:
-        raise LaunchError("PBS_NODEFILE is not set")
+def pbs_hosts(nodefile: str) -> list[str]:
+    """The job's hosts, in PBS_NODEFILE's order, each once."""
     try:  # one line per rank slot: 16 MiB is ~500,000 hosts
         text = read_bytes_capped(Path(nodefile), MAX_NODEFILE_BYTES, follow=True).decode()
     except (OSError, ValueError) as e:  # a FIFO or a device too: refused, never read
@@ -180,11 +192,21 @@ def pbs_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host
     hosts = list(dict.fromkeys(text.split()))
     if not hosts:
         raise LaunchError(f"PBS_NODEFILE {nodefile} lists no hosts")
+    return hosts
+
+
+def pbs_command(opts: argparse.Namespace, environ: Mapping[str, str], host: Host) -> Command:
+    """MPICH/PALS mpiexec; `--cpu-bind depth -d` gives each rank an even share of cores."""
+    nodefile = environ.get("PBS_NODEFILE")
+    if not nodefile:
+        raise LaunchError("PBS_NODEFILE is not set")
+    hosts = given_nodes(environ) or pbs_hosts(nodefile)
     nodes = opts.nnodes or len(hosts)
     nproc = opts.nproc or host.accelerators or 1
     env = {**_master(opts, environ, hosts[0], job_port(environ.get("PBS_JOBID", ""))),
            **omp_threads(environ, host, nproc)}
-    argv = ["mpiexec", "-n", str(nodes * nproc), "--ppn", str(nproc), "--hostfile", nodefile]
+    argv = ["mpiexec", "-n", str(nodes * nproc), "--ppn", str(nproc)]
+    argv += ["--hosts", ",".join(hosts)] if given_nodes(environ) else ["--hostfile", nodefile]
     argv += ["--cpu-bind", "depth", "-d", str(max(1, host.cpus // nproc))]
     for name, value in env.items():
         argv += ["--env", f"{name}={value}"]

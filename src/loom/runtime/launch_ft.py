@@ -1,5 +1,6 @@
-"""`loom launch --ft-replica-groups N`: torchft's lighthouse and N replica groups on one
-machine (docs/faults.md).
+"""`loom launch --ft-replica-groups N`: torchft's lighthouse and N replica groups, on one
+machine or, inside a Slurm or PBS job, each on its share of the job's nodes
+(docs/faults.md).
 
 The lighthouse (torchft's `LighthouseServer`, run inside this process, so it ends with the
 launcher whatever ends it) forms each step's quorum. Each group is its own `loom launch` of
@@ -8,20 +9,23 @@ lighthouse's address in its environment (`$LOOM_FT_GROUP`, `$LOOM_FT_LIGHTHOUSE`
 `loom train --ft-replica-groups` reads as its hidden `--ft-group` and `--ft-lighthouse`) and
 this launcher's pid, which it watches (`loom.runtime.watchdog.watch_launcher`): a SIGKILLed
 launcher leaves neither lighthouse nor group behind. `--max-restarts` restarts a failed
-group's ranks; the others keep training.
+group's ranks (in a job: runs its srun or mpiexec again); the others keep training.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from typing import IO
 
-from loom.errors import BAD_INPUT_EXIT
+from loom.errors import BAD_INPUT_EXIT, LaunchError
+from loom.runtime.launch_commands import NODES_ENV, job_port, pbs_hosts, slurm_allocation
 from loom.runtime.watchdog import LAUNCHER_PID_ENV
 
 GROUP_ENV = "LOOM_FT_GROUP"
@@ -40,11 +44,20 @@ def check_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> str | N
     groups = opts.ft_replica_groups
     if groups < 1:
         return f"--ft-replica-groups must be >= 1, got {groups}"
-    if launcher != "local" or (opts.nnodes or 1) > 1 or opts.rdzv_endpoint:
-        return ("--ft-replica-groups starts every group on this machine: not inside Slurm or "
-                "PBS, nor with --nnodes or --rdzv-endpoint, yet")
-    if nproc % groups:
-        return f"--ft-replica-groups {groups} does not divide -n {nproc}"
+    if opts.rdzv_endpoint:
+        return "--ft-replica-groups gives each group its own rendezvous: not --rdzv-endpoint"
+    if launcher == "local":
+        if (opts.nnodes or 1) > 1:
+            return ("--ft-replica-groups starts every group on this machine outside Slurm "
+                    "or PBS: not --nnodes (inside a job each group takes its share of the "
+                    "allocation's nodes)")
+        if nproc % groups:
+            return f"--ft-replica-groups {groups} does not divide -n {nproc}"
+    else:
+        try:
+            group_nodes(opts, launcher, os.environ)
+        except LaunchError as e:
+            return str(e)
     os.environ.setdefault("RUST_LOG", QUIET_RUST_LOG)  # read when torchft loads
     try:
         import torchft  # noqa: F401  (the optional `ft` extra)
@@ -53,10 +66,57 @@ def check_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> str | N
     return None
 
 
-def group_argv(opts: argparse.Namespace, per_group: int) -> list[str]:
-    """One group's own `loom launch` (its own standalone rendezvous)."""
-    return [sys.executable, "-m", "loom", "launch", "-n", str(per_group), "--max-restarts",
+def group_nodes(opts: argparse.Namespace, launcher: str, environ: Mapping[str, str]
+                ) -> list[list[str]]:
+    """Inside Slurm or PBS: each group's share of the allocation's nodes, whole nodes in
+    the allocation's order ([] on one machine)."""
+    if launcher == "local":
+        return []
+    if launcher == "slurm":
+        hosts = slurm_allocation(environ)
+    else:
+        nodefile = environ.get("PBS_NODEFILE")
+        if not nodefile:
+            raise LaunchError("PBS_NODEFILE is not set")
+        hosts = pbs_hosts(nodefile)
+    if not hosts:
+        raise LaunchError(f"--ft-replica-groups: the {launcher} job names no nodes "
+                          "(SLURM_JOB_NODELIST is not set)")
+    nodes, groups = opts.nnodes or len(hosts), opts.ft_replica_groups
+    if nodes > len(hosts):
+        raise LaunchError(f"--nnodes {nodes}: the job has {len(hosts)} nodes")
+    if nodes % groups:
+        raise LaunchError(f"--ft-replica-groups {groups} does not divide the job's {nodes} "
+                          "nodes (each group takes whole nodes)")
+    per = nodes // groups
+    return [hosts[g * per:(g + 1) * per] for g in range(groups)]
+
+
+def group_argv(opts: argparse.Namespace, per_group: int, shares: list[list[str]]
+               ) -> list[str]:
+    """One group's own `loom launch`: on one machine torchrun's agent with `-n / N` ranks
+    (its own standalone rendezvous; --max-restarts restarts its ranks); in a job srun or
+    mpiexec on the group's nodes, run again on a failure (--retries) up to --max-restarts
+    times."""
+    launch = [sys.executable, "-m", "loom", "launch"]
+    if not shares:
+        return [*launch, "-n", str(per_group), "--max-restarts", str(opts.max_restarts),
+                "--", *opts.cmd]
+    per_node = ["-n", str(opts.nproc)] if opts.nproc else []
+    return [*launch, *per_node, "--nnodes", str(len(shares[0])), "--retries",
             str(opts.max_restarts), "--", *opts.cmd]
+
+
+def group_env(group: int, lighthouse: str, shares: list[list[str]],
+              environ: Mapping[str, str]) -> dict[str, str]:
+    """What group `group`'s launch adds to the environment: its index and the lighthouse;
+    in a job its nodes and its own rendezvous port (the job's, plus the group's index)."""
+    env = {GROUP_ENV: str(group), LIGHTHOUSE_ENV: lighthouse}
+    if shares:
+        job = environ.get("SLURM_JOB_ID") or environ.get("PBS_JOBID", "")
+        port = int(environ.get("MASTER_PORT") or job_port(job))
+        env.update({NODES_ENV: ",".join(shares[group]), "MASTER_PORT": str(port + group)})
+    return env
 
 
 def relay(stream: IO[str], seen: set[str], lock: threading.Lock) -> None:
@@ -72,12 +132,13 @@ def relay(stream: IO[str], seen: set[str], lock: threading.Lock) -> None:
             sys.stderr.flush()
 
 
-def run_groups(opts: argparse.Namespace, nproc: int) -> int:
+def run_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> int:
     """Start the lighthouse and every group; wait for all of them. The exit code is the
     first failed group's (0 when every group finished)."""
     from torchft.coordination import LighthouseServer
 
     groups = opts.ft_replica_groups
+    shares = group_nodes(opts, launcher, os.environ)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS)
     procs: list[subprocess.Popen] = []
     relays: list[threading.Thread] = []
@@ -94,9 +155,9 @@ def run_groups(opts: argparse.Namespace, nproc: int) -> int:
         for s in previous:
             signal.signal(s, forward)
         for g in range(groups):
-            env = {**os.environ, GROUP_ENV: str(g), LIGHTHOUSE_ENV: lighthouse.address(),
+            env = {**os.environ, **group_env(g, lighthouse.address(), shares, os.environ),
                    LAUNCHER_PID_ENV: str(os.getpid())}
-            proc = subprocess.Popen(group_argv(opts, nproc // groups), env=env,
+            proc = subprocess.Popen(group_argv(opts, nproc // groups, shares), env=env,
                                     stderr=subprocess.PIPE, text=True, errors="replace")
             procs.append(proc)
             relays.append(threading.Thread(target=relay, args=(proc.stderr, seen, lock),
@@ -125,12 +186,14 @@ def exit_code(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def dry_run_lines(opts: argparse.Namespace, nproc: int) -> list[str]:
+def dry_run_lines(opts: argparse.Namespace, launcher: str, nproc: int) -> list[str]:
     """What --dry-run prints: the lighthouse, then each group's launch."""
     groups = opts.ft_replica_groups
+    shares = group_nodes(opts, launcher, os.environ)
     lines = [f"# torchft LighthouseServer(min_replicas=1, join_timeout_ms={JOIN_TIMEOUT_MS}) "
              "in this process, at ADDRESS"]
     for g in range(groups):
-        argv = " ".join(group_argv(opts, nproc // groups))
-        lines.append(f"{GROUP_ENV}={g} {LIGHTHOUSE_ENV}=ADDRESS {argv}")
+        env = group_env(g, "ADDRESS", shares, os.environ)
+        assignments = " ".join(f"{k}={v}" for k, v in env.items())
+        lines.append(f"{assignments} {shlex.join(group_argv(opts, nproc // groups, shares))}")
     return lines

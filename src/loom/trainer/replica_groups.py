@@ -14,6 +14,7 @@ torchft is an optional extra: it is imported here only when the flag is given.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -78,8 +79,9 @@ class ReplicaGroupExecutor:
         rank = dist.get_rank()
         if rank != 0:  # after rank 0 has published this attempt's manager address (the
             dist.barrier()  # store outlives a restart and holds the last attempt's)
+        self.store, meet = own_store()
         self.manager = Manager(
-            pg=process_group(inner.device), min_replica_size=1,
+            pg=process_group(inner.device), min_replica_size=1, **meet,
             load_state_dict=None, state_dict=None, use_async_quorum=False, init_sync=False,
             rank=rank, world_size=dist.get_world_size(),
             replica_id=f"loom_group_{self.group}", lighthouse_addr=cfg.parallel.ft_lighthouse,
@@ -253,6 +255,18 @@ def token_statistics(parts: list[nn.Module]) -> list[torch.Tensor]:
         names = {n for hook in (spec.hooks if spec else ()) for n in hook.token_sums}
         found += [b for name, b in part.named_buffers() if name.rsplit(".", 1)[-1] in names]
     return found
+
+
+def own_store() -> tuple[dist.TCPStore | None, dict[str, Any]]:
+    """torchft's Manager meets its group's ranks in a TCP store, by default at MASTER_ADDR
+    and MASTER_PORT: torchrun's agent serves one there, and so does rank 0 of a larger
+    group (`loom.runtime.distributed.job_store`); a group of one process under srun or
+    mpiexec has none (its process group needs no store), so it serves its own, on a free
+    port. Returns the store (kept for the run) and the Manager's arguments."""
+    if dist.get_world_size() > 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None, {}
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    return store, {"store_addr": "localhost", "store_port": store.port}
 
 
 def local(value: Any) -> Any:

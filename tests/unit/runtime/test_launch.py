@@ -336,3 +336,49 @@ def test_rdzv_conf_reaches_torchrun_on_several_nodes(capsys):
                    "--rdzv-conf", "is_host=1", "--local-addr", "10.0.0.1", "loom", "train")
     assert "--rdzv-endpoint=10.0.0.1:29400 --rdzv-id=loom --rdzv-conf=is_host=1 " \
         "--local-addr=10.0.0.1 " in line
+
+
+def ft_dry_run(capsys, *argv):
+    assert launch.main(["--dry-run", *argv]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_slurm_replica_groups_take_whole_nodes_each_with_its_own_launch(monkeypatch, capsys):
+    """In a Slurm job each replica group is a `loom launch` of its share of the nodes
+    (retried on a failure as --max-restarts says), with its own rendezvous port; that launch
+    runs srun on exactly those nodes, its rank 0 on the first."""
+    pytest.importorskip("torchft")
+    for name, value in {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "nid[001-004]"}.items():
+        monkeypatch.setenv(name, value)
+    lines = ft_dry_run(capsys, "-n", "8", "--ft-replica-groups", "2", "--max-restarts", "3",
+                       "loom", "train")
+    assert "LighthouseServer" in lines[0] and len(lines) == 3, lines
+    groups = [shlex.split(line) for line in lines[1:]]
+    for g, (nodes, port) in enumerate([("nid001,nid002", "15001"),
+                                       ("nid003,nid004", "15002")]):
+        env = dict(word.split("=", 1) for word in groups[g][:4])
+        assert env == {"LOOM_FT_GROUP": str(g), "LOOM_FT_LIGHTHOUSE": "ADDRESS",
+                       "LOOM_LAUNCH_NODES": nodes, "MASTER_PORT": port}
+        assert groups[g][5:] == ["-m", "loom", "launch", "-n", "8", "--nnodes", "2",
+                                 "--retries", "3", "--", "loom", "train"]
+    for name, value in {"LOOM_LAUNCH_NODES": "nid003,nid004", "MASTER_PORT": "15002"}.items():
+        monkeypatch.setenv(name, value)  # group 1's own launch
+    assert dry_run(capsys, "-n", "8", "--nnodes", "2", "loom", "train") == (
+        "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --nodelist=nid003,nid004 "
+        "--kill-on-bad-exit=1 --wait=10 "
+        "--export=ALL,MASTER_ADDR=nid003,MASTER_PORT=15002,OMP_NUM_THREADS=8 loom train")
+
+
+def test_pbs_replica_groups_run_mpiexec_on_their_own_hosts(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("torchft")
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("a\na\nb\nb\nc\nc\nd\nd\n")
+    for name, value in {"PBS_JOBID": "5.server", "PBS_NODEFILE": str(nodefile)}.items():
+        monkeypatch.setenv(name, value)
+    lines = ft_dry_run(capsys, "-n", "2", "--ft-replica-groups", "4", "loom", "train")
+    assert [dict(w.split("=", 1) for w in shlex.split(line)[:4])["LOOM_LAUNCH_NODES"]
+            for line in lines[1:]] == ["a", "b", "c", "d"]
+    monkeypatch.setenv("LOOM_LAUNCH_NODES", "c")
+    line = dry_run(capsys, "-n", "2", "--nnodes", "1", "loom", "train")
+    assert line.startswith("mpiexec -n 2 --ppn 2 --hosts c --cpu-bind depth"), line
+    assert "--env MASTER_ADDR=c " in line, line
