@@ -65,6 +65,8 @@ class ReplicaGroupExecutor:
     def __init__(self, inner: StepExecutor, cfg: JobConfig, dims: ParallelDims):
         from torchft import Manager  # the optional `ft` extra: only under the flag
 
+        from loom.trainer.ft_transport import CheckedTransport  # imports torchft
+
         logging.getLogger("torchft.manager").addFilter(quiet)
         # torchft reads a received state from a bytes buffer (torch 2.13's streaming load)
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
@@ -80,8 +82,10 @@ class ReplicaGroupExecutor:
         if rank != 0:  # after rank 0 has published this attempt's manager address (the
             dist.barrier()  # store outlives a restart and holds the last attempt's)
         self.store, meet = own_store()
+        transport = CheckedTransport(timedelta(seconds=TIMEOUT_S), self.state_limit)
         self.manager = Manager(
             pg=process_group(inner.device), min_replica_size=1, **meet,
+            checkpoint_transport=transport,
             load_state_dict=None, state_dict=None, use_async_quorum=False, init_sync=False,
             rank=rank, world_size=dist.get_world_size(),
             replica_id=f"loom_group_{self.group}", lighthouse_addr=cfg.parallel.ft_lighthouse,
@@ -130,6 +134,16 @@ class ReplicaGroupExecutor:
                 "optim": [{k: local(v) for k, v in t.optimizer.state[p].items()}
                           for p in params],
                 "scheduler": t.scheduler.state_dict(), "loop": vars(t.loop)}
+
+    def state_limit(self) -> int:
+        """The most bytes a peer's state may take on the wire: this rank's parameters and
+        optimizer state four times over (the peer's have the same shapes; DiLoCo adds the
+        last sync's weights and the outer momentum) and 64 MiB for the rest."""
+        t = self.trainer
+        held = [local(p) for p in t.model.parameters()]
+        held += [local(v) for s in t.optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)]
+        return 4 * sum(v.numel() * v.element_size() for v in held) + (64 << 20)
 
     @torch.no_grad()
     def load_state(self, state: dict[str, Any]) -> None:
