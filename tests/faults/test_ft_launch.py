@@ -27,6 +27,7 @@ from tests.faults.procs import (
     steps_logged,
     wait_for,
 )
+from tests.parity.test_ft_diloco import chunks
 
 pytest.importorskip("torchft")
 
@@ -230,3 +231,41 @@ def test_replica_groups_in_a_slurm_job_each_run_srun_on_their_own_nodes(tmp_path
         assert summary["steps_trained"] == 4, summary
         rows = [r for r in rows_of(run / f"group-{g}") if "train/loss" in r]
         assert {r["ft/participants"] for r in rows} == {2.0}
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_killed_diloco_group_heals_at_the_next_sync(tmp_path: Path) -> None:
+    """--ft diloco --sync-every 5: SIGKILL of group 1's rank 1 after its step 12; its launch
+    restarts it, it trains from its own state until its next sync, whose quorum hands it
+    group 0's weights, outer state and loop (live, logged), and from there the groups sync
+    together: the last sync leaves bit-identical weights in both final checkpoints. The
+    steps the restarted group trained before the heal are counted as discarded (its work
+    there was dropped), as are those of a sync the failure broke."""
+    steps, sync = 600, 5
+    proc = start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "4", "--max-restarts", "1",
+                  *LOOM, "train", *TINY, "--outdir", str(tmp_path / "run"),
+                  "--ft-replica-groups", "2", "--dp-shard", "2", "--ft", "diloco",
+                  "--sync-every", str(sync), "--max-steps", str(steps),
+                  "--checkpoint-interval", str(steps)], TMPDIR=str(tmp_path), RUST_LOG="warn")
+    run = tmp_path / "run"
+
+    def last(g: int) -> dict:
+        rows = [r for r in rows_of(run / f"group-{g}") if "train/loss" in r] \
+            if (run / f"group-{g}" / "metrics-0.jsonl").is_file() else []
+        return rows[-1] if rows else {"train/iter": 0}
+
+    wait_for(lambda: last(1)["train/iter"] >= 12, "group 1's step 12", 240, proc)
+    at = max(last(g)["train/iter"] for g in range(2))
+    kill_rank_1(proc.pid, 1)
+    wait_for(lambda: last(1)["train/iter"] > at + sync, "group 1 healed", 240, proc)
+    code, out, err = finish(proc, 600)
+    assert code == 0, err[-3000:]
+    assert out.count("recovered live from a healthy replica group") >= 1, out[-3000:]
+    final = [chunks(run / f"group-{g}" / "checkpoints" / f"step-{steps}") for g in range(2)]
+    model = [k for k in final[0] if k[0].startswith("model.")]
+    assert model and all(final[0][k] == final[1][k] for k in model), "the last sync's weights"
+    summaries = [json.loads((run / f"group-{g}" / "summary.json").read_text())["ft"]
+                 for g in range(2)]
+    assert summaries[0]["steps_discarded"] <= sync, summaries  # the broken sync's cycle
+    assert sync <= summaries[1]["steps_discarded"] <= 2 * sync, summaries  # before its heal

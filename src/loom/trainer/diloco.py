@@ -34,6 +34,11 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
         super().__init__(inner, cfg, dims)
         self.settings = cfg.parallel
         self.resumed: dict[str, torch.Tensor] = {}
+        self.unsynced = 0
+        """Steps trained since the last sync: they count as trained once a sync commits
+        them, as discarded where the sync fails or heals this group (its work dropped)."""
+        self.syncs = 0  # torchft's step (syncs committed) at the last sync
+        self.healed = False  # whether this group took a peer's state since the last sync
 
     def share_state(self, trainer: Any) -> LoopState:
         """Register the state a recovering group takes (the loop's and DiLoCo's own: the
@@ -59,6 +64,7 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
         self.manager.load_state_dict({"step": syncs,
                                       "batches_committed": self.manager.batches_committed()})
         self.diloco._local_step = since
+        self.syncs = syncs
         if self.resumed:
             self.apply_resumed()
         self.diloco.__enter__()  # hooks on the inner optimizer's step, for the whole run
@@ -105,15 +111,33 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
                          forward_done: Callable[[], None]) -> Accumulated:
         """This group's own step: its batch is its share of the job's (`trained`)."""
         done = self.inner.forward_backward(micro_batches, forward_done)
-        self.trained += 1
+        self.unsynced += 1
         share = 1.0 / self.dims.replica_groups
         metrics = {**done.metrics, "train/tokens": round(self.tokens * share)}
         return replace(done, metrics=metrics, trained=share)
 
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.healed = True
+
     def after_update(self) -> dict[str, float]:
-        """The bytes sent so far, read after the inner optimizer's step (where a sync
-        sends), so that a sync's bytes are in its own step's row."""
+        """After the inner optimizer's step, where DiLoCo syncs: the steps since the last
+        sync are trained if this sync committed them, discarded if it failed or healed
+        this group; and the bytes sent so far, so that a sync's are in its own row."""
+        if self.diloco._local_step == 0:  # a sync ran in this step (torchft 0.2.0's count)
+            syncs = self.manager.current_step()
+            kept = syncs > self.syncs and not self.healed
+            self.trained += self.unsynced if kept else 0
+            self.discarded += 0 if kept else self.unsynced
+            self.unsynced, self.syncs, self.healed = 0, syncs, False
         return {"ft/bytes_sent": float(self.bytes_sent)}
+
+    def summary(self) -> dict[str, Any]:
+        """As `--ft average`'s, the steps since the last sync counted as trained (they are
+        in this group's weights, though in no other group's)."""
+        done = super().summary()
+        done["ft"]["steps_trained"] += self.unsynced
+        return done
 
 
 def like(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,7 @@ class ReplicaGroupExecutor:
         self.trained = self.discarded = 0
         self.contributes = 1.0  # 0.0 on a join step: a restarted group adds no gradient
         self.drawn = 0  # the groups that added a batch to the last step
+        self.statistics = token_statistics(inner.parts)  # the families' hooks' buffers
         self.committed = False  # whether torchft committed the last step
         rank = dist.get_rank()
         if rank != 0:  # after rank 0 has published this attempt's manager address (the
@@ -218,7 +219,7 @@ class ReplicaGroupExecutor:
         grads = [p.grad for p in self.inner.parameters() if p.grad is not None]
         shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         valid = done.valid.double()
-        statistics = token_statistics(self.inner.parts)  # summed as they are, unweighted
+        statistics = self.statistics  # summed as they are, unweighted
         flat = torch.cat([*(s.reshape(-1).float() * valid.float() for s in shards),
                           *(s.reshape(-1).float() for s in statistics)])
         counts = torch.stack([valid, done.loss_sum.double(),
