@@ -30,6 +30,7 @@ from loom.observability.profiling import peak_live_bytes
 from loom.plan.trace import Breakdown
 from loom.runtime.distributed import init_distributed, rank_info, teardown
 from loom.runtime.logs import setup_logging
+from loom.trainer.reading import batches_from
 from loom.trainer.scoped import training
 from loom.trainer.trainer import Trainer
 
@@ -45,7 +46,7 @@ def at_allocator(cfg: JobConfig) -> bool:
 def measure_step(trainer: Trainer) -> Breakdown:
     """Peak bytes of this rank during its second training step (the first creates the
     optimizer state and compiles)."""
-    batches = trainer.batches()
+    batches = batches_from(trainer, trainer.loop.samples_seen)
     _, _, micro = next(batches)
     trainer.train_step(micro)
     _, _, micro = next(batches)

@@ -169,9 +169,8 @@ class ParallelConfig:
         "float8, speed of none; automatic on CPU, for testing elsewhere)")
     ft_replica_groups: int = flag(
         1, "fault-tolerant replica groups on torchft (pip install 'loom[ft]'): the job is N "
-        "groups, each its own launch of any layout but --dp-replicate, averaging gradients "
-        "over the "
-        "groups present each step; start them with loom launch --ft-replica-groups N "
+        "groups, each its own launch of any layout but --dp-replicate, averaging over the "
+        "groups present; start them with loom launch --ft-replica-groups N "
         "(docs/faults.md)", **DEGREE)
     ft: str = flag("average", "--ft-replica-groups' algorithm: average (each step's gradients, "
                    "as HSDP) or diloco (groups train --sync-every steps alone, then average "

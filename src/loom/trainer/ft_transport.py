@@ -17,8 +17,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torchft.checkpointing.http_transport import HTTPTransport
-
 
 class TooLarge(ValueError):
     """The peer sent more than a state of this rank's size could take."""
@@ -47,19 +45,20 @@ class Capped:
         return line
 
 
-class CheckedTransport(HTTPTransport):
-    """torchft's HTTP checkpoint transport (its server unchanged) with a checked receive."""
+def checked_transport(timeout: timedelta, limit: Callable[[], int]) -> Any:
+    """torchft's HTTP checkpoint transport (its server unchanged) with a checked receive;
+    torchft is imported here, only under --ft-replica-groups."""
+    from torchft.checkpointing.http_transport import HTTPTransport  # the optional `ft` extra
 
-    def __init__(self, timeout: timedelta, limit: Callable[[], int]):
-        super().__init__(timeout=timeout, num_chunks=0)
-        self.limit = limit
+    class CheckedTransport(HTTPTransport):
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+                            timeout: timedelta) -> Any:
+            # private torch API (torch.distributed._serialization, torch 2.7+, checked on
+            # 2.13): the streaming format torchft's server writes
+            from torch.distributed._serialization import _streaming_load
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
-                        timeout: timedelta) -> Any:
-        # private torch API (torch.distributed._serialization, torch 2.7+, checked on 2.13):
-        # the streaming format torchft's server writes
-        from torch.distributed._serialization import _streaming_load
+            url = f"{metadata}{step}/full"
+            with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as response:
+                return _streaming_load(Capped(response, limit()), weights_only=True)
 
-        url = f"{metadata}{step}/full"
-        with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as response:
-            return _streaming_load(Capped(response, self.limit()), weights_only=True)
+    return CheckedTransport(timeout=timeout, num_chunks=0)

@@ -30,6 +30,7 @@ from loom.checkpoint.checkpointer import LoopState
 from loom.config import JobConfig
 from loom.models.registry import spec_of
 from loom.parallel.mesh import ParallelDims
+from loom.trainer.ft_transport import checked_transport
 from loom.trainer.step import Accumulated, Batch, StepExecutor
 
 logger = logging.getLogger("loom")
@@ -65,8 +66,6 @@ class ReplicaGroupExecutor:
     def __init__(self, inner: StepExecutor, cfg: JobConfig, dims: ParallelDims):
         from torchft import Manager  # the optional `ft` extra: only under the flag
 
-        from loom.trainer.ft_transport import CheckedTransport  # imports torchft
-
         logging.getLogger("torchft.manager").addFilter(quiet)
         # torchft reads a received state from a bytes buffer (torch 2.13's streaming load)
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
@@ -83,7 +82,7 @@ class ReplicaGroupExecutor:
         if rank != 0:  # after rank 0 has published this attempt's manager address (the
             dist.barrier()  # store outlives a restart and holds the last attempt's)
         self.store, meet = own_store()
-        transport = CheckedTransport(timedelta(seconds=TIMEOUT_S), self.state_limit)
+        transport = checked_transport(timedelta(seconds=TIMEOUT_S), self.state_limit)
         self.manager = Manager(
             pg=process_group(inner.device), min_replica_size=1, **meet,
             checkpoint_transport=transport,

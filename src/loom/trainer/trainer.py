@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from loom.checkpoint.resume import architecture, new_run_id, run_settings
 from loom.config import JobConfig
 from loom.data.loaders import build_dataloader, end_of_text
 from loom.data.mixture import mixture_state, mixture_summary
-from loom.data.streaming import StreamLoader, data_state
+from loom.data.streaming import data_state
 from loom.errors import NonFiniteLossError, Preempted
 from loom.lmeval import build_task_evaluation
 from loom.lora import converter as _lora  # noqa: F401  (registers the --lora-rank converter)
@@ -41,6 +40,7 @@ from loom.trainer.evaluate import build_evaluator
 from loom.trainer.executor import build_executor
 from loom.trainer.model_parts import build_model_parts
 from loom.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from loom.trainer.reading import steps_until
 from loom.trainer.resolve import resolve
 from loom.trainer.setup import (
     agree_on_outdir,
@@ -49,13 +49,7 @@ from loom.trainer.setup import (
     maybe_resume,
     optimizer_steps_per_epoch,
 )
-from loom.trainer.step import (
-    Accumulated,
-    Batch,
-    StepResult,
-    ahead_on_device,
-    parts_module,
-)
+from loom.trainer.step import Accumulated, Batch, StepResult, parts_module
 
 logger = logging.getLogger("loom")
 
@@ -234,51 +228,6 @@ class Trainer:
         total = self.steps_per_epoch * self.cfg.train.epochs
         return total if self.cfg.train.max_steps is None else min(total, self.cfg.train.max_steps)
 
-    def batches(self) -> Iterator[tuple[int, int, list[Batch]]]:
-        """(epoch, step in epoch, micro-batches) from the data position on, epoch by epoch.
-        Step k of an epoch holds global samples k*G ... k*G+G-1 of the epoch's order. The
-        data follows the loop: where a live recovery moved it (a replica group takes a
-        healthy group's position, `share_state`), the next step reads from there."""
-        while True:
-            start = self.loop.samples_seen
-            for step in self.batches_from(start):
-                yield step
-                if self.loop.samples_seen != start + self.global_batch:
-                    break  # the loop was moved under us: read on from where it is now
-                start = self.loop.samples_seen
-            else:
-                return
-
-    def batches_from(self, samples_seen: int) -> Iterator[tuple[int, int, list[Batch]]]:
-        first_epoch, first_step = divmod(samples_seen // self.global_batch,
-                                         self.steps_per_epoch)
-        for epoch in range(first_epoch, self.cfg.train.epochs):
-            skip = first_step if epoch == first_epoch else 0
-            self.loader.sampler.set_epoch(epoch, start_step=skip * self.accum)
-            micro = iter(self.loader)
-            for bidx in range(skip, self.steps_per_epoch):
-                yield epoch, bidx, [next(micro) for _ in range(self.accum)]
-
-    def steps(self) -> Iterator[tuple[int, int, list[Batch]]]:
-        """`batches()`, copied to an accelerator one step ahead (the copy of step k+1 is
-        queued behind step k's work, so the step never waits for its data). Not for a
-        stream, whose checkpointed position would then count the step drawn ahead, nor for
-        replica groups, whose position a live recovery may move after the draw."""
-        if (self.device.type == "cpu" or isinstance(self.loader, StreamLoader)
-                or self.dims.replica_groups > 1):
-            return self.batches()
-        return ahead_on_device(self.batches(), self.device)
-
-    def steps_until(self, total: int) -> Iterator[tuple[int, int, list[Batch]]]:
-        """`steps()` while the loop is short of `total`, checked before each draw (a live
-        recovery may move the loop on by several steps)."""
-        steps = self.steps()
-        while self.loop.step < total:
-            found = next(steps, None)
-            if found is None:
-                return
-            yield found
-
     def fit(self) -> None:
         """The loop; a SIGTERM or SIGINT ends it after the current step, and the summary
         and plots are written for the steps done either way."""
@@ -300,7 +249,7 @@ class Trainer:
         collector.begin()
         try:
             with maybe_profile(out, self.metrics.outdir, self.info.rank, total) as profiler:
-                for epoch, bidx, micro in self.steps_until(total):
+                for epoch, bidx, micro in steps_until(self, total):
                     try:
                         result = self.train_step(micro)
                     except torch.OutOfMemoryError as e:

@@ -20,7 +20,7 @@ pytest.importorskip("torchft")
 
 from torchft.checkpointing.http_transport import HTTPTransport
 
-from loom.trainer.ft_transport import CheckedTransport, TooLarge
+from loom.trainer.ft_transport import TooLarge, checked_transport
 
 TIMEOUT = timedelta(seconds=10)
 
@@ -48,7 +48,7 @@ def test_a_peers_state_arrives_whole() -> None:
     sender = HTTPTransport(timeout=TIMEOUT, num_chunks=0)
     try:
         sender.send_checkpoint(dst_ranks=[1], step=4, state_dict=STATE, timeout=TIMEOUT)
-        got = CheckedTransport(TIMEOUT, lambda: 1 << 20).recv_checkpoint(
+        got = checked_transport(TIMEOUT, lambda: 1 << 20).recv_checkpoint(
             0, sender.metadata(), 4, TIMEOUT)
         assert torch.equal(got["user"]["loom"]["model"]["w"], STATE["user"]["loom"]["model"]["w"])
         assert got["torchft"] == STATE["torchft"] and got["user"]["loom"]["loop"]["step"] == 4
@@ -58,7 +58,7 @@ def test_a_peers_state_arrives_whole() -> None:
             "outer_optimizer"]["param_groups"]
         assert torch.equal(outer["state"][0]["momentum_buffer"], torch.ones(2, 3))
         with pytest.raises(TooLarge):  # the same state, over a budget too small for it
-            CheckedTransport(TIMEOUT, lambda: 64).recv_checkpoint(0, sender.metadata(), 4,
+            checked_transport(TIMEOUT, lambda: 64).recv_checkpoint(0, sender.metadata(), 4,
                                                                   TIMEOUT)
     finally:
         sender.shutdown(wait=False)
@@ -91,7 +91,7 @@ def serve(payload: bytes) -> tuple[HTTPServer, str]:
 
 def test_a_hostile_peer_runs_nothing(tmp_path: Path) -> None:
     ours, theirs = tmp_path / "ours", tmp_path / "torchft"
-    for marker, transport in ((ours, CheckedTransport(TIMEOUT, lambda: 1 << 20)),
+    for marker, transport in ((ours, checked_transport(TIMEOUT, lambda: 1 << 20)),
                               (theirs, HTTPTransport(timeout=TIMEOUT, num_chunks=0))):
         payload = io.BytesIO()  # torchft's wire format (torch's streaming save)
         _streaming_save({"user": Planted(marker)}, payload)

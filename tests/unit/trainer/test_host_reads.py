@@ -55,12 +55,12 @@ def counted_steps(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> dict[int
             return original(self, *args, **kwargs)
         return read
 
-    batches = trainer.batches
+    draw = loom.trainer.trainer.steps_until
 
-    def loader_steps():
+    def loader_steps(t, total):
         """The loader's own reads are of host tensors (the sampler's index order) on
         every device, never of the device's: not counted."""
-        steps = batches()
+        steps = draw(t, total)
         while True:
             loading[0] = True
             try:
@@ -71,7 +71,7 @@ def counted_steps(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> dict[int
                 loading[0] = False
             yield item
 
-    monkeypatch.setattr(trainer, "batches", loader_steps)
+    monkeypatch.setattr(loom.trainer.trainer, "steps_until", loader_steps)
 
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
