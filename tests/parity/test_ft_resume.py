@@ -8,6 +8,7 @@ state and (DiLoCo) the last sync's weights and the outer momentum, in both group
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -59,6 +60,9 @@ def test_a_resumed_job_trains_on_as_the_one_that_never_stopped(tmp_path: Path) -
     log = ft_run(run, 2 * STEPS, "--resume", "auto")
     assert log.count("recovered live from a healthy replica group: step 6") == 1, log[-3000:]
     assert_same_checkpoints(run, straight, 2 * STEPS)
+    recoveries = [json.loads((run / f"group-{g}" / "summary.json").read_text())["ft"][
+        "recoveries"] for g in range(2)]
+    assert recoveries == [[], [{"step": STEPS, "samples_seen": 4 * STEPS}]], recoveries
 
 
 @pytest.mark.multirank

@@ -76,6 +76,7 @@ class ReplicaGroupExecutor:
         self.trained = self.discarded = 0
         self.contributes = 1.0  # 0.0 on a join step: a restarted group adds no gradient
         self.drawn = 0  # the groups that added a batch to the last step
+        self.recoveries: list[dict[str, int]] = []  # summary.json's record of each
         self.statistics = token_statistics(inner.parts)  # the families' hooks' buffers
         self.committed = False  # whether torchft committed the last step
         rank = dist.get_rank()
@@ -163,6 +164,7 @@ class ReplicaGroupExecutor:
         t.scheduler.load_state_dict(state["scheduler"])
         t.loop = LoopState(**state["loop"])
         self.recovered = t.loop.step
+        self.recoveries.append({"step": t.loop.step, "samples_seen": t.loop.samples_seen})
         logger.info("recovered live from a healthy replica group: step %d, %d samples "
                     "drawn", t.loop.step, t.loop.samples_seen)
 
@@ -253,10 +255,11 @@ class ReplicaGroupExecutor:
                        trained=share)
 
     def summary(self) -> dict[str, Any]:
-        """summary.json's account of this group: the steps it trained and those discarded."""
+        """summary.json's account of this group: the steps it trained and those discarded,
+        and each live recovery (the loop's step and data position it took)."""
         return {"ft": {"group": self.group, "groups": self.dims.replica_groups,
                        "steps_trained": self.trained, "steps_discarded": self.discarded,
-                       "bytes_sent": self.bytes_sent}}
+                       "bytes_sent": self.bytes_sent, "recoveries": self.recoveries}}
 
 
 def token_statistics(parts: list[nn.Module]) -> list[torch.Tensor]:
