@@ -164,10 +164,11 @@ def plain_loop(flags: list[str], steps: int, warmup: int) -> profile:
     return prof
 
 
-def marked_loader(batches: Callable[[], Iterator[Any]]) -> Callable[[], Iterator[Any]]:
-    """The trainer's batches, each drawn under the loader mark (not counted)."""
-    def drawn() -> Iterator[Any]:
-        steps = batches()
+def marked_loader(batches: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """The loop's batches (`loom.trainer.reading.steps_until`), each drawn under the loader
+    mark (not counted)."""
+    def drawn(*args: Any) -> Iterator[Any]:
+        steps = batches(*args)
         while True:
             with record_function(LOADER_MARK):
                 item = next(steps, None)
@@ -181,6 +182,7 @@ def loom_run(flags: list[str], steps: int, warmup: int) -> profile | None:
     """loom's `fit()` over warmup + steps + 1 steps, the middle `steps` recorded; the last
     (a logging step: the end) is left out. Rank 0 returns the record."""
     import loom.families  # noqa: F401  (registers loom's model families)
+    import loom.trainer.trainer as loop
     from loom.config import parse_args
     from loom.trainer.resolve import resolve_model
     from rank_trainer import rank_trainer
@@ -191,7 +193,7 @@ def loom_run(flags: list[str], steps: int, warmup: int) -> profile | None:
                                         "--max-steps", str(total), "--log-every",
                                         str(10 * total), "--outdir", outdir]))
         with rank_trainer(cfg) as trainer:
-            trainer.batches = marked_loader(trainer.batches)  # type: ignore[method-assign]
+            loop.steps_until = marked_loader(loop.steps_until)  # this case's own process
             step, prof = trainer.train_step, profile(activities=[ProfilerActivity.CPU])
 
             def recorded_step(micro: Any) -> Any:
