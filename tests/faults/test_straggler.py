@@ -93,10 +93,9 @@ def test_a_rank_that_sleeps_in_every_step_is_named_within_five_intervals(tmp_pat
     assert_only_rank_1_named(outdir, out, err, slowed_from=1)
 
 
-@pytest.mark.multirank
-def test_a_rank_slowed_on_a_duty_cycle_is_named_within_five_intervals(tmp_path: Path) -> None:
-    skip_if_oversubscribed(2)  # on 2 cores: 3 of 4 runs passed at load 4.5-6, 1 of 2 at 12
-    outdir = tmp_path / "run"
+def duty_cycled_run(outdir: Path, tmp_path: Path) -> tuple[str, str, int]:
+    """One 2-rank run whose rank 1 is duty-cycled from its third step on: (stdout, stderr,
+    the first step slowed)."""
     proc = launch(2, outdir, *STEPS, TMPDIR=str(tmp_path))
     wait_for(lambda: steps_logged(outdir, 0) >= 2, "second step", 240, proc)
     victim = next(pid for pid in children(proc.pid) if rank_of(pid) == 1)
@@ -112,8 +111,42 @@ def test_a_rank_slowed_on_a_duty_cycle_is_named_within_five_intervals(tmp_path: 
         if alive(victim):
             os.kill(victim, signal.SIGCONT)
     assert code == 0, err[-3000:]
-    # the first interval may be partly slowed: five whole ones follow it
-    assert_only_rank_1_named(outdir, out, err, slowed_from)
+    return out, err, slowed_from
+
+
+def own_time_ratios(outdir: Path) -> list[tuple[int, float]]:
+    """(step, rank 1's own step time over rank 0's) for each measured row: the failure
+    message shows which intervals lagged."""
+    rows = [json.loads(line) for line in (outdir / "metrics-0.jsonl").read_text().splitlines()]
+    return [(r["train/iter"], round(r["train/rank_dt_max"] / max(r["train/rank_dt_min"], 1e-9)
+                                    * (1 if r["train/slowest_rank"] == 1 else -1), 2))
+            for r in rows if "train/slowest_rank" in r]
+
+
+@pytest.mark.multirank
+def test_a_rank_slowed_on_a_duty_cycle_is_named_within_five_intervals(tmp_path: Path) -> None:
+    """Rank 1 is stopped four fifths of the time from outside. Under a loaded suite the
+    other processes also take rank 0's CPU at random (CI on 2 cores: rank 1 lagged 4.1x at
+    its worst but in fewer than three of four intervals until step 10 of a run slowed from
+    4): so up to three runs, each naming rank 1 alone, and one of them within five
+    intervals. A detector that cannot name a rank running a fifth of the time misses in
+    every run."""
+    skip_if_oversubscribed(2)  # on 2 cores: 3 of 4 runs passed at load 4.5-6, 1 of 2 at 12
+    late = []
+    for attempt in range(3):
+        outdir = tmp_path / f"run{attempt}"
+        out, err, slowed_from = duty_cycled_run(outdir, tmp_path)
+        named = WARNING.findall(out + err)  # rank 0's log goes where its progress does
+        assert [rank for rank, _ in named] == ["1"], err[-3000:]
+        found = summary(outdir)["stragglers"]
+        assert [s["rank"] for s in found] == [1] and found[0]["host"] == named[0][1]
+        assert found[0]["max_ratio"] >= 1.3
+        # the first interval may be partly slowed: five whole ones follow it
+        if found[0]["step"] <= slowed_from + 5:
+            return
+        late.append((found[0]["step"], slowed_from, own_time_ratios(outdir)))
+    pytest.fail(f"named late in every run (step, slowed from, ratios; negative: rank 0 "
+                f"slower): {late}")
 
 
 @pytest.mark.multirank
