@@ -35,6 +35,9 @@ MISTAKES = {  # id: (flags, message)
                           "a --dataset mixture is of text, JSONL or shard sources"),
     "val-dataset-twice": (["--dataset", "a.txt", "--val-dataset", "x=b.txt", "--val-dataset",
                            "x=c.txt"], "--val-dataset: two sets with the name 'x'"),
+    "model-impl-reason-given": (["--model-impl-reason", "checked by hand"],
+                                "--model-impl-reason is loom's record of why --model-impl "
+                                "resolved as it did"),
     "doc-mask-transformers": (["--doc-mask", "--model", "owner/name", "--model-impl",
                                "transformers"], "--doc-mask needs loom's own model"),
     **{f"ft-{name}": (["--ft-replica-groups", "2", *flags],

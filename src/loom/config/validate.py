@@ -231,6 +231,9 @@ def validate(cfg: JobConfig) -> None:
     known (--model-impl native too: the flags' defaults are no folder's shape); transformers'
     module has no loom shape at all."""
     _validate_strings(cfg)
+    if "model_impl_reason" in cfg.explicit:  # given, it would pass for a choice already made
+        raise ConfigError("--model-impl-reason is loom's record of why --model-impl resolved "
+                          "as it did (config.json), not a setting: choose with --model-impl")
     if p.dp_shard == 0:
         raise ConfigError("--dp-shard must be >= 1 or -1 (auto), got 0")
     if d.seq_len > m.max_seq_len:
