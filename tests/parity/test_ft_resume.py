@@ -63,6 +63,9 @@ def test_a_resumed_job_trains_on_as_the_one_that_never_stopped(tmp_path: Path) -
     recoveries = [json.loads((run / f"group-{g}" / "summary.json").read_text())["ft"][
         "recoveries"] for g in range(2)]
     assert recoveries == [[], [{"step": STEPS, "samples_seen": 4 * STEPS}]], recoveries
+    steps = range(1, 2 * STEPS + 1)  # the rows of both runs: a recovery counts from its step on
+    assert column(run / "group-1", "ft/recoveries") == {s: float(s > STEPS) for s in steps}
+    assert column(run / "group-0", "ft/recoveries") == dict.fromkeys(steps, 0.0)
 
 
 @pytest.mark.multirank

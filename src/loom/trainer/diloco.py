@@ -130,7 +130,8 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
             self.trained += self.unsynced if kept else 0
             self.discarded += 0 if kept else self.unsynced
             self.unsynced, self.syncs, self.healed = 0, syncs, False
-        return {"ft/bytes_sent": float(self.bytes_sent)}
+        return {"ft/bytes_sent": float(self.bytes_sent),
+                "ft/recoveries": float(len(self.recoveries))}
 
     def summary(self) -> dict[str, Any]:
         """As `--ft average`'s, the steps since the last sync counted as trained (they are

@@ -249,7 +249,8 @@ class ReplicaGroupExecutor:
                            "%d group(s) in the quorum", participants)
         metrics = {**done.metrics, "ft/participants": float(participants),
                    "ft/committed": float(committed), "train/tokens": round(self.tokens * share),
-                   "ft/bytes_sent": float(self.bytes_sent)}
+                   "ft/bytes_sent": float(self.bytes_sent),
+                   "ft/recoveries": float(len(self.recoveries))}
         return replace(done, loss_sum=counts[1].to(done.loss_sum.dtype),
                        valid=counts[0].round().to(done.valid.dtype), metrics=metrics,
                        trained=share)
