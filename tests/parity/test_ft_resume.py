@@ -82,3 +82,29 @@ def test_a_resumed_diloco_job_keeps_its_outer_state(tmp_path: Path) -> None:
     assert momentum and any(v.strip(b"\0") for v in momentum), "no outer momentum saved"
     ft_run(run, 2 * STEPS, *diloco, "--resume", "auto")
     assert_same_checkpoints(run, straight, 2 * STEPS)
+
+
+@pytest.mark.multirank
+def test_a_diloco_group_resumed_from_an_older_checkpoint_takes_the_others_state_first(
+        tmp_path: Path) -> None:
+    """--ft diloco, group 1's newest checkpoint removed: resumed from step 3 (before the
+    step-4 sync) while group 0 resumes from step 6, it takes group 0's state live before
+    training, so both train steps 7-12 from the same place in the cycle and nothing of
+    either is discarded; the step-12 sync leaves both with the same weights. Left to its
+    own checkpoint, group 1 synced alone at its step 4 and healed only at group 0's step-8
+    sync, dropping what it trained on the way."""
+    diloco = ("--ft", "diloco", "--sync-every", "4")
+    run = tmp_path / "resumed"
+    ft_run(run, STEPS, *diloco)
+    shutil.rmtree(run / "group-1" / "checkpoints" / f"step-{STEPS}")
+    log = ft_run(run, 2 * STEPS, *diloco, "--resume", "auto")
+    assert log.count("recovered live from a healthy replica group") == 1, log[-3000:]
+    assert log.count(f"recovered live from a healthy replica group: step {STEPS}") == 1
+    summaries = [json.loads((run / f"group-{g}" / "summary.json").read_text())["ft"]
+                 for g in range(2)]
+    assert [s["recoveries"] for s in summaries] == \
+        [[], [{"step": STEPS, "samples_seen": 4 * STEPS}]], summaries
+    assert [(s["steps_trained"], s["steps_discarded"]) for s in summaries] == [(STEPS, 0)] * 2
+    final = [chunks(run / f"group-{g}" / "checkpoints" / f"step-{2 * STEPS}") for g in range(2)]
+    model = [key for key in final[0] if key[0].startswith("model.")]
+    assert model and all(final[0][k] == final[1][k] for k in model)

@@ -58,17 +58,32 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
         self.diloco = DiLoCo(self.manager, [trainer.model], trainer.optimizer, self.outer,
                              sync_every=p.sync_every, backup_device=self.inner.device,
                              pin_memory=False)
-        syncs, since = divmod(trainer.loop.step, p.sync_every)
+        if self.resumed:
+            self.apply_resumed()
+        if trainer.loop.step and not trainer.info.restarts:
+            self.align()
+        syncs, since = divmod(self.trainer.loop.step, p.sync_every)
         # torchft's step counts syncs; DiLoCo's `_local_step` (private, torchft 0.2.0) the
         # steps since the last one: both where the loop is, so every group syncs together
         self.manager.load_state_dict({"step": syncs,
                                       "batches_committed": self.manager.batches_committed()})
         self.diloco._local_step = since
         self.syncs = syncs
-        if self.resumed:
-            self.apply_resumed()
         self.diloco.__enter__()  # hooks on the inner optimizer's step, for the whole run
-        return trainer.loop
+        return self.trainer.loop
+
+    def align(self) -> None:
+        """A resumed job's groups meet once before training, torchft's step being the
+        loop's: a group whose checkpoint is older than another's takes that group's whole
+        state (weights, inner and outer optimizer, last sync, data position), so every
+        group starts at the same step of the same sync cycle. Left behind, it would sync
+        at its own place in the cycle: alone, where the others take longer than the
+        lighthouse's join timeout to reach theirs, after which the groups average
+        pseudo-gradients taken from different weights and drift apart for good."""
+        self.keep_step()
+        self.manager.start_quorum()  # a group behind loads the state of the one furthest on
+        self.manager.should_commit()  # closes the quorum's step; nothing is applied
+        self.healed = False  # nothing trained yet for the next sync to drop
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.trainer.model.named_parameters())
