@@ -133,6 +133,31 @@ def test_a_group_that_loses_a_rank_leaves_the_others_stepping(tmp_path: Path) ->
     assert summary["steps_trained"] == steps - len(discarded), summary
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_diloco_group_left_alone_says_so_at_each_sync(tmp_path: Path) -> None:
+    """--ft diloco --sync-every 5, group 1's rank 1 killed after its step 7 (no restart):
+    group 0 trains to the end, and each sync it takes alone is a warning and a row whose
+    ft/participants is 1 (a run that is no longer averaging across its groups is told)."""
+    steps, sync = 30, 5
+    proc = start([*LOOM, "launch", "--ft-replica-groups", "2", "-n", "4", *LOOM, "train", *TINY,
+                  "--outdir", str(tmp_path / "run"), "--ft-replica-groups", "2", "--dp-shard",
+                  "2", "--ft", "diloco", "--sync-every", str(sync), "--max-steps", str(steps)],
+                 TMPDIR=str(tmp_path), RUST_LOG="warn")
+    run = tmp_path / "run"
+    wait_for(lambda: steps_logged(run / "group-1") >= 7, "group 1's step 7", 240, proc)
+    kill_rank_1(proc.pid, 1)
+    code, out, err = finish(proc, 240)
+    assert code != 0 and "loom launch: replica group 1 exited" in err, (code, err[-3000:])
+    rows = [r for r in rows_of(run / "group-0") if "train/loss" in r]
+    assert [r["train/iter"] for r in rows] == list(range(1, steps + 1))
+    alone = [r["train/iter"] for r in rows if r.get("ft/participants") == 1.0
+             and r["train/iter"] % sync == 0]
+    assert rows[sync - 1]["ft/participants"] == 2.0 and steps in alone, rows[-1]
+    warned = (out + err).count("replica group 0 synced with 1 of 2 groups")
+    assert warned == len(alone), (warned, alone)
+
+
 def kill_rank_1(launcher: int, group: int) -> None:
     launch = next(p for p in children(launcher) if environ(p, "LOOM_FT_GROUP") == str(group))
     os.kill(next(p for p in children(launch) if environ(p, "RANK") == "1"), signal.SIGKILL)

@@ -62,6 +62,8 @@ def test_diloco_groups_agree_after_each_sync_and_send_only_then(tmp_path: Path,
         summary = json.loads((run / f"group-{g}" / "summary.json").read_text())
         assert summary["ft"]["steps_trained"] == STEPS
         rows = [r for r in read_rows(run / f"group-{g}" / "metrics-0.jsonl") if "train/loss" in r]
+        assert {r["train/iter"]: r.get("ft/participants") for r in rows} == {
+            step: None if step < SYNC_EVERY else 2.0 for step in range(1, STEPS + 1)}
         sent = [0.0] + [r["ft/bytes_sent"] for r in rows]
         sends = {step: after - before for step, (before, after)
                  in enumerate(itertools.pairwise(sent), start=1) if after != before}

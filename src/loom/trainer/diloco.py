@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from loom.checkpoint.checkpointer import LoopState
 from loom.config import JobConfig
 from loom.parallel.mesh import ParallelDims
-from loom.trainer.replica_groups import ReplicaGroupExecutor, local
+from loom.trainer.replica_groups import ReplicaGroupExecutor, local, logger
 from loom.trainer.step import Accumulated, Batch, StepExecutor
 
 
@@ -39,6 +39,7 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
         them, as discarded where the sync fails or heals this group (its work dropped)."""
         self.syncs = 0  # torchft's step (syncs committed) at the last sync
         self.healed = False  # whether this group took a peer's state since the last sync
+        self.participants: int | None = None  # groups in the last sync's quorum
 
     def share_state(self, trainer: Any) -> LoopState:
         """Register the state a recovering group takes (the loop's and DiLoCo's own: the
@@ -138,15 +139,27 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
     def after_update(self) -> dict[str, float]:
         """After the inner optimizer's step, where DiLoCo syncs: the steps since the last
         sync are trained if this sync committed them, discarded if it failed or healed
-        this group; and the bytes sent so far, so that a sync's are in its own row."""
+        this group; the groups the last sync averaged over (`ft/participants`, from the
+        first sync on: between syncs no group hears of another), and the bytes sent so far,
+        so that a sync's are in its own row."""
         if self.diloco._local_step == 0:  # a sync ran in this step (torchft 0.2.0's count)
             syncs = self.manager.current_step()
             kept = syncs > self.syncs and not self.healed
             self.trained += self.unsynced if kept else 0
             self.discarded += 0 if kept else self.unsynced
             self.unsynced, self.syncs, self.healed = 0, syncs, False
-        return {"ft/bytes_sent": float(self.bytes_sent),
+            self.participants = self.manager.num_participants()
+            if self.participants < self.dims.replica_groups:
+                logger.warning(
+                    "replica group %d synced with %d of %d groups: the others failed, or "
+                    "reached their sync later than the lighthouse's join timeout "
+                    "(docs/faults.md, DiLoCo)", self.group, self.participants,
+                    self.dims.replica_groups)
+        rows = {"ft/bytes_sent": float(self.bytes_sent),
                 "ft/recoveries": float(len(self.recoveries))}
+        if self.participants is not None:
+            rows["ft/participants"] = float(self.participants)
+        return rows
 
     def summary(self) -> dict[str, Any]:
         """As `--ft average`'s, the steps since the last sync counted as trained (they are
