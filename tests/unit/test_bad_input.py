@@ -45,10 +45,15 @@ MISTAKES = {  # id: (flags, message)
        for name, flags, refused in (
            ("dp-replicate", ["--dp-replicate", "2"], "--dp-replicate 2"),
            ("streaming", ["--dataset", "a.txt", "--streaming"], "--streaming"))},
-    "ft-group-alone": (["--ft-group", "1"], "--ft, --ft-group and --ft-lighthouse "
-                       "($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE) need --ft-replica-groups"),
-    "ft-diloco-alone": (["--ft", "diloco"], "--ft, --ft-group and --ft-lighthouse "
-                        "($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE) need --ft-replica-groups"),
+    "ft-group-alone": (["--ft-group", "1"], "--ft, --ft-group, --ft-lighthouse and "
+                       "--ft-join-timeout-s ($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE, "
+                       "$LOOM_FT_JOIN_TIMEOUT_S) need --ft-replica-groups"),
+    "ft-join-timeout-alone": (["--ft-join-timeout-s", "120"], "--ft-join-timeout-s "
+                              "($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE, $LOOM_FT_JOIN_TIMEOUT_S) "
+                              "need --ft-replica-groups"),
+    "ft-diloco-alone": (["--ft", "diloco"], "--ft, --ft-group, --ft-lighthouse and "
+                        "--ft-join-timeout-s ($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE, "
+                        "$LOOM_FT_JOIN_TIMEOUT_S) need --ft-replica-groups"),
     "sync-every-without-diloco": (["--ft-replica-groups", "2", "--sync-every", "5"],
                                   "--sync-every needs --ft diloco"),
     "outer-lr-without-diloco": (["--outer-lr", "0.5", "--outer-momentum", "0.8"],

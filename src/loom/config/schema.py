@@ -185,6 +185,10 @@ class ParallelConfig:
                                      "--ft-replica-groups (set by loom launch: "
                                      "$LOOM_FT_LIGHTHOUSE)", type=str, hidden=True,
                                      env="LOOM_FT_LIGHTHOUSE")
+    ft_join_timeout_s: float = flag(30.0, "the lighthouse's join timeout under "
+                                    "--ft-replica-groups: a rank waits for a quorum longer "
+                                    "than it (set by loom launch: $LOOM_FT_JOIN_TIMEOUT_S)",
+                                    gt=0, le=86_400, hidden=True, env="LOOM_FT_JOIN_TIMEOUT_S")
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,11 @@ def _from_environment(name: str, f: Field, raw: str) -> Any:
             return int(raw)
         except ValueError:
             raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+    if kind is float:  # its range is checked with the flags' (`loom.config.numbers`)
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {raw!r}") from None
     choices = f.metadata["choices"]
     if choices:
         value = SYNONYMS.get(raw.strip().lower(), raw.strip().lower())

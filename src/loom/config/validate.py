@@ -183,9 +183,11 @@ def _validate_ft(cfg: JobConfig) -> None:
         raise ConfigError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
                           "--ft diloco")
     if p.ft_replica_groups == 1:
-        if "ft_group" in cfg.explicit or p.ft_lighthouse is not None or "ft" in cfg.explicit:
-            raise ConfigError("--ft, --ft-group and --ft-lighthouse ($LOOM_FT_GROUP, "
-                              "$LOOM_FT_LIGHTHOUSE) need --ft-replica-groups")
+        if p.ft_lighthouse is not None or any(
+                name in cfg.explicit for name in ("ft", "ft_group", "ft_join_timeout_s")):
+            raise ConfigError("--ft, --ft-group, --ft-lighthouse and --ft-join-timeout-s "
+                              "($LOOM_FT_GROUP, $LOOM_FT_LIGHTHOUSE, $LOOM_FT_JOIN_TIMEOUT_S) "
+                              "need --ft-replica-groups")
         return
     refusals = {
         f"--dp-replicate {p.dp_replicate} (the groups are the replicas)": p.dp_replicate > 1,

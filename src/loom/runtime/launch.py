@@ -25,7 +25,7 @@ from loom.runtime.launch_commands import (
     slurm_allocation,
     slurm_nodes,
 )
-from loom.runtime.launch_ft import check_groups, run_groups
+from loom.runtime.launch_ft import JOIN_TIMEOUT_S, check_groups, run_groups
 from loom.runtime.launch_ft import dry_run_lines as ft_dry_run_lines
 from loom.runtime.launch_retries import dry_run_lines, run_scheduler, run_with_retries
 from loom.runtime.watchdog import watch_launcher
@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="start torchft's lighthouse and N fault-tolerant replica groups, every group its "
         "own launch: -n / N ranks each on one machine, the job's nodes / N each in a Slurm "
         "or PBS job (CMD takes --ft-replica-groups N; docs/faults.md) [1]")
+    add("--ft-join-timeout-s", type=float, default=JOIN_TIMEOUT_S, metavar="S",
+        help="--ft-replica-groups: how long torchft's lighthouse waits for a live group to "
+        "join a quorum before it forms one without it; under --ft diloco give more than one "
+        f"sync cycle takes (docs/faults.md) [{JOIN_TIMEOUT_S:g}]")
     add("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="what every rank runs")
     return parser
 

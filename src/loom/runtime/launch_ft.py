@@ -32,9 +32,16 @@ GROUP_ENV = "LOOM_FT_GROUP"
 LIGHTHOUSE_ENV = "LOOM_FT_LIGHTHOUSE"
 """The launcher's contract with each group's ranks (`ParallelConfig.ft_group`,
 `ft_lighthouse`)."""
-JOIN_TIMEOUT_MS = 30_000
-"""How long the lighthouse waits for every group to join the first quorum before it forms
-one without the latecomers (which then recover from a peer)."""
+JOIN_TIMEOUT_S = 30.0
+"""How long the lighthouse waits for a group it knows of (one alive, or in the last quorum)
+to join a quorum before it forms one without it: a group restarted or late then recovers
+from a peer at a later quorum. Under DiLoCo the groups meet only at syncs, so a restarted
+group is healed only where its sync and the others' come within this of each other
+(docs/faults.md): give `--ft-join-timeout-s` above the time of one sync cycle."""
+MAX_JOIN_TIMEOUT_S = 86_400.0
+JOIN_TIMEOUT_ENV = "LOOM_FT_JOIN_TIMEOUT_S"
+"""The lighthouse's join timeout, handed to the groups: a rank waits for a quorum at least
+that long (`ParallelConfig.ft_join_timeout_s`)."""
 QUIET_RUST_LOG = "warn"
 """torchft's lighthouse and managers log every quorum at INFO; warnings and errors only."""
 
@@ -44,6 +51,9 @@ def check_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> str | N
     groups = opts.ft_replica_groups
     if groups < 1:
         return f"--ft-replica-groups must be >= 1, got {groups}"
+    if not 0 < opts.ft_join_timeout_s <= MAX_JOIN_TIMEOUT_S:  # NaN fails too
+        return (f"--ft-join-timeout-s must be > 0 and <= {MAX_JOIN_TIMEOUT_S:g}, got "
+                f"{opts.ft_join_timeout_s}")
     if opts.rdzv_endpoint:
         return "--ft-replica-groups gives each group its own rendezvous: not --rdzv-endpoint"
     if launcher == "local":
@@ -108,10 +118,12 @@ def group_argv(opts: argparse.Namespace, per_group: int, shares: list[list[str]]
 
 
 def group_env(group: int, lighthouse: str, shares: list[list[str]],
-              environ: Mapping[str, str]) -> dict[str, str]:
-    """What group `group`'s launch adds to the environment: its index and the lighthouse;
-    in a job its nodes and its own rendezvous port (the job's, plus the group's index)."""
-    env = {GROUP_ENV: str(group), LIGHTHOUSE_ENV: lighthouse}
+              environ: Mapping[str, str], join_timeout_s: float) -> dict[str, str]:
+    """What group `group`'s launch adds to the environment: its index, the lighthouse and
+    its join timeout; in a job its nodes and its own rendezvous port (the job's, plus the
+    group's index)."""
+    env = {GROUP_ENV: str(group), LIGHTHOUSE_ENV: lighthouse,
+           JOIN_TIMEOUT_ENV: repr(float(join_timeout_s))}
     if shares:
         job = environ.get("SLURM_JOB_ID") or environ.get("PBS_JOBID", "")
         port = int(environ.get("MASTER_PORT") or job_port(job))
@@ -139,7 +151,8 @@ def run_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> int:
 
     groups = opts.ft_replica_groups
     shares = group_nodes(opts, launcher, os.environ)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1,
+                                  join_timeout_ms=round(opts.ft_join_timeout_s * 1000))
     procs: list[subprocess.Popen] = []
     relays: list[threading.Thread] = []
     seen: set[str] = set()
@@ -155,7 +168,8 @@ def run_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> int:
         for s in previous:
             signal.signal(s, forward)
         for g in range(groups):
-            env = {**os.environ, **group_env(g, lighthouse.address(), shares, os.environ),
+            env = {**os.environ, **group_env(g, lighthouse.address(), shares, os.environ,
+                                             opts.ft_join_timeout_s),
                    LAUNCHER_PID_ENV: str(os.getpid())}
             proc = subprocess.Popen(group_argv(opts, nproc // groups, shares), env=env,
                                     stderr=subprocess.PIPE, text=True, errors="replace")
@@ -190,10 +204,11 @@ def dry_run_lines(opts: argparse.Namespace, launcher: str, nproc: int) -> list[s
     """What --dry-run prints: the lighthouse, then each group's launch."""
     groups = opts.ft_replica_groups
     shares = group_nodes(opts, launcher, os.environ)
-    lines = [f"# torchft LighthouseServer(min_replicas=1, join_timeout_ms={JOIN_TIMEOUT_MS}) "
+    join_ms = round(opts.ft_join_timeout_s * 1000)
+    lines = [f"# torchft LighthouseServer(min_replicas=1, join_timeout_ms={join_ms}) "
              "in this process, at ADDRESS"]
     for g in range(groups):
-        env = group_env(g, "ADDRESS", shares, os.environ)
+        env = group_env(g, "ADDRESS", shares, os.environ, opts.ft_join_timeout_s)
         assignments = " ".join(f"{k}={v}" for k, v in env.items())
         lines.append(f"{assignments} {shlex.join(group_argv(opts, nproc // groups, shares))}")
     return lines

@@ -39,7 +39,9 @@ TIMEOUT_S = 30.0
 """A collective across the groups, the commit vote and a live recovery's transfer: a group
 that lost a rank is noticed within this, and the others go on without it."""
 QUORUM_TIMEOUT_S = 60.0
-"""Waiting for the lighthouse to form the step's quorum (the groups that are alive)."""
+"""Waiting for the lighthouse to form the step's quorum (the groups that are alive); longer
+where the lighthouse's join timeout is (`--ft-join-timeout-s` of loom launch), which it may
+wait out before it answers."""
 JOIN_ATTEMPTS = 10
 """Join steps a restarted group tries before it gives up (its launch may restart it)."""
 
@@ -91,7 +93,8 @@ class ReplicaGroupExecutor:
             rank=rank, world_size=dist.get_world_size(),
             replica_id=f"loom_group_{self.group}", lighthouse_addr=cfg.parallel.ft_lighthouse,
             timeout=timedelta(seconds=TIMEOUT_S),
-            quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+            quorum_timeout=timedelta(seconds=max(QUORUM_TIMEOUT_S,  # past the lighthouse's
+                                                 cfg.parallel.ft_join_timeout_s + TIMEOUT_S)),
             connect_timeout=timedelta(seconds=TIMEOUT_S))
         if rank == 0:
             dist.barrier()

@@ -23,7 +23,7 @@ from loom.errors import (
 from loom.models.llama.model import ModelArgs
 from loom.models.moe.model import MoEArgs
 from loom.models.resolve import model_args
-from loom.runtime.launch_ft import GROUP_ENV, LIGHTHOUSE_ENV
+from loom.runtime.launch_ft import GROUP_ENV, JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S, LIGHTHOUSE_ENV
 
 ENV_FIELDS = {f.metadata["env"]: name for name, (_, f) in flag_fields().items()
               if f.metadata["env"]}
@@ -60,7 +60,8 @@ def test_every_declared_variable_sets_its_field_and_counts_as_given():
     assert set(cfg.explicit) == {ENV_FIELDS[name] for name in values}
 
 
-FT_VALUES = {"LOOM_FT_GROUP": ("1", 1), "LOOM_FT_LIGHTHOUSE": ("http://h:1", "http://h:1")}
+FT_VALUES = {"LOOM_FT_GROUP": ("1", 1), "LOOM_FT_LIGHTHOUSE": ("http://h:1", "http://h:1"),
+             "LOOM_FT_JOIN_TIMEOUT_S": ("600.0", 600.0)}
 """What `loom launch --ft-replica-groups` hands each group: taken only with that flag."""
 
 
@@ -70,7 +71,8 @@ def test_the_launchers_replica_group_variables_set_their_fields():
                             environ={name: raw for name, (raw, _) in FT_VALUES.items()})
     for name, (_, expected) in FT_VALUES.items():
         assert getattr(cfg.parallel, ENV_FIELDS[name]) == expected, name
-    assert {GROUP_ENV, LIGHTHOUSE_ENV} == set(FT_VALUES)  # what `loom launch` sets
+    assert {GROUP_ENV, LIGHTHOUSE_ENV, JOIN_TIMEOUT_ENV} == set(FT_VALUES)  # `loom launch`'s
+    assert config_from_flags({}).parallel.ft_join_timeout_s == JOIN_TIMEOUT_S  # one default
     with pytest.raises(ConfigError, match="need --ft-replica-groups"):
         config_from_flags({}, environ={"LOOM_FT_GROUP": "1"})
 

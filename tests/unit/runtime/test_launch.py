@@ -356,10 +356,11 @@ def test_slurm_replica_groups_take_whole_nodes_each_with_its_own_launch(monkeypa
     groups = [shlex.split(line) for line in lines[1:]]
     for g, (nodes, port) in enumerate([("nid001,nid002", "15001"),
                                        ("nid003,nid004", "15002")]):
-        env = dict(word.split("=", 1) for word in groups[g][:4])
+        env = dict(word.split("=", 1) for word in groups[g][:5])
         assert env == {"LOOM_FT_GROUP": str(g), "LOOM_FT_LIGHTHOUSE": "ADDRESS",
-                       "LOOM_LAUNCH_NODES": nodes, "MASTER_PORT": port}
-        assert groups[g][5:] == ["-m", "loom", "launch", "-n", "8", "--nnodes", "2",
+                       "LOOM_FT_JOIN_TIMEOUT_S": "30.0", "LOOM_LAUNCH_NODES": nodes,
+                       "MASTER_PORT": port}
+        assert groups[g][6:] == ["-m", "loom", "launch", "-n", "8", "--nnodes", "2",
                                  "--retries", "3", "--", "loom", "train"]
     for name, value in {"LOOM_LAUNCH_NODES": "nid003,nid004", "MASTER_PORT": "15002"}.items():
         monkeypatch.setenv(name, value)  # group 1's own launch
@@ -376,9 +377,26 @@ def test_pbs_replica_groups_run_mpiexec_on_their_own_hosts(monkeypatch, capsys, 
     for name, value in {"PBS_JOBID": "5.server", "PBS_NODEFILE": str(nodefile)}.items():
         monkeypatch.setenv(name, value)
     lines = ft_dry_run(capsys, "-n", "2", "--ft-replica-groups", "4", "loom", "train")
-    assert [dict(w.split("=", 1) for w in shlex.split(line)[:4])["LOOM_LAUNCH_NODES"]
+    assert [dict(w.split("=", 1) for w in shlex.split(line)[:5])["LOOM_LAUNCH_NODES"]
             for line in lines[1:]] == ["a", "b", "c", "d"]
     monkeypatch.setenv("LOOM_LAUNCH_NODES", "c")
     line = dry_run(capsys, "-n", "2", "--nnodes", "1", "loom", "train")
     assert line.startswith("mpiexec -n 2 --ppn 2 --hosts c --cpu-bind depth"), line
     assert "--env MASTER_ADDR=c " in line, line
+
+
+def test_the_join_timeout_reaches_the_lighthouse_and_every_group(capsys):
+    """--ft-join-timeout-s is the lighthouse's join timeout and each group's
+    $LOOM_FT_JOIN_TIMEOUT_S (its ranks wait for a quorum longer than it); out of range, one
+    line and exit 2."""
+    pytest.importorskip("torchft")
+    lines = ft_dry_run(capsys, "-n", "4", "--ft-replica-groups", "2", "--ft-join-timeout-s",
+                       "600", "loom", "train")
+    assert "join_timeout_ms=600000" in lines[0], lines
+    for line in lines[1:]:
+        assert "LOOM_FT_JOIN_TIMEOUT_S=600.0" in shlex.split(line), line
+    for bad in ("0", "-1", "nan", "1e9"):
+        assert launch.main(["--dry-run", "-n", "4", "--ft-replica-groups", "2",
+                            "--ft-join-timeout-s", bad, "loom", "train"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--ft-join-timeout-s must be > 0 and <= 86400" in err[0], err
