@@ -34,7 +34,7 @@ USAGE = (
     "loom launch [-n NPROC] [--nnodes N] [--node-rank R] [--rdzv-endpoint HOST:PORT]\n"
     "                   [--rdzv-id ID] [--rdzv-backend c10d] [--rdzv-conf K=V,...]\n"
     "                   [--local-addr ADDR] [--max-restarts 0] [--retries 0] [--dry-run]\n"
-    "                   [--ft-replica-groups N]\n"
+    "                   [--ft-replica-groups N] [--ft-join-timeout-s S]\n"
     "                   [--] CMD..."
 )
 
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         usage=USAGE,
         description="Start CMD on every rank: srun inside Slurm, mpiexec inside PBS, "
         "torch's elastic agent otherwise. A rank that fails ends the job.",
+        allow_abbrev=False,  # CMD's own flags are CMD's: --ft is loom train's, not ours
     )
     add = parser.add_argument
     add("-n", "--nproc", type=int, help="ranks per node [the job's, else accelerators, else 1]")

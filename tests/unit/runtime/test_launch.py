@@ -400,3 +400,13 @@ def test_the_join_timeout_reaches_the_lighthouse_and_every_group(capsys):
                             "--ft-join-timeout-s", bad, "loom", "train"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--ft-join-timeout-s must be > 0 and <= 86400" in err[0], err
+
+
+def test_the_commands_own_flags_are_not_taken_for_abbreviations(capsys):
+    """`--ft diloco` after CMD is loom train's flag, though it begins two of launch's own
+    (argparse would take it for an ambiguous abbreviation and stop)."""
+    pytest.importorskip("torchft")
+    lines = ft_dry_run(capsys, "-n", "4", "--ft-replica-groups", "2", "loom", "train",
+                       "--ft", "diloco", "--ft-replica-groups", "2")
+    assert all(shlex.split(line)[-5:] == ["train", "--ft", "diloco", "--ft-replica-groups", "2"]
+               for line in lines[1:]), lines
