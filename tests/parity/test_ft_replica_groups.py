@@ -54,10 +54,9 @@ def wait_all(procs: list, limit: float) -> None:
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_replica_groups_train_as_hsdp_2x2(tmp_path: Path, layout: str) -> None:
-    # min_replicas 2: the first quorum waits for both groups (as `loom launch` does within
-    # its join timeout), so neither trains a step alone
-    lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=2,
-                                               join_timeout_ms=60_000)
+    # as `loom launch` serves it: the groups themselves wait for each other at the start
+    lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1,
+                                               join_timeout_ms=30_000)
     try:
         inside = LAYOUTS[layout]
         jobs = start_job(4, [*inside, "--dp-replicate", "2", "--outdir", str(tmp_path / "hsdp")])
@@ -83,3 +82,30 @@ def test_two_replica_groups_train_as_hsdp_2x2(tmp_path: Path, layout: str) -> No
                                  "steps_discarded": 0, "recoveries": []}
         assert sent > 0 and sent % STEPS == 0, sent  # each step's gradient shard, alike
         assert summary["tokens"] == json.loads((hsdp / "summary.json").read_text())["tokens"]
+
+
+@pytest.mark.multirank
+def test_a_group_that_starts_late_is_waited_for(tmp_path: Path) -> None:
+    """Group 1's ranks start 5 s after group 0's (a slow node, an import from a cold
+    filesystem): torchft's lighthouse forms a quorum of the groups it has heard from, so
+    group 0 would train its 10 steps alone before group 1 said a word; each group waits for
+    the others at the start instead (up to the join timeout), and every step has both."""
+    lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1,
+                                               join_timeout_ms=30_000)
+    try:
+        jobs = []
+        for g in range(2):
+            if g:
+                time.sleep(5)
+            jobs += start_job(2, ["--dp-shard", "2", "--ft-replica-groups", "2",
+                                  "--outdir", str(tmp_path / "ft")],
+                              {"LOOM_FT_GROUP": str(g),
+                               "LOOM_FT_LIGHTHOUSE": lighthouse.address()})
+        wait_all(jobs, 600)
+    finally:
+        lighthouse.shutdown()
+    for g in range(2):
+        group = tmp_path / "ft" / f"group-{g}"
+        assert column(group, "ft/participants") == dict.fromkeys(range(1, STEPS + 1), 2.0)
+        summary = json.loads((group / "summary.json").read_text())["ft"]
+        assert (summary["steps_trained"], summary["steps_discarded"]) == (STEPS, 0), summary

@@ -45,7 +45,11 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
         """Register the state a recovering group takes (the loop's and DiLoCo's own: the
         last sync's weights and the outer optimizer), and start syncing where the loop is
         (a resumed run: at the checkpoint's place in the sync cycle, with its last sync's
-        weights and outer momentum). A restarted group trains from its own state until the
+        weights and outer momentum), every group together (`gather`: a group whose
+        checkpoint is older takes the state of the one furthest on, so that no group syncs
+        at its own place in the cycle, alone where the others take longer than the join
+        timeout to reach theirs, averaging pseudo-gradients taken from other weights ever
+        after). A restarted group trains from its own state until the
         next sync's quorum heals it from a healthy one (its pseudo-gradient counts as none
         there), and then reads on from the healthy group's data position."""
         from torchft.local_sgd import DiLoCo  # the optional `ft` extra
@@ -61,8 +65,9 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
                              pin_memory=False)
         if self.resumed:
             self.apply_resumed()
-        if trainer.loop.step and not trainer.info.restarts:
-            self.align()
+        if not trainer.info.restarts:
+            self.gather()  # every group; one resumed from an older checkpoint heals here
+            self.healed = False  # nothing trained yet for the next sync to drop
         syncs, since = divmod(self.trainer.loop.step, p.sync_every)
         # torchft's step counts syncs; DiLoCo's `_local_step` (private, torchft 0.2.0) the
         # steps since the last one: both where the loop is, so every group syncs together
@@ -72,19 +77,6 @@ class DiLoCoExecutor(ReplicaGroupExecutor):
         self.syncs = syncs
         self.diloco.__enter__()  # hooks on the inner optimizer's step, for the whole run
         return self.trainer.loop
-
-    def align(self) -> None:
-        """A resumed job's groups meet once before training, torchft's step being the
-        loop's: a group whose checkpoint is older than another's takes that group's whole
-        state (weights, inner and outer optimizer, last sync, data position), so every
-        group starts at the same step of the same sync cycle. Left behind, it would sync
-        at its own place in the cycle: alone, where the others take longer than the
-        lighthouse's join timeout to reach theirs, after which the groups average
-        pseudo-gradients taken from different weights and drift apart for good."""
-        self.keep_step()
-        self.manager.start_quorum()  # a group behind loads the state of the one furthest on
-        self.manager.should_commit()  # closes the quorum's step; nothing is applied
-        self.healed = False  # nothing trained yet for the next sync to drop
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.trainer.model.named_parameters())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -73,6 +74,7 @@ class ReplicaGroupExecutor:
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         self.inner, self.dims = inner, dims
         self.group = dims.replica_group
+        self.join_timeout_s = cfg.parallel.ft_join_timeout_s
         self.tokens = dims.global_batch_size(cfg.train.batch_size) \
             * cfg.train.grad_accum_steps * cfg.data.seq_len
         self.trained = self.discarded = 0
@@ -120,7 +122,34 @@ class ReplicaGroupExecutor:
         recovers live before it reads any data. Returns the loop state to train on from."""
         self.trainer = trainer
         self.manager.register_state_dict_fn("loom", self.load_state, self.state)
-        return self.join() if trainer.info.restarts or trainer.loop.step else trainer.loop
+        if trainer.info.restarts:
+            return self.join()
+        self.gather()
+        return self.trainer.loop
+
+    def gather(self) -> None:
+        """A job's groups start together. torchft's lighthouse forms a quorum as soon as
+        every group it has heard from has joined, so a group whose ranks start a few
+        seconds late (measured here: 6 s, the first of two runs in a test) finds the
+        others already training alone, and a fresh job is two runs until it catches up.
+        So each group meets the lighthouse until every group is in one quorum, up to the
+        join timeout (then it trains with those present, and says so). torchft's step is
+        the loop's: in a resumed job a group whose checkpoint is older takes the state of
+        the one furthest on here, before it reads any data."""
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            self.keep_step()
+            self.manager.start_quorum()  # a group behind loads the state of one further on
+            self.manager.should_commit()  # closes the quorum's step; nothing is applied
+            present = self.manager.num_participants()
+            if present >= self.dims.replica_groups:
+                return
+            if time.monotonic() > deadline:
+                logger.warning("replica group %d starts with %d of %d groups: the others did "
+                               "not join within the join timeout (%g s)", self.group,
+                               present, self.dims.replica_groups, self.join_timeout_s)
+                return
+            time.sleep(0.1)  # the others' managers are still starting
 
     def keep_step(self) -> None:
         """torchft's step is the loop's (steps taken, discarded ones too), so that the
