@@ -51,23 +51,31 @@ def wait_all(procs: list, limit: float) -> None:
     assert not failed, failed
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_replica_groups_train_as_hsdp_2x2(tmp_path: Path, layout: str) -> None:
-    # as `loom launch` serves it: the groups themselves wait for each other at the start
+def run_groups(flags: list[str], beside: list | None = None, late_s: float = 0) -> None:
+    """Two groups of 2 ranks under a lighthouse served as `loom launch` serves it
+    (min_replicas 1, a 30 s join timeout: the groups wait for each other at the start),
+    group 1 started `late_s` after group 0; `beside`: processes already started, awaited
+    with them."""
     lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1,
                                                join_timeout_ms=30_000)
+    jobs = list(beside or [])
     try:
-        inside = LAYOUTS[layout]
-        jobs = start_job(4, [*inside, "--dp-replicate", "2", "--outdir", str(tmp_path / "hsdp")])
         for g in range(2):
-            jobs += start_job(2, [*inside, "--ft-replica-groups", "2",
-                                  "--outdir", str(tmp_path / "ft")],
+            time.sleep(late_s if g else 0)
+            jobs += start_job(2, [*flags, "--ft-replica-groups", "2"],
                               {"LOOM_FT_GROUP": str(g),
                                "LOOM_FT_LIGHTHOUSE": lighthouse.address()})
         wait_all(jobs, 600)
     finally:
         lighthouse.shutdown()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_replica_groups_train_as_hsdp_2x2(tmp_path: Path, layout: str) -> None:
+    inside = LAYOUTS[layout]
+    hsdp = start_job(4, [*inside, "--dp-replicate", "2", "--outdir", str(tmp_path / "hsdp")])
+    run_groups([*inside, "--outdir", str(tmp_path / "ft")], beside=hsdp)
     hsdp = tmp_path / "hsdp"
     for g in range(2):
         group = tmp_path / "ft" / f"group-{g}"
@@ -90,20 +98,7 @@ def test_a_group_that_starts_late_is_waited_for(tmp_path: Path) -> None:
     filesystem): torchft's lighthouse forms a quorum of the groups it has heard from, so
     group 0 would train its 10 steps alone before group 1 said a word; each group waits for
     the others at the start instead (up to the join timeout), and every step has both."""
-    lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1,
-                                               join_timeout_ms=30_000)
-    try:
-        jobs = []
-        for g in range(2):
-            if g:
-                time.sleep(5)
-            jobs += start_job(2, ["--dp-shard", "2", "--ft-replica-groups", "2",
-                                  "--outdir", str(tmp_path / "ft")],
-                              {"LOOM_FT_GROUP": str(g),
-                               "LOOM_FT_LIGHTHOUSE": lighthouse.address()})
-        wait_all(jobs, 600)
-    finally:
-        lighthouse.shutdown()
+    run_groups(["--dp-shard", "2", "--outdir", str(tmp_path / "ft")], late_s=5)
     for g in range(2):
         group = tmp_path / "ft" / f"group-{g}"
         assert column(group, "ft/participants") == dict.fromkeys(range(1, STEPS + 1), 2.0)
