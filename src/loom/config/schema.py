@@ -178,17 +178,13 @@ class ParallelConfig:
     sync_every: int = flag(10, "--ft diloco: inner steps between syncs (H)", **DEGREE)
     outer_lr: float = flag(0.7, "--ft diloco: the outer Nesterov SGD's lr", gt=0, le=10)
     outer_momentum: float = flag(0.9, "--ft diloco: the outer SGD's momentum", lt=1)
-    ft_group: int = flag(0, "this process's replica group under --ft-replica-groups (set by "
-                         "loom launch: $LOOM_FT_GROUP)", le=COUNT_MAX, hidden=True,
-                         env="LOOM_FT_GROUP")
-    ft_lighthouse: str | None = flag(None, "the torchft lighthouse's address under "
-                                     "--ft-replica-groups (set by loom launch: "
-                                     "$LOOM_FT_LIGHTHOUSE)", type=str, hidden=True,
-                                     env="LOOM_FT_LIGHTHOUSE")
-    ft_join_timeout_s: float = flag(30.0, "the lighthouse's join timeout under "
-                                    "--ft-replica-groups: a rank waits for a quorum longer "
-                                    "than it (set by loom launch: $LOOM_FT_JOIN_TIMEOUT_S)",
-                                    gt=0, le=86_400, hidden=True, env="LOOM_FT_JOIN_TIMEOUT_S")
+    ft_group: int = flag(0, "this process's replica group (set by loom launch)", le=COUNT_MAX,
+                         hidden=True, env="LOOM_FT_GROUP")
+    ft_lighthouse: str | None = flag(None, "torchft's lighthouse address (set by loom launch)",
+                                     type=str, hidden=True, env="LOOM_FT_LIGHTHOUSE")
+    ft_join_timeout_s: float = flag(30.0, "the lighthouse's join timeout: ranks wait longer "
+                                    "for a quorum (set by loom launch)", gt=0, le=86_400,
+                                    hidden=True, env="LOOM_FT_JOIN_TIMEOUT_S")
 
 
 @dataclass(frozen=True)
