@@ -151,8 +151,7 @@ def run_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> int:
 
     groups = opts.ft_replica_groups
     shares = group_nodes(opts, launcher, os.environ)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1,
-                                  join_timeout_ms=round(opts.ft_join_timeout_s * 1000))
+    lighthouse = LighthouseServer(bind="[::]:0", **lighthouse_settings(opts))
     procs: list[subprocess.Popen] = []
     relays: list[threading.Thread] = []
     seen: set[str] = set()
@@ -195,6 +194,12 @@ def run_groups(opts: argparse.Namespace, launcher: str, nproc: int) -> int:
     return failed[0][1] if failed else 0
 
 
+def lighthouse_settings(opts: argparse.Namespace) -> dict[str, int]:
+    """The lighthouse's settings, as it is started and as --dry-run shows it: any one group
+    makes a quorum, after waiting up to the join timeout for the others it knows of."""
+    return {"min_replicas": 1, "join_timeout_ms": round(opts.ft_join_timeout_s * 1000)}
+
+
 def exit_code(returncode: int) -> int:
     """A child's exit as a shell reports it: 128 + N for a child killed by signal N."""
     return returncode if returncode >= 0 else 128 - returncode
@@ -204,9 +209,8 @@ def dry_run_lines(opts: argparse.Namespace, launcher: str, nproc: int) -> list[s
     """What --dry-run prints: the lighthouse, then each group's launch."""
     groups = opts.ft_replica_groups
     shares = group_nodes(opts, launcher, os.environ)
-    join_ms = round(opts.ft_join_timeout_s * 1000)
-    lines = [f"# torchft LighthouseServer(min_replicas=1, join_timeout_ms={join_ms}) "
-             "in this process, at ADDRESS"]
+    settings = ", ".join(f"{k}={v}" for k, v in lighthouse_settings(opts).items())
+    lines = [f"# torchft LighthouseServer({settings}) in this process, at ADDRESS"]
     for g in range(groups):
         env = group_env(g, "ADDRESS", shares, os.environ, opts.ft_join_timeout_s)
         assignments = " ".join(f"{k}={v}" for k, v in env.items())

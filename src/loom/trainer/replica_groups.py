@@ -96,7 +96,7 @@ class ReplicaGroupExecutor:
             replica_id=f"loom_group_{self.group}", lighthouse_addr=cfg.parallel.ft_lighthouse,
             timeout=timedelta(seconds=TIMEOUT_S),
             quorum_timeout=timedelta(seconds=max(QUORUM_TIMEOUT_S,  # past the lighthouse's
-                                                 cfg.parallel.ft_join_timeout_s + TIMEOUT_S)),
+                                                 self.join_timeout_s + TIMEOUT_S)),
             connect_timeout=timedelta(seconds=TIMEOUT_S))
         if rank == 0:
             dist.barrier()
